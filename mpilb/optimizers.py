@@ -1,0 +1,241 @@
+"""In-place optimizers on flat parameter vectors (``xp`` idiom: numpy or cupy).
+
+The parameter server calls :meth:`Optimizer.step` thousands of times per second on vectors
+of millions of parameters, so a step allocates nothing: every optimizer preallocates its
+state and one scratch vector at construction and updates through ``out=`` ufuncs.
+
+Weight decay is classic L2 regularisation: ``weight_decay * params`` is added to the
+gradient before the update (so with adam it is scaled by the adaptive denominator; this is
+not AdamW). The caller's ``grad`` is never modified.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import numpy as np
+
+from mpilb.errors import UsageError
+
+OPTIMIZERS: dict[str, Callable[..., "Optimizer"]] = {}
+
+
+def register_optimizer(name: str):
+    """Class decorator adding an optimizer to :data:`OPTIMIZERS` under ``name``."""
+
+    def deco(cls):
+        cls.name = name
+        OPTIMIZERS[name] = cls
+        return cls
+
+    return deco
+
+
+def _to_host(a) -> np.ndarray:
+    """Host copy of a numpy or cupy array (without importing cupy)."""
+    return a.get() if hasattr(a, "get") else np.array(a, copy=True)
+
+
+def _check(ok: bool, option: str, value, allowed: str) -> None:
+    if not ok:
+        raise UsageError(f"--{option} {value!r}: must be {allowed}")
+
+
+def build_optimizer(
+    name: str,
+    num_params: int,
+    *,
+    lr: float,
+    momentum: float = 0.9,
+    nesterov: bool = False,
+    weight_decay: float = 0.0,
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    xp=np,
+    dtype=np.float32,
+) -> "Optimizer":
+    """Build a registered optimizer with its state allocated on ``xp``.
+
+    Args:
+        name: "sgd", "momentum" (heavy-ball; ``nesterov=True`` for Nesterov) or "adam".
+        num_params: length of the flat parameter vector.
+        lr: learning rate (> 0).
+        momentum: momentum factor in [0, 1) ("momentum" only).
+        nesterov: Nesterov momentum ("momentum" only).
+        weight_decay: L2 factor (>= 0) added to the gradient as ``weight_decay * params``.
+        beta1, beta2, eps: Adam's moment decay rates, in [0, 1), and denominator epsilon (> 0).
+        xp: array module (numpy or cupy) the parameters live in.
+        dtype: dtype of the parameters and the optimizer state.
+
+    Raises:
+        UsageError: unknown name or a value out of range.
+    """
+    if name not in OPTIMIZERS:
+        raise UsageError(f"unknown optimizer {name!r}; valid optimizers: "
+                         f"{', '.join(sorted(OPTIMIZERS))}")
+    _check(math.isfinite(lr) and lr > 0, "lr", lr, "a positive number")
+    _check(0 <= momentum < 1, "momentum", momentum, "in [0, 1)")
+    _check(math.isfinite(weight_decay) and weight_decay >= 0, "weight-decay", weight_decay,
+           ">= 0")
+    _check(0 <= beta1 < 1, "beta1", beta1, "in [0, 1)")
+    _check(0 <= beta2 < 1, "beta2", beta2, "in [0, 1)")
+    _check(eps > 0, "eps", eps, "a positive number")
+    if int(num_params) <= 0:
+        raise UsageError(f"optimizer {name}: num_params must be positive, got {num_params}")
+    return OPTIMIZERS[name](
+        int(num_params), lr=float(lr), momentum=float(momentum), nesterov=bool(nesterov),
+        weight_decay=float(weight_decay), beta1=float(beta1), beta2=float(beta2),
+        eps=float(eps), xp=xp, dtype=dtype)
+
+
+class Optimizer:
+    """Base class: holds hyperparameters and one scratch vector.
+
+    Subclasses implement ``_update(params, grad, lr)`` and list their state arrays in
+    ``_buffers``. Hyperparameters are not part of the state: a resumed run takes them from
+    its (validated) configuration.
+    """
+
+    name = "optimizer"
+    _buffers: tuple[str, ...] = ()
+
+    def __init__(self, num_params, *, lr, weight_decay=0.0, xp=np, dtype=np.float32, **_):
+        self.num_params = num_params
+        self.lr = lr
+        self.weight_decay = weight_decay
+        self.xp = xp
+        self.dtype = np.dtype(dtype)
+        self.steps = 0
+        self._scratch = xp.empty(num_params, dtype=self.dtype)
+        for buf in self._buffers:
+            setattr(self, buf, xp.zeros(num_params, dtype=self.dtype))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(lr={self.lr}, weight_decay={self.weight_decay})"
+
+    def _decayed(self, params, grad):
+        """``grad + weight_decay * params`` in the scratch vector (or ``grad`` itself)."""
+        if not self.weight_decay:
+            return grad
+        xp = self.xp
+        xp.multiply(params, self.weight_decay, out=self._scratch)
+        self._scratch += grad
+        return self._scratch
+
+    def step(self, params, grad, lr_scale: float = 1.0) -> None:
+        """Update ``params`` in place from ``grad`` with learning rate ``lr * lr_scale``."""
+        self.steps += 1
+        self._update(params, grad, self.lr * lr_scale)
+
+    def _update(self, params, grad, lr: float) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume: name, step count and state vectors (host copies)."""
+        state = {"name": self.name, "steps": self.steps}
+        for buf in self._buffers:
+            state[buf] = _to_host(getattr(self, buf))
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned (into the existing buffers).
+
+        Raises:
+            UsageError: the state belongs to another optimizer or parameter count.
+        """
+        if state.get("name") != self.name:
+            raise UsageError(f"optimizer state is for {state.get('name')!r}, but this run "
+                             f"uses {self.name!r}; use the same --optimizer as the checkpoint")
+        for buf in self._buffers:
+            value = np.asarray(state[buf])
+            if value.shape != (self.num_params,):
+                raise UsageError(f"optimizer state {buf!r} has shape {value.shape}, expected "
+                                 f"({self.num_params},); the checkpoint is for another model")
+            getattr(self, buf)[...] = self.xp.asarray(value, dtype=self.dtype)
+        self.steps = int(state["steps"])
+
+
+@register_optimizer("sgd")
+class SGD(Optimizer):
+    """Plain SGD: ``params -= lr * (grad + wd * params)``."""
+
+    def _update(self, params, grad, lr):
+        xp = self.xp
+        if self.weight_decay:
+            # p - lr*(g + wd*p) == p*(1 - lr*wd) - lr*g: one pass fewer than forming g + wd*p
+            params *= 1.0 - lr * self.weight_decay
+        xp.multiply(grad, lr, out=self._scratch)
+        params -= self._scratch
+
+
+@register_optimizer("momentum")
+class Momentum(Optimizer):
+    """Heavy-ball momentum (PyTorch convention).
+
+    ``v = momentum * v + g``; then ``params -= lr * v``, or with Nesterov
+    ``params -= lr * (g + momentum * v)``, where ``g = grad + wd * params``.
+    """
+
+    _buffers = ("velocity",)
+
+    def __init__(self, num_params, *, momentum=0.9, nesterov=False, **kw):
+        super().__init__(num_params, **kw)
+        self.momentum = momentum
+        self.nesterov = nesterov
+
+    def _update(self, params, grad, lr):
+        xp = self.xp
+        g = self._decayed(params, grad)
+        v = self.velocity
+        v *= self.momentum
+        v += g
+        if self.nesterov:
+            # params -= lr*g, then params -= lr*mu*v: two passes through the one scratch
+            # vector instead of a second buffer for g + mu*v (g may live in the scratch)
+            xp.multiply(g, lr, out=self._scratch)
+            params -= self._scratch
+            xp.multiply(v, lr * self.momentum, out=self._scratch)
+        else:
+            xp.multiply(v, lr, out=self._scratch)
+        params -= self._scratch
+
+
+@register_optimizer("adam")
+class Adam(Optimizer):
+    """Adam with bias correction (Kingma & Ba; the PyTorch formulation).
+
+    ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*g*g`` with ``g = grad + wd * params``;
+    ``params -= lr / (1-b1**t) * m / (sqrt(v / (1-b2**t)) + eps)``, t = step count.
+    """
+
+    _buffers = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, num_params, *, beta1=0.9, beta2=0.999, eps=1e-8, **kw):
+        super().__init__(num_params, **kw)
+        self.beta1, self.beta2, self.eps = beta1, beta2, eps
+
+    def _update(self, params, grad, lr):
+        xp = self.xp
+        g = self._decayed(params, grad)  # may be the scratch vector itself
+        m, v, s = self.exp_avg, self.exp_avg_sq, self._scratch
+        # b*m + (1-b)*g computed as (m - g)*b + g: in place, no temporary
+        m -= g
+        m *= self.beta1
+        m += g
+        if g is s:
+            s *= s
+        else:
+            xp.multiply(g, g, out=s)
+        v -= s
+        v *= self.beta2
+        v += s
+        bias1 = 1.0 - self.beta1 ** self.steps
+        sqrt_bias2 = math.sqrt(1.0 - self.beta2 ** self.steps)
+        # m/bias1 / (sqrt(v/bias2) + eps) == m / (sqrt(v) + eps*sqrt_bias2) * sqrt_bias2/bias1
+        xp.sqrt(v, out=s)
+        s += self.eps * sqrt_bias2
+        xp.divide(m, s, out=s)
+        s *= lr * sqrt_bias2 / bias1
+        params -= s
