@@ -1,0 +1,203 @@
+"""Everything MPI: the only module that imports mpi4py.
+
+Messages between the server and a worker are single contiguous byte buffers: a fixed-size
+float64 header followed by a float32 payload (a gradient or the parameters), so a push or a
+pull is one buffer message and nothing is pickled in the hot path. Lowercase (pickle-based)
+mpi4py calls are only used for rare control messages: start-up checks, errors, shutdown.
+
+MPICH's blocking waits spin a core. On an oversubscribed node a spinning rank steals the CPU
+the workers need, so every wait here polls with :class:`Backoff` instead.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from enum import IntEnum
+from typing import Optional
+
+import numpy as np
+
+try:
+    import mpi4py
+
+    mpi4py.rc.threads = True
+    mpi4py.rc.thread_level = "funneled"
+    from mpi4py import MPI
+except ImportError as exc:  # pragma: no cover - mpi4py is an install requirement
+    raise ImportError("mpilb needs mpi4py: pip install mpi4py (and an MPI library, e.g. pip install mpich)") from exc
+
+HEADER_FIELDS = 32
+HEADER_BYTES = HEADER_FIELDS * 8
+
+# Tags. PUSH: worker -> server gradient; REPLY: server -> worker parameters or command;
+# ERROR: a worker's exception text (pickled, rare); SHARD: samples sent between workers.
+TAG_PUSH = 11
+TAG_REPLY = 12
+TAG_ERROR = 13
+TAG_SHARD = 14
+
+
+class Push(IntEnum):
+    """Header fields of a worker -> server push (float64 slots)."""
+
+    KIND = 0          # PushKind
+    STEP = 1          # worker's step counter (pushes so far)
+    VERSION = 2       # server version the gradient was computed on
+    EPOCH = 3
+    SHARD = 4
+    LO = 5            # sample positions [LO, HI) of the shard's permuted order
+    HI = 6
+    BATCH = 7
+    LOSS = 8          # loss summed over the batch
+    COMPUTE_S = 9     # since the previous push
+    IO_S = 10
+    COMM_S = 11
+    IDLE_S = 12
+    NEXT_SHARD = 13   # pipeline: the batch already being computed (-1 if none)
+    NEXT_LO = 14
+    NEXT_HI = 15
+    NEXT_EPOCH = 16
+    NONFINITE = 17    # 1 if the gradient holds NaN/Inf (payload not to be applied)
+    T = 18            # worker wall clock (seconds since training start)
+
+
+class PushKind(IntEnum):
+    GRAD = 1
+    HELLO = 2
+
+
+class Reply(IntEnum):
+    """Header fields of a server -> worker reply (float64 slots)."""
+
+    CMD = 0           # Cmd
+    VERSION = 1       # version of the parameters in the payload
+    BATCH = 2         # batch size to use from now on
+    HELD_S = 3        # seconds the server held this reply (ssp/sync wait): idle, not comm
+    N_ASSIGN = 4      # number of (epoch, shard) assignments that follow
+    A0_EPOCH = 5
+    A0_SHARD = 6
+    A1_EPOCH = 7
+    A1_SHARD = 8
+    RETRY = 9         # 1: the last gradient was rejected (non-finite); recompute the batch once
+    T0_OFFSET = 10    # unused slot kept for layout stability
+
+
+class Cmd(IntEnum):
+    PARAMS = 1        # payload holds parameters; carry on
+    STOP = 2          # finish: no payload
+
+
+MAX_ASSIGN = 2
+
+
+class Backoff:
+    """Sleep between polls, growing from `start` to `cap` seconds; reset on progress.
+
+    A short first sleep keeps latency low when messages come fast; the cap bounds the
+    wake-ups per second (and so the CPU) when a rank waits a long time.
+    """
+
+    def __init__(self, start: float = 20e-6, cap: float = 2e-3):
+        self.start = start
+        self.cap = cap
+        self.delay = start
+
+    def reset(self) -> None:
+        self.delay = self.start
+
+    def sleep(self) -> None:
+        time.sleep(self.delay)
+        self.delay = min(self.cap, self.delay * 2)
+
+
+def new_message(payload_floats: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Allocate one message buffer and its header/payload views.
+
+    Returns:
+        (buf, header, payload): `buf` uint8 of HEADER_BYTES + 4*payload_floats bytes,
+        `header` float64 view of its first HEADER_FIELDS slots, `payload` float32 view of
+        the rest.
+    """
+    buf = np.zeros(HEADER_BYTES + 4 * payload_floats, dtype=np.uint8)
+    return buf, buf[:HEADER_BYTES].view(np.float64), buf[HEADER_BYTES:].view(np.float32)
+
+
+def wait(req: "MPI.Request", backoff: Optional[Backoff] = None, timeout: Optional[float] = None,
+         on_poll=None) -> bool:
+    """Wait for one request without spinning. Returns False on timeout.
+
+    `on_poll` (optional) is called between polls, e.g. to serve other duties.
+    """
+    backoff = backoff or Backoff()
+    backoff.reset()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not req.Test():
+        if on_poll is not None:
+            on_poll()
+        if deadline is not None and time.monotonic() > deadline:
+            return False
+        backoff.sleep()
+    return True
+
+
+def world():
+    """(comm, rank, size) of COMM_WORLD."""
+    comm = MPI.COMM_WORLD
+    return comm, comm.Get_rank(), comm.Get_size()
+
+
+def local_rank(comm=None) -> int:
+    """This rank's index on its node: Slurm, Open MPI or MPICH variables, else a shared-memory split."""
+    for var in ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMI_LOCAL_RANK"):
+        value = os.environ.get(var)
+        if value is not None and value.strip().isdigit():
+            return int(value)
+    comm = comm or MPI.COMM_WORLD
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return node.Get_rank()
+    finally:
+        node.Free()
+
+
+def library_version() -> str:
+    """First line of the MPI library's version string."""
+    return MPI.Get_library_version().strip().splitlines()[0].strip()
+
+
+def hostnames(comm) -> list[str]:
+    """Host name of every rank, in rank order (collective)."""
+    return comm.allgather(socket.gethostname())
+
+
+def abort(code: int = 1) -> None:
+    """End every rank of the job now (used when one rank cannot go on)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    MPI.COMM_WORLD.Abort(code)
+
+
+def wtime() -> float:
+    return MPI.Wtime()
+
+
+def send_error(comm, text: str) -> None:
+    """Tell rank 0 this rank failed (pickled; rare)."""
+    req = comm.isend(text, dest=0, tag=TAG_ERROR)
+    wait(req, timeout=2.0)
+
+
+def poll_error(comm) -> Optional[tuple[int, str]]:
+    """(rank, text) of a worker's error report, if one is waiting."""
+    status = MPI.Status()
+    if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_ERROR, status=status):
+        src = status.Get_source()
+        return src, comm.recv(source=src, tag=TAG_ERROR)
+    return None
+
+
+Request = MPI.Request
+ANY_SOURCE = MPI.ANY_SOURCE

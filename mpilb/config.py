@@ -1,0 +1,301 @@
+"""Training configuration: every `mpilb train` option, defined once.
+
+The table :data:`OPTIONS` is the single source of truth: the argument parser, TOML config
+files, validation and the generated configuration reference (docs/configuration.md) all read
+it. Options on the command line override keys in a config file; either spelling (dashes or
+underscores) is accepted in the file.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+try:  # Python 3.11+
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - older Pythons get tomli from setup.py
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from .errors import UsageError
+
+
+@dataclass(frozen=True)
+class Option:
+    """One training option.
+
+    Attributes:
+        name: key with underscores (`staleness_bound`); the flag is `--staleness-bound`.
+        type: python type of the value (`int`, `float`, `str`, `bool`, `list`).
+        default: value when neither config file nor command line sets it.
+        help: one line for `--help` and the configuration reference.
+        choices: allowed values, if the option is an enumeration.
+        check: predicate on the value and the text saying what it must be.
+        group: heading in the configuration reference.
+    """
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: Optional[tuple] = None
+    check: Optional[tuple[Callable[[Any], bool], str]] = None
+    group: str = "training"
+    metavar: Optional[str] = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+_POSITIVE = (lambda v: v > 0, "a number > 0")
+_NON_NEGATIVE = (lambda v: v >= 0, "a number >= 0")
+_POSITIVE_INT = (lambda v: v >= 1, "an integer >= 1")
+_OPTIONAL_POSITIVE = (lambda v: v is None or v > 0, "a number > 0")
+_FRACTION = (lambda v: v is None or 0 < v <= 1, "a number in (0, 1]")
+_UNIT = (lambda v: 0 <= v < 1, "a number in [0, 1)")
+
+OPTIONS: tuple[Option, ...] = (
+    # data and model
+    Option("data", str, None, "dataset directory (from `mpilb prepare`); default: a built-in "
+           "synthetic dataset generated once into $MPILB_CACHE", group="data and model", metavar="DIR"),
+    Option("model", str, "mlp", "model to train", ("softmax", "mlp", "cnn"), group="data and model"),
+    Option("hidden", str, "256,128", "hidden layer sizes of the mlp, comma-separated",
+           group="data and model", metavar="N,N"),
+    Option("device", str, "auto", "where workers compute: auto = GPU when CuPy sees one",
+           ("auto", "cpu", "gpu"), group="data and model"),
+    Option("cuda_aware", bool, False, "hand device buffers straight to MPI (the MPI library "
+           "must be CUDA-aware; also MPILB_CUDA_AWARE=1); otherwise stage through pinned host "
+           "memory", group="data and model"),
+    # training mode
+    Option("mode", str, "async", "async: apply each gradient on arrival; ssp: bounded "
+           "staleness; sync: synchronous rounds", ("async", "ssp", "sync"), group="mode"),
+    Option("staleness_bound", int, 4, "ssp: steps a worker may run ahead of the slowest",
+           check=(lambda v: v >= 0, "an integer >= 0"), group="mode", metavar="S"),
+    Option("correction", str, "none", "staleness correction: inverse = lr/max(1,tau); dc = "
+           "delay-compensated ASGD", ("none", "inverse", "dc"), group="mode"),
+    Option("dc_lambda", float, 0.04, "dc: the compensation strength lambda", check=_NON_NEGATIVE,
+           group="mode"),
+    Option("pipeline", int, 0, "1: compute the next gradient while the previous push is in "
+           "flight (one more step of staleness, no idle time)", (0, 1), group="mode"),
+    # optimizer
+    Option("optimizer", str, "sgd", "optimizer run by the server", ("sgd", "momentum", "adam"),
+           group="optimizer"),
+    Option("lr", float, 0.05, "learning rate", check=_POSITIVE, group="optimizer"),
+    Option("momentum", float, 0.9, "momentum coefficient (momentum optimizer)", check=_UNIT,
+           group="optimizer"),
+    Option("nesterov", bool, False, "Nesterov momentum (momentum optimizer)", group="optimizer"),
+    Option("weight_decay", float, 0.0, "L2 weight decay", check=_NON_NEGATIVE, group="optimizer"),
+    # batches and balancing
+    Option("batch", int, 32, "samples per gradient (per worker; the global batch is batch x "
+           "workers)", check=_POSITIVE_INT, group="balancing"),
+    Option("batch_policy", str, "fixed", "fixed: every worker uses --batch; proportional: "
+           "batch in proportion to each worker's rate", ("fixed", "proportional"), group="balancing"),
+    Option("min_batch", int, 1, "smallest batch the proportional policy may give",
+           check=_POSITIVE_INT, group="balancing"),
+    Option("max_batch", int, 4096, "largest batch the proportional policy may give",
+           check=_POSITIVE_INT, group="balancing"),
+    Option("balancer", str, "load", "shard assignment policy",
+           ("static", "round-robin", "demand", "load", "predictive"), group="balancing"),
+    Option("rebalance_interval", float, 2.0, "seconds between balancer decisions",
+           check=_POSITIVE, group="balancing", metavar="SECONDS"),
+    Option("store", str, "shared", "shared: every rank reads every shard; local: each rank "
+           "reads only shards placed on it", ("shared", "local"), group="balancing"),
+    Option("replicas", int, 1, "local store: copies of each shard", check=_POSITIVE_INT,
+           group="balancing", metavar="R"),
+    # stopping and evaluation
+    Option("epochs", int, 5, "epochs to train", check=_POSITIVE_INT, group="stopping"),
+    Option("max_seconds", float, None, "stop after this many seconds of training",
+           check=_OPTIONAL_POSITIVE, group="stopping", metavar="T"),
+    Option("target_accuracy", float, None, "stop once test accuracy reaches this",
+           check=_FRACTION, group="stopping", metavar="A"),
+    Option("eval_interval", float, 5.0, "seconds between evaluations on test.h5 (also at "
+           "each epoch end)", check=_POSITIVE, group="stopping", metavar="SECONDS"),
+    # experiments
+    Option("inject", list, [], "simulated heterogeneity RANKS:KIND[=VALUE][@START[-END]]"
+           "[,p=PROB] (repeatable)", group="experiments", metavar="SPEC"),
+    Option("seed", int, 0, "seed for initialisation, shuffles and injection",
+           check=(lambda v: v >= 0, "an integer >= 0"), group="experiments"),
+    # output and fault tolerance
+    Option("log", str, "mpilb-run.h5", "run log (HDF5) written by rank 0", group="output",
+           metavar="RUN.h5"),
+    Option("checkpoint", str, None, "checkpoint file (HDF5)", group="output", metavar="CKPT.h5"),
+    Option("checkpoint_interval", float, 60.0, "seconds between checkpoints",
+           check=_POSITIVE, group="output", metavar="SECONDS"),
+    Option("resume", bool, False, "continue from --checkpoint", group="output"),
+    Option("worker_timeout", float, 60.0, "a worker silent this long is declared lost",
+           check=_POSITIVE, group="output", metavar="SECONDS"),
+    Option("progress", bool, True, "live progress on rank 0 (--no-progress silences it)",
+           group="output"),
+)
+
+OPTION_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+@dataclass
+class Config:
+    """Validated training configuration (attribute per option)."""
+
+    values: dict = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def to_json(self) -> str:
+        return json.dumps(self.values, sort_keys=True)
+
+    @property
+    def hidden_sizes(self) -> tuple[int, ...]:
+        return parse_hidden(self.values["hidden"])
+
+    @property
+    def workers_cuda_aware(self) -> bool:
+        return bool(self.values["cuda_aware"]) or os.environ.get("MPILB_CUDA_AWARE", "") == "1"
+
+
+def closest(name: str, candidates) -> str:
+    """Return a ' (did you mean X?)' hint for a misspelt name, or ''."""
+    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def parse_hidden(text) -> tuple[int, ...]:
+    """Parse `--hidden 256,128` into (256, 128); UsageError for anything else."""
+    if isinstance(text, (list, tuple)):
+        parts = [str(p) for p in text]
+    else:
+        parts = [p.strip() for p in str(text).split(",")]
+    try:
+        sizes = tuple(int(p) for p in parts)
+    except ValueError:
+        sizes = ()
+    if not sizes or any(s < 1 for s in sizes):
+        raise UsageError(f"--hidden {text!r}: expected comma-separated positive layer sizes, e.g. 256,128")
+    return sizes
+
+
+def _coerce(opt: Option, value: Any, source: str) -> Any:
+    where = f"{source}: {opt.name}" if source else opt.flag
+    if value is None:
+        return None
+    try:
+        if opt.type is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if opt.type is list:
+            return [str(v) for v in value] if isinstance(value, (list, tuple)) else [str(value)]
+        if opt.type is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        if opt.type is float:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if opt.type is str and opt.name == "hidden" and isinstance(value, (list, tuple)):
+            return ",".join(str(v) for v in value)
+        return str(value)
+    except (TypeError, ValueError):
+        kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+                list: "a list of strings"}[opt.type]
+        raise UsageError(f"{where} = {value!r}: expected {kind}") from None
+
+
+def _validate_value(opt: Option, value: Any, source: str) -> None:
+    where = f"{source}: {opt.name}" if source else opt.flag
+    if value is None:
+        return
+    if opt.choices is not None and value not in opt.choices:
+        allowed = ", ".join(str(c) for c in opt.choices)
+        raise UsageError(f"{where} = {value!r}: allowed values are {allowed}{closest(str(value), map(str, opt.choices))}")
+    if opt.check is not None and not opt.check[0](value):
+        raise UsageError(f"{where} = {value!r}: must be {opt.check[1]}")
+
+
+def load_toml(path: str) -> dict:
+    """Read a TOML config file into {option name: raw value}; UsageError on any problem."""
+    p = Path(path)
+    try:
+        with p.open("rb") as fh:
+            raw = tomllib.load(fh)
+    except FileNotFoundError:
+        raise UsageError(f"{path}: config file not found") from None
+    except PermissionError:
+        raise UsageError(f"{path}: config file is not readable (permission denied)") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path}: is a directory, expected a TOML config file") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UsageError(f"{path}: not valid TOML: {exc}") from None
+    out = {}
+    for key, value in raw.items():
+        name = key.replace("-", "_")
+        if name not in OPTION_BY_NAME:
+            raise UsageError(f"{path}: unknown key {key!r}{closest(name, OPTION_BY_NAME)}")
+        if isinstance(value, dict):
+            raise UsageError(f"{path}: key {key!r} must be a value, not a table")
+        out[name] = value
+    return out
+
+
+def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] = None,
+                 source: str = "") -> Config:
+    """Merge defaults < config file < command line, coerce types and validate everything.
+
+    Args:
+        file_values: raw values from a TOML file (names with underscores).
+        cli_values: values given on the command line (only those the user set).
+        source: the config file's path, used in error messages.
+
+    Returns:
+        The validated Config.
+
+    Raises:
+        UsageError: naming the key and the allowed values.
+    """
+    values = {o.name: (list(o.default) if isinstance(o.default, list) else o.default) for o in OPTIONS}
+    for name, raw in (file_values or {}).items():
+        opt = OPTION_BY_NAME[name]
+        values[name] = _coerce(opt, raw, source)
+        _validate_value(opt, values[name], source)
+    for name, raw in (cli_values or {}).items():
+        if name not in OPTION_BY_NAME:
+            raise UsageError(f"unknown option --{name.replace('_', '-')}{closest(name, OPTION_BY_NAME)}")
+        opt = OPTION_BY_NAME[name]
+        values[name] = _coerce(opt, raw, "")
+        _validate_value(opt, values[name], "")
+    cfg = Config(values)
+    parse_hidden(values["hidden"])
+    _check_combinations(cfg)
+    return cfg
+
+
+def _check_combinations(cfg: Config) -> None:
+    if cfg.min_batch > cfg.max_batch:
+        raise UsageError(f"--min-batch {cfg.min_batch} is larger than --max-batch {cfg.max_batch}")
+    if cfg.batch_policy == "fixed" and not (cfg.min_batch <= cfg.batch <= cfg.max_batch):
+        raise UsageError(f"--batch {cfg.batch} lies outside --min-batch {cfg.min_batch} .. --max-batch {cfg.max_batch}")
+    if cfg.resume and not cfg.checkpoint:
+        raise UsageError("--resume needs --checkpoint CKPT.h5 (the checkpoint to continue from)")
+    if cfg.replicas > 1 and cfg.store != "local":
+        raise UsageError("--replicas only applies to --store local")
+    if cfg.pipeline and cfg.mode == "sync":
+        raise UsageError("--pipeline 1 cannot be combined with --mode sync (a sync round waits for every gradient)")
+    if cfg.log and Path(cfg.log).is_dir():
+        raise UsageError(f"--log {cfg.log}: is a directory, expected a file name such as run.h5")
+
+
+def default_cache_dir() -> Path:
+    """$MPILB_CACHE, else ~/.cache/mpilb."""
+    return Path(os.environ.get("MPILB_CACHE") or Path.home() / ".cache" / "mpilb")

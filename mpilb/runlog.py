@@ -1,0 +1,146 @@
+"""The run log: one HDF5 file per run, written by rank 0 (schema in DESIGN.md).
+
+Rows are buffered in memory and appended to chunked, resizable 1-D column datasets at most
+every `flush_interval` seconds, so logging costs a few numpy appends per update. The file is
+written in SWMR mode: HDF5 then orders its metadata writes so that a run killed at any moment
+(even with SIGKILL) leaves a file that h5py opens, with every row up to the last flush.
+Root attributes that change at the end (status, summary) are written after the SWMR writer
+is closed, by reopening the file normally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+import h5py
+import numpy as np
+
+from . import __version__
+from .errors import UsageError
+
+SCHEMA: dict[str, dict[str, str]] = {
+    "updates": {"t": "f8", "worker": "i4", "version": "i8", "staleness": "i4", "batch": "i4",
+                "loss": "f4", "lr_scale": "f4", "epoch": "i4", "shard": "i4"},
+    "workers": {"t": "f8", "worker": "i4", "samples": "i8", "compute_s": "f8", "io_s": "f8",
+                "comm_s": "f8", "idle_s": "f8", "batch": "i4", "rate": "f8",
+                "predicted_rate": "f8"},
+    "eval": {"t": "f8", "version": "i8", "epoch": "i4", "test_loss": "f8", "test_accuracy": "f8"},
+    "shards": {"t": "f8", "epoch": "i4", "shard": "i4", "src": "i4", "dst": "i4", "event": "S10",
+               "bytes": "i8"},
+    "epochs": {"epoch": "i4", "t_start": "f8", "t_end": "f8", "samples": "i8",
+               "utilization": "f8", "imbalance_s": "f8"},
+}
+
+SHARD_EVENTS = ("assign", "move", "start", "done", "reassign")
+STATUSES = ("running", "finished", "degraded", "preempted", "failed")
+
+
+class RunLog:
+    """Append-only HDF5 run log.
+
+    Args:
+        path: file to create (replaced if it exists).
+        attrs: root attributes to write at creation (config, world_size, ...).
+        flush_interval: seconds between flushes to disk.
+    """
+
+    def __init__(self, path: str, attrs: dict, flush_interval: float = 2.0):
+        self.path = str(path)
+        self.flush_interval = flush_interval
+        parent = Path(self.path).resolve().parent
+        if not parent.is_dir():
+            raise UsageError(f"--log {self.path}: directory {parent} does not exist")
+        if not os.access(parent, os.W_OK):
+            raise UsageError(f"--log {self.path}: directory {parent} is not writable")
+        try:
+            self._file = h5py.File(self.path, "w", libver="latest", locking=False)
+        except OSError as exc:
+            raise UsageError(f"--log {self.path}: cannot create the run log ({exc})") from None
+        f = self._file
+        f.attrs["mpilb_version"] = __version__
+        f.attrs["start_time"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        f.attrs["status"] = "running"
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        self._buffers: dict[str, dict[str, list]] = {}
+        self._dsets: dict[str, dict[str, h5py.Dataset]] = {}
+        for group, columns in SCHEMA.items():
+            g = f.create_group(group)
+            self._dsets[group] = {}
+            self._buffers[group] = {c: [] for c in columns}
+            for col, dtype in columns.items():
+                self._dsets[group][col] = g.create_dataset(
+                    col, shape=(0,), maxshape=(None,), dtype=np.dtype(dtype), chunks=(4096,))
+        f.swmr_mode = True
+        self._last_flush = time.monotonic()
+        self.closed = False
+
+    def append(self, group: str, **row) -> None:
+        """Buffer one row; columns not given are written as 0."""
+        buf = self._buffers[group]
+        for col, values in buf.items():
+            values.append(row.get(col, 0))
+        if time.monotonic() - self._last_flush > self.flush_interval:
+            self.flush()
+
+    def maybe_flush(self) -> None:
+        if time.monotonic() - self._last_flush > self.flush_interval:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write buffered rows and flush the file."""
+        if self.closed:
+            return
+        for group, buf in self._buffers.items():
+            n = len(next(iter(buf.values())))
+            if n == 0:
+                continue
+            for col, values in buf.items():
+                ds = self._dsets[group][col]
+                old = ds.shape[0]
+                ds.resize((old + n,))
+                ds[old:] = np.asarray(values, dtype=ds.dtype)
+                values.clear()
+            for ds in self._dsets[group].values():
+                ds.flush()
+        self._file.flush()
+        self._last_flush = time.monotonic()
+
+    def close(self, status: str, summary: Optional[dict] = None) -> None:
+        """Flush, then record the final status (and summary) as root attributes."""
+        if self.closed:
+            return
+        assert status in STATUSES, status
+        self.flush()
+        self._file.close()
+        self.closed = True
+        with h5py.File(self.path, "a", locking=False) as f:
+            f.attrs["status"] = status
+            f.attrs["end_time"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            if summary is not None:
+                f.require_group("summary").attrs["json"] = json.dumps(summary)
+
+
+def read_columns(path: str) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
+    """Open a run log: (root attributes, {group: {column: array}}). DataError-free: OSError passes up."""
+    with h5py.File(path, "r", locking=False, swmr=True) as f:
+        attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
+        groups = {}
+        for group, columns in SCHEMA.items():
+            groups[group] = {}
+            for col in columns:
+                if group in f and col in f[group]:
+                    arr = f[group][col][()]
+                    if arr.dtype.kind == "S":
+                        arr = arr.astype(str)
+                    groups[group][col] = arr
+                else:
+                    groups[group][col] = np.zeros(0)
+        if "summary" in f and "json" in f["summary"].attrs:
+            attrs["summary"] = json.loads(f["summary"].attrs["json"])
+    return attrs, groups
