@@ -1,0 +1,150 @@
+"""Unit tests for mpilb.optimizers: update formulas, weight decay, state, lr_scale, errors."""
+
+import numpy as np
+import pytest
+
+from mpilb.errors import UsageError
+from mpilb.optimizers import OPTIMIZERS, build_optimizer
+
+P0 = np.array([1.0, -2.0, 0.5, 3.0])
+G1 = np.array([0.1, -0.4, 2.0, 0.0])
+G2 = np.array([-0.3, 0.2, 1.0, 0.5])
+
+
+def _run(name, grads, dtype=np.float64, scales=None, **kw):
+    opt = build_optimizer(name, len(P0), dtype=dtype, **kw)
+    params = P0.astype(dtype)
+    for i, g in enumerate(grads):
+        grad = g.astype(dtype)
+        before = grad.copy()
+        opt.step(params, grad, *(() if scales is None else (scales[i],)))
+        np.testing.assert_array_equal(grad, before)  # the caller's gradient is untouched
+    return params
+
+
+def test_sgd():
+    np.testing.assert_allclose(_run("sgd", [G1, G2], lr=0.1), P0 - 0.1 * G1 - 0.1 * G2)
+
+
+def test_sgd_weight_decay_is_l2_added_to_the_gradient():
+    p1 = P0 - 0.1 * (G1 + 0.01 * P0)
+    np.testing.assert_allclose(_run("sgd", [G1], lr=0.1, weight_decay=0.01), p1)
+
+
+def test_lr_scale_multiplies_the_learning_rate():
+    expected = P0 - 0.1 * 0.5 * G1 - 0.1 * 0.25 * G2
+    np.testing.assert_allclose(_run("sgd", [G1, G2], lr=0.1, scales=[0.5, 0.25]), expected)
+    m1 = build_optimizer("adam", 4, lr=0.1, dtype=np.float64)
+    m2 = build_optimizer("adam", 4, lr=0.05, dtype=np.float64)
+    a, b = P0.copy(), P0.copy()
+    m1.step(a, G1, lr_scale=0.5)
+    m2.step(b, G1)
+    np.testing.assert_allclose(a, b)
+
+
+def test_heavy_ball_momentum():
+    v1 = G1
+    p1 = P0 - 0.1 * v1
+    v2 = 0.9 * v1 + G2
+    p2 = p1 - 0.1 * v2
+    np.testing.assert_allclose(_run("momentum", [G1, G2], lr=0.1, momentum=0.9), p2)
+
+
+def test_nesterov_momentum_with_weight_decay():
+    wd, mu, lr = 0.01, 0.8, 0.1
+    g1 = G1 + wd * P0
+    v1 = g1
+    p1 = P0 - lr * (g1 + mu * v1)
+    g2 = G2 + wd * p1
+    v2 = mu * v1 + g2
+    p2 = p1 - lr * (g2 + mu * v2)
+    got = _run("momentum", [G1, G2], lr=lr, momentum=mu, nesterov=True, weight_decay=wd)
+    np.testing.assert_allclose(got, p2)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.05])
+def test_adam_with_bias_correction(wd):
+    lr, b1, b2, eps = 0.01, 0.9, 0.99, 1e-8
+    p, m, v = P0.copy(), np.zeros(4), np.zeros(4)
+    for t, g in enumerate([G1, G2], start=1):
+        g = g + wd * p
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+    got = _run("adam", [G1, G2], lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+    np.testing.assert_allclose(got, p, rtol=1e-12)
+    # first step of Adam moves every coordinate with a nonzero gradient by about lr
+    one = _run("adam", [G1], lr=lr)
+    np.testing.assert_allclose(np.abs(one - P0)[G1 != 0], lr, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name,kw", [("sgd", {}), ("momentum", {"nesterov": True}),
+                                     ("adam", {"weight_decay": 1e-3})])
+def test_state_dict_round_trip_gives_identical_next_steps(name, kw):
+    rng = np.random.default_rng(0)
+    grads = rng.standard_normal((5, 50)).astype(np.float32)
+    a = build_optimizer(name, 50, lr=0.01, **kw)
+    pa = rng.standard_normal(50).astype(np.float32)
+    for g in grads[:3]:
+        a.step(pa, g)
+    state = a.state_dict()
+    assert state["name"] == name and state["steps"] == 3
+    for value in state.values():
+        assert not isinstance(value, np.ndarray) or not np.shares_memory(value, pa)
+    b = build_optimizer(name, 50, lr=0.01, **kw)
+    b.load_state_dict({k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in state.items()})
+    pb = pa.copy()
+    for g in grads[3:]:
+        a.step(pa, g)
+        b.step(pb, g)
+    np.testing.assert_array_equal(pa, pb)
+    assert b.state_dict()["steps"] == 5
+
+
+def test_load_state_dict_rejects_other_optimizer_or_size():
+    state = build_optimizer("adam", 8, lr=0.1).state_dict()
+    with pytest.raises(UsageError, match="'adam'.*'momentum'"):
+        build_optimizer("momentum", 8, lr=0.1).load_state_dict(state)
+    with pytest.raises(UsageError, match="shape"):
+        build_optimizer("adam", 9, lr=0.1).load_state_dict(state)
+
+
+def test_float32_step_keeps_dtype():
+    opt = build_optimizer("adam", 4, lr=0.1)
+    params = P0.astype(np.float32)
+    opt.step(params, G1.astype(np.float32))
+    assert params.dtype == np.float32 and opt.exp_avg.dtype == np.float32
+
+
+def test_registry_and_unknown_name():
+    assert set(OPTIMIZERS) == {"sgd", "momentum", "adam"}
+    with pytest.raises(UsageError, match="valid optimizers: adam, momentum, sgd"):
+        build_optimizer("rmsprop", 4, lr=0.1)
+
+
+@pytest.mark.parametrize("kw,option", [
+    ({"lr": 0.0}, "--lr"), ({"lr": -1.0}, "--lr"), ({"lr": float("nan")}, "--lr"),
+    ({"lr": 0.1, "momentum": 1.0}, "--momentum"), ({"lr": 0.1, "momentum": -0.1}, "--momentum"),
+    ({"lr": 0.1, "weight_decay": -1e-4}, "--weight-decay"),
+    ({"lr": 0.1, "beta2": 1.0}, "--beta2"), ({"lr": 0.1, "eps": 0.0}, "--eps"),
+])
+def test_bad_values(kw, option):
+    with pytest.raises(UsageError, match=option):
+        build_optimizer("sgd", 4, **kw)
+
+
+@pytest.mark.parametrize("name,kw", [("sgd", {"weight_decay": 1e-4}), ("momentum", {}),
+                                     ("momentum", {"nesterov": True, "weight_decay": 1e-4}),
+                                     ("adam", {}), ("adam", {"weight_decay": 1e-4})])
+def test_step_allocates_no_arrays(name, kw):
+    import tracemalloc
+
+    n = 100_000
+    opt = build_optimizer(name, n, lr=1e-3, **kw)
+    params, grad = np.ones(n, dtype=np.float32), np.full(n, 0.5, dtype=np.float32)
+    opt.step(params, grad)
+    tracemalloc.start()
+    opt.step(params, grad, lr_scale=0.5)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 4096, peak  # a temporary would be 400 kB
