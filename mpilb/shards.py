@@ -1,0 +1,218 @@
+"""Reading shards during training: cached HDF5 handles, per-epoch permutations, prefetch.
+
+A worker asks for ``(epoch, shard)``; :class:`ShardStore` reads the shard contiguously
+(chunk-aligned, the fast way to read HDF5), permutes its rows in memory with a
+permutation that depends only on ``(seed, epoch, shard)``, and hands back a
+:class:`ShardData`. Positions in that permuted order define batches: a batch is a range
+``[lo, hi)`` of positions, which the server counts for coverage, so any rank can
+reproduce exactly which samples a batch held.
+
+One background thread prefetches the next shard while the worker computes on the
+current one; :meth:`ShardStore.get` reports only the time the caller actually waited,
+because read time hidden behind compute costs nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import h5py
+import numpy as np
+
+from .dataset import Dataset, check_h5_layout, check_values, open_h5
+from .errors import DataError
+
+IoDelay = Callable[[int, float], float]
+
+
+@dataclass
+class ShardData:
+    """One shard's samples for one epoch, rows in permuted order (position p = row p)."""
+
+    epoch: int
+    shard: int
+    x: np.ndarray
+    y: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.x.nbytes + self.y.nbytes)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+class ShardStore:
+    """Reads a dataset's shards with cached file handles, prefetch and a small LRU cache.
+
+    Args:
+        dataset: the opened :class:`~mpilb.dataset.Dataset`.
+        seed: seeds every epoch's per-shard permutation.
+        io_delay: optional ``callable(nbytes, elapsed_s) -> seconds`` of extra sleep after
+            each read; the fault injector simulates slow storage through it.
+        cache_size: how many :class:`ShardData` to keep, so a repeated ``get`` is free.
+    """
+
+    def __init__(self, dataset: Dataset, seed: int = 0, io_delay: Optional[IoDelay] = None, cache_size: int = 2):
+        self.dataset = dataset
+        self.seed = int(seed)
+        self.io_delay = io_delay
+        self.cache_size = max(1, int(cache_size))
+        self._files: dict[int, h5py.File] = {}
+        self._cache: OrderedDict[tuple[int, int], ShardData] = OrderedDict()
+        self._pending: dict[tuple[int, int], Future] = {}
+        # Guards the file-handle dict, the cache and the read-time counter: the prefetch
+        # thread and the caller may both read.
+        self._lock = threading.Lock()
+        # One thread: h5py serialises HDF5 calls anyway, and one reader keeps HDF5 safe.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpilb-prefetch")
+        self._read_s = 0.0
+        self._closed = False
+
+    # ------------------------------------------------------------------ raw reads
+
+    @property
+    def read_seconds_total(self) -> float:
+        """Cumulative raw read time, including injected delay, over both threads."""
+        return self._read_s
+
+    def _file(self, shard: int) -> h5py.File:
+        with self._lock:
+            f = self._files.get(shard)
+            if f is None:
+                if not 0 <= shard < len(self.dataset.shards):
+                    raise IndexError(f"shard {shard} out of range (dataset has {len(self.dataset.shards)})")
+                path = self.dataset.shard_path(shard)
+                f = open_h5(path)
+                try:
+                    check_h5_layout(f, path, self.dataset.shards[shard].samples, self.dataset.sample_shape)
+                except DataError:
+                    f.close()
+                    raise
+                self._files[shard] = f
+            return f
+
+    def read(self, shard: int, lo: int = 0, hi: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+        """Read rows ``[lo, hi)`` of a shard in file order, as one contiguous slice.
+
+        Returns:
+            ``(x, y)``, validated: labels in range and features finite.
+
+        Raises:
+            DataError: naming the shard file, if it is missing, unreadable or holds bad values.
+        """
+        n = self.dataset.shards[shard].samples
+        hi = n if hi is None else hi
+        if not 0 <= lo <= hi <= n:
+            raise IndexError(f"rows [{lo}, {hi}) out of range for shard {shard} with {n} samples")
+        f = self._file(shard)
+        path = self.dataset.shard_path(shard)
+        t0 = time.perf_counter()
+        try:
+            x = f["x"][lo:hi]
+            y = f["y"][lo:hi]
+        except (OSError, RuntimeError) as exc:
+            raise DataError(f"{path}: cannot read rows {lo}-{hi} ({exc}); the file may be truncated") from exc
+        elapsed = time.perf_counter() - t0
+        if self.io_delay is not None:
+            extra = float(self.io_delay(int(x.nbytes + y.nbytes), elapsed))
+            if extra > 0:
+                time.sleep(extra)
+                elapsed += extra
+        with self._lock:
+            self._read_s += elapsed
+        check_values(path, x, y, self.dataset.num_classes, first_row=lo)
+        return x, y
+
+    # ------------------------------------------------------------------ epochs and positions
+
+    def permutation(self, epoch: int, shard: int) -> np.ndarray:
+        """The order of a shard's rows in an epoch; reproducible anywhere from (seed, epoch, shard)."""
+        n = self.dataset.shards[shard].samples
+        return np.random.default_rng([self.seed, int(epoch), int(shard)]).permutation(n)
+
+    def load(self, epoch: int, shard: int) -> ShardData:
+        """Read a whole shard contiguously and permute its rows for ``epoch`` in memory."""
+        x, y = self.read(shard)
+        perm = self.permutation(epoch, shard)
+        return ShardData(epoch, shard, x[perm], y[perm])
+
+    # ------------------------------------------------------------------ cache and prefetch
+
+    def _cached(self, key: tuple[int, int]) -> Optional[ShardData]:
+        with self._lock:
+            data = self._cache.get(key)
+            if data is not None:
+                self._cache.move_to_end(key)
+            return data
+
+    def put(self, data: ShardData) -> None:
+        """Insert shard data obtained elsewhere (e.g. received over MPI) into the cache."""
+        with self._lock:
+            self._cache[(data.epoch, data.shard)] = data
+            self._cache.move_to_end((data.epoch, data.shard))
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+
+    def prefetch(self, epoch: int, shard: int) -> None:
+        """Start loading ``(epoch, shard)`` in the background thread (no-op if cached or pending)."""
+        key = (int(epoch), int(shard))
+        if self._closed:
+            raise RuntimeError("ShardStore is closed")
+        if self._cached(key) is not None:
+            return
+        with self._lock:
+            if key in self._pending:
+                return
+            self._pending[key] = self._pool.submit(self.load, *key)
+
+    def get(self, epoch: int, shard: int) -> tuple[ShardData, float]:
+        """Return ``(data, waited_s)``: the shard's data and the seconds this call waited.
+
+        ``waited_s`` is 0 when a prefetch had already finished (its read was hidden behind
+        compute), the remaining read time when it was still running, and the full read time
+        when the shard was not prefetched. An exception raised by the prefetch is re-raised.
+        """
+        key = (int(epoch), int(shard))
+        data = self._cached(key)
+        if data is not None:
+            return data, 0.0
+        with self._lock:
+            future = self._pending.pop(key, None)
+        t0 = time.perf_counter()
+        if future is not None:
+            done = future.done()
+            data = future.result()  # re-raises the prefetch thread's exception
+            waited = 0.0 if done else time.perf_counter() - t0
+        else:
+            data = self.load(*key)
+            waited = time.perf_counter() - t0
+        self.put(data)
+        return data, waited
+
+    def close(self) -> None:
+        """Stop the prefetch thread and close every file; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            for f in self._files.values():
+                try:
+                    f.close()
+                except Exception:  # closing a broken handle must not mask the real error
+                    pass
+            self._files.clear()
+            self._pending.clear()
+            self._cache.clear()
+
+    def __enter__(self) -> "ShardStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
