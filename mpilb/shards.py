@@ -72,6 +72,7 @@ class ShardStore:
         # One thread: h5py serialises HDF5 calls anyway, and one reader keeps HDF5 safe.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpilb-prefetch")
         self._read_s = 0.0
+        self._loads = 0
         self._closed = False
 
     # ------------------------------------------------------------------ raw reads
@@ -80,6 +81,11 @@ class ShardStore:
     def read_seconds_total(self) -> float:
         """Cumulative raw read time, including injected delay, over both threads."""
         return self._read_s
+
+    @property
+    def loads_done(self) -> int:
+        """Number of completed :meth:`load` calls (in either thread)."""
+        return self._loads
 
     def _file(self, shard: int) -> h5py.File:
         with self._lock:
@@ -140,7 +146,10 @@ class ShardStore:
         """Read a whole shard contiguously and permute its rows for ``epoch`` in memory."""
         x, y = self.read(shard)
         perm = self.permutation(epoch, shard)
-        return ShardData(epoch, shard, x[perm], y[perm])
+        data = ShardData(int(epoch), int(shard), x[perm], y[perm])
+        with self._lock:
+            self._loads += 1
+        return data
 
     # ------------------------------------------------------------------ cache and prefetch
 
