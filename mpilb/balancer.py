@@ -1,0 +1,492 @@
+"""Load-balancing policies: which worker consumes which shard, with what batch size.
+
+Pure Python: no MPI, no clocks (times are passed in), so the live server (rank 0), the unit
+tests and :mod:`mpilb.simulate` drive the same code. The protocol (DESIGN.md, "Training
+modes, corrections, balancing"):
+
+- ``plan_epoch(epoch, order)`` at each epoch start builds the per-worker queues of
+  *unstarted* shards; ``next_shard(w)`` hands one out when a worker needs a new current or
+  prefetch ("next") shard. Handed-out shards are *committed* and never move.
+- ``observe(...)`` takes every report; ``rebalance(t, committed)`` runs every
+  ``rebalance_interval`` seconds and may move unstarted shards; ``batch_sizes()`` follows.
+- ``remove_worker(w)`` hands a lost worker's queue to the others; ``requeue(shards)`` takes
+  back its committed shards. ``take_moves()`` returns every move made since the last call.
+
+Policies register by name (:data:`BALANCERS`, :func:`build_balancer`); batch-size policies
+likewise (:data:`BATCH_POLICIES`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from .errors import MpilbError, UsageError
+from .rates import TrendRate
+
+BALANCERS: dict[str, type["Balancer"]] = {}
+BATCH_POLICIES: dict[str, Callable[["Balancer"], dict[int, int]]] = {}
+
+# Gains smaller than this many seconds are rounding, not improvement.
+_EPS = 1e-9
+
+
+def register(name: str):
+    """Class decorator: make a :class:`Balancer` subclass available as ``--balancer name``."""
+    def deco(cls):
+        cls.name = name
+        BALANCERS[name] = cls
+        return cls
+    return deco
+
+
+def register_batch_policy(name: str):
+    """Function decorator: make ``fn(balancer) -> {worker: batch}`` a ``--batch-policy``."""
+    def deco(fn):
+        BATCH_POLICIES[name] = fn
+        return fn
+    return deco
+
+
+@dataclass
+class BalancerConfig:
+    """Knobs of the balancer.
+
+    Attributes:
+        batch: per-worker batch size (the global batch is ``batch * workers``).
+        batch_policy: ``fixed`` or ``proportional``.
+        min_batch, max_batch: clamp for proportional batches.
+        rebalance_interval: seconds between rebalance calls; also the forecast horizon of
+            the ``predictive`` policy.
+        hysteresis: a rebalance commits its moves only if they bring the projected epoch
+            end forward by more than this fraction of the remaining time, so estimate
+            noise does not shuffle shards back and forth.
+        ewma_alpha: weight of the newest report in the rate EWMA (0 < alpha <= 1). The
+            default 0.1, with the estimator's level-shift reset, keeps +-20% jitter within
+            10% and still follows a 2x change of speed within 3 reports (see
+            :mod:`mpilb.rates`).
+        window: reports the ``predictive`` policy fits its trend on.
+    """
+
+    batch: int = 32
+    batch_policy: str = "fixed"
+    min_batch: int = 1
+    max_batch: int = 4096
+    rebalance_interval: float = 2.0
+    hysteresis: float = 0.05
+    ewma_alpha: float = 0.1
+    window: int = 8
+
+
+@dataclass(frozen=True)
+class Move:
+    """One shard moved from ``src``'s queue to ``dst``'s (reason: rebalance, steal, lost)."""
+
+    shard: int
+    src: int
+    dst: int
+    reason: str
+
+
+class Balancer:
+    """Base policy: per-worker queues of unstarted shards and per-worker rate estimates.
+
+    Subclasses override :meth:`_build_queues` (the epoch plan) and, when they migrate
+    shards, :meth:`rebalance` and :meth:`_steal`.
+
+    Args:
+        workers: worker ranks.
+        shard_sizes: samples in each shard, indexed by shard.
+        config: the knobs.
+    """
+
+    name = "base"
+
+    def __init__(self, workers: list[int], shard_sizes: list[int], config: BalancerConfig):
+        if not workers:
+            raise MpilbError("a balancer needs at least one worker")
+        if config.batch_policy not in BATCH_POLICIES:
+            raise UsageError(f"unknown batch policy {config.batch_policy!r}; "
+                             f"valid: {', '.join(sorted(BATCH_POLICIES))}")
+        self.workers = list(workers)
+        self.shard_sizes = [int(s) for s in shard_sizes]
+        self.config = config
+        self.epoch = -1
+        self.now = 0.0
+        self._rates = {w: self._new_estimator() for w in self.workers}
+        self._queues: dict[int, list[int]] = {w: [] for w in self.workers}
+        self._committed: dict[int, int] = {w: 0 for w in self.workers}
+        self._moves: list[Move] = []
+
+    # -- rates ------------------------------------------------------------------------------
+    def _new_estimator(self) -> TrendRate:
+        return TrendRate(self.config.ewma_alpha, self.config.window)
+
+    def observe(self, worker: int, t: float, samples: int, busy_s: float) -> None:
+        """Take one report: ``samples`` done in ``busy_s`` seconds of compute + I/O, at ``t``."""
+        self.now = max(self.now, t)
+        if worker in self._rates:
+            self._rates[worker].update(t, samples, busy_s)
+
+    def has_rates(self) -> bool:
+        """True once any worker has reported."""
+        return any(est.value is not None for est in self._rates.values())
+
+    def _fallback_rate(self, worker: int) -> float:
+        known = [est.value for w, est in self._rates.items()
+                 if w != worker and est.value is not None]
+        return sum(known) / len(known) if known else 1.0
+
+    def rate(self, worker: int) -> float:
+        """Current rate estimate in samples/s (before any report: the others' mean, or 1.0)."""
+        value = self._rates[worker].value if worker in self._rates else None
+        return value if value is not None else self._fallback_rate(worker)
+
+    def predicted_rate(self, worker: int) -> float:
+        """Forecast rate over the next interval (equal to :meth:`rate` unless predictive)."""
+        return self.rate(worker)
+
+    def _planning_rate(self, worker: int) -> float:
+        return max(self.predicted_rate(worker), 1e-12)
+
+    # -- queues -----------------------------------------------------------------------------
+    def plan_epoch(self, epoch: int, order: list[int]) -> dict[int, list[int]]:
+        """Build this epoch's queues from ``order`` (a shuffle of all shards); returns copies."""
+        self.epoch = epoch
+        self._committed = {w: 0 for w in self.workers}
+        self._queues = self._build_queues(list(order))
+        return {w: list(q) for w, q in self._queues.items()}
+
+    def _build_queues(self, order: list[int]) -> dict[int, list[int]]:
+        raise NotImplementedError
+
+    def queued(self, worker: int) -> list[int]:
+        """Unstarted shards now queued for ``worker`` (a copy)."""
+        return list(self._queues.get(worker, ()))
+
+    def next_shard(self, worker: int) -> int | None:
+        """Hand ``worker`` its next shard, or None when it has nothing left this epoch."""
+        if worker not in self.workers:
+            return None
+        queue = self._queues[worker]
+        if queue:
+            return queue.pop(0)
+        return self._steal(worker)
+
+    def _steal(self, worker: int) -> int | None:
+        return None
+
+    def _time_for(self, worker: int, samples: float) -> float:
+        """Projected seconds for ``worker`` to do ``samples`` more samples from now."""
+        return samples / self._planning_rate(worker)
+
+    def _queued_samples(self, worker: int) -> int:
+        return sum(self.shard_sizes[s] for s in self._queues.get(worker, ()))
+
+    def _finish(self, worker: int) -> float:
+        """Projected seconds until ``worker`` has done its committed and queued samples."""
+        return self._time_for(worker, self._load(worker))
+
+    def _load(self, worker: int) -> int:
+        return self._committed.get(worker, 0) + self._queued_samples(worker)
+
+    def _least_loaded(self, size: int) -> int:
+        return min(self.workers, key=lambda w: self._time_for(w, self._load(w) + size))
+
+    def rebalance(self, t: float, committed: dict[int, int]) -> list[Move]:
+        """Move unstarted shards if that helps; ``committed[w]`` = samples w still must do.
+
+        The base policy never moves. Returns the moves (also kept for :meth:`take_moves`).
+        """
+        self.now = max(self.now, t)
+        self._committed = {w: int(committed.get(w, 0)) for w in self.workers}
+        return []
+
+    def requeue(self, shards: list[int]) -> None:
+        """Take back shards handed out to a lost worker; each goes where it ends soonest."""
+        for shard in shards:
+            self._place(shard)
+
+    def _place(self, shard: int) -> int:
+        if not self.workers:
+            raise MpilbError(f"no workers left to take shard {shard}")
+        dst = self._least_loaded(self.shard_sizes[shard])
+        self._queues[dst].append(shard)
+        return dst
+
+    def remove_worker(self, worker: int) -> list[Move]:
+        """Drop a lost worker; its queued shards go to the others (moves with reason "lost")."""
+        if worker not in self.workers:
+            return []
+        self.workers.remove(worker)
+        orphans = self._queues.pop(worker, [])
+        self._rates.pop(worker, None)
+        self._committed.pop(worker, None)
+        moves = [Move(shard, worker, self._place(shard), "lost") for shard in orphans]
+        self._moves.extend(moves)
+        return moves
+
+    def take_moves(self) -> list[Move]:
+        """Every move made since the last call (rebalance, steals, lost workers)."""
+        moves, self._moves = self._moves, []
+        return moves
+
+    # -- batches ----------------------------------------------------------------------------
+    def batch_sizes(self) -> dict[int, int]:
+        """Per-worker batch size under the configured batch policy."""
+        return BATCH_POLICIES[self.config.batch_policy](self)
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """JSON-serialisable state (worker keys as strings, as JSON needs)."""
+        return {
+            "name": self.name,
+            "config": asdict(self.config),
+            "workers": list(self.workers),
+            "epoch": self.epoch,
+            "now": self.now,
+            "queues": {str(w): list(q) for w, q in self._queues.items()},
+            "committed": {str(w): c for w, c in self._committed.items()},
+            "rates": {str(w): est.state_dict() for w, est in self._rates.items()},
+            "moves": [asdict(m) for m in self._moves],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` output (possibly after a JSON round trip)."""
+        if state.get("name") != self.name:
+            raise MpilbError(f"balancer state is for {state.get('name')!r}, not {self.name!r}")
+        self.config = BalancerConfig(**state["config"])
+        self.workers = [int(w) for w in state["workers"]]
+        self.epoch = int(state["epoch"])
+        self.now = float(state["now"])
+        self._queues = {int(w): [int(s) for s in q] for w, q in state["queues"].items()}
+        self._committed = {int(w): int(c) for w, c in state["committed"].items()}
+        self._rates = {}
+        for w, est_state in state["rates"].items():
+            est = self._new_estimator()
+            est.load_state_dict(est_state)
+            self._rates[int(w)] = est
+        self._moves = [Move(**m) for m in state["moves"]]
+
+
+@register("static")
+class StaticBalancer(Balancer):
+    """Even contiguous split of the epoch's order, fixed at its start; never moves."""
+
+    def _build_queues(self, order):
+        n, k = len(order), len(self.workers)
+        queues, start = {}, 0
+        for i, w in enumerate(self.workers):
+            count = n // k + (1 if i < n % k else 0)
+            queues[w] = order[start:start + count]
+            start += count
+        return queues
+
+
+@register("round-robin")
+class RoundRobinBalancer(Balancer):
+    """Shards dealt in turn: ``order[k]`` goes to ``workers[k % W]``; never moves."""
+
+    def _build_queues(self, order):
+        k = len(self.workers)
+        return {w: order[i::k] for i, w in enumerate(self.workers)}
+
+
+@register("demand")
+class DemandBalancer(Balancer):
+    """One central queue; whoever asks first gets its head. No per-worker queues, no moves."""
+
+    def __init__(self, workers, shard_sizes, config):
+        super().__init__(workers, shard_sizes, config)
+        self._central: list[int] = []
+
+    def _build_queues(self, order):
+        self._central = order
+        return {w: [] for w in self.workers}
+
+    def next_shard(self, worker):
+        if worker not in self.workers or not self._central:
+            return None
+        return self._central.pop(0)
+
+    def requeue(self, shards):
+        # A lost worker's shards go first: they are the ones most likely to end the epoch late.
+        self._central[:0] = list(shards)
+
+    def _place(self, shard):
+        self._central.append(shard)
+        return -1
+
+    def central(self) -> list[int]:
+        """The central queue (a copy)."""
+        return list(self._central)
+
+    def state_dict(self):
+        state = super().state_dict()
+        state["central"] = list(self._central)
+        return state
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self._central = [int(s) for s in state["central"]]
+
+
+@register("load")
+class LoadBalancer(Balancer):
+    """Queues sized so every worker is projected to finish together, at its measured rate.
+
+    Plan: each shard of ``order`` in turn goes to the worker that would finish it earliest
+    (greedy earliest-finish), so queue lengths follow the rates. Rebalance: repeatedly move
+    the last unstarted shard of the worker projected to finish last to the worker that would
+    finish it earliest, while that brings the last finisher forward; keep the moves only if
+    together they bring the projected epoch end forward by more than ``hysteresis`` of the
+    remaining time. Moving single shards one at a time and judging the whole set lets many
+    small shards move even when each alone gains less than the hysteresis. A worker whose
+    queue runs dry steals from the worker projected to finish last, if that ends sooner.
+    """
+
+    def _build_queues(self, order):
+        queues = {w: [] for w in self.workers}
+        load = {w: 0 for w in self.workers}
+        for shard in order:
+            size = self.shard_sizes[shard]
+            w = min(self.workers, key=lambda v: self._time_for(v, load[v] + size))
+            queues[w].append(shard)
+            load[w] += size
+        return queues
+
+    def rebalance(self, t, committed):
+        super().rebalance(t, committed)
+        if len(self.workers) < 2:
+            return []
+        load = {w: self._load(w) for w in self.workers}
+        finish = {w: self._time_for(w, load[w]) for w in self.workers}
+        before = max(finish.values())
+        moves: list[Move] = []
+        for _ in range(sum(len(q) for q in self._queues.values())):
+            src = max(self.workers, key=lambda w: finish[w])
+            if not self._queues[src]:
+                break                       # the last finisher has only committed work left
+            shard = self._queues[src][-1]
+            size = self.shard_sizes[shard]
+            dst = min((w for w in self.workers if w != src),
+                      key=lambda w: self._time_for(w, load[w] + size))
+            dst_after = self._time_for(dst, load[dst] + size)
+            if dst_after >= finish[src] - _EPS:
+                break                       # it would only move the late finish elsewhere
+            self._queues[src].pop()
+            self._queues[dst].append(shard)
+            load[src] -= size
+            load[dst] += size
+            finish[src] = self._time_for(src, load[src])
+            finish[dst] = dst_after
+            moves.append(Move(shard, src, dst, "rebalance"))
+        after = max(finish.values())
+        if moves and before - after <= self.config.hysteresis * before + _EPS:
+            for move in reversed(moves):    # not worth it: undo, newest first
+                self._queues[move.dst].pop()
+                self._queues[move.src].append(move.shard)
+            moves = []
+        self._moves.extend(moves)
+        return moves
+
+    def _steal(self, worker):
+        victims = [w for w in self.workers if w != worker and self._queues[w]]
+        if not victims:
+            return None
+        victim = max(victims, key=self._finish)
+        shard = self._queues[victim][-1]
+        size = self.shard_sizes[shard]
+        before = self._finish(victim)
+        # The thief asks while still busy with at most the shard it is working on.
+        thief_after = self._time_for(worker, min(self._committed.get(worker, 0), size) + size)
+        victim_after = self._time_for(victim, self._load(victim) - size)
+        if max(thief_after, victim_after) >= before - _EPS:
+            return None
+        self._queues[victim].pop()
+        self._moves.append(Move(shard, victim, worker, "steal"))
+        return shard
+
+
+@register("predictive")
+class PredictiveBalancer(LoadBalancer):
+    """Like ``load``, but plans on forecast rates (see :class:`mpilb.rates.TrendRate`).
+
+    ``predicted_rate`` is the forecast mean rate over the next ``rebalance_interval`` (it
+    drives proportional batches and the logs). Projected finish times follow the trend over
+    the whole remaining work, so a worker that is slowing down is unloaded before it falls
+    behind (and one that is speeding up is not trusted with more until it has).
+    """
+
+    def predicted_rate(self, worker):
+        est = self._rates.get(worker)
+        forecast = est.forecast(self.now, self.config.rebalance_interval) if est else None
+        return forecast if forecast is not None else self.rate(worker)
+
+    def _time_for(self, worker, samples):
+        # A worker that is slowing down keeps slowing while it works through its queue:
+        # integrate the trend over the whole job rather than assume the next interval's rate.
+        est = self._rates.get(worker)
+        rate = self._planning_rate(worker)
+        if est is None or est.value is None or samples <= 0:
+            return max(samples, 0) / rate
+        return est.time_for(samples, self.now)
+
+
+@register_batch_policy("fixed")
+def fixed_batches(balancer: Balancer) -> dict[int, int]:
+    """Every worker uses ``config.batch``."""
+    return {w: balancer.config.batch for w in balancer.workers}
+
+
+@register_batch_policy("proportional")
+def proportional_batches(balancer: Balancer) -> dict[int, int]:
+    """Batches in proportion to (predicted) rates, so step times match.
+
+    The total stays ``batch * workers`` exactly when the clamp to
+    ``[min_batch, max_batch]`` allows it: clamped workers are fixed and the rest share what
+    is left, then largest remainders round to integers.
+    """
+    cfg = balancer.config
+    workers = list(balancer.workers)
+    if not balancer.has_rates():
+        return {w: cfg.batch for w in workers}
+    lo, hi = cfg.min_batch, max(cfg.min_batch, cfg.max_batch)
+    total = min(max(cfg.batch * len(workers), lo * len(workers)), hi * len(workers))
+    rates = {w: balancer._planning_rate(w) for w in workers}
+    share: dict[int, float] = {}
+    free = list(workers)
+    left = float(total)
+    while free:                      # water-filling: clamp, then share the rest again
+        norm = sum(rates[w] for w in free)
+        ideal = {w: left * rates[w] / norm for w in free}
+        clamped = [w for w in free if not lo <= ideal[w] <= hi]
+        if not clamped:
+            share.update(ideal)
+            break
+        for w in clamped:
+            share[w] = float(min(max(ideal[w], lo), hi))
+            left -= share[w]
+            free.remove(w)
+    sizes = {w: int(share[w]) for w in workers}
+    by_remainder = sorted(workers, key=lambda w: share[w] - sizes[w], reverse=True)
+    deficit = total - sum(sizes.values())
+    for w in by_remainder:
+        if deficit <= 0:
+            break
+        if sizes[w] < hi:
+            sizes[w] += 1
+            deficit -= 1
+    return {w: min(max(sizes[w], lo), hi) for w in workers}
+
+
+def build_balancer(name: str, workers: list[int], shard_sizes: list[int],
+                   config: BalancerConfig | None = None) -> Balancer:
+    """Make the balancer registered as ``name``.
+
+    Raises:
+        UsageError: for an unknown name, listing the valid ones.
+    """
+    if name not in BALANCERS:
+        raise UsageError(f"unknown balancer {name!r}; valid: {', '.join(BALANCERS)}")
+    return BALANCERS[name](workers, shard_sizes, config or BalancerConfig())
