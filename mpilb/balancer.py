@@ -444,8 +444,8 @@ def proportional_batches(balancer: Balancer) -> dict[int, int]:
     """Batches in proportion to (predicted) rates, so step times match.
 
     The total stays ``batch * workers`` exactly when the clamp to
-    ``[min_batch, max_batch]`` allows it: clamped workers are fixed and the rest share what
-    is left, then largest remainders round to integers.
+    ``[min_batch, max_batch]`` allows it: the shares are ``clamp(scale * rate)`` with the
+    scale chosen so they add up to the total, then largest remainders round to integers.
     """
     cfg = balancer.config
     workers = list(balancer.workers)
@@ -454,20 +454,19 @@ def proportional_batches(balancer: Balancer) -> dict[int, int]:
     lo, hi = cfg.min_batch, max(cfg.min_batch, cfg.max_batch)
     total = min(max(cfg.batch * len(workers), lo * len(workers)), hi * len(workers))
     rates = {w: balancer._planning_rate(w) for w in workers}
-    share: dict[int, float] = {}
-    free = list(workers)
-    left = float(total)
-    while free:                      # water-filling: clamp, then share the rest again
-        norm = sum(rates[w] for w in free)
-        ideal = {w: left * rates[w] / norm for w in free}
-        clamped = [w for w in free if not lo <= ideal[w] <= hi]
-        if not clamped:
-            share.update(ideal)
-            break
-        for w in clamped:
-            share[w] = float(min(max(ideal[w], lo), hi))
-            left -= share[w]
-            free.remove(w)
+
+    def clamped(scale: float) -> dict[int, float]:
+        return {w: min(max(scale * rates[w], lo), hi) for w in workers}
+
+    # Find the scale at which the clamped shares add up to the total (monotone: bisect).
+    low, high = 0.0, hi / min(rates.values())
+    for _ in range(100):
+        mid = (low + high) / 2.0
+        if sum(clamped(mid).values()) < total:
+            low = mid
+        else:
+            high = mid
+    share = clamped(high)
     sizes = {w: int(share[w]) for w in workers}
     by_remainder = sorted(workers, key=lambda w: share[w] - sizes[w], reverse=True)
     deficit = total - sum(sizes.values())

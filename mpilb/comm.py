@@ -76,13 +76,9 @@ class Reply(IntEnum):
     VERSION = 1       # version of the parameters in the payload
     BATCH = 2         # batch size to use from now on
     HELD_S = 3        # seconds the server held this reply (ssp/sync wait): idle, not comm
-    N_ASSIGN = 4      # number of (epoch, shard) assignments that follow
-    A0_EPOCH = 5
-    A0_SHARD = 6
-    A1_EPOCH = 7
-    A1_SHARD = 8
-    RETRY = 9         # 1: the last gradient was rejected (non-finite); recompute the batch once
-    T0_OFFSET = 10    # unused slot kept for layout stability
+    RETRY = 4         # 1: the last gradient was rejected (non-finite); recompute the batch once
+    N_ASSIGN = 5      # number of (epoch, shard, start) assignments that follow
+    ASSIGN = 6        # first of N_ASSIGN triples: epoch, shard, start position
 
 
 class Cmd(IntEnum):

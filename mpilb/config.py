@@ -84,7 +84,7 @@ OPTIONS: tuple[Option, ...] = (
     # optimizer
     Option("optimizer", str, "sgd", "optimizer run by the server", ("sgd", "momentum", "adam"),
            group="optimizer"),
-    Option("lr", float, 0.05, "learning rate", check=_POSITIVE, group="optimizer"),
+    Option("lr", float, 0.1, "learning rate", check=_POSITIVE, group="optimizer"),
     Option("momentum", float, 0.9, "momentum coefficient (momentum optimizer)", check=_UNIT,
            group="optimizer"),
     Option("nesterov", bool, False, "Nesterov momentum (momentum optimizer)", group="optimizer"),

@@ -111,8 +111,8 @@ class RunLog:
         self._file.flush()
         self._last_flush = time.monotonic()
 
-    def close(self, status: str, summary: Optional[dict] = None) -> None:
-        """Flush, then record the final status (and summary) as root attributes."""
+    def close(self, status: str, attrs: Optional[dict] = None) -> None:
+        """Flush, end SWMR writing, then record the final status and `attrs` at the root."""
         if self.closed:
             return
         assert status in STATUSES, status
@@ -122,8 +122,13 @@ class RunLog:
         with h5py.File(self.path, "a", locking=False) as f:
             f.attrs["status"] = status
             f.attrs["end_time"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            if summary is not None:
-                f.require_group("summary").attrs["json"] = json.dumps(summary)
+            for key, value in (attrs or {}).items():
+                f.attrs[key] = value
+
+    def write_summary(self, summary: dict) -> None:
+        """Store the summary object (DESIGN.md: `summary` with attribute `json`)."""
+        with h5py.File(self.path, "a", locking=False) as f:
+            f.require_group("summary").attrs["json"] = json.dumps(summary)
 
 
 def read_columns(path: str) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:

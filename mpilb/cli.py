@@ -1,0 +1,206 @@
+"""The `mpilb` command: prepare, data, train, report, bench, doctor.
+
+Errors a user can fix (bad options, config, data) are one line from rank 0 and exit code 2;
+see DESIGN.md for the other exit codes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _env_int(*names: str) -> int | None:
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def env_world_size() -> int:
+    """The job size as the launcher announces it (before MPI is initialised)."""
+    return _env_int("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS") or 1
+
+
+def env_rank() -> int:
+    return _env_int("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID") or 0
+
+
+# Several ranks share a node's cores: one BLAS thread per rank unless the user says otherwise.
+# This must happen before numpy is imported.
+if env_world_size() > 1:
+    for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import traceback  # noqa: E402
+
+from .errors import MpilbError, UsageError  # noqa: E402
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing from every rank."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _add_train_options(p: argparse.ArgumentParser) -> None:
+    from .config import OPTIONS
+
+    p.add_argument("config_file", nargs="?", metavar="CONFIG.toml",
+                   help="TOML file with the same keys as the options")
+    for opt in OPTIONS:
+        kw = dict(dest=opt.name, default=argparse.SUPPRESS, help=opt.help)
+        if opt.type is bool:
+            p.add_argument(opt.flag, action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if opt.type is list:
+            p.add_argument(opt.flag, action="append", metavar=opt.metavar, **kw)
+            continue
+        if opt.choices:
+            kw["metavar"] = "{" + ",".join(str(c) for c in opt.choices) + "}"
+        elif opt.metavar:
+            kw["metavar"] = opt.metavar
+        p.add_argument(opt.flag, type=str, **kw)
+
+
+def build_parser() -> Parser:
+    parser = Parser(prog="mpilb", description="Load-balanced asynchronous data-parallel training for MPI clusters.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"mpilb {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+
+    prep = sub.add_parser("prepare", help="make a dataset of HDF5 shards")
+    psub = prep.add_subparsers(dest="source", metavar="SOURCE", parser_class=Parser)
+    psub.required = True
+
+    def common(p):
+        p.add_argument("--shards", type=int, default=8)
+        p.add_argument("--test-fraction", type=float, default=0.2)
+        p.add_argument("--seed", type=int, default=0)
+
+    d = psub.add_parser("digits", help="scikit-learn's bundled 8x8 digits")
+    d.add_argument("out")
+    common(d)
+    s = psub.add_parser("synthetic", help="Gaussian features labelled by a random teacher MLP")
+    s.add_argument("out")
+    s.add_argument("--samples", type=int, required=True)
+    s.add_argument("--features", type=int, required=True)
+    s.add_argument("--classes", type=int, required=True)
+    s.add_argument("--noise", type=float, default=0.0)
+    common(s)
+    n = psub.add_parser("npz", help="arrays from a NumPy .npz file")
+    n.add_argument("file")
+    n.add_argument("out")
+    n.add_argument("--x-key", default="x")
+    n.add_argument("--y-key", default="y")
+    common(n)
+
+    data = sub.add_parser("data", help="check or describe a dataset")
+    dsub = data.add_subparsers(dest="action", metavar="ACTION", parser_class=Parser)
+    dsub.required = True
+    dsub.add_parser("verify", help="check manifest, checksums, shapes, dtypes, labels").add_argument("dir")
+    dsub.add_parser("info", help="describe a dataset").add_argument("dir")
+
+    train = sub.add_parser("train", help="train (under mpiexec: rank 0 serves, the others work)")
+    _add_train_options(train)
+
+    rep = sub.add_parser("report", help="summarise run logs")
+    rep.add_argument("logs", nargs="+", metavar="RUN.h5")
+    rep.add_argument("--json", action="store_true", help="print the summary object")
+    rep.add_argument("--plots", metavar="DIR", help="write PNG figures into DIR")
+    rep.add_argument("--compare", action="store_true", help="put several runs side by side")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="what", metavar="WHAT", parser_class=Parser)
+    bsub.required = True
+    ps = bsub.add_parser("ps", help="parameter-server throughput vs a bare MPI loop")
+    ps.add_argument("--params", type=int, default=1_000_000)
+    ps.add_argument("--seconds", type=float, default=3.0)
+    ps.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam"))
+    ps.add_argument("--json", action="store_true")
+
+    sub.add_parser("doctor", help="check the MPI, HDF5 and GPU setup")
+    return parser
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        args = build_parser().parse_args(argv)
+        return _dispatch(args)
+    except UsageError as exc:
+        if env_rank() == 0:
+            print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    except MpilbError as exc:
+        print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args) -> int:
+    if args.command == "prepare":
+        return _prepare(args)
+    if args.command == "data":
+        from .dataset import dataset_info, verify_dataset
+
+        if args.action == "verify":
+            ds = verify_dataset(args.dir)
+            print(f"{args.dir}: OK ({len(ds.shards)} shards, {ds.total_samples} samples, "
+                  f"{ds.test_samples} test samples)")
+        else:
+            print(dataset_info(args.dir))
+        return 0
+    if args.command == "train":
+        from .launch import train
+
+        cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "config_file")}
+        return train(args.config_file, cli_values)
+    if args.command == "report":
+        from .report import run_report
+
+        return run_report(args.logs, as_json=args.json, plots=args.plots, compare=args.compare)
+    if args.command == "bench":
+        from .bench import bench_ps
+
+        return bench_ps(params=args.params, seconds=args.seconds, optimizer=args.optimizer,
+                        as_json=args.json)
+    if args.command == "doctor":
+        from .doctor import doctor
+
+        return doctor()
+    raise UsageError(f"unknown command {args.command}")
+
+
+def _prepare(args) -> int:
+    from . import dataset as D
+
+    common = dict(shards=args.shards, test_fraction=args.test_fraction, seed=args.seed)
+    if args.source == "digits":
+        ds = D.prepare_digits(args.out, **common)
+    elif args.source == "synthetic":
+        ds = D.prepare_synthetic(args.out, samples=args.samples, features=args.features,
+                                 classes=args.classes, noise=args.noise, **common)
+    else:
+        ds = D.prepare_npz(args.file, args.out, x_key=args.x_key, y_key=args.y_key, **common)
+    print(f"{args.out}: {len(ds.shards)} shards, {ds.total_samples} training samples, "
+          f"{ds.test_samples} test samples, shape {tuple(ds.sample_shape)}, {ds.num_classes} classes")
+    return 0
+
+
+def report_exception(exc: BaseException, rank: int) -> str:
+    """One line for an unexpected exception (the traceback with MPILB_DEBUG=1)."""
+    if os.environ.get("MPILB_DEBUG"):
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+    return f"{type(exc).__name__}: {exc}"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())

@@ -1,0 +1,113 @@
+"""`mpilb train`: validate on rank 0, then serve (rank 0), work (ranks > 0) or train serially.
+
+Rank 0 checks the configuration and the dataset once and broadcasts the verdict, so a bad
+option or a corrupt shard is one line from rank 0 and exit code 2 on every rank, not a
+traceback per rank. After that, an exception on any rank ends the whole job at once.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from .errors import MpilbError, UsageError
+
+
+def _validate(config_file, cli_values, world_size):
+    from .config import build_config, load_toml
+    from .dataset import verify_dataset
+    from .inject import parse_injects
+    from .training import check_world, config_model, resolve_data
+
+    file_values = load_toml(config_file) if config_file else {}
+    cfg = build_config(file_values, cli_values, source=config_file or "")
+    parse_injects(cfg.inject, world_size)
+    data_dir = resolve_data(cfg)
+    dataset = verify_dataset(data_dir)
+    check_world(cfg, world_size, dataset)
+    config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
+    if cfg.device == "gpu" and world_size == 1:
+        from .backend import select_backend
+
+        select_backend("gpu", 0)
+    return cfg, data_dir
+
+
+def train(config_file, cli_values: dict) -> int:
+    """Entry point of `mpilb train` on every rank. Returns the exit code."""
+    from . import comm as C
+
+    comm, rank, size = C.world()
+    verdict = None
+    cfg = data_dir = None
+    if rank == 0:
+        try:
+            cfg, data_dir = _validate(config_file, cli_values, size)
+            verdict = ("ok", data_dir)
+        except UsageError as exc:
+            verdict = ("usage", str(exc))
+        except MpilbError as exc:
+            verdict = ("error", str(exc))
+    verdict = comm.bcast(verdict, root=0)
+    if verdict[0] != "ok":
+        if rank == 0:
+            print(f"mpilb: error: {verdict[1]}", file=sys.stderr, flush=True)
+        return 2 if verdict[0] == "usage" else 1
+    if rank != 0:
+        from .config import build_config, load_toml
+
+        cfg = build_config(load_toml(config_file) if config_file else {}, cli_values)
+        data_dir = verdict[1]
+    from .dataset import open_dataset
+
+    try:
+        dataset = open_dataset(data_dir, check_files=(rank == 0))
+        hosts = C.hostnames(comm)
+        run_attrs = {"config": json.dumps(dict(cfg.values, data=data_dir), sort_keys=True),
+                     "mpi_library": C.library_version(), "world_size": size,
+                     "hostnames": json.dumps(hosts)}
+        if size == 1:
+            from .serial import train_serial
+
+            return train_serial(cfg, dataset, run_attrs)
+        if rank == 0:
+            from .server import WorkerFailed, serve
+
+            return serve(cfg, dataset, comm, run_attrs)
+        from .worker import work
+
+        work(cfg, dataset, comm, rank)
+        return 0
+    except SystemExit:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
+        _fail(exc, comm, rank, size)
+        return 1
+
+
+def _fail(exc: BaseException, comm, rank: int, size: int) -> None:
+    """End the job after an exception on this rank, with the message shown once."""
+    from . import comm as C
+    from .cli import report_exception
+
+    if isinstance(exc, KeyboardInterrupt):
+        text = "interrupted"
+    elif isinstance(exc, MpilbError):
+        text = str(exc)
+    else:
+        text = report_exception(exc, rank)
+    if size == 1:
+        print(f"mpilb: error: {text}", file=sys.stderr, flush=True)
+        return
+    if rank == 0:
+        if not text.startswith("rank "):
+            text = f"rank 0: {text}"
+        print(f"mpilb: error: {text}", file=sys.stderr, flush=True)
+        C.abort(1)
+        return
+    # A worker: let rank 0 record the failure and end the job; if it cannot, end it here.
+    C.send_error(comm, text)
+    time.sleep(5.0)
+    print(f"mpilb: error: rank {rank}: {text}", file=sys.stderr, flush=True)
+    C.abort(1)

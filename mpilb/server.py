@@ -1,0 +1,544 @@
+"""The parameter server on rank 0: parameters, optimizer, balancer, evaluation, run log.
+
+Protocol (DESIGN.md), per worker w:
+  server -> w  REPLY  [header | params]  assignments (epoch, shard, start), batch size, version
+  w -> server  PUSH   [header | gradient] the batch [lo, hi) of a shard it covered, timings
+A worker waits for a reply after each push (with --pipeline 1 it computes the next gradient
+meanwhile). A worker that has nothing left in the epoch idles until the server sends it new
+assignments; STOP (header only) ends it. The server owns the shard queues (through the
+balancer): a worker holds at most its current shard and one more it is prefetching, and
+everything else can be moved between workers at any time without asking them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from . import comm as C
+from .balancer import build_balancer
+from .comm import Cmd, Push, Reply
+from .corrections import build_correction
+from .progress import Progress
+from .report import summarize_log
+from .runlog import RunLog
+from .serial import balancer_config, format_final
+from .training import EpochTracker, Evaluator, StopRule, config_model, config_optimizer, epoch_order
+
+COMMITTED = 2   # shards a worker holds at once: the current one and the one it prefetches
+
+
+@dataclass
+class Task:
+    epoch: int
+    shard: int
+    size: int
+    pos: int        # samples before `pos` are applied (or were applied before a reassignment)
+
+
+@dataclass
+class WorkerState:
+    rank: int
+    recv: tuple = None                      # (buf, header, payload)
+    replies: list = field(default_factory=list)   # [(buf, header, payload, version)] x2
+    reply_index: int = 0
+    reply_req: Optional[object] = None
+    recv_req: Optional[object] = None
+    tasks: deque = field(default_factory=deque)
+    idle: bool = False                      # told it has nothing to do; waits for a message
+    held: bool = False                      # pushed; reply held (ssp/sync)
+    held_since: float = 0.0
+    pending_assign: list = field(default_factory=list)
+    stopped: bool = False
+    lost: bool = False
+    step: int = 0
+    batch: int = 0
+    last_seen: float = 0.0
+    retry: bool = False      # ask the worker to recompute its last batch
+    retried: bool = False    # that batch was already retried once
+    # accumulators for the workers/ log (since the last row)
+    samples: int = 0
+    compute_s: float = 0.0
+    io_s: float = 0.0
+    comm_s: float = 0.0
+    idle_s: float = 0.0
+    # per epoch
+    epoch_busy: float = 0.0
+    epoch_finish: Optional[float] = None
+
+
+class ParameterServer:
+    """Rank 0 of a multi-rank run."""
+
+    def __init__(self, cfg, dataset, comm, run_attrs: dict):
+        self.cfg = cfg
+        self.dataset = dataset
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.ranks = list(range(1, self.size))
+        self.model = config_model(cfg, dataset)
+        self.n = self.model.num_params
+        self.params = self.model.init_params(cfg.seed)
+        self.optimizer = config_optimizer(cfg, self.n)
+        self.correction = build_correction(cfg.correction, cfg.dc_lambda)
+        self.balancer = build_balancer(cfg.balancer, self.ranks, dataset.shard_sizes,
+                                       balancer_config(cfg))
+        self.batch_sizes = {r: cfg.batch for r in self.ranks}
+        self.tracker = EpochTracker(dataset.shard_sizes)
+        test_x, test_y = dataset.load_test()
+        self.evaluator = Evaluator(self.model, test_x, test_y)
+        self.stop = StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy)
+        self.log = RunLog(cfg.log, run_attrs)
+        self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
+                                 samples_per_epoch=self.tracker.total)
+        self.version = 0
+        self.epoch = 0
+        self.accuracy: Optional[float] = None
+        self.starts: dict[int, int] = {}      # shard -> start position for reassigned remainders
+        self.lost: list[int] = []
+        self.rejected = 0
+        self.workers = {r: WorkerState(rank=r, batch=cfg.batch) for r in self.ranks}
+        for w in self.workers.values():
+            w.recv = C.new_message(self.n)
+            w.replies = [list(C.new_message(self.n)) + [-1] for _ in range(2)]
+        if cfg.mode == "sync":
+            self.round_grad = np.zeros(self.n, dtype=np.float32)
+            self.round_batch = 0
+            self.round_members: list[int] = []
+            self.round_tasks: list[tuple] = []
+        self.backoff = C.Backoff()
+        self.done = False
+
+    # ----------------------------------------------------------------- helpers
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def active(self):
+        return [w for w in self.workers.values() if not (w.lost or w.stopped)]
+
+    def _post_recv(self, w: WorkerState) -> None:
+        w.recv_req = self.comm.Irecv(w.recv[0], source=w.rank, tag=C.TAG_PUSH)
+
+    def _reply(self, w: WorkerState, cmd: Cmd = Cmd.PARAMS, held_s: float = 0.0) -> None:
+        """Send w the current parameters (or STOP) with its assignments and batch size."""
+        if w.reply_req is not None:
+            w.reply_req.Wait()   # the previous reply was received before w pushed again
+        slot = w.replies[w.reply_index]
+        w.reply_index = 1 - w.reply_index if self.cfg.pipeline else 0
+        buf, hdr, payload = slot[0], slot[1], slot[2]
+        hdr[:] = 0
+        hdr[Reply.CMD] = cmd
+        hdr[Reply.VERSION] = self.version
+        hdr[Reply.BATCH] = w.batch
+        hdr[Reply.HELD_S] = held_s
+        hdr[Reply.RETRY] = 1 if w.retry else 0
+        w.retry = False
+        assigns = w.pending_assign
+        hdr[Reply.N_ASSIGN] = len(assigns)
+        for i, (epoch, shard, start) in enumerate(assigns):
+            hdr[Reply.ASSIGN + 3 * i: Reply.ASSIGN + 3 * i + 3] = (epoch, shard, start)
+        w.pending_assign = []
+        if cmd == Cmd.STOP:
+            w.reply_req = self.comm.Isend(buf[:C.HEADER_BYTES], dest=w.rank, tag=C.TAG_REPLY)
+            w.stopped = True
+            return
+        np.copyto(payload, self.params)
+        slot[3] = self.version
+        w.reply_req = self.comm.Isend(buf, dest=w.rank, tag=C.TAG_REPLY)
+
+    def _params_then(self, w: WorkerState, version: int) -> Optional[np.ndarray]:
+        for slot in w.replies:
+            if slot[3] == version:
+                return slot[2]
+        return None
+
+    def _top_up(self, w: WorkerState) -> None:
+        """Hand w shards until it holds COMMITTED of them (or the balancer has none)."""
+        if self.stop.reason or w.lost:
+            return
+        while len(w.tasks) < COMMITTED:
+            shard = self.balancer.next_shard(w.rank)
+            if shard is None:
+                break
+            start = self.starts.pop(shard, 0)
+            size = self.dataset.shard_sizes[shard]
+            w.tasks.append(Task(self.epoch, shard, size, start))
+            w.pending_assign.append((self.epoch, shard, start))
+            self.log.append("shards", t=self.now(), epoch=self.epoch, shard=shard, src=-1,
+                            dst=w.rank, event="assign")
+        self._log_moves()
+
+    def _log_moves(self) -> None:
+        for mv in self.balancer.take_moves():
+            self.log.append("shards", t=self.now(), epoch=self.epoch, shard=mv.shard,
+                            src=mv.src, dst=mv.dst, event="reassign" if mv.reason == "lost" else "move")
+
+    # ----------------------------------------------------------------- epochs
+    def _begin_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+        self.tracker.begin(epoch, self.now())
+        self.balancer.plan_epoch(epoch, epoch_order(self.cfg.seed, epoch, len(self.dataset.shard_sizes)))
+        self._log_moves()
+        for w in self.active():
+            w.epoch_busy = 0.0
+            w.epoch_finish = None
+        floor = min((w.step for w in self.active() if not w.idle), default=None)
+        for w in self.active():
+            if w.idle:
+                self._top_up(w)
+                if w.pending_assign:
+                    if floor is not None:
+                        w.step = max(w.step, floor)
+                    w.idle = False
+                    self._reply(w)
+
+    def _end_epoch(self) -> None:
+        t = self.now()
+        stats = self.tracker.end(t)
+        span = max(1e-9, stats.t_end - stats.t_start)
+        active = [w for w in self.workers.values() if not w.lost]
+        busy = sum(w.epoch_busy for w in active)
+        util = min(1.0, busy / (len(active) * span)) if active else 0.0
+        finishes = [w.epoch_finish for w in active if w.epoch_finish is not None]
+        imbalance = (max(finishes) - min(finishes)) if finishes else 0.0
+        self.log.append("epochs", epoch=stats.epoch, t_start=stats.t_start, t_end=stats.t_end,
+                        samples=stats.samples, utilization=util, imbalance_s=imbalance)
+        self._evaluate()
+        self.progress.epoch_done(stats.epoch, self.accuracy)
+        if self.stop.check(stats.epoch + 1, t, self.accuracy):
+            self._begin_stop()
+        else:
+            self._begin_epoch(stats.epoch + 1)
+
+    def _evaluate(self) -> None:
+        loss, acc = self.evaluator(self.params)
+        self.accuracy = acc
+        self.log.append("eval", t=self.now(), version=self.version, epoch=self.epoch,
+                        test_loss=loss, test_accuracy=acc)
+        self.last_eval = time.monotonic()
+
+    # ----------------------------------------------------------------- pushes
+    def _on_push(self, w: WorkerState) -> None:
+        _, hdr, grad = w.recv
+        now = self.now()
+        w.last_seen = time.monotonic()
+        if w.lost:
+            return
+        b = int(hdr[Push.BATCH])
+        epoch, shard, lo, hi = (int(hdr[Push.EPOCH]), int(hdr[Push.SHARD]),
+                                int(hdr[Push.LO]), int(hdr[Push.HI]))
+        busy = hdr[Push.COMPUTE_S] + hdr[Push.IO_S]
+        w.compute_s += hdr[Push.COMPUTE_S]
+        w.io_s += hdr[Push.IO_S]
+        w.comm_s += hdr[Push.COMM_S]
+        w.idle_s += hdr[Push.IDLE_S]
+        w.epoch_busy += busy + hdr[Push.COMM_S]
+        if self.stop.reason:
+            self._reply(w, Cmd.STOP)
+            return
+        if hdr[Push.NONFINITE] or not np.isfinite(grad).all():
+            self.rejected += 1
+            self.log.append("shards", t=now, epoch=epoch, shard=shard, src=w.rank, dst=-1,
+                            event="reject")
+            if w.retried:  # the retry failed too: give up on this run
+                raise RuntimeError(f"rank {w.rank}: non-finite gradient for shard {shard} "
+                                   f"[{lo}, {hi}) twice (also after a retry); lower --lr?")
+            w.retry = w.retried = True
+            self._reply(w)
+            return
+        w.retried = False
+        self.balancer.observe(w.rank, now, hi - lo, busy)
+        w.samples += hi - lo
+        w.step += 1
+        task = w.tasks[0] if w.tasks else None
+        if task is None or task.shard != shard or task.epoch != epoch:
+            # a batch from a shard this worker no longer holds (e.g. reassigned): drop it
+            self.tracker.stray += hi - lo
+            self._reply(w)
+            return
+        staleness = self.version - int(hdr[Push.VERSION])
+        if self.cfg.mode == "sync":
+            self.round_grad += grad
+            self.round_batch += b
+            self.round_members.append(w.rank)
+            self.round_tasks.append((w.rank, epoch, shard, lo, hi, b, float(hdr[Push.LOSS]), staleness))
+            w.held = True
+            w.held_since = time.monotonic()
+            self._advance(w, hi)
+            if self._round_complete():
+                self._apply_round()
+            return
+        grad /= max(1, b)
+        lr_scale = b / self.cfg.batch
+        then = self._params_then(w, int(hdr[Push.VERSION])) if self.correction.needs_old_params else None
+        lr_scale *= self.correction.apply(grad, staleness, self.params, then)
+        self.optimizer.step(self.params, grad, lr_scale)
+        self.version += 1
+        self.tracker.record(epoch, shard, lo, hi)
+        self.log.append("updates", t=now, worker=w.rank, version=self.version, staleness=staleness,
+                        batch=b, loss=float(hdr[Push.LOSS]) / max(1, b), lr_scale=lr_scale,
+                        epoch=epoch, shard=shard)
+        self._advance(w, hi)
+        if self.tracker.complete:
+            self._end_epoch()
+        self._respond(w)
+
+    def _advance(self, w: WorkerState, hi: int) -> None:
+        task = w.tasks[0]
+        first = task.pos == 0
+        task.pos = hi
+        if first:
+            self.log.append("shards", t=self.now(), epoch=task.epoch, shard=task.shard, src=-1,
+                            dst=w.rank, event="start")
+        if task.pos >= task.size:
+            w.tasks.popleft()
+            w.epoch_finish = self.now()
+            self.log.append("shards", t=self.now(), epoch=task.epoch, shard=task.shard, src=-1,
+                            dst=w.rank, event="done")
+
+    def _respond(self, w: WorkerState) -> None:
+        """Reply to w's push now, or hold it (ssp) until the slowest worker catches up."""
+        if w.stopped:
+            return
+        if self.stop.reason:
+            self._reply(w, Cmd.STOP)
+            return
+        self._top_up(w)
+        if self.cfg.mode == "ssp" and self._too_far_ahead(w):
+            w.held = True
+            w.held_since = time.monotonic()
+            return
+        self._send_reply(w)
+
+    def _send_reply(self, w: WorkerState) -> None:
+        held_s = time.monotonic() - w.held_since if w.held else 0.0
+        w.held = False
+        if not w.tasks and not w.pending_assign:
+            w.idle = True
+        self._reply(w, held_s=held_s)
+        if self.cfg.mode == "ssp":
+            self._release_held()
+
+    def _too_far_ahead(self, w: WorkerState) -> bool:
+        others = [o.step for o in self.active() if o is not w and not o.idle and (o.tasks or o.pending_assign)]
+        return bool(others) and w.step - min(others) > self.cfg.staleness_bound
+
+    def _release_held(self) -> None:
+        for o in self.active():
+            if o.held and not self._too_far_ahead(o):
+                self._send_reply(o)
+
+    # ----------------------------------------------------------------- sync rounds
+    def _round_complete(self) -> bool:
+        expected = [w.rank for w in self.active() if not w.idle]
+        return set(expected) <= set(self.round_members)
+
+    def _apply_round(self) -> None:
+        b = self.round_batch
+        grad = self.round_grad
+        grad /= max(1, b)
+        members = self.round_members
+        # The same learning rate per sample as async and serial runs: a round of W batches
+        # moves the parameters as far as W async updates would (linear scaling rule).
+        lr_scale = b / self.cfg.batch
+        self.optimizer.step(self.params, grad, lr_scale)
+        self.version += 1
+        now = self.now()
+        for rank, epoch, shard, lo, hi, bb, loss, staleness in self.round_tasks:
+            self.tracker.record(epoch, shard, lo, hi)
+            self.log.append("updates", t=now, worker=rank, version=self.version, staleness=staleness,
+                            batch=bb, loss=loss / max(1, bb), lr_scale=lr_scale, epoch=epoch, shard=shard)
+        grad[:] = 0
+        self.round_batch = 0
+        self.round_members = []
+        self.round_tasks = []
+        if self.tracker.complete:
+            self._end_epoch()
+        for rank in members:
+            w = self.workers[rank]
+            if w.held and not w.stopped:
+                if self.stop.reason:
+                    self._reply(w, Cmd.STOP)
+                else:
+                    self._top_up(w)
+                    self._send_reply(w)
+
+    # ----------------------------------------------------------------- timers
+    def _timers(self) -> None:
+        mono = time.monotonic()
+        if mono - self.last_rebalance >= self.cfg.rebalance_interval:
+            self._rebalance(mono)
+        if mono - self.last_eval >= self.cfg.eval_interval:
+            self._evaluate()
+            if self.stop.check(self.tracker.epoch, self.now(), self.accuracy):
+                self._begin_stop()
+        if self.cfg.max_seconds is not None and self.now() >= self.cfg.max_seconds and not self.stop.reason:
+            self.stop.check(self.tracker.epoch, self.now(), self.accuracy)
+            self._begin_stop()
+        self.log.maybe_flush()
+        rates = {w.rank: self.balancer.rate(w.rank) for w in self.active()}
+        self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy, rates)
+
+    def _rebalance(self, mono: float) -> None:
+        self.last_rebalance = mono
+        t = self.now()
+        committed = {w.rank: sum(task.size - task.pos for task in w.tasks) for w in self.active()}
+        self.balancer.rebalance(t, committed)
+        self._log_moves()
+        sizes = self.balancer.batch_sizes()
+        for w in self.active():
+            w.batch = int(sizes.get(w.rank, self.cfg.batch))
+        self._log_worker_rows()
+
+    def _log_worker_rows(self) -> None:
+        """One `workers/` row per worker with what it reported since the previous row."""
+        t = self.now()
+        for w in self.workers.values():
+            if w.lost:
+                continue
+            self.log.append("workers", t=t, worker=w.rank, samples=w.samples, compute_s=w.compute_s,
+                            io_s=w.io_s, comm_s=w.comm_s, idle_s=w.idle_s, batch=w.batch,
+                            rate=self.balancer.rate(w.rank),
+                            predicted_rate=self.balancer.predicted_rate(w.rank))
+            w.samples, w.compute_s, w.io_s, w.comm_s, w.idle_s = 0, 0.0, 0.0, 0.0, 0.0
+
+    def _check_lost(self) -> None:
+        mono = time.monotonic()
+        for w in self.active():
+            if w.idle or w.held:
+                continue
+            if mono - w.last_seen > self.cfg.worker_timeout:
+                self._declare_lost(w)
+
+    def _declare_lost(self, w: WorkerState) -> None:
+        print(f"mpilb: rank {w.rank} silent for {self.cfg.worker_timeout:g} s: declared lost; "
+              f"its shards go to the other workers", file=sys.stderr, flush=True)
+        w.lost = True
+        self.lost.append(w.rank)
+        self.balancer.remove_worker(w.rank)
+        requeue = []
+        for task in w.tasks:
+            if task.epoch == self.epoch and task.pos < task.size:
+                self.starts[task.shard] = task.pos
+                requeue.append(task.shard)
+                self.log.append("shards", t=self.now(), epoch=task.epoch, shard=task.shard,
+                                src=w.rank, dst=-1, event="reassign")
+        w.tasks.clear()
+        if requeue:
+            self.balancer.requeue(requeue)
+        self._log_moves()
+        if not self.active():
+            raise RuntimeError("every worker was lost")
+        for o in self.active():
+            if o.idle:
+                self._top_up(o)
+                if o.pending_assign:
+                    o.idle = False
+                    self._reply(o)
+        if self.cfg.mode == "sync" and self.round_members and self._round_complete():
+            self._apply_round()
+        if self.cfg.mode == "ssp":
+            self._release_held()
+
+    # ----------------------------------------------------------------- stop
+    def _begin_stop(self) -> None:
+        if not self.stop.reason:
+            self.stop.reason = "stopped"
+        for w in self.active():
+            if w.idle or w.held:
+                self._reply(w, Cmd.STOP)
+
+    def _all_stopped(self) -> bool:
+        return all(w.stopped or w.lost for w in self.workers.values())
+
+    # ----------------------------------------------------------------- main loop
+    def run(self) -> str:
+        """Serve until training ends. Returns the final status."""
+        self.t0 = time.monotonic()
+        self.cpu0 = time.process_time()
+        self.last_eval = self.last_rebalance = self.t0
+        for w in self.workers.values():
+            w.last_seen = self.t0
+            self._post_recv(w)
+        for w in self.workers.values():
+            w.idle = True
+        self._begin_epoch(0)
+        reqs = [w.recv_req for w in self.workers.values()]
+        order = list(self.workers.values())
+        while not (self.stop.reason and self._all_stopped()):
+            done = C.Request.Testsome(reqs)
+            if done:
+                self.backoff.reset()
+                for i in done:
+                    w = order[i]
+                    self._on_push(w)
+                    if not (w.stopped or w.lost):
+                        self._post_recv(w)
+                        reqs[i] = w.recv_req
+            else:
+                err = C.poll_error(self.comm)
+                if err is not None:
+                    raise WorkerFailed(*err)
+                self._check_lost()
+                self.backoff.sleep()
+            self._timers()
+        self.train_s = self.now()
+        self._log_worker_rows()
+        for i, w in enumerate(order):
+            if w.reply_req is not None and not w.lost:
+                C.wait(w.reply_req, timeout=5.0)
+            if reqs[i] is not None and not reqs[i].Test():
+                reqs[i].Cancel()   # the receive preposted for a push that never came
+                C.wait(reqs[i], timeout=1.0)
+        return "degraded" if self.lost else "finished"
+
+    def finish(self, status: str) -> dict:
+        self.progress.close()
+        attrs = {
+            "train_s": getattr(self, "train_s", self.now()),
+            "wall_s": self.now(),
+            "server_cpu_s": time.process_time() - self.cpu0,
+            "coverage": json.dumps(self.tracker.coverage()),
+            "lost_workers": json.dumps(self.lost),
+            "stop_reason": self.stop.reason,
+            "rejected_gradients": self.rejected,
+        }
+        self.log.close(status, attrs)
+        summary = summarize_log(self.cfg.log)
+        self.log.write_summary(summary)
+        return summary
+
+
+class WorkerFailed(Exception):
+    def __init__(self, rank: int, text: str):
+        super().__init__(f"rank {rank}: {text}")
+        self.rank = rank
+        self.text = text
+
+
+def serve(cfg, dataset, comm, run_attrs: dict) -> int:
+    """Run the server; returns the exit code (0 finished, 3 degraded)."""
+    server = ParameterServer(cfg, dataset, comm, run_attrs)
+    try:
+        status = server.run()
+    except WorkerFailed as exc:
+        server.train_s = server.now()
+        server.finish("failed")
+        print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
+        C.abort(1)
+        raise
+    except BaseException:
+        try:
+            server.finish("failed")
+        except Exception:  # noqa: BLE001 - the original error matters more
+            pass
+        raise
+    summary = server.finish(status)
+    print(format_final(summary), flush=True)
+    return 3 if status == "degraded" else 0

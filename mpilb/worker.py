@@ -1,0 +1,228 @@
+"""A worker rank: compute gradients on assigned shards and push them to the server.
+
+The loop reads like the protocol (see server.py): push [header | gradient], wait for the
+reply [header | parameters], take the assignments it carries, repeat; with nothing to do,
+wait for the server's next message. With --pipeline 1 the next gradient is computed on the
+parameters at hand while the previous push is in flight.
+
+GPU workers compute on CuPy arrays and synchronise the stream before MPI touches memory;
+without CUDA-aware MPI (the default) gradients and parameters are staged through pinned host
+buffers, one copy each way per step.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Optional
+
+import numpy as np
+
+from . import comm as C
+from .backend import select_backend
+from .batches import GradientStep, ShardFeed
+from .comm import Cmd, Push, PushKind, Reply
+from .inject import Injector, parse_injects
+from .shards import ShardStore
+from .training import config_model
+
+
+class StopWorker(Exception):
+    pass
+
+
+class Worker:
+    def __init__(self, cfg, dataset, comm, rank: int):
+        self.cfg = cfg
+        self.comm = comm
+        self.rank = rank
+        self.backend = select_backend(cfg.device, C.local_rank(comm))
+        self.model = config_model(cfg, dataset)
+        self.n = self.model.num_params
+        self.injector = Injector(parse_injects(cfg.inject, comm.Get_size()), rank, cfg.seed)
+        inj = self.injector
+        self.store = ShardStore(dataset, seed=cfg.seed,
+                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s))
+        self.feed = ShardFeed(self.store, self.backend)
+        self.step_fn = GradientStep(self.model, self.backend, self.injector)
+        self.on_cpu = self.backend.name == "cpu"
+        # Two push buffers so that with --pipeline 1 one can be in flight while the next
+        # gradient is computed into the other.
+        self.push_bufs = [C.new_message(self.n) for _ in range(2 if cfg.pipeline else 1)]
+        if not self.on_cpu:
+            self.push_bufs = [self._pinned_message() for _ in self.push_bufs]
+        self.recv_buf = self._pinned_message() if not self.on_cpu else C.new_message(self.n)
+        # On the CPU without pipelining the parameters can live in the reply buffer itself:
+        # nothing reads them while the next reply is being received.
+        if self.on_cpu and not cfg.pipeline:
+            self.params = self.recv_buf[2]
+        else:
+            self.params = self.backend.xp.zeros(self.n, dtype=np.float32)
+        self.version = 0
+        self.batch = cfg.batch
+        self.step = 0
+        self.backoff = C.Backoff()
+        self.reply_req = None
+        self.push_req = None
+        # timings since the last push
+        self.compute_s = self.comm_s = self.idle_s = 0.0
+        self.io_reported = 0.0
+        self.retry = False
+
+    def _pinned_message(self):
+        buf = self.backend.empty_host(C.HEADER_BYTES + 4 * self.n)
+        buf[:] = 0
+        return buf, buf[:C.HEADER_BYTES].view(np.float64), buf[C.HEADER_BYTES:].view(np.float32)
+
+    # ---------------------------------------------------------------- messages
+    def _post_reply_recv(self) -> None:
+        self.reply_req = self.comm.Irecv(self.recv_buf[0], source=0, tag=C.TAG_REPLY)
+
+    def _wait_reply(self, counts_as_idle: bool) -> None:
+        """Wait for the server's message (no spinning) and act on it."""
+        t0 = time.perf_counter()
+        C.wait(self.reply_req, self.backoff, on_poll=self._check_fault)
+        waited = time.perf_counter() - t0
+        hdr = self.recv_buf[1]
+        held = float(hdr[Reply.HELD_S])
+        if counts_as_idle:
+            self.idle_s += waited
+        else:
+            self.idle_s += min(held, waited)
+            self.comm_s += max(0.0, waited - held)
+        if int(hdr[Reply.CMD]) == Cmd.STOP:
+            raise StopWorker
+        self.version = int(hdr[Reply.VERSION])
+        self.batch = max(1, int(hdr[Reply.BATCH]))
+        self.retry = bool(hdr[Reply.RETRY])
+        for i in range(int(hdr[Reply.N_ASSIGN])):
+            epoch, shard, start = (int(v) for v in hdr[Reply.ASSIGN + 3 * i: Reply.ASSIGN + 3 * i + 3])
+            self.feed.assign(epoch, shard, start)
+        payload = self.recv_buf[2]
+        if self.params is not payload:
+            if self.on_cpu:
+                np.copyto(self.params, payload)
+            else:
+                self.params.set(payload)   # host (pinned) -> device
+
+    def _push(self, msg, batch, loss: float, compute_s: float, nonfinite: bool, next_range) -> None:
+        buf, hdr, _ = msg
+        io_total = self.feed.io_s
+        hdr[:] = 0
+        hdr[Push.KIND] = PushKind.GRAD
+        hdr[Push.STEP] = self.step
+        hdr[Push.VERSION] = self.version
+        hdr[Push.EPOCH] = batch.epoch
+        hdr[Push.SHARD] = batch.shard
+        hdr[Push.LO] = batch.lo
+        hdr[Push.HI] = batch.hi
+        hdr[Push.BATCH] = batch.size
+        hdr[Push.LOSS] = loss
+        hdr[Push.COMPUTE_S] = compute_s
+        hdr[Push.IO_S] = io_total - self.io_reported
+        hdr[Push.COMM_S] = self.comm_s
+        hdr[Push.IDLE_S] = self.idle_s
+        hdr[Push.NONFINITE] = 1 if nonfinite else 0
+        hdr[Push.NEXT_SHARD] = -1
+        if next_range is not None:
+            hdr[Push.NEXT_EPOCH], hdr[Push.NEXT_SHARD], hdr[Push.NEXT_LO], hdr[Push.NEXT_HI] = next_range
+        hdr[Push.T] = time.monotonic() - self.t0
+        self.io_reported = io_total
+        self.comm_s = self.idle_s = 0.0
+        if self.push_req is not None:
+            self.push_req.Wait()
+        self._post_reply_recv()
+        self.push_req = self.comm.Isend(buf, dest=0, tag=C.TAG_PUSH)
+        self.step += 1
+
+    def _check_fault(self) -> None:
+        fault = self.injector.fault(time.monotonic())
+        if fault == "crash":
+            os._exit(17)
+        if fault == "hang":
+            while True:  # stops responding, process stays alive
+                time.sleep(3600)
+
+    def _compute(self, batch, msg):
+        """Gradient of `batch` into the payload of `msg` (staged through the host on a GPU)."""
+        self._check_fault()
+        out = msg[2] if self.on_cpu else None
+        loss, grad, compute_s = self.step_fn(self.params, batch, out=out)
+        if not self.on_cpu:
+            self.backend.to_host(grad, out=msg[2])
+        nonfinite = not np.isfinite(loss) or not bool(np.isfinite(msg[2]).all())
+        return loss, compute_s, nonfinite
+
+    # ---------------------------------------------------------------- main loop
+    def run(self) -> None:
+        self.t0 = time.monotonic()
+        self.injector.start(self.t0)
+        self._post_reply_recv()
+        try:
+            self._wait_reply(counts_as_idle=True)
+            if self.cfg.pipeline:
+                self._loop_pipelined()
+            else:
+                self._loop()
+        except StopWorker:
+            pass
+        finally:
+            if self.push_req is not None:
+                C.wait(self.push_req, timeout=5.0)
+            self.store.close()
+
+    def _loop(self) -> None:
+        msg = self.push_bufs[0]
+        while True:
+            if not self.feed.has_work:
+                self._post_reply_recv()
+                self._wait_reply(counts_as_idle=True)
+                continue
+            batch = self.feed.take(self.batch)
+            loss, compute_s, nonfinite = self._compute(batch, msg)
+            self._push(msg, batch, loss, compute_s, nonfinite, None)
+            self._wait_reply(counts_as_idle=False)
+            if self.retry:
+                loss, compute_s, nonfinite = self._compute(batch, msg)
+                self._push(msg, batch, loss, compute_s, nonfinite, None)
+                self._wait_reply(counts_as_idle=False)
+
+    def _loop_pipelined(self) -> None:
+        """Compute batch k+1 on the parameters at hand while push k is in flight."""
+        cur = 0
+        pending: Optional[tuple] = None   # (batch, loss, compute_s, nonfinite) computed, not pushed
+        while True:
+            if pending is None:
+                if not self.feed.has_work:
+                    self._post_reply_recv()
+                    self._wait_reply(counts_as_idle=True)
+                    continue
+                batch = self.feed.take(self.batch)
+                pending = (batch, *self._compute(batch, self.push_bufs[cur]))
+            batch, loss, compute_s, nonfinite = pending
+            msg = self.push_bufs[cur]
+            next_range = self.feed.next_range(self.batch)
+            self._push(msg, batch, loss, compute_s, nonfinite, next_range)
+            pending = None
+            cur = 1 - cur
+            if next_range is not None:
+                nb = self.feed.take(self.batch)
+                pending = (nb, *self._compute(nb, self.push_bufs[cur]))
+            self._wait_reply(counts_as_idle=False)
+            if self.retry:
+                # recompute the rejected batch on the fresh parameters and push it again
+                old = self.push_bufs[1 - cur]
+                loss, compute_s, nonfinite = self._compute(batch, old)
+                self._push_retry(old, batch, loss, compute_s, nonfinite, pending)
+
+    def _push_retry(self, msg, batch, loss, compute_s, nonfinite, pending) -> None:
+        next_range = None
+        if pending is not None:
+            nb = pending[0]
+            next_range = (nb.epoch, nb.shard, nb.lo, nb.hi)
+        self._push(msg, batch, loss, compute_s, nonfinite, next_range)
+        self._wait_reply(counts_as_idle=False)
+
+
+def work(cfg, dataset, comm, rank: int) -> None:
+    Worker(cfg, dataset, comm, rank).run()
