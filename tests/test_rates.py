@@ -1,0 +1,117 @@
+"""Rate estimators on synthetic traces, with the stated error bounds (pure, no MPI)."""
+
+import numpy as np
+import pytest
+
+from mpilb.rates import EwmaRate, TrendRate
+
+
+def _settled(rate=100.0, reports=30):
+    est = EwmaRate()
+    for _ in range(reports):
+        est.update(rate, 1.0)
+    return est
+
+
+@pytest.mark.parametrize("factor", [2.0, 0.5, 4.0, 0.25])
+def test_step_change_tracked_within_10_percent_after_3_reports(factor):
+    est = _settled()
+    errors = []
+    for _ in range(3):
+        est.update(100.0 * factor, 1.0)
+        errors.append(abs(est.value / (100.0 * factor) - 1.0))
+    assert errors[-1] < 0.10          # N = 3 reports for a 2x or 4x step
+    assert errors[0] > 0.10           # and not instantly: one report is not a step
+
+
+def test_small_step_tracked_by_the_ewma_within_8_reports():
+    est = _settled()
+    for _ in range(8):                # 1.25x stays under the shift detector; (0.9)^n decay
+        est.update(125.0, 1.0)
+    assert abs(est.value / 125.0 - 1.0) < 0.10
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noise_within_10_percent(seed):
+    rng = np.random.default_rng(seed)
+    est = EwmaRate()
+    errors = []
+    for k in range(500):
+        est.update(100.0 * rng.uniform(0.8, 1.2), 1.0)     # +-20% multiplicative
+        if k >= 20:
+            errors.append(abs(est.value / 100.0 - 1.0))
+    assert max(errors) < 0.10
+    assert np.mean(errors) < 0.04
+
+
+@pytest.mark.parametrize("spike", [50.0, 1 / 50.0])
+def test_single_outlier_moves_estimate_less_than_20_percent(spike):
+    est = _settled()
+    est.update(100.0 * spike, 1.0)
+    assert abs(est.value / 100.0 - 1.0) < 0.20
+    est.update(100.0, 1.0)
+    assert abs(est.value / 100.0 - 1.0) < 0.20
+
+
+def test_empty_reports_are_ignored():
+    est = EwmaRate()
+    assert est.update(0, 1.0) is None and est.update(10, 0.0) is None
+    assert est.update(10, 1.0) == 10.0
+
+
+def test_ramp_forecast_beats_ewma_lag():
+    # The rate falls by 2 samples/s per second; reports of 10 samples each.
+    trend, t = TrendRate(), 0.0
+    ewma_err, forecast_err = [], []
+    horizon = 2.0
+    for k in range(150):
+        rate = 100.0 - 2.0 * t
+        busy = 10.0 / rate
+        t += busy
+        trend.update(t, 10.0, busy)
+        if k >= 20:
+            truth = 100.0 - 2.0 * (t + horizon / 2.0)     # mean rate over the next interval
+            ewma_err.append(abs(trend.value - truth) / truth)
+            forecast_err.append(abs(trend.forecast(t, horizon) - truth) / truth)
+    assert np.mean(forecast_err) < 0.5 * np.mean(ewma_err)
+    assert np.mean(forecast_err) < 0.05
+    assert trend.slope() == pytest.approx(-2.0, rel=0.1)
+
+
+def test_forecast_clamped_and_flat_without_trend():
+    trend = TrendRate()
+    assert trend.forecast(0.0, 2.0) is None
+    for k in range(20):
+        trend.update(float(k), 100.0, 1.0)
+    assert trend.forecast(20.0, 2.0) == pytest.approx(100.0)
+    assert trend.forecast(1e6, 1e6) == pytest.approx(100.0)
+    steep = TrendRate()
+    for k in range(20):
+        steep.update(float(k), max(1.0, 100.0 - 20.0 * k), 1.0)
+    assert steep.forecast(100.0, 100.0) >= 0.05 * steep.value > 0
+
+
+def test_time_for_integrates_a_falling_rate():
+    trend = TrendRate()
+    for _ in range(3):
+        trend.update(0.0, 100.0, 1.0)
+    assert trend.time_for(200.0, 0.0) == pytest.approx(2.0)       # flat: samples / rate
+    falling, t = TrendRate(), 0.0
+    for _ in range(60):
+        rate = 100.0 - 2.0 * t
+        t += 10.0 / rate
+        falling.update(t, 10.0, 10.0 / rate)
+    assert falling.time_for(500.0, t) > 500.0 / falling.value
+
+
+def test_state_round_trip():
+    import json
+    trend = TrendRate()
+    for k in range(12):
+        trend.update(float(k), 100.0 - k, 1.0)
+    copy = TrendRate()
+    copy.load_state_dict(json.loads(json.dumps(trend.state_dict())))
+    assert copy.forecast(12.0, 2.0) == trend.forecast(12.0, 2.0)
+    trend.update(12.0, 50.0, 1.0)
+    copy.update(12.0, 50.0, 1.0)
+    assert copy.value == trend.value
