@@ -96,7 +96,7 @@ class Backoff:
     wake-ups per second (and so the CPU) when a rank waits a long time.
     """
 
-    def __init__(self, start: float = 20e-6, cap: float = 2e-3):
+    def __init__(self, start: float = 20e-6, cap: float = 1e-3):
         self.start = start
         self.cap = cap
         self.delay = start
@@ -107,6 +107,12 @@ class Backoff:
     def sleep(self) -> None:
         time.sleep(self.delay)
         self.delay = min(self.cap, self.delay * 2)
+
+    @staticmethod
+    def short() -> None:
+        """The shortest sleep (the kernel's timer slack, ~50 us): a transfer is under way
+        and needs MPI progress soon, but another process may need this core."""
+        time.sleep(1e-6)
 
 
 def new_message(payload_floats: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -137,6 +143,32 @@ def wait(req: "MPI.Request", backoff: Optional[Backoff] = None, timeout: Optiona
             return False
         backoff.sleep()
     return True
+
+
+def complete(req: "MPI.Request") -> None:
+    """Finish a request whose transfer is under way: keep MPI progressing, yield the core."""
+    while not req.Test():
+        time.sleep(0)
+
+
+def recv_when_ready(comm, buf, source: int, tag: int, backoff: Optional[Backoff] = None,
+                    on_poll=None) -> None:
+    """Receive one message into `buf`, sleeping with backoff until it starts to arrive.
+
+    A matched probe tells when the message is there; the receive itself then runs without
+    sleeping, so a large transfer is not stretched over many sleeps.
+    """
+    backoff = backoff or Backoff()
+    backoff.reset()
+    while True:
+        msg = comm.improbe(source=source, tag=tag)
+        if msg is not None:
+            req = msg.Irecv(buf)
+            complete(req)
+            return
+        if on_poll is not None:
+            on_poll()
+        backoff.sleep()
 
 
 def world():

@@ -113,7 +113,7 @@ class ParameterServer:
             self.round_members: list[int] = []
             self.round_tasks: list[tuple] = []
         self.backoff = C.Backoff()
-        self.done = False
+        self.sending: list = []    # reply sends not known to be complete
 
     # ----------------------------------------------------------------- helpers
     def now(self) -> float:
@@ -146,11 +146,13 @@ class ParameterServer:
         w.pending_assign = []
         if cmd == Cmd.STOP:
             w.reply_req = self.comm.Isend(buf[:C.HEADER_BYTES], dest=w.rank, tag=C.TAG_REPLY)
+            self.sending.append(w.reply_req)
             w.stopped = True
             return
         np.copyto(payload, self.params)
         slot[3] = self.version
         w.reply_req = self.comm.Isend(buf, dest=w.rank, tag=C.TAG_REPLY)
+        self.sending.append(w.reply_req)
 
     def _params_then(self, w: WorkerState, version: int) -> Optional[np.ndarray]:
         for slot in w.replies:
@@ -198,6 +200,17 @@ class ParameterServer:
                     w.idle = False
                     self._reply(w)
 
+    def _wake_idle(self) -> None:
+        """Send work to idle workers that the balancer has given shards to (e.g. by a move)."""
+        if self.stop.reason:
+            return
+        for w in self.active():
+            if w.idle:
+                self._top_up(w)
+                if w.pending_assign:
+                    w.idle = False
+                    self._reply(w)
+
     def _end_epoch(self) -> None:
         t = self.now()
         stats = self.tracker.end(t)
@@ -242,7 +255,9 @@ class ParameterServer:
         if self.stop.reason:
             self._reply(w, Cmd.STOP)
             return
-        if hdr[Push.NONFINITE] or not np.isfinite(grad).all():
+        # Workers send the mean gradient and check it is finite themselves (in parallel,
+        # off the server's hot path); the flag says whether it was.
+        if hdr[Push.NONFINITE]:
             self.rejected += 1
             self.log.append("shards", t=now, epoch=epoch, shard=shard, src=w.rank, dst=-1,
                             event="reject")
@@ -264,6 +279,7 @@ class ParameterServer:
             return
         staleness = self.version - int(hdr[Push.VERSION])
         if self.cfg.mode == "sync":
+            np.multiply(grad, b, out=grad)      # back to the sum: rounds weight by batch
             self.round_grad += grad
             self.round_batch += b
             self.round_members.append(w.rank)
@@ -274,7 +290,6 @@ class ParameterServer:
             if self._round_complete():
                 self._apply_round()
             return
-        grad /= max(1, b)
         lr_scale = b / self.cfg.batch
         then = self._params_then(w, int(hdr[Push.VERSION])) if self.correction.needs_old_params else None
         lr_scale *= self.correction.apply(grad, staleness, self.params, then)
@@ -391,6 +406,7 @@ class ParameterServer:
         committed = {w.rank: sum(task.size - task.pos for task in w.tasks) for w in self.active()}
         self.balancer.rebalance(t, committed)
         self._log_moves()
+        self._wake_idle()
         sizes = self.balancer.batch_sizes()
         for w in self.active():
             w.batch = int(sizes.get(w.rank, self.cfg.batch))
@@ -435,12 +451,7 @@ class ParameterServer:
         self._log_moves()
         if not self.active():
             raise RuntimeError("every worker was lost")
-        for o in self.active():
-            if o.idle:
-                self._top_up(o)
-                if o.pending_assign:
-                    o.idle = False
-                    self._reply(o)
+        self._wake_idle()
         if self.cfg.mode == "sync" and self.round_members and self._round_complete():
             self._apply_round()
         if self.cfg.mode == "ssp":
@@ -486,7 +497,13 @@ class ParameterServer:
                 if err is not None:
                     raise WorkerFailed(*err)
                 self._check_lost()
-                self.backoff.sleep()
+                # While replies are still being transferred keep MPI progressing (yield the
+                # core, don't sleep); when nothing is under way, back off.
+                self.sending = [r for r in self.sending if not r.Test()]
+                if self.sending:
+                    self.backoff.short()
+                else:
+                    self.backoff.sleep()
             self._timers()
         self.train_s = self.now()
         self._log_worker_rows()

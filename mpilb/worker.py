@@ -62,7 +62,6 @@ class Worker:
         self.batch = cfg.batch
         self.step = 0
         self.backoff = C.Backoff()
-        self.reply_req = None
         self.push_req = None
         # timings since the last push
         self.compute_s = self.comm_s = self.idle_s = 0.0
@@ -75,13 +74,11 @@ class Worker:
         return buf, buf[:C.HEADER_BYTES].view(np.float64), buf[C.HEADER_BYTES:].view(np.float32)
 
     # ---------------------------------------------------------------- messages
-    def _post_reply_recv(self) -> None:
-        self.reply_req = self.comm.Irecv(self.recv_buf[0], source=0, tag=C.TAG_REPLY)
-
     def _wait_reply(self, counts_as_idle: bool) -> None:
         """Wait for the server's message (no spinning) and act on it."""
         t0 = time.perf_counter()
-        C.wait(self.reply_req, self.backoff, on_poll=self._check_fault)
+        C.recv_when_ready(self.comm, self.recv_buf[0], 0, C.TAG_REPLY, self.backoff,
+                          on_poll=self._check_fault)
         waited = time.perf_counter() - t0
         hdr = self.recv_buf[1]
         held = float(hdr[Reply.HELD_S])
@@ -130,10 +127,11 @@ class Worker:
         self.io_reported = io_total
         self.comm_s = self.idle_s = 0.0
         if self.push_req is not None:
-            self.push_req.Wait()
-        self._post_reply_recv()
+            C.complete(self.push_req)
         self.push_req = self.comm.Isend(buf, dest=0, tag=C.TAG_PUSH)
         self.step += 1
+        if not self.cfg.pipeline:
+            C.complete(self.push_req)   # the server has a receive posted: this is quick
 
     def _check_fault(self) -> None:
         fault = self.injector.fault(time.monotonic())
@@ -148,16 +146,19 @@ class Worker:
         self._check_fault()
         out = msg[2] if self.on_cpu else None
         loss, grad, compute_s = self.step_fn(self.params, batch, out=out)
+        # Push the mean gradient: the division and the finiteness check happen here, in
+        # parallel on every worker, instead of on the server's hot path.
+        grad *= np.float32(1.0 / batch.size)
+        xp = self.backend.xp
+        nonfinite = not np.isfinite(loss) or not bool(xp.isfinite(grad).all())
         if not self.on_cpu:
             self.backend.to_host(grad, out=msg[2])
-        nonfinite = not np.isfinite(loss) or not bool(np.isfinite(msg[2]).all())
         return loss, compute_s, nonfinite
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> None:
         self.t0 = time.monotonic()
         self.injector.start(self.t0)
-        self._post_reply_recv()
         try:
             self._wait_reply(counts_as_idle=True)
             if self.cfg.pipeline:
@@ -175,7 +176,6 @@ class Worker:
         msg = self.push_bufs[0]
         while True:
             if not self.feed.has_work:
-                self._post_reply_recv()
                 self._wait_reply(counts_as_idle=True)
                 continue
             batch = self.feed.take(self.batch)
@@ -194,7 +194,6 @@ class Worker:
         while True:
             if pending is None:
                 if not self.feed.has_work:
-                    self._post_reply_recv()
                     self._wait_reply(counts_as_idle=True)
                     continue
                 batch = self.feed.take(self.batch)

@@ -1,0 +1,194 @@
+"""`mpilb bench ps`: the real parameter server against workers that compute nothing.
+
+In the same run, a bare loop gives the baseline: one preposted Irecv per worker, Waitany,
+`w -= lr*g`, Isend back. The ratio of the two update rates is the server's overhead:
+headers, staleness bookkeeping, coverage counting, the run log, the balancer and the
+optimizer's own cost (sgd is the same arithmetic as the bare loop; adam is more).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import comm as C
+from .comm import Cmd, Push, PushKind, Reply
+from .errors import UsageError
+
+TAG_BARE = 21
+TAG_BARE_STOP = 22
+
+
+@dataclass
+class _BenchDataset:
+    """Just enough of a Dataset for the server: big shards, a tiny test set."""
+
+    features: int
+    shard_sizes: list
+    num_classes: int = 10
+    root: str = "<bench>"
+
+    @property
+    def sample_shape(self):
+        return (self.features,)
+
+    def load_test(self):
+        return (np.zeros((2, self.features), np.float32), np.zeros(2, np.int64))
+
+
+def _bare_server(comm, n: int, seconds: float, lr: float) -> float:
+    workers = list(range(1, comm.Get_size()))
+    w = np.zeros(n, np.float32)
+    bufs = [np.empty(n, np.float32) for _ in workers]
+    reqs = [comm.Irecv(b, source=r, tag=TAG_BARE) for b, r in zip(bufs, workers)]
+    sends = [None] * len(workers)
+    updates = 0
+    t0 = time.perf_counter()
+    while True:
+        i = C.Request.Waitany(reqs)
+        w -= lr * bufs[i]
+        updates += 1
+        if sends[i] is not None:
+            sends[i].Wait()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            break
+        sends[i] = comm.Isend(w, dest=workers[i], tag=TAG_BARE)
+        reqs[i] = comm.Irecv(bufs[i], source=workers[i], tag=TAG_BARE)
+    # Stop: the worker that just pushed and every other one (after its push lands).
+    pending = set(range(len(workers))) - {i}
+    comm.Send(np.zeros(1, np.float32), dest=workers[i], tag=TAG_BARE_STOP)
+    for j in pending:
+        reqs[j].Wait()
+        if sends[j] is not None:
+            sends[j].Wait()
+        comm.Send(np.zeros(1, np.float32), dest=workers[j], tag=TAG_BARE_STOP)
+    for s in sends:
+        if s is not None:
+            s.Wait()
+    return updates / elapsed
+
+
+def _bare_worker(comm, n: int) -> None:
+    g = np.full(n, 1e-3, np.float32)
+    w = np.empty(n, np.float32)
+    status = C.MPI.Status()
+    backoff = C.Backoff()
+    while True:
+        C.complete(comm.Isend(g, dest=0, tag=TAG_BARE))
+        backoff.reset()
+        while not comm.Iprobe(source=0, tag=C.MPI.ANY_TAG, status=status):
+            backoff.sleep()
+        if status.Get_tag() == TAG_BARE_STOP:
+            comm.Recv(np.empty(1, np.float32), source=0, tag=TAG_BARE_STOP)
+            return
+        C.recv_when_ready(comm, w, 0, TAG_BARE, backoff)
+
+
+def _null_worker(comm, n: int) -> None:
+    """The worker protocol without computing: push zero-cost gradients of assigned ranges."""
+    push_buf, push_hdr, push_payload = C.new_message(n)
+    push_payload[:] = 1e-3
+    recv_buf, recv_hdr, _ = C.new_message(n)
+    tasks = []
+    backoff = C.Backoff()
+    step = version = 0
+    while True:
+        C.recv_when_ready(comm, recv_buf, 0, C.TAG_REPLY, backoff)
+        if int(recv_hdr[Reply.CMD]) == Cmd.STOP:
+            return
+        version = int(recv_hdr[Reply.VERSION])
+        batch = int(recv_hdr[Reply.BATCH])
+        for i in range(int(recv_hdr[Reply.N_ASSIGN])):
+            e, s, start = (int(v) for v in recv_hdr[Reply.ASSIGN + 3 * i: Reply.ASSIGN + 3 * i + 3])
+            tasks.append([e, s, start])
+        if not tasks:
+            continue
+        e, s, lo = tasks[0]
+        hi = min(lo + batch, _NULL_SHARD)
+        tasks[0][2] = hi
+        if hi >= _NULL_SHARD:
+            tasks.pop(0)
+        push_hdr[:] = 0
+        push_hdr[Push.KIND] = PushKind.GRAD
+        push_hdr[Push.STEP] = step
+        push_hdr[Push.VERSION] = version
+        push_hdr[Push.EPOCH], push_hdr[Push.SHARD] = e, s
+        push_hdr[Push.LO], push_hdr[Push.HI], push_hdr[Push.BATCH] = lo, hi, hi - lo
+        push_hdr[Push.NEXT_SHARD] = -1
+        C.complete(comm.Isend(push_buf, dest=0, tag=C.TAG_PUSH))
+        step += 1
+
+
+_NULL_SHARD = 1_000_000
+
+
+def _real_server(comm, n: int, seconds: float, optimizer: str, lr: float) -> float:
+    from .config import build_config
+    from .server import ParameterServer
+
+    workers = comm.Get_size() - 1
+    features = max(1, n // 10 - 1)
+    dataset = _BenchDataset(features, [_NULL_SHARD] * (2 * workers + 2))
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = build_config({}, {"model": "softmax", "optimizer": optimizer, "lr": lr,
+                                "epochs": 1, "max_seconds": seconds, "eval_interval": 1e9,
+                                "rebalance_interval": 1.0, "progress": False,
+                                "log": os.path.join(tmp, "bench.h5"), "data": "<bench>"})
+        server = ParameterServer(cfg, dataset, comm, {"config": cfg.to_json(), "world_size": comm.Get_size()})
+        server.run()
+        updates = server.version
+        train_s = server.train_s
+        server.finish("finished")
+    return updates / train_s, (features * 10 + 10)
+
+
+def bench_ps(params: int = 1_000_000, seconds: float = 3.0, optimizer: str = "sgd",
+             as_json: bool = False) -> int:
+    """Run both loops on every rank; rank 0 prints the figures."""
+    comm, rank, size = C.world()
+    if size < 2:
+        if rank == 0:
+            raise UsageError("bench ps needs at least 2 ranks: mpiexec -n 4 mpilb bench ps")
+        return 2
+    if params < 10 or seconds <= 0:
+        raise UsageError("bench ps: --params must be >= 10 and --seconds > 0")
+    lr = 1e-6
+    # Use the server's actual parameter count (softmax: 10*(features+1)) for both loops.
+    n = (max(1, params // 10 - 1)) * 10 + 10
+    comm.Barrier()
+    if rank == 0:
+        baseline = _bare_server(comm, n, seconds, lr)
+    else:
+        _bare_worker(comm, n)
+    comm.Barrier()
+    if rank == 0:
+        rate, n_real = _real_server(comm, n, seconds, optimizer, lr)
+    else:
+        _null_worker(comm, n)
+    comm.Barrier()
+    if rank != 0:
+        return 0
+    result = {
+        "params": n,
+        "workers": size - 1,
+        "optimizer": optimizer,
+        "updates_per_s": rate,
+        "gb_per_s": rate * n * 4 * 2 / 1e9,
+        "baseline_updates_per_s": baseline,
+        "ratio": rate / baseline if baseline > 0 else 0.0,
+    }
+    if as_json:
+        print(json.dumps(result))
+    else:
+        print(f"parameter server, {n} float32 params, {size - 1} workers, {optimizer}: "
+              f"{rate:.0f} updates/s ({result['gb_per_s']:.2f} GB/s in+out); bare loop "
+              f"{baseline:.0f} updates/s; ratio {result['ratio']:.2f}")
+    sys.stdout.flush()
+    return 0
