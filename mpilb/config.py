@@ -161,8 +161,8 @@ class Config:
 
 def closest(name: str, candidates) -> str:
     """Return a ' (did you mean X?)' hint for a misspelt name, or ''."""
-    match = difflib.get_close_matches(name, list(candidates), n=1, cutoff=0.5)
-    return f" (did you mean {match[0]!r}?)" if match else ""
+    match = difflib.get_close_matches(name, list(candidates), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(m) for m in match)}?)" if match else ""
 
 
 def parse_hidden(text) -> tuple[int, ...]:
@@ -299,3 +299,29 @@ def _check_combinations(cfg: Config) -> None:
 def default_cache_dir() -> Path:
     """$MPILB_CACHE, else ~/.cache/mpilb."""
     return Path(os.environ.get("MPILB_CACHE") or Path.home() / ".cache" / "mpilb")
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md, generated from OPTIONS (`python -m mpilb.config > docs/configuration.md`)."""
+    lines = ["# Configuration reference", "",
+             "Generated from `mpilb/config.py` by `python -m mpilb.config > docs/configuration.md`;",
+             "a test fails when this page and the code disagree.", "",
+             "Every option can be given on the command line (`--staleness-bound 2`) or in a TOML",
+             "config file (`staleness_bound = 2` or `staleness-bound = 2`); the command line wins.",
+             "Boolean options take `--name` / `--no-name`; `--inject` may be repeated (a list in TOML).", ""]
+    groups: dict[str, list[Option]] = {}
+    for opt in OPTIONS:
+        groups.setdefault(opt.group, []).append(opt)
+    for group, opts in groups.items():
+        lines += [f"## {group.capitalize()}", "", "| option | type | default | allowed | meaning |",
+                  "| --- | --- | --- | --- | --- |"]
+        for o in opts:
+            allowed = ", ".join(f"`{c}`" for c in o.choices) if o.choices else (o.check[1] if o.check else "")
+            default = "—" if o.default is None else f"`{o.default}`"
+            lines.append(f"| `{o.flag}` | {o.type.__name__} | {default} | {allowed} | {o.help} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(reference_markdown(), end="")

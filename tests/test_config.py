@@ -1,0 +1,104 @@
+"""Configuration: defaults, TOML files, command-line overrides, validation messages."""
+
+import pytest
+
+from mpilb.config import OPTIONS, build_config, load_toml, parse_hidden
+from mpilb.errors import UsageError
+
+
+def test_defaults_match_design():
+    cfg = build_config()
+    assert cfg.mode == "async" and cfg.balancer == "load" and cfg.batch_policy == "fixed"
+    assert cfg.store == "shared" and cfg.correction == "none" and cfg.dc_lambda == 0.04
+    assert cfg.replicas == 1 and cfg.pipeline == 0 and cfg.inject == []
+
+
+def test_toml_with_dashes_or_underscores_and_cli_override(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('model = "softmax"\nstaleness-bound = 3\nbatch_policy = "proportional"\n'
+                 'inject = ["3:compute=4"]\nhidden = [64, 32]\n')
+    cfg = build_config(load_toml(str(f)), {"model": "cnn", "lr": "0.5"}, source=str(f))
+    assert cfg.model == "cnn" and cfg.staleness_bound == 3 and cfg.lr == 0.5
+    assert cfg.batch_policy == "proportional" and cfg.inject == ["3:compute=4"]
+    assert cfg.hidden_sizes == (64, 32)
+
+
+def test_unknown_key_names_closest(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("staleness_bund = 3\n")
+    with pytest.raises(UsageError, match="staleness_bund.*did you mean 'staleness_bound'"):
+        load_toml(str(f))
+
+
+def test_unknown_cli_option_names_closest():
+    with pytest.raises(UsageError, match="did you mean 'balancer'"):
+        build_config({}, {"balancr": "load"})
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("lr", "-0.1", "--lr.*must be a number > 0"),
+    ("lr", "abc", "--lr.*expected a number"),
+    ("batch", "0", "--batch.*must be an integer >= 1"),
+    ("batch", "2.5", "--batch.*expected an integer"),
+    ("mode", "fast", "--mode.*allowed values are async, ssp, sync"),
+    ("balancer", "lod", "did you mean 'load'"),
+    ("hidden", "64,0", "--hidden.*positive layer sizes"),
+    ("hidden", "a,b", "--hidden.*positive layer sizes"),
+    ("target_accuracy", "1.5", "--target-accuracy.*\\(0, 1\\]"),
+    ("momentum", "1.0", "--momentum.*\\[0, 1\\)"),
+    ("pipeline", "2", "--pipeline.*allowed values are 0, 1"),
+])
+def test_bad_values_name_the_option(key, value, message):
+    with pytest.raises(UsageError, match=message):
+        build_config({}, {key: value})
+
+
+def test_bad_value_in_file_names_file_and_key(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("batch = -3\n")
+    with pytest.raises(UsageError, match=r"c\.toml: batch = -3: must be"):
+        build_config(load_toml(str(f)), {}, source=str(f))
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"min_batch": "64", "max_batch": "32"}, "--min-batch 64 is larger than --max-batch 32"),
+    ({"resume": True}, "--resume needs --checkpoint"),
+    ({"replicas": "2"}, "--replicas only applies to --store local"),
+    ({"pipeline": "1", "mode": "sync"}, "--pipeline 1 cannot be combined with --mode sync"),
+])
+def test_bad_combinations(values, message):
+    with pytest.raises(UsageError, match=message):
+        build_config({}, values)
+
+
+def test_toml_errors(tmp_path):
+    with pytest.raises(UsageError, match="config file not found"):
+        load_toml(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("model = \n")
+    with pytest.raises(UsageError, match="bad.toml: not valid TOML"):
+        load_toml(str(bad))
+
+
+def test_parse_hidden():
+    assert parse_hidden("256,128") == (256, 128)
+    assert parse_hidden([8]) == (8,)
+    with pytest.raises(UsageError):
+        parse_hidden("")
+
+
+def test_every_option_has_help_and_a_valid_default():
+    for opt in OPTIONS:
+        assert opt.help
+        if opt.choices is not None:
+            assert opt.default in opt.choices
+
+
+def test_configuration_reference_is_current():
+    from pathlib import Path
+
+    from mpilb.config import reference_markdown
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+    assert page.read_text() == reference_markdown(), \
+        "docs/configuration.md is stale: python -m mpilb.config > docs/configuration.md"
