@@ -8,6 +8,7 @@ columns survive up to the last flush).
 from __future__ import annotations
 
 import json
+import sys
 from typing import Optional
 
 import numpy as np
@@ -191,11 +192,10 @@ def run_report(paths: list[str], as_json: bool = False, plots: Optional[str] = N
     if plots:
         from .plots import write_plots
 
-        for p in paths:
-            pass
         written = write_plots(paths, plots)
         for w in written:
-            print(f"wrote {w}")
+            # with --json, stdout must stay one JSON document
+            print(f"wrote {w}", file=sys.stderr if as_json else sys.stdout)
     if compare or len(paths) > 1:
         if as_json:
             print(json.dumps(dict(zip(paths, summaries)), indent=2))
