@@ -44,6 +44,13 @@ class Parser(argparse.ArgumentParser):
     """argparse that raises UsageError instead of printing from every rank."""
 
     def error(self, message):
+        if message.startswith("unrecognized arguments:"):
+            from .config import OPTIONS, closest
+
+            flags = [o.flag for o in OPTIONS]
+            word = next((w for w in message.split(":", 1)[1].split() if w.startswith("--")), None)
+            if word:
+                message += closest(word.split("=")[0], flags)
         raise UsageError(f"{self.prog}: {message}")
 
 

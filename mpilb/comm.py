@@ -38,6 +38,7 @@ TAG_PUSH = 11
 TAG_REPLY = 12
 TAG_ERROR = 13
 TAG_SHARD = 14
+TAG_PREEMPT = 15
 
 
 class Push(IntEnum):
@@ -196,6 +197,51 @@ def library_version() -> str:
     return MPI.Get_library_version().strip().splitlines()[0].strip()
 
 
+def mpi_info() -> dict:
+    """What this process's MPI is, for `mpilb doctor` (local: no communication).
+
+    Keys: `library` (the library's version text), `standard` (MPI standard version the
+    library implements) and `compiled_standard` (the one mpi4py was compiled for), `vendor`,
+    `mpi4py` (version), `mpi4py_mpicc` (the compiler mpi4py was built with; '' for a binary
+    wheel), `libmpi` (path of the loaded MPI library, '' if unknown), `thread_requested` and
+    `thread_level` (names), `cuda_support` (the library's MPIX_Query_cuda_support: True,
+    False, or None where the library has no such query).
+    """
+    import ctypes
+    import re
+
+    names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+             MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    libmpi = ""
+    try:
+        with open("/proc/self/maps") as fh:
+            found = re.search(r"\s(/\S*/lib(?:mpi|mpich|impi)[\w.-]*\.so[\w.]*)$", fh.read(), re.M)
+        libmpi = found.group(1) if found else ""
+    except OSError:  # not Linux
+        pass
+    cuda_support = None
+    try:
+        query = getattr(ctypes.CDLL(libmpi or None), "MPIX_Query_cuda_support", None)
+        if query is not None:
+            query.restype = ctypes.c_int
+            cuda_support = bool(query())
+    except OSError:
+        pass
+    vendor, version = MPI.get_vendor()
+    return {
+        "library": MPI.Get_library_version().strip(),
+        "standard": "%d.%d" % MPI.Get_version(),
+        "compiled_standard": f"{MPI.VERSION}.{MPI.SUBVERSION}",
+        "vendor": f"{vendor} {'.'.join(map(str, version))}",
+        "mpi4py": mpi4py.__version__,
+        "mpi4py_mpicc": mpi4py.get_config().get("mpicc", ""),
+        "libmpi": libmpi,
+        "thread_requested": str(mpi4py.rc.thread_level),
+        "thread_level": names.get(MPI.Query_thread(), str(MPI.Query_thread())),
+        "cuda_support": cuda_support,
+    }
+
+
 def hostnames(comm) -> list[str]:
     """Host name of every rank, in rank order (collective)."""
     return comm.allgather(socket.gethostname())
@@ -225,6 +271,20 @@ def poll_error(comm) -> Optional[tuple[int, str]]:
         src = status.Get_source()
         return src, comm.recv(source=src, tag=TAG_ERROR)
     return None
+
+
+def notify_preempt(comm) -> None:
+    """Tell rank 0 this rank received a preemption signal (rare, small)."""
+    comm.isend(comm.Get_rank(), dest=0, tag=TAG_PREEMPT)
+
+
+def poll_preempt(comm) -> bool:
+    """True if some worker reported a preemption signal."""
+    status = MPI.Status()
+    if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_PREEMPT, status=status):
+        comm.recv(source=status.Get_source(), tag=TAG_PREEMPT)
+        return True
+    return False
 
 
 Request = MPI.Request

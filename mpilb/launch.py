@@ -61,6 +61,10 @@ def train(config_file, cli_values: dict) -> int:
         data_dir = verdict[1]
     from .dataset import open_dataset
 
+    # Set-up on every rank (backend, model, shard store, run log); a problem on any rank is
+    # reported once, by rank 0, and every rank exits with the same code.
+    role = None
+    problem = None
     try:
         dataset = open_dataset(data_dir, check_files=(rank == 0))
         hosts = C.hostnames(comm)
@@ -72,18 +76,59 @@ def train(config_file, cli_values: dict) -> int:
 
             return train_serial(cfg, dataset, run_attrs)
         if rank == 0:
-            from .server import WorkerFailed, serve
+            from .server import ParameterServer
 
-            return serve(cfg, dataset, comm, run_attrs)
-        from .worker import work
+            role = ParameterServer(cfg, dataset, comm, run_attrs)
+        else:
+            from .worker import Worker
 
-        work(cfg, dataset, comm, rank)
+            role = Worker(cfg, dataset, comm, rank)
+    except UsageError as exc:
+        problem = ("usage", f"rank {rank}: {exc}" if rank else str(exc))
+    except MpilbError as exc:
+        problem = ("error", f"rank {rank}: {exc}")
+    except Exception as exc:  # noqa: BLE001 - reported once below
+        from .cli import report_exception
+
+        problem = ("error", f"rank {rank}: {report_exception(exc, rank)}")
+    if size == 1:
+        if problem:
+            print(f"mpilb: error: {problem[1]}", file=sys.stderr, flush=True)
+            return 2 if problem[0] == "usage" else 1
+    problems = comm.allgather(problem)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        if rank == 0:
+            if role is not None:
+                role.abandon()
+            print(f"mpilb: error: {first[1]}", file=sys.stderr, flush=True)
+        return 2 if first[0] == "usage" else 1
+    _install_signal_handlers()
+    try:
+        if rank == 0:
+            from .server import serve
+
+            return serve(role)
+        role.run()
         return 0
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
         _fail(exc, comm, rank, size)
         return 1
+
+
+def _install_signal_handlers() -> None:
+    """SIGTERM/SIGUSR1 (Slurm preemption, time limit, `scancel --signal`): checkpoint and stop."""
+    import signal
+
+    from .training import PREEMPTED
+
+    def handler(signum, frame):
+        PREEMPTED.set()
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, handler)
 
 
 def _fail(exc: BaseException, comm, rank: int, size: int) -> None:

@@ -47,9 +47,13 @@ class RunLog:
         path: file to create (replaced if it exists).
         attrs: root attributes to write at creation (config, world_size, ...).
         flush_interval: seconds between flushes to disk.
+        resume_at: when resuming from a checkpoint taken at this many training seconds,
+            continue the existing log at `path` (rows after that time are dropped: their
+            work is done again) instead of starting a new one.
     """
 
-    def __init__(self, path: str, attrs: dict, flush_interval: float = 2.0):
+    def __init__(self, path: str, attrs: dict, flush_interval: float = 2.0,
+                 resume_at: Optional[float] = None):
         self.path = str(path)
         self.flush_interval = flush_interval
         parent = Path(self.path).resolve().parent
@@ -57,6 +61,8 @@ class RunLog:
             raise UsageError(f"--log {self.path}: directory {parent} does not exist")
         if not os.access(parent, os.W_OK):
             raise UsageError(f"--log {self.path}: directory {parent} is not writable")
+        if resume_at is not None and Path(self.path).exists() and self._continue(resume_at):
+            return self._start_swmr()
         try:
             self._file = h5py.File(self.path, "w", libver="latest", locking=False)
         except OSError as exc:
@@ -67,15 +73,41 @@ class RunLog:
         f.attrs["status"] = "running"
         for key, value in attrs.items():
             f.attrs[key] = value
+        for group, columns in SCHEMA.items():
+            g = f.create_group(group)
+            for col, dtype in columns.items():
+                g.create_dataset(col, shape=(0,), maxshape=(None,), dtype=np.dtype(dtype),
+                                 chunks=(4096,))
+        self._start_swmr()
+
+    def _continue(self, resume_at: float) -> bool:
+        """Reopen a resumed run's log, dropping rows written after its checkpoint."""
+        try:
+            self._file = h5py.File(self.path, "a", libver="latest", locking=False)
+        except OSError:
+            return False
+        f = self._file
+        if not all(g in f and all(c in f[g] for c in cols) for g, cols in SCHEMA.items()):
+            f.close()
+            return False
+        for group in SCHEMA:
+            tcol = "t_end" if group == "epochs" else "t"
+            keep = int(np.searchsorted(f[group][tcol][()], resume_at, side="right"))
+            for ds in f[group].values():
+                ds.resize((min(keep, ds.shape[0]),))
+        f.attrs["status"] = "running"
+        f.attrs["resumed"] = int(f.attrs.get("resumed", 0)) + 1
+        if "summary" in f:
+            del f["summary"]
+        return True
+
+    def _start_swmr(self) -> None:
+        f = self._file
         self._buffers: dict[str, dict[str, list]] = {}
         self._dsets: dict[str, dict[str, h5py.Dataset]] = {}
         for group, columns in SCHEMA.items():
-            g = f.create_group(group)
-            self._dsets[group] = {}
+            self._dsets[group] = {c: f[group][c] for c in columns}
             self._buffers[group] = {c: [] for c in columns}
-            for col, dtype in columns.items():
-                self._dsets[group][col] = g.create_dataset(
-                    col, shape=(0,), maxshape=(None,), dtype=np.dtype(dtype), chunks=(4096,))
         f.swmr_mode = True
         self._last_flush = time.monotonic()
         self.closed = False

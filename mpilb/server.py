@@ -13,6 +13,7 @@ everything else can be moved between workers at any time without asking them.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections import deque
@@ -29,7 +30,9 @@ from .progress import Progress
 from .report import summarize_log
 from .runlog import RunLog
 from .serial import balancer_config, format_final
-from .training import EpochTracker, Evaluator, StopRule, config_model, config_optimizer, epoch_order
+from . import checkpoint
+from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule, config_model,
+                       config_optimizer, epoch_order)
 
 COMMITTED = 2   # shards a worker holds at once: the current one and the one it prefetches
 
@@ -94,7 +97,15 @@ class ParameterServer:
         test_x, test_y = dataset.load_test()
         self.evaluator = Evaluator(self.model, test_x, test_y)
         self.stop = StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy)
-        self.log = RunLog(cfg.log, run_attrs)
+        self.resumed = None
+        if cfg.resume:
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset)
+            ck = self.resumed
+            self.params[:] = ck.params
+            self.optimizer.load_state_dict(ck.optimizer)
+            self.balancer.load_state_dict(ck.balancer)
+        self.log = RunLog(cfg.log, run_attrs,
+                          resume_at=self.resumed.train_s if self.resumed else None)
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
                                  samples_per_epoch=self.tracker.total)
         self.version = 0
@@ -112,6 +123,7 @@ class ParameterServer:
             self.round_batch = 0
             self.round_members: list[int] = []
             self.round_tasks: list[tuple] = []
+        self.preempted = False
         self.backoff = C.Backoff()
         self.sending: list = []    # reply sends not known to be complete
 
@@ -182,10 +194,19 @@ class ParameterServer:
                             src=mv.src, dst=mv.dst, event="reassign" if mv.reason == "lost" else "move")
 
     # ----------------------------------------------------------------- epochs
-    def _begin_epoch(self, epoch: int) -> None:
+    def _begin_epoch(self, epoch: int, resume_counts=None) -> None:
         self.epoch = epoch
-        self.tracker.begin(epoch, self.now())
-        self.balancer.plan_epoch(epoch, epoch_order(self.cfg.seed, epoch, len(self.dataset.shard_sizes)))
+        order = epoch_order(self.cfg.seed, epoch, len(self.dataset.shard_sizes))
+        if resume_counts is None:
+            self.tracker.begin(epoch, self.now())
+        else:   # an interrupted epoch: only what was not applied yet
+            self.tracker.begin(epoch, self.now(), resume_counts)
+            order, self.starts = checkpoint.resume_plan(order, resume_counts, self.tracker.offsets,
+                                                        self.dataset.shard_sizes)
+        self.balancer.plan_epoch(epoch, order)
+        if self.tracker.complete:   # resumed from a checkpoint taken as the epoch ended
+            self._end_epoch()
+            return
         self._log_moves()
         for w in self.active():
             w.epoch_busy = 0.0
@@ -387,6 +408,11 @@ class ParameterServer:
     # ----------------------------------------------------------------- timers
     def _timers(self) -> None:
         mono = time.monotonic()
+        if PREEMPTED.is_set() and not self.preempted:
+            self._preempt()
+        if (self.cfg.checkpoint and not self.stop.reason
+                and mono - self.last_checkpoint >= self.cfg.checkpoint_interval):
+            self._checkpoint()
         if mono - self.last_rebalance >= self.cfg.rebalance_interval:
             self._rebalance(mono)
         if mono - self.last_eval >= self.cfg.eval_interval:
@@ -432,6 +458,16 @@ class ParameterServer:
             if mono - w.last_seen > self.cfg.worker_timeout:
                 self._declare_lost(w)
 
+    def _check_stalled(self) -> None:
+        """Every worker idle with the epoch unfinished would wait forever: a bug, say so."""
+        if self.stop.reason or self.tracker.complete:
+            return
+        active = self.active()
+        if active and all(w.idle for w in active) and not any(self.balancer.queued(w.rank) for w in active):
+            missing = self.tracker.total - self.tracker.distinct
+            raise RuntimeError(f"epoch {self.epoch}: every worker is idle but {missing} samples "
+                               f"were never handed out (balancer {self.cfg.balancer})")
+
     def _declare_lost(self, w: WorkerState) -> None:
         print(f"mpilb: rank {w.rank} silent for {self.cfg.worker_timeout:g} s: declared lost; "
               f"its shards go to the other workers", file=sys.stderr, flush=True)
@@ -471,15 +507,26 @@ class ParameterServer:
     # ----------------------------------------------------------------- main loop
     def run(self) -> str:
         """Serve until training ends. Returns the final status."""
-        self.t0 = time.monotonic()
+        self.t0 = time.monotonic() - (self.resumed.train_s if self.resumed else 0.0)
         self.cpu0 = time.process_time()
+        self.last_checkpoint = time.monotonic()
         self.last_eval = self.last_rebalance = self.t0
         for w in self.workers.values():
             w.last_seen = self.t0
             self._post_recv(w)
         for w in self.workers.values():
             w.idle = True
-        self._begin_epoch(0)
+        if self.resumed is None:
+            self._begin_epoch(0)
+        else:
+            ck = self.resumed
+            self.version = ck.version
+            self.tracker.completed = [EpochStats(**e) for e in ck.completed]
+            if ck.epoch >= self.cfg.epochs or self.stop.check(ck.epoch, self.now(), None):
+                self.stop.reason = self.stop.reason or "epochs"
+                self._begin_stop()
+            else:
+                self._begin_epoch(ck.epoch, ck.counts)
         reqs = [w.recv_req for w in self.workers.values()]
         order = list(self.workers.values())
         while not (self.stop.reason and self._all_stopped()):
@@ -496,7 +543,10 @@ class ParameterServer:
                 err = C.poll_error(self.comm)
                 if err is not None:
                     raise WorkerFailed(*err)
+                if C.poll_preempt(self.comm):
+                    PREEMPTED.set()
                 self._check_lost()
+                self._check_stalled()
                 # While replies are still being transferred keep MPI progressing (yield the
                 # core, don't sleep); when nothing is under way, back off.
                 self.sending = [r for r in self.sending if not r.Test()]
@@ -513,7 +563,33 @@ class ParameterServer:
             if reqs[i] is not None and not reqs[i].Test():
                 reqs[i].Cancel()   # the receive preposted for a push that never came
                 C.wait(reqs[i], timeout=1.0)
+        if self.preempted:
+            return "preempted"
+        if self.cfg.checkpoint:
+            self._checkpoint()
         return "degraded" if self.lost else "finished"
+
+    def _checkpoint(self) -> None:
+        self.last_checkpoint = time.monotonic()
+        if not self.cfg.checkpoint:
+            return
+        checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
+                        params=self.params, optimizer=self.optimizer, version=self.version,
+                        epoch=self.epoch, tracker=self.tracker, balancer=self.balancer,
+                        train_s=self.now())
+
+    def _preempt(self) -> None:
+        """SIGTERM/SIGUSR1 on some rank: checkpoint, tell every worker to stop, exit 0."""
+        self.preempted = True
+        print("mpilb: preemption signal: checkpointing and stopping", file=sys.stderr, flush=True)
+        if not self.stop.reason:
+            self._checkpoint()
+        self.stop.reason = self.stop.reason or "preempted"
+        self._begin_stop()
+
+    def abandon(self) -> None:
+        """Set-up failed elsewhere: close the run log as failed."""
+        self.log.close("failed")
 
     def finish(self, status: str) -> dict:
         self.progress.close()
@@ -539,17 +615,18 @@ class WorkerFailed(Exception):
         self.text = text
 
 
-def serve(cfg, dataset, comm, run_attrs: dict) -> int:
+def serve(server: ParameterServer) -> int:
     """Run the server; returns the exit code (0 finished, 3 degraded)."""
-    server = ParameterServer(cfg, dataset, comm, run_attrs)
     try:
         status = server.run()
     except WorkerFailed as exc:
         server.train_s = server.now()
-        server.finish("failed")
-        print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
-        C.abort(1)
-        raise
+        try:
+            server.finish("failed")
+        finally:
+            print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
+            C.abort(1)
+            os._exit(1)
     except BaseException:
         try:
             server.finish("failed")
@@ -558,4 +635,9 @@ def serve(cfg, dataset, comm, run_attrs: dict) -> int:
         raise
     summary = server.finish(status)
     print(format_final(summary), flush=True)
-    return 3 if status == "degraded" else 0
+    if server.lost:
+        # A lost (hung) rank never exits by itself and would keep the job alive.
+        sys.stdout.flush()
+        C.abort(3)
+        os._exit(3)
+    return 0

@@ -7,6 +7,7 @@ epoch, so the server can count coverage per sample with one small array per epoc
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -15,6 +16,9 @@ import numpy as np
 
 from .config import Config, default_cache_dir
 from .errors import UsageError
+
+# Set by the SIGTERM/SIGUSR1 handler (any rank); the training loops poll it.
+PREEMPTED = threading.Event()
 
 DEFAULT_DATASET = dict(samples=24000, features=64, classes=10, shards=12, noise=0.0,
                        test_fraction=0.2, seed=0)

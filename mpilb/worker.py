@@ -24,7 +24,7 @@ from .batches import GradientStep, ShardFeed
 from .comm import Cmd, Push, PushKind, Reply
 from .inject import Injector, parse_injects
 from .shards import ShardStore
-from .training import config_model
+from .training import PREEMPTED, config_model
 
 
 class StopWorker(Exception):
@@ -67,6 +67,7 @@ class Worker:
         self.compute_s = self.comm_s = self.idle_s = 0.0
         self.io_reported = 0.0
         self.retry = False
+        self.preempt_sent = False
 
     def _pinned_message(self):
         buf = self.backend.empty_host(C.HEADER_BYTES + 4 * self.n)
@@ -134,6 +135,9 @@ class Worker:
             C.complete(self.push_req)   # the server has a receive posted: this is quick
 
     def _check_fault(self) -> None:
+        if PREEMPTED.is_set() and not self.preempt_sent:
+            C.notify_preempt(self.comm)   # rank 0 checkpoints and stops everyone
+            self.preempt_sent = True
         fault = self.injector.fault(time.monotonic())
         if fault == "crash":
             os._exit(17)
@@ -223,5 +227,3 @@ class Worker:
         self._wait_reply(counts_as_idle=False)
 
 
-def work(cfg, dataset, comm, rank: int) -> None:
-    Worker(cfg, dataset, comm, rank).run()

@@ -1,0 +1,177 @@
+"""Checkpoints: everything needed to continue a run, written atomically by rank 0.
+
+A checkpoint holds the parameters, the optimizer state, the version, the epoch and which
+samples of it were applied, the balancer state and the config, plus signatures of the model
+and the dataset so that `--resume` refuses a checkpoint that belongs to something else.
+There is no random-number stream to save: every shuffle (shard order, sample permutation)
+and every injected decision is derived from `--seed` and the epoch.
+
+It is written to a temporary file in the same directory, flushed, fsynced and renamed over
+the old one, so a kill at any moment leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import h5py
+import numpy as np
+
+from . import __version__
+from .errors import UsageError
+
+FORMAT = 1
+
+
+def model_signature(model) -> dict:
+    return {"model": model.name, "num_params": int(model.num_params),
+            "input_shape": list(model.input_shape), "num_classes": int(model.num_classes),
+            "layout": [[name, list(shape)] for name, shape in model.layout]}
+
+
+def dataset_signature(dataset) -> dict:
+    return {"shard_sizes": list(dataset.shard_sizes),
+            "sha256": [s.sha256 for s in dataset.shards],
+            "sample_shape": list(dataset.sample_shape), "num_classes": int(dataset.num_classes)}
+
+
+@dataclass
+class Checkpoint:
+    """What a checkpoint restores."""
+
+    params: np.ndarray
+    optimizer: dict
+    version: int
+    epoch: int
+    counts: np.ndarray            # per-sample applications in `epoch` so far
+    completed: list               # EpochStats of finished epochs, as dicts
+    balancer: dict
+    train_s: float
+    config: dict
+
+
+def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epoch: int,
+         tracker, balancer, train_s: float) -> None:
+    """Write a checkpoint atomically (tmp file, flush, fsync, rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with h5py.File(tmp, "w", locking=False) as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["mpilb_version"] = __version__
+            f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+            f.attrs["config"] = cfg.to_json()
+            f.attrs["model"] = json.dumps(model_signature(model))
+            f.attrs["dataset"] = json.dumps(dataset_signature(dataset))
+            counts = tracker.counts
+            if tracker.complete:   # the epoch ended: what comes next is the following one
+                epoch, counts = epoch + 1, np.zeros_like(counts)
+            f.attrs["version"] = int(version)
+            f.attrs["epoch"] = int(epoch)
+            f.attrs["train_s"] = float(train_s)
+            f.attrs["seed"] = int(cfg.seed)
+            f.create_dataset("params", data=np.asarray(params, dtype=np.float32))
+            g = f.create_group("optimizer")
+            for key, value in optimizer.state_dict().items():
+                if isinstance(value, np.ndarray):
+                    g.create_dataset(key, data=value)
+                else:
+                    g.attrs[key] = value
+            f.create_dataset("coverage/counts", data=counts)
+            f["coverage"].attrs["completed"] = json.dumps([vars(s) for s in tracker.completed])
+            f["coverage"].attrs["stray"] = int(tracker.stray)
+            f.attrs["balancer"] = json.dumps(balancer.state_dict())
+            f.flush()
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UsageError(f"--checkpoint {path}: cannot write the checkpoint ({exc})") from None
+
+
+def load(path: str, model, dataset) -> Checkpoint:
+    """Read a checkpoint and check it belongs to this model and dataset.
+
+    Raises:
+        UsageError: missing or unreadable file, or a model/dataset mismatch (named).
+    """
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"--resume: checkpoint {path} does not exist (nothing to resume; "
+                         f"drop --resume to start a new run)")
+    try:
+        f = h5py.File(p, "r", locking=False)
+    except OSError as exc:
+        raise UsageError(f"--resume: {path} is not a readable checkpoint ({exc})") from None
+    with f:
+        try:
+            if int(f.attrs["format"]) != FORMAT:
+                raise UsageError(f"--resume: {path} has checkpoint format {f.attrs['format']}, expected {FORMAT}")
+            saved_model = json.loads(f.attrs["model"])
+            saved_data = json.loads(f.attrs["dataset"])
+            want_model = model_signature(model)
+            if saved_model != want_model:
+                raise UsageError(
+                    f"--resume: {path} holds a {saved_model['model']} model with "
+                    f"{saved_model['num_params']} parameters, but this run builds a "
+                    f"{want_model['model']} model with {want_model['num_params']}: use the "
+                    f"model options of the run that wrote it")
+            want_data = dataset_signature(dataset)
+            if saved_data != want_data:
+                raise UsageError(f"--resume: {path} was written for a different dataset "
+                                 f"(shards or checksums differ from {dataset.root})")
+            opt = {k: f["optimizer"][k][()] for k in f["optimizer"]}
+            opt.update({k: (v.decode() if isinstance(v, bytes) else v)
+                        for k, v in f["optimizer"].attrs.items()})
+            return Checkpoint(
+                params=f["params"][()],
+                optimizer=opt,
+                version=int(f.attrs["version"]),
+                epoch=int(f.attrs["epoch"]),
+                counts=f["coverage/counts"][()],
+                completed=json.loads(f["coverage"].attrs["completed"]),
+                balancer=json.loads(f.attrs["balancer"]),
+                train_s=float(f.attrs["train_s"]),
+                config=json.loads(f.attrs["config"]),
+            )
+        except KeyError as exc:
+            raise UsageError(f"--resume: {path} is not an mpilb checkpoint (missing {exc})") from None
+
+
+def resume_plan(order: list[int], counts: np.ndarray, offsets: np.ndarray,
+                sizes: list[int]) -> tuple[list[int], dict[int, int]]:
+    """Shards still to do in an interrupted epoch, and where each partly done one resumes.
+
+    Each shard is consumed from position 0 upwards by one worker at a time, so its applied
+    samples form a prefix; the remainder starts after it.
+    """
+    remaining, starts = [], {}
+    for shard in order:
+        seg = counts[offsets[shard]: offsets[shard] + sizes[shard]]
+        done = int(np.count_nonzero(seg))
+        if done == sizes[shard]:
+            continue
+        if done and not seg[:done].all():
+            raise UsageError(f"checkpoint coverage of shard {shard} is not a prefix; cannot resume exactly")
+        remaining.append(shard)
+        if done:
+            starts[shard] = done
+    return remaining, starts
+
+
+def restore_tracker(tracker, ckpt: Checkpoint, t: float) -> None:
+    from .training import EpochStats
+
+    tracker.completed = [EpochStats(**s) for s in ckpt.completed]
+    tracker.begin(ckpt.epoch, t, ckpt.counts)
