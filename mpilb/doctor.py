@@ -1,0 +1,386 @@
+"""`mpilb doctor`: check the MPI, HDF5 and GPU setup a run depends on, and say how to fix it.
+
+Run it the way training runs (`mpiexec -n 4 mpilb doctor`, or `srun ... mpilb doctor` in a
+job) so that it sees the same launcher, nodes and GPUs. Every rank reports what it sees;
+rank 0 prints the lot, then a ping-pong between rank 0 and each other rank measures latency
+(8-byte messages) and bandwidth (4 MiB messages). Problems are listed with their fix:
+errors (the run would fail or hang) make the exit code 1, warnings (it would run, perhaps
+slowly) leave it 0.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import numpy as np
+
+PING_BYTES = 8
+BANDWIDTH_BYTES = 4 * 2**20
+PAIR_SECONDS = 1.0          # ping-pong time per (0, r) pair ...
+TOTAL_PING_SECONDS = 16.0   # ... shortened on large jobs so the whole check stays short
+TAG_START, TAG_COUNT, TAG_PING = 31, 32, 33
+THREAD_LEVELS = ("single", "funneled", "serialized", "multiple")
+
+# File systems where HDF5's default file locking is known to fail or to be slow.
+PARALLEL_FS = ("lustre", "gpfs", "nfs", "nfs4", "beegfs", "ceph", "fuse.ceph", "cephfs",
+               "fuse.glusterfs", "panfs", "wekafs", "pvfs2", "orangefs", "fuse.sshfs")
+
+
+class Findings:
+    """Problems found, each with its fix: errors break a run, warnings slow or surprise it."""
+
+    def __init__(self):
+        self.errors: list[str] = []
+        self.warnings: list[str] = []
+
+    def error(self, text: str) -> None:
+        self.errors.append(text)
+
+    def warn(self, text: str) -> None:
+        self.warnings.append(text)
+
+
+# ---------------------------------------------------------------- what each rank sees
+
+def _nvidia_smi_gpus() -> int | None:
+    """GPUs the driver lists (`nvidia-smi -L`), or None without nvidia-smi."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def _rank_facts(comm) -> dict:
+    """This rank's host, local rank, GPUs and MPI CUDA support."""
+    from . import backend
+    from . import comm as C
+
+    cupy = backend.cupy_module()
+    gpus = backend.gpu_count()
+    return {
+        "host": socket.gethostname(),
+        "local_rank": C.local_rank(comm),
+        "gpus": gpus,
+        "cupy": getattr(cupy, "__version__", None),
+        "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "driver_gpus": _nvidia_smi_gpus() if gpus == 0 else None,
+        "cuda_support": C.mpi_info()["cuda_support"],
+    }
+
+
+def _launcher() -> tuple[str, int | None]:
+    """Which launcher started this process, and how many processes it says it started."""
+    env = os.environ
+
+    def count(name):
+        value = env.get(name, "")
+        return int(value) if value.isdigit() else None
+
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        return "Open MPI mpirun", count("OMPI_COMM_WORLD_SIZE")
+    if "SLURM_STEP_ID" in env and "PMI_FD" not in env and "PMI_PORT" not in env:
+        size = count("PMI_SIZE") or count("SLURM_STEP_NUM_TASKS")
+        return f"srun --mpi={env.get('SLURM_MPI_TYPE', '?')}", size
+    if "PMI_SIZE" in env:
+        return "mpiexec (Hydra, PMI)", count("PMI_SIZE")
+    if "PMIX_RANK" in env:
+        return "a PMIx launcher", None
+    return "none (singleton: one process without mpiexec)", None
+
+
+# ---------------------------------------------------------------- ping-pong
+
+def _echo(comm, buf: np.ndarray) -> None:
+    """Partner side: echo batches of messages until rank 0 sends a batch of 0."""
+    batch = np.zeros(2, np.int64)   # message bytes, round trips
+    while True:
+        comm.Recv(batch, source=0, tag=TAG_COUNT)
+        nbytes, n = int(batch[0]), int(batch[1])
+        if n == 0:
+            return
+        view = buf[:nbytes]
+        for _ in range(n):
+            comm.Recv(view, source=0, tag=TAG_PING)
+            comm.Send(view, dest=0, tag=TAG_PING)
+
+
+def _rounds(comm, peer: int, view: np.ndarray, n: int) -> float:
+    """Time n round trips of `view` with `peer`; returns seconds."""
+    comm.Send(np.array([view.nbytes, n], np.int64), dest=peer, tag=TAG_COUNT)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        comm.Send(view, dest=peer, tag=TAG_PING)
+        comm.Recv(view, source=peer, tag=TAG_PING)
+    return time.perf_counter() - t0
+
+
+def _one_way(comm, peer: int, view: np.ndarray, seconds: float) -> float:
+    """One-way time of a message of view.nbytes: calibrate (which also warms the path up),
+    then ping-pong for the rest of ~`seconds`."""
+    n, spent = 4, 0.0
+    while True:
+        elapsed = _rounds(comm, peer, view, n)
+        spent += elapsed
+        if elapsed >= 0.1 * seconds:
+            break
+        n *= 4
+    n = max(n, int((seconds - spent) * n / elapsed))
+    return _rounds(comm, peer, view, n) / (2 * n)
+
+
+def ping_pong(comm, seconds_per_pair: float) -> list[tuple[int, float, float]]:
+    """Latency and bandwidth between rank 0 and each other rank, one pair at a time.
+
+    Returns, on rank 0, [(rank, latency_s, bytes_per_s)]; [] elsewhere. Ranks not yet in a
+    pair wait without spinning; the measurement itself uses plain blocking calls.
+    """
+    from . import comm as C
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    buf = np.ones(BANDWIDTH_BYTES, np.uint8)
+    if rank != 0:
+        C.recv_when_ready(comm, np.zeros(1, np.int64), 0, TAG_START)
+        _echo(comm, buf)
+        return []
+    results = []
+    for peer in range(1, size):
+        comm.Send(np.zeros(1, np.int64), dest=peer, tag=TAG_START)
+        latency = _one_way(comm, peer, buf[:PING_BYTES], seconds_per_pair / 2)
+        transfer = _one_way(comm, peer, buf, seconds_per_pair / 2)
+        comm.Send(np.zeros(2, np.int64), dest=peer, tag=TAG_COUNT)
+        results.append((peer, latency, BANDWIDTH_BYTES / transfer))
+    return results
+
+
+# ---------------------------------------------------------------- checks (rank 0)
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _numbers(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".") if p.isdigit())
+
+
+def _prefix(path: str) -> str:
+    """Installation prefix of a bin/ or lib/ file: /opt/mpi/bin/mpiexec -> /opt/mpi."""
+    return os.path.dirname(os.path.dirname(os.path.realpath(path)))
+
+
+def _fs_type(path: str) -> str | None:
+    """File system type of `path`, from /proc/mounts (longest matching mount point)."""
+    try:
+        with open("/proc/mounts") as fh:
+            mounts = [line.split()[1:3] for line in fh]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = None
+    for point, kind in mounts:
+        if (real == point or real.startswith(point.rstrip("/") + "/")) and (
+                best is None or len(point) > len(best[0])):
+            best = (point, kind)
+    return best[1] if best else None
+
+
+def _check_mpi(info: dict, size: int, launcher: str, launched: int | None, out: Findings) -> None:
+    if launched is not None and launched != size:
+        out.error(f"{launcher} started {launched} processes but MPI sees a world of {size}: the "
+                  f"MPI library mpi4py uses ({info['libmpi'] or info['vendor']}) is not the one "
+                  "the launcher belongs to. Launch with that library's own mpiexec, use srun "
+                  "--mpi=pmi2 or --mpi=pmix under Slurm, or rebuild mpi4py against the "
+                  "cluster's MPI: pip install --no-binary mpi4py --force-reinstall mpi4py "
+                  "(docs/slurm.md)")
+    if _numbers(info["standard"]) < _numbers(info["compiled_standard"]):
+        out.error(f"mpi4py was built against MPI {info['compiled_standard']} but runs with a "
+                  f"library implementing MPI {info['standard']} ({info['libmpi']}): rebuild it "
+                  "against the MPI you run: pip install --no-binary mpi4py --force-reinstall mpi4py")
+    mpicc = info["mpi4py_mpicc"]
+    if mpicc and info["libmpi"] and _prefix(shutil.which(mpicc) or mpicc) != _prefix(info["libmpi"]):
+        out.warn(f"mpi4py was built with {mpicc} but runs with {info['libmpi']}; if these belong "
+                 "to different MPI installations, load the MPI module mpi4py was built with, or "
+                 "rebuild: pip install --no-binary mpi4py --force-reinstall mpi4py")
+    if THREAD_LEVELS.index(info["thread_level"]) < THREAD_LEVELS.index(info["thread_requested"]):
+        out.error(f"MPI provides thread level {info['thread_level']}, mpilb asks for "
+                  f"{info['thread_requested']} (the shard prefetch thread runs beside MPI): use an "
+                  "MPI library built with thread support")
+
+
+def _check_hdf5(out: Findings) -> str:
+    """The HDF5 file-locking line, and a warning where locking meets a parallel file system."""
+    setting = os.environ.get("HDF5_USE_FILE_LOCKING")
+    value = (setting or "").strip().upper()
+    if value in ("FALSE", "0"):
+        return f"off (HDF5_USE_FILE_LOCKING={setting}): right for shards on parallel file systems"
+    if value == "BEST_EFFORT":
+        return ("best effort (HDF5_USE_FILE_LOCKING=BEST_EFFORT): locks where the file system "
+                "supports them, ignores failures")
+    line = (f"on (HDF5_USE_FILE_LOCKING={setting})" if setting else "on (HDF5_USE_FILE_LOCKING unset)")
+    places = {"working directory": os.getcwd()}
+    for var in ("MPILB_DATA", "MPILB_CACHE"):
+        if os.environ.get(var):
+            places[var] = os.environ[var]
+    for what, path in places.items():
+        kind = _fs_type(path)
+        if kind in PARALLEL_FS:
+            out.warn(f"HDF5 file locking is on and the {what} ({path}) is on {kind}: opens can "
+                     "fail ('unable to lock file') or serialise across ranks; set "
+                     "HDF5_USE_FILE_LOCKING=FALSE (mpilb never writes shards during training; "
+                     "the Slurm templates set it)")
+    return line + ": fine on local disks; on Lustre/GPFS/NFS set HDF5_USE_FILE_LOCKING=FALSE"
+
+
+def _gpu_lines(ranks: list[dict], cuda_aware: bool, out: Findings) -> list[str]:
+    """One line per rank (a summary per host on large jobs), and the GPU findings."""
+    size = len(ranks)
+    workers = range(1, size) if size > 1 else range(size)
+    lines = []
+    if size <= 16:
+        for r, f in enumerate(ranks):
+            role = "server, needs no GPU" if (r == 0 and size > 1) else "worker"
+            if f["gpus"]:
+                seen = f"{f['gpus']} GPU(s), uses GPU {f['local_rank'] % f['gpus']}"
+            elif f["cupy"] is None:
+                seen = "no GPU (CuPy not installed)"
+            else:
+                seen = "no GPU visible to CuPy"
+            lines.append(f"rank {r} ({f['host']}, local rank {f['local_rank']}, {role}): {seen}")
+    else:
+        for host in sorted({f["host"] for f in ranks}):
+            on = [f for f in ranks if f["host"] == host]
+            lines.append(f"{host}: {len(on)} ranks, {max(f['gpus'] for f in on)} GPU(s) visible")
+
+    no_cupy = [r for r in workers if ranks[r]["cupy"] is None]
+    with_driver = [r for r in no_cupy if ranks[r]["driver_gpus"]]
+    if with_driver:
+        out.warn(f"rank(s) {_ranks(with_driver)}: the driver lists GPUs (nvidia-smi) but CuPy is "
+                 "not installed, so workers compute on the CPU: pip install cupy-cuda12x "
+                 "(the mpilb[gpu] extra), or use --device cpu")
+    blind = [r for r in workers if ranks[r]["cupy"] is not None and ranks[r]["gpus"] == 0]
+    if blind:
+        visible = ranks[blind[0]]["cuda_visible"]
+        out.warn(f"rank(s) {_ranks(blind)}: no GPU visible (CUDA_VISIBLE_DEVICES="
+                 f"{visible if visible is not None else 'unset'}): request GPUs from the "
+                 "scheduler (--gpus-per-node), install the CuPy that matches the CUDA driver "
+                 "(cupy-cuda12x), or use --device cpu")
+    for host in sorted({ranks[r]["host"] for r in workers}):
+        on = [r for r in workers if ranks[r]["host"] == host]
+        gpus = max(ranks[r]["gpus"] for r in on)
+        if gpus and len(on) > gpus:
+            out.warn(f"{host}: {len(on)} workers share {gpus} GPU(s); for one worker per GPU "
+                     "start GPUs + 1 ranks (rank 0 needs none), see jobs/slurm/train_gpu.sbatch")
+
+    support = {ranks[r]["cuda_support"] for r in workers}
+    if cuda_aware:
+        if False in support:
+            out.error("MPILB_CUDA_AWARE=1 but the MPI library is not CUDA-aware "
+                      "(MPIX_Query_cuda_support() is 0): unset MPILB_CUDA_AWARE and mpilb "
+                      "stages through pinned host memory, or use a CUDA-aware MPI build")
+        elif None in support:
+            out.warn("MPILB_CUDA_AWARE=1 but this MPI library cannot say whether it is "
+                     "CUDA-aware; if it is not, workers will crash handing device memory to "
+                     "MPI: unset MPILB_CUDA_AWARE unless the library is built with CUDA")
+    return lines
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _cuda_aware_line(cuda_aware: bool, support: set) -> str:
+    requested = "on (MPILB_CUDA_AWARE=1)" if cuda_aware else "off: device buffers are staged through pinned host memory"
+    if True in support and False not in support:
+        library = "the MPI library reports CUDA support"
+    elif False in support:
+        library = "the MPI library reports no CUDA support"
+    else:
+        library = "the MPI library cannot say"
+    return f"{requested}; {library}"
+
+
+def _format_pingpong(results) -> list[str]:
+    return [f"rank 0 <-> {peer}: latency {lat * 1e6:.2f} us ({PING_BYTES} B), "
+            f"bandwidth {bw / 1e9:.2f} GB/s ({BANDWIDTH_BYTES // 2**20} MiB)"
+            for peer, lat, bw in results]
+
+
+def doctor() -> int:
+    """Entry point of `mpilb doctor` on every rank; rank 0 prints. Returns the exit code."""
+    from . import __version__
+    from . import comm as C
+
+    comm, rank, size = C.world()
+    facts = comm.gather(_rank_facts(comm), root=0)
+    seconds = min(PAIR_SECONDS, TOTAL_PING_SECONDS / max(1, size - 1))
+    results = ping_pong(comm, seconds) if size > 1 else []
+    if rank != 0:
+        return 0
+
+    import h5py
+
+    out = Findings()
+    info = C.mpi_info()
+    launcher, launched = _launcher()
+    _check_mpi(info, size, launcher, launched, out)
+    if h5py.version.hdf5_built_version_tuple != h5py.version.hdf5_version_tuple:
+        out.warn(f"h5py was built against HDF5 {'.'.join(map(str, h5py.version.hdf5_built_version_tuple))} "
+                 f"but runs with {h5py.version.hdf5_version}: reinstall h5py for this HDF5")
+    locking = _check_hdf5(out)
+    cuda_aware = os.environ.get("MPILB_CUDA_AWARE", "") == "1"
+    gpu_lines = _gpu_lines(facts, cuda_aware, out)
+    workers = facts[1:] if size > 1 else facts
+    cupy = facts[0]["cupy"] or next((f["cupy"] for f in workers if f["cupy"]), None)
+    mpiexec = shutil.which("mpiexec")
+    hosts = len({f["host"] for f in facts})
+
+    rows = [
+        ("mpilb", __version__),
+        ("MPI library", " ".join(info["library"].splitlines()[0].split())),
+        ("MPI standard", f"{info['standard']} (mpi4py compiled for {info['compiled_standard']})"),
+        ("libmpi", info["libmpi"] or "unknown"),
+        ("mpiexec on PATH", (mpiexec + ("" if not info["libmpi"] or _prefix(mpiexec) == _prefix(info["libmpi"])
+                                        else " (another installation than libmpi)")) if mpiexec else "none"),
+        ("launcher", launcher),
+        ("world size", f"{size} rank(s) on {hosts} host(s)"),
+        ("thread level", f"{info['thread_level']} (requested {info['thread_requested']})"),
+        ("mpi4py", info["mpi4py"] + (f" (built with {info['mpi4py_mpicc']})" if info["mpi4py_mpicc"]
+                                     else " (binary wheel)")),
+        ("h5py", _version("h5py")),
+        ("HDF5", h5py.version.hdf5_version),
+        ("numpy", np.__version__),
+        ("CuPy", cupy or "not installed"),
+        ("HDF5 file locking", locking),
+        ("CUDA-aware MPI", _cuda_aware_line(cuda_aware, {f["cuda_support"] for f in workers})),
+    ]
+    width = max(len(k) for k, _ in rows)
+    print(f"mpilb doctor: {size} rank(s)")
+    for key, value in rows:
+        print(f"  {key:<{width}}  {value}")
+    print("GPUs:")
+    for line in gpu_lines:
+        print(f"  {line}")
+    print("ping-pong:")
+    if results:
+        for line in _format_pingpong(results):
+            print(f"  {line}")
+    else:
+        print("  skipped: one rank (run `mpiexec -n 2 mpilb doctor` to measure the network)")
+    if not (out.errors or out.warnings):
+        print("no problems found")
+    for text in out.errors:
+        print(f"ERROR: {text}")
+    for text in out.warnings:
+        print(f"warning: {text}")
+    return 1 if out.errors else 0

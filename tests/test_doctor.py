@@ -1,0 +1,149 @@
+"""`mpilb doctor`: the checks as pure functions, and the command under mpiexec."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from mpilb import doctor as D
+
+TIMEOUT = 120
+
+
+def run_doctor(n: int, **env_extra) -> subprocess.CompletedProcess:
+    """`mpiexec -n N mpilb doctor` (n=0: without mpiexec), with a hard timeout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "PMI_"))}
+    env.pop("MPILB_CUDA_AWARE", None)
+    env["PATH"] = sysconfig.get_path("scripts") + os.pathsep + env.get("PATH", "")
+    env.update({k: str(v) for k, v in env_extra.items()})
+    cmd = [sys.executable, "-m", "mpilb", "doctor"]
+    if n:
+        mpiexec = shutil.which("mpiexec", path=env["PATH"])
+        assert mpiexec, "mpiexec not found: pip install mpich"
+        cmd = [mpiexec, "-n", str(n), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+
+
+def facts(host="h", local_rank=0, gpus=0, cupy="13.3.0", driver_gpus=None, cuda_support=False):
+    return dict(host=host, local_rank=local_rank, gpus=gpus, cupy=cupy, cuda_visible=None,
+                driver_gpus=driver_gpus, cuda_support=cuda_support)
+
+
+# ---------------------------------------------------------------- pure checks
+
+def test_one_worker_per_gpu_is_clean_and_rank0_needs_no_gpu():
+    out = D.Findings()
+    ranks = [facts(local_rank=0, gpus=2)] + [facts(local_rank=i, gpus=2) for i in (1, 2)]
+    lines = D._gpu_lines(ranks, cuda_aware=False, out=out)
+    assert not out.errors and not out.warnings
+    assert "server, needs no GPU" in lines[0]
+    assert [re.search(r"uses GPU (\d)", line).group(1) for line in lines[1:]] == ["1", "0"]
+
+
+def test_more_workers_than_gpus_is_a_warning():
+    out = D.Findings()
+    ranks = [facts(local_rank=i, gpus=1) for i in range(3)]
+    D._gpu_lines(ranks, cuda_aware=False, out=out)
+    assert not out.errors
+    assert any("2 workers share 1 GPU(s)" in w for w in out.warnings)
+
+
+def test_gpus_without_cupy_and_cupy_without_gpus_say_what_to_do():
+    out = D.Findings()
+    ranks = [facts(cupy=None), facts(cupy=None, driver_gpus=4, local_rank=1),
+             facts(host="g", cupy="13.3.0", gpus=0)]
+    D._gpu_lines(ranks, cuda_aware=False, out=out)
+    assert any("pip install cupy-cuda12x" in w and "rank(s) 1:" in w for w in out.warnings)
+    assert any("no GPU visible" in w and "--device cpu" in w and "rank(s) 2:" in w
+               for w in out.warnings)
+
+
+def test_cuda_aware_switch_against_the_library():
+    out = D.Findings()
+    D._gpu_lines([facts(), facts(gpus=1, cuda_support=False)], cuda_aware=True, out=out)
+    assert any("unset MPILB_CUDA_AWARE" in e for e in out.errors)
+    out = D.Findings()
+    D._gpu_lines([facts(), facts(gpus=1, cuda_support=None)], cuda_aware=True, out=out)
+    assert not out.errors and any("cannot say" in w for w in out.warnings)
+    out = D.Findings()
+    D._gpu_lines([facts(), facts(gpus=1, cuda_support=True)], cuda_aware=True, out=out)
+    assert not out.errors and not out.warnings
+
+
+def test_launcher_world_mismatch_and_old_library_are_errors():
+    info = dict(libmpi="/opt/a/lib/libmpi.so.12", vendor="MPICH 4.1", standard="4.1",
+                compiled_standard="4.1", mpi4py_mpicc="", thread_level="funneled",
+                thread_requested="funneled")
+    out = D.Findings()
+    D._check_mpi(info, 4, "srun --mpi=pmix", 4, out)
+    assert not out.errors and not out.warnings
+    D._check_mpi(info, 1, "srun --mpi=pmix", 4, out)
+    assert len(out.errors) == 1 and "started 4 processes but MPI sees a world of 1" in out.errors[0]
+    out = D.Findings()
+    D._check_mpi(dict(info, standard="3.1", thread_level="single"), 2, "x", None, out)
+    assert any("built against MPI 4.1 but runs with a library implementing MPI 3.1" in e
+               for e in out.errors)
+    assert any("thread level single" in e for e in out.errors)
+
+
+def test_hdf5_locking(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    for value, expected in (("FALSE", "off"), ("BEST_EFFORT", "best effort")):
+        monkeypatch.setenv("HDF5_USE_FILE_LOCKING", value)
+        assert D._check_hdf5(D.Findings()).startswith(expected)
+    monkeypatch.delenv("HDF5_USE_FILE_LOCKING")
+    monkeypatch.setattr(D, "_fs_type", lambda path: "lustre")
+    out = D.Findings()
+    assert D._check_hdf5(out).startswith("on (HDF5_USE_FILE_LOCKING unset)")
+    assert any("set HDF5_USE_FILE_LOCKING=FALSE" in w and "lustre" in w for w in out.warnings)
+    monkeypatch.setattr(D, "_fs_type", lambda path: "ext4")
+    out = D.Findings()
+    D._check_hdf5(out)
+    assert not out.warnings
+
+
+def test_fs_type_finds_the_root_mount():
+    if not os.path.exists("/proc/mounts"):
+        pytest.skip("no /proc/mounts")
+    assert D._fs_type("/") is not None
+
+
+# ---------------------------------------------------------------- the command
+
+@pytest.mark.mpi
+def test_doctor_under_mpiexec():
+    proc = run_doctor(2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert re.search(r"^  MPI library +\S", out, re.M)
+    assert re.search(r"^  world size +2 rank", out, re.M)
+    for key in ("thread level", "mpi4py", "h5py", "HDF5", "numpy", "CuPy", "HDF5 file locking",
+                "CUDA-aware MPI"):
+        assert re.search(rf"^  {key} +\S", out, re.M), key
+    assert re.search(r"^  rank 0 <-> 1: latency [\d.]+ us \(8 B\), bandwidth [\d.]+ GB/s "
+                     r"\(4 MiB\)$", out, re.M)
+    assert out.count("mpilb doctor:") == 1, "only rank 0 prints"
+
+
+@pytest.mark.mpi
+def test_doctor_reports_a_launcher_that_does_not_match_the_library():
+    # What a singleton sees when Open MPI's mpirun starts an MPICH-built mpi4py.
+    proc = run_doctor(0, OMPI_COMM_WORLD_SIZE=4)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "ERROR: Open MPI mpirun started 4 processes but MPI sees a world of 1" in proc.stdout
+    assert "skipped: one rank" in proc.stdout
+
+
+@pytest.mark.mpi
+def test_doctor_refuses_cuda_aware_on_a_library_without_cuda():
+    proc = run_doctor(0, MPILB_CUDA_AWARE=1)
+    if "the MPI library reports no CUDA support" not in proc.stdout:
+        pytest.skip("this MPI library reports CUDA support or cannot say")
+    assert proc.returncode == 1
+    assert "ERROR: MPILB_CUDA_AWARE=1 but the MPI library is not CUDA-aware" in proc.stdout
