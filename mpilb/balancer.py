@@ -6,9 +6,17 @@ modes, corrections, balancing"):
 
 - ``plan_epoch(epoch, order)`` at each epoch start builds the per-worker queues of
   *unstarted* shards; ``next_shard(w)`` hands one out when a worker needs a new current or
-  prefetch ("next") shard. Handed-out shards are *committed* and never move.
+  prefetch ("next") shard. Handed-out shards are *committed* and never move. It may
+  answer None to a worker that still holds work, keeping a shard back for a worker that
+  will finish it sooner (see :class:`LoadBalancer`); a worker with nothing left always
+  gets one if any is queued for it.
 - ``observe(...)`` takes every report; ``rebalance(t, committed)`` runs every
   ``rebalance_interval`` seconds and may move unstarted shards; ``batch_sizes()`` follows.
+  Between rebalances the balancer keeps its own count of each worker's committed samples
+  (handed out minus reported), so steals and hand-outs see the present.
+- Projected times are wall-clock: ``samples * (1 / rate + overhead)``, where ``rate`` is
+  the worker's compute + I/O speed and ``overhead`` its communication seconds per sample
+  (see :mod:`mpilb.rates`).
 - ``remove_worker(w)`` hands a lost worker's queue to the others; ``requeue(shards)`` takes
   back its committed shards. ``take_moves()`` returns every move made since the last call.
 
@@ -61,11 +69,15 @@ class BalancerConfig:
         hysteresis: a rebalance commits its moves only if they bring the projected epoch
             end forward by more than this fraction of the remaining time, so estimate
             noise does not shuffle shards back and forth.
-        ewma_alpha: weight of the newest report in the rate EWMA (0 < alpha <= 1). The
+        ewma_alpha: weight of the newest bucket in the rate EWMA (0 < alpha <= 1). The
             default 0.1, with the estimator's level-shift reset, keeps +-20% jitter within
-            10% and still follows a 2x change of speed within 3 reports (see
+            10% and still follows a 2x change of speed within 3 buckets (see
             :mod:`mpilb.rates`).
-        window: reports the ``predictive`` policy fits its trend on.
+        window: buckets the ``predictive`` policy fits its trend on.
+        rate_bucket_s: busy seconds of reports pooled before they update a rate estimate.
+            A worker pushing every millisecond on a shared node has heavy-tailed per-step
+            times (preemption); 50 ms buckets average that out, and 3 buckets (the shift
+            detector) still notice a 4x slowdown within about a fifth of a second.
     """
 
     batch: int = 32
@@ -76,6 +88,7 @@ class BalancerConfig:
     hysteresis: float = 0.05
     ewma_alpha: float = 0.1
     window: int = 8
+    rate_bucket_s: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -116,17 +129,25 @@ class Balancer:
         self._rates = {w: self._new_estimator() for w in self.workers}
         self._queues: dict[int, list[int]] = {w: [] for w in self.workers}
         self._committed: dict[int, int] = {w: 0 for w in self.workers}
+        self._requeued: set[int] = set()    # shards of a lost worker, maybe partly done
         self._moves: list[Move] = []
 
     # -- rates ------------------------------------------------------------------------------
     def _new_estimator(self) -> TrendRate:
-        return TrendRate(self.config.ewma_alpha, self.config.window)
+        return TrendRate(self.config.ewma_alpha, self.config.window, self.config.rate_bucket_s)
 
-    def observe(self, worker: int, t: float, samples: int, busy_s: float) -> None:
-        """Take one report: ``samples`` done in ``busy_s`` seconds of compute + I/O, at ``t``."""
+    def observe(self, worker: int, t: float, samples: int, busy_s: float,
+                comm_s: float | None = None) -> None:
+        """Take one report: ``samples`` done in ``busy_s`` seconds of compute + I/O, at ``t``.
+
+        ``comm_s``, when the caller knows it, is the communication time that went with them
+        (not idle or held time); otherwise the overhead is inferred from report times.
+        """
         self.now = max(self.now, t)
         if worker in self._rates:
-            self._rates[worker].update(t, samples, busy_s)
+            self._rates[worker].update(t, samples, busy_s, comm_s)
+        if worker in self._committed:
+            self._committed[worker] = max(0, self._committed[worker] - int(samples))
 
     def has_rates(self) -> bool:
         """True once any worker has reported."""
@@ -146,6 +167,17 @@ class Balancer:
         """Forecast rate over the next interval (equal to :meth:`rate` unless predictive)."""
         return self.rate(worker)
 
+    def overhead(self, worker: int) -> float:
+        """Seconds per sample ``worker`` spends outside compute and I/O (communication).
+
+        Before its first estimate: the others' mean, or 0.
+        """
+        est = self._rates.get(worker)
+        if est is not None and est.overhead is not None:
+            return est.overhead
+        known = [e.overhead for w, e in self._rates.items() if w != worker and e.overhead is not None]
+        return sum(known) / len(known) if known else 0.0
+
     def _planning_rate(self, worker: int) -> float:
         return max(self.predicted_rate(worker), 1e-12)
 
@@ -154,6 +186,7 @@ class Balancer:
         """Build this epoch's queues from ``order`` (a shuffle of all shards); returns copies."""
         self.epoch = epoch
         self._committed = {w: 0 for w in self.workers}
+        self._requeued = set()
         self._queues = self._build_queues(list(order))
         return {w: list(q) for w, q in self._queues.items()}
 
@@ -169,16 +202,25 @@ class Balancer:
         if worker not in self.workers:
             return None
         queue = self._queues[worker]
-        if queue:
-            return queue.pop(0)
-        return self._steal(worker)
+        shard = queue.pop(0) if queue else self._steal(worker)
+        if shard is not None:
+            self._commit(worker, shard)
+        return shard
+
+    def _commit(self, worker: int, shard: int) -> None:
+        # A requeued shard may be partly done already: counting none of it errs on the side
+        # of "this worker may run dry", never on the side of leaving it without work.
+        if shard in self._requeued:
+            self._requeued.discard(shard)
+        else:
+            self._committed[worker] = self._committed.get(worker, 0) + self.shard_sizes[shard]
 
     def _steal(self, worker: int) -> int | None:
         return None
 
     def _time_for(self, worker: int, samples: float) -> float:
-        """Projected seconds for ``worker`` to do ``samples`` more samples from now."""
-        return samples / self._planning_rate(worker)
+        """Projected wall-clock seconds for ``worker`` to do ``samples`` more samples."""
+        return samples * (1.0 / self._planning_rate(worker) + self.overhead(worker))
 
     def _queued_samples(self, worker: int) -> int:
         return sum(self.shard_sizes[s] for s in self._queues.get(worker, ()))
@@ -204,6 +246,7 @@ class Balancer:
 
     def requeue(self, shards: list[int]) -> None:
         """Take back shards handed out to a lost worker; each goes where it ends soonest."""
+        self._requeued.update(shards)
         for shard in shards:
             self._place(shard)
 
@@ -247,6 +290,7 @@ class Balancer:
             "now": self.now,
             "queues": {str(w): list(q) for w, q in self._queues.items()},
             "committed": {str(w): c for w, c in self._committed.items()},
+            "requeued": sorted(self._requeued),
             "rates": {str(w): est.state_dict() for w, est in self._rates.items()},
             "moves": [asdict(m) for m in self._moves],
         }
@@ -261,6 +305,7 @@ class Balancer:
         self.now = float(state["now"])
         self._queues = {int(w): [int(s) for s in q] for w, q in state["queues"].items()}
         self._committed = {int(w): int(c) for w, c in state["committed"].items()}
+        self._requeued = {int(s) for s in state.get("requeued", [])}
         self._rates = {}
         for w, est_state in state["rates"].items():
             est = self._new_estimator()
@@ -307,10 +352,13 @@ class DemandBalancer(Balancer):
     def next_shard(self, worker):
         if worker not in self.workers or not self._central:
             return None
-        return self._central.pop(0)
+        shard = self._central.pop(0)
+        self._commit(worker, shard)
+        return shard
 
     def requeue(self, shards):
         # A lost worker's shards go first: they are the ones most likely to end the epoch late.
+        self._requeued.update(shards)
         self._central[:0] = list(shards)
 
     def _place(self, shard):
@@ -343,7 +391,28 @@ class LoadBalancer(Balancer):
     remaining time. Moving single shards one at a time and judging the whole set lets many
     small shards move even when each alone gains less than the hysteresis. A worker whose
     queue runs dry steals from the worker projected to finish last, if that ends sooner.
+
+    End of the epoch: a worker that still holds work and asks for one more shard (its
+    prefetch) does not get it when another worker, after everything it holds and has
+    queued, would finish that shard sooner. The shard stays queued where that worker can
+    steal it, and the asker gets it anyway if it runs dry first. Without this a slow worker
+    commits to two shards near the end (its current one and its prefetch) and ends the
+    epoch late while the fast ones idle; committed shards never move.
     """
+
+    def next_shard(self, worker):
+        if worker not in self.workers:
+            return None
+        queue = self._queues[worker]
+        if queue and self._committed.get(worker, 0) > 0 and self._sooner_elsewhere(worker, queue[0]):
+            return None
+        return super().next_shard(worker)
+
+    def _sooner_elsewhere(self, worker: int, shard: int) -> bool:
+        size = self.shard_sizes[shard]
+        mine = self._time_for(worker, self._committed.get(worker, 0) + size)
+        return any(self._time_for(v, self._load(v) + size) < mine - _EPS
+                   for v in self.workers if v != worker)
 
     def _build_queues(self, order):
         queues = {w: [] for w in self.workers}
@@ -398,8 +467,7 @@ class LoadBalancer(Balancer):
         shard = self._queues[victim][-1]
         size = self.shard_sizes[shard]
         before = self._finish(victim)
-        # The thief asks while still busy with at most the shard it is working on.
-        thief_after = self._time_for(worker, min(self._committed.get(worker, 0), size) + size)
+        thief_after = self._time_for(worker, self._committed.get(worker, 0) + size)
         victim_after = self._time_for(victim, self._load(victim) - size)
         if max(thief_after, victim_after) >= before - _EPS:
             return None
@@ -427,10 +495,9 @@ class PredictiveBalancer(LoadBalancer):
         # A worker that is slowing down keeps slowing while it works through its queue:
         # integrate the trend over the whole job rather than assume the next interval's rate.
         est = self._rates.get(worker)
-        rate = self._planning_rate(worker)
         if est is None or est.value is None or samples <= 0:
-            return max(samples, 0) / rate
-        return est.time_for(samples, self.now)
+            return super()._time_for(worker, max(samples, 0))
+        return est.time_for(samples, self.now) + samples * self.overhead(worker)
 
 
 @register_batch_policy("fixed")

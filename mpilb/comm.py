@@ -273,9 +273,17 @@ def poll_error(comm) -> Optional[tuple[int, str]]:
     return None
 
 
-def notify_preempt(comm) -> None:
-    """Tell rank 0 this rank received a preemption signal (rare, small)."""
-    comm.isend(comm.Get_rank(), dest=0, tag=TAG_PREEMPT)
+def notify_preempt(comm):
+    """Tell rank 0 this rank received a preemption signal (rare, small). Returns the request."""
+    return comm.isend(comm.Get_rank(), dest=0, tag=TAG_PREEMPT)
+
+
+def drain(comm) -> None:
+    """Receive stray control messages (preemption notices, late errors) before finalising."""
+    status = MPI.Status()
+    for tag in (TAG_PREEMPT, TAG_ERROR):
+        while comm.Iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status):
+            comm.recv(source=status.Get_source(), tag=tag)
 
 
 def poll_preempt(comm) -> bool:

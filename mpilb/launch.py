@@ -108,9 +108,16 @@ def train(config_file, cli_values: dict) -> int:
         if rank == 0:
             from .server import serve
 
-            return serve(role)
-        role.run()
-        return 0
+            code = serve(role)
+        else:
+            role.run()
+            code = 0
+        # Leave together: under Hydra, after a forwarded SIGTERM, a rank that is still
+        # finalising when another exits can be killed, turning a clean stop into exit 9.
+        C.wait(comm.Ibarrier(), timeout=30.0)
+        if rank == 0:
+            C.drain(comm)   # control messages sent before the barrier (preemption notices)
+        return code
     except SystemExit:
         raise
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job

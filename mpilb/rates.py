@@ -4,20 +4,30 @@ Each gradient push carries a report: ``samples`` processed in ``busy_s`` seconds
 and I/O. One report's rate ``samples / busy_s`` is noisy (jitter, a GC pause, a transient
 straggler), so the estimators smooth it:
 
-- :class:`EwmaRate` (``load`` policy): a median-of-3 guard, a level-shift reset, and an
-  exponentially weighted moving average. The median of the last three per-report rates
-  ignores a single outlier entirely (a 50x spike does not move the estimate). The EWMA with
-  weight ``alpha`` averages out jitter: with ``alpha = 0.1`` (the balancer's default) +-20%
-  multiplicative noise keeps the estimate within 10% of the truth. A slow EWMA alone would
-  take ~20 reports to follow a real change of speed, so when the last three reports all lie
-  beyond ``SHIFT_FACTOR`` of the estimate on the same side, the estimate is reset to their
-  median: a 2x step is then tracked to within 10% after 3 reports.
-- :class:`TrendRate` (``predictive`` policy): double exponential smoothing. The trend is the
-  least-squares slope of the EWMA level against time over the last ``window`` reports, and
-  the forecast is the level, corrected for the EWMA's lag and extrapolated to the mean rate
-  over the next ``horizon`` seconds, clamped to [0.05, 20] times the EWMA. Least squares on
-  times copes with reports arriving at irregular intervals, where Holt's recursions assume
-  evenly spaced ones.
+- :class:`EwmaRate` (``load`` policy): report buckets, a median-of-3 guard, a level-shift
+  reset, and an exponentially weighted moving average. Reports are first pooled into
+  buckets of at least ``bucket_s`` busy seconds, whose rate is the ratio of sums
+  (samples / seconds): a fast worker pushes every millisecond or so, and on a shared node
+  single steps are stretched by preemption several times over, so per-report rates are
+  heavy-tailed and their mean is biased high; a bucket's ratio of sums is not. The median
+  of the last three bucket rates ignores a single outlier entirely (a 50x spike does not
+  move the estimate). The EWMA with weight ``alpha`` averages out jitter: with
+  ``alpha = 0.1`` (the balancer's default) +-20% multiplicative noise keeps the estimate
+  within 10% of the truth. A slow EWMA alone would take ~20 buckets to follow a real change
+  of speed, so when the last three buckets all lie beyond ``SHIFT_FACTOR`` of the estimate
+  on the same side, the estimate is reset to their median: a 2x step is then tracked to
+  within 10% after 3 buckets. With ``bucket_s = 0`` every report is its own bucket.
+- :class:`TrendRate` (``predictive`` policy, and every policy's projections): double
+  exponential smoothing. The trend is the least-squares slope of the EWMA level against
+  time over the last ``window`` buckets, and the forecast is the level, corrected for the
+  EWMA's lag and extrapolated to the mean rate over the next ``horizon`` seconds, clamped to
+  [0.05, 20] times the EWMA. Least squares on times copes with reports arriving at
+  irregular intervals, where Holt's recursions assume evenly spaced ones. It also estimates
+  the worker's *overhead*: seconds per sample spent outside compute and I/O (sending the
+  gradient, waiting for the reply, being scheduled), from the report times themselves
+  (time since the worker's previous report minus its busy seconds), with gaps far longer
+  than a step's usual cycle taken as idle time and left out. Projected finish times need
+  both: a worker's wall-clock seconds per sample are ``1 / rate + overhead``.
 """
 
 from __future__ import annotations
@@ -31,27 +41,37 @@ FORECAST_MIN_FACTOR = 0.05
 FORECAST_MAX_FACTOR = 20.0
 # Three reports in a row beyond this factor of the estimate (same side) mean a real change.
 SHIFT_FACTOR = 1.3
-# A report more than this factor away from the median of the last three is an outlier.
+# A bucket more than this factor away from the median of the last three is an outlier.
 OUTLIER_FACTOR = 2.0
+# A report whose time since the previous one exceeds this many usual cycles (busy seconds +
+# overhead) came after an idle wait (epoch end, no work): its gap is not overhead.
+IDLE_FACTOR = 4.0
 
 
 class EwmaRate:
-    """EWMA of per-report rates behind a median-of-3 outlier guard.
+    """EWMA of bucketed rates behind a median-of-3 outlier guard.
 
     Args:
-        alpha: EWMA weight of the newest guarded rate (0 < alpha <= 1); larger reacts faster
-            and is noisier.
+        alpha: EWMA weight of the newest guarded bucket rate (0 < alpha <= 1); larger reacts
+            faster and is noisier.
+        bucket_s: busy seconds pooled into one bucket before it updates the estimate (0:
+            every report is a bucket).
     """
 
-    def __init__(self, alpha: float = 0.1):
+    def __init__(self, alpha: float = 0.1, bucket_s: float = 0.0):
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"ewma alpha must be in (0, 1], got {alpha}")
+        if bucket_s < 0.0:
+            raise ValueError(f"rate bucket must be >= 0 seconds, got {bucket_s}")
         self.alpha = alpha
+        self.bucket_s = bucket_s
         self.value: float | None = None
         self.count = 0
         self.last_input: float | None = None
         self.shifted = False  # did the last update reset the estimate (a level shift)?
+        self.closed = False   # did the last update close a bucket (change the estimate)?
         self._recent: deque[float] = deque(maxlen=3)
+        self._bucket = [0.0, 0.0]   # samples, busy seconds of the open bucket
 
     def _guard(self, rate: float) -> float:
         self._recent.append(rate)
@@ -66,12 +86,23 @@ class EwmaRate:
         return min(self._recent, key=lambda r: abs(np.log(r / self.value)))
 
     def update(self, samples: float, busy_s: float) -> float | None:
-        """Add one report and return the new estimate (reports with no work are ignored)."""
+        """Add one report and return the estimate (reports with no work are ignored).
+
+        The estimate changes when the report closes a bucket (see :attr:`closed`).
+        """
+        self.closed = self.shifted = False
         if samples <= 0 or busy_s <= 0:
             return self.value
-        guarded = self._guard(samples / busy_s)
+        self.count += 1
+        self._bucket[0] += samples
+        self._bucket[1] += busy_s
+        if self._bucket[1] < self.bucket_s:
+            return self.value
+        rate = self._bucket[0] / self._bucket[1]
+        self._bucket = [0.0, 0.0]
+        self.closed = True
+        guarded = self._guard(rate)
         self.last_input = guarded
-        self.shifted = False
         if self.value is None:
             self.value = guarded
         elif len(self._recent) == 3 and (
@@ -81,43 +112,53 @@ class EwmaRate:
             self.shifted = True
         else:
             self.value = (1.0 - self.alpha) * self.value + self.alpha * guarded
-        self.count += 1
         return self.value
 
     def state_dict(self) -> dict:
         """JSON-serialisable state."""
-        return {"alpha": self.alpha, "value": self.value, "count": self.count,
-                "recent": list(self._recent)}
+        return {"alpha": self.alpha, "bucket_s": self.bucket_s, "value": self.value,
+                "count": self.count, "recent": list(self._recent), "bucket": list(self._bucket)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output."""
         self.alpha = state["alpha"]
+        self.bucket_s = state.get("bucket_s", 0.0)
         self.value = state["value"]
         self.count = state["count"]
         self._recent = deque(state["recent"], maxlen=3)
+        self._bucket = list(state.get("bucket", [0.0, 0.0]))
 
 
 class TrendRate:
     """EWMA plus a linear-trend forecast (double exponential smoothing, Brown-style).
 
-    The trend is the least-squares slope of the EWMA level over the last ``window`` reports,
+    The trend is the least-squares slope of the EWMA level over the last ``window`` buckets,
     against their times; fitting the smoothed level rather than raw reports keeps the slope
-    steady under jitter. On a ramp an EWMA lags the truth by ``(1 - alpha) / alpha`` report
+    steady under jitter. On a ramp an EWMA lags the truth by ``(1 - alpha) / alpha`` bucket
     intervals, so the forecast adds the slope over that lag plus the time ahead. After a level
     shift (see :class:`EwmaRate`) the window restarts, so a step is not read as a trend.
 
+    :attr:`overhead` is the EWMA (same buckets, same ``alpha``) of the seconds per sample the
+    worker spends outside compute and I/O: the caller's ``comm_s`` when it has one, otherwise
+    the time since the previous report minus this report's busy seconds. A gap longer than
+    ``IDLE_FACTOR`` usual cycles is an idle wait, not overhead, and counts as a usual one.
+
     Args:
         alpha: weight of the underlying :class:`EwmaRate`.
-        window: number of recent reports the slope is fitted on; longer is steadier but
+        window: number of recent buckets the slope is fitted on; longer is steadier but
             slower to notice a change of trend.
+        bucket_s: busy seconds per bucket (see :class:`EwmaRate`).
     """
 
-    def __init__(self, alpha: float = 0.1, window: int = 8):
+    def __init__(self, alpha: float = 0.1, window: int = 8, bucket_s: float = 0.0):
         if window < 3:
             raise ValueError(f"trend window must be >= 3 reports, got {window}")
-        self.ewma = EwmaRate(alpha)
+        self.ewma = EwmaRate(alpha, bucket_s)
         self.window = window
         self._points: deque[tuple[float, float]] = deque(maxlen=window)
+        self.overhead: float | None = None     # seconds per sample outside compute + I/O
+        self._last_t: float | None = None
+        self._over = [0.0, 0.0]                 # overhead seconds, samples of the open bucket
 
     @property
     def value(self) -> float | None:
@@ -129,15 +170,47 @@ class TrendRate:
         """Number of reports taken in."""
         return self.ewma.count
 
-    def update(self, t: float, samples: float, busy_s: float) -> float | None:
-        """Add one report observed at time ``t``; returns the EWMA estimate."""
+    def update(self, t: float, samples: float, busy_s: float,
+               comm_s: float | None = None) -> float | None:
+        """Add one report observed at time ``t``; returns the EWMA estimate.
+
+        Args:
+            t: when the report arrived (seconds, any fixed origin).
+            samples: samples the report covers.
+            busy_s: compute + I/O seconds they took.
+            comm_s: seconds of communication (and other non-idle overhead) that went with
+                them, if the caller measures it; otherwise inferred from report times.
+        """
+        last, self._last_t = self._last_t, t
         if samples <= 0 or busy_s <= 0:
             return self.ewma.value
+        self._over[0] += self._overhead_of(t - last if last is not None else None,
+                                           samples, busy_s, comm_s)
+        self._over[1] += samples
         self.ewma.update(samples, busy_s)
+        if not self.ewma.closed:
+            return self.ewma.value
+        per_sample = self._over[0] / self._over[1]
+        self._over = [0.0, 0.0]
+        a = self.ewma.alpha
+        self.overhead = per_sample if self.overhead is None else (1 - a) * self.overhead + a * per_sample
         if self.ewma.shifted:
             self._points.clear()
         self._points.append((t, self.ewma.value))
         return self.ewma.value
+
+    def _overhead_of(self, gap: float | None, samples: float, busy_s: float,
+                     comm_s: float | None) -> float:
+        """Overhead seconds of one report (see the class docstring)."""
+        if comm_s is not None:
+            return max(0.0, comm_s)
+        usual = self.overhead * samples if self.overhead is not None else None
+        if gap is None:
+            return usual or 0.0
+        over = max(0.0, gap - busy_s)
+        if usual is not None and over > IDLE_FACTOR * (usual + busy_s):
+            return usual
+        return over
 
     def slope(self) -> float:
         """Trend of the rate in samples/s per second (0.0 with fewer than 3 reports)."""
@@ -189,10 +262,14 @@ class TrendRate:
     def state_dict(self) -> dict:
         """JSON-serialisable state."""
         return {"ewma": self.ewma.state_dict(), "window": self.window,
-                "points": [list(p) for p in self._points]}
+                "points": [list(p) for p in self._points], "overhead": self.overhead,
+                "last_t": self._last_t, "over": list(self._over)}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output."""
         self.ewma.load_state_dict(state["ewma"])
         self.window = state["window"]
         self._points = deque((tuple(p) for p in state["points"]), maxlen=self.window)
+        self.overhead = state.get("overhead")
+        self._last_t = state.get("last_t")
+        self._over = list(state.get("over", [0.0, 0.0]))

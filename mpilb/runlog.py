@@ -61,45 +61,51 @@ class RunLog:
             raise UsageError(f"--log {self.path}: directory {parent} does not exist")
         if not os.access(parent, os.W_OK):
             raise UsageError(f"--log {self.path}: directory {parent} is not writable")
-        if resume_at is not None and Path(self.path).exists() and self._continue(resume_at):
-            return self._start_swmr()
+        carried = self._carry_over(resume_at) if resume_at is not None else None
+        # A resumed run's log is rebuilt beside the old one and renamed over it, so that a
+        # kill during the rebuild leaves the old log intact.
+        target = self.path if carried is None else f"{self.path}.resume{os.getpid()}"
         try:
-            self._file = h5py.File(self.path, "w", libver="latest", locking=False)
+            self._file = h5py.File(target, "w", libver="latest", locking=False)
         except OSError as exc:
             raise UsageError(f"--log {self.path}: cannot create the run log ({exc})") from None
         f = self._file
         f.attrs["mpilb_version"] = __version__
         f.attrs["start_time"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-        f.attrs["status"] = "running"
         for key, value in attrs.items():
             f.attrs[key] = value
+        if carried is not None:   # keep the first start time, count the resumptions
+            f.attrs["start_time"] = carried[0].get("start_time", f.attrs["start_time"])
+            f.attrs["resumed"] = int(carried[0].get("resumed", 0)) + 1
+        f.attrs["status"] = "running"
         for group, columns in SCHEMA.items():
             g = f.create_group(group)
             for col, dtype in columns.items():
-                g.create_dataset(col, shape=(0,), maxshape=(None,), dtype=np.dtype(dtype),
-                                 chunks=(4096,))
+                data = carried[1][group][col] if carried is not None else np.zeros(0)
+                g.create_dataset(col, data=np.asarray(data).astype(dtype), maxshape=(None,),
+                                 dtype=np.dtype(dtype), chunks=(4096,))
+        if carried is not None:
+            f.flush()
+            os.replace(target, self.path)
         self._start_swmr()
 
-    def _continue(self, resume_at: float) -> bool:
-        """Reopen a resumed run's log, dropping rows written after its checkpoint."""
+    def _carry_over(self, resume_at: float):
+        """Rows of the log being resumed up to the checkpoint (later work is done again).
+
+        The old file is read, not edited: a run that was killed leaves its file marked as
+        open for writing, which HDF5 refuses to open for writing again.
+        """
+        if not Path(self.path).exists():
+            return None
         try:
-            self._file = h5py.File(self.path, "a", libver="latest", locking=False)
+            attrs, cols = read_columns(self.path)
         except OSError:
-            return False
-        f = self._file
-        if not all(g in f and all(c in f[g] for c in cols) for g, cols in SCHEMA.items()):
-            f.close()
-            return False
+            return None
         for group in SCHEMA:
             tcol = "t_end" if group == "epochs" else "t"
-            keep = int(np.searchsorted(f[group][tcol][()], resume_at, side="right"))
-            for ds in f[group].values():
-                ds.resize((min(keep, ds.shape[0]),))
-        f.attrs["status"] = "running"
-        f.attrs["resumed"] = int(f.attrs.get("resumed", 0)) + 1
-        if "summary" in f:
-            del f["summary"]
-        return True
+            keep = int(np.searchsorted(cols[group][tcol], resume_at, side="right"))
+            cols[group] = {c: v[:keep] for c, v in cols[group].items()}
+        return attrs, cols
 
     def _start_swmr(self) -> None:
         f = self._file

@@ -139,6 +139,7 @@ class ParameterServer:
 
     def _reply(self, w: WorkerState, cmd: Cmd = Cmd.PARAMS, held_s: float = 0.0) -> None:
         """Send w the current parameters (or STOP) with its assignments and batch size."""
+        w.last_seen = time.monotonic()   # its silence counts from now (--worker-timeout)
         if w.reply_req is not None:
             w.reply_req.Wait()   # the previous reply was received before w pushed again
         slot = w.replies[w.reply_index]
@@ -557,6 +558,7 @@ class ParameterServer:
             self._timers()
         self.train_s = self.now()
         self._log_worker_rows()
+        C.drain(self.comm)
         for i, w in enumerate(order):
             if w.reply_req is not None and not w.lost:
                 C.wait(w.reply_req, timeout=5.0)
@@ -573,6 +575,7 @@ class ParameterServer:
         self.last_checkpoint = time.monotonic()
         if not self.cfg.checkpoint:
             return
+        self.log.flush()   # the log holds everything up to the checkpoint: a resume continues it
         checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
                         params=self.params, optimizer=self.optimizer, version=self.version,
                         epoch=self.epoch, tracker=self.tracker, balancer=self.balancer,

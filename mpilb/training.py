@@ -196,3 +196,24 @@ def check_world(cfg: Config, world_size: int, dataset) -> None:
         raise UsageError(f"--replicas {cfg.replicas} exceeds the {workers} worker rank(s) of this job")
     if cfg.model == "cnn" and len(dataset.sample_shape) not in (1, 3):
         raise UsageError(f"--model cnn needs image-shaped samples (C,H,W); {dataset.root} has shape {tuple(dataset.sample_shape)}")
+    if cfg.checkpoint:
+        check_writable_dir(cfg.checkpoint, "--checkpoint")
+    if cfg.log:
+        check_writable_dir(cfg.log, "--log")
+
+
+def check_writable_dir(path: str, option: str) -> None:
+    """Fail at start-up, not an hour in, when a file cannot be written where asked."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    parent = Path(path).resolve().parent
+    if not parent.is_dir():
+        raise UsageError(f"{option} {path}: directory {parent} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".mpilb-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UsageError(f"{option} {path}: cannot write in {parent} ({exc.strerror})") from None

@@ -68,6 +68,7 @@ class Worker:
         self.io_reported = 0.0
         self.retry = False
         self.preempt_sent = False
+        self.preempt_req = None
 
     def _pinned_message(self):
         buf = self.backend.empty_host(C.HEADER_BYTES + 4 * self.n)
@@ -136,7 +137,7 @@ class Worker:
 
     def _check_fault(self) -> None:
         if PREEMPTED.is_set() and not self.preempt_sent:
-            C.notify_preempt(self.comm)   # rank 0 checkpoints and stops everyone
+            self.preempt_req = C.notify_preempt(self.comm)   # rank 0 checkpoints, stops all
             self.preempt_sent = True
         fault = self.injector.fault(time.monotonic())
         if fault == "crash":
@@ -175,6 +176,8 @@ class Worker:
             if self.push_req is not None:
                 C.wait(self.push_req, timeout=5.0)
             self.store.close()
+            if self.preempt_req is not None and not self.preempt_req.Test():
+                self.preempt_req.Cancel()
 
     def _loop(self) -> None:
         msg = self.push_bufs[0]
