@@ -39,10 +39,29 @@ def shim_env(tmp_path: Path, **extra) -> dict:
     return env
 
 
-def run(cmd, tmp_path: Path, env: dict, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
-    proc = subprocess.run([str(c) for c in cmd], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-    return proc
+def start(cmd, tmp_path: Path, env: dict) -> subprocess.Popen:
+    """Start a job in a session of its own, so that it can be ended with everything it started."""
+    return subprocess.Popen([str(c) for c in cmd], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    """Wait for a job; past the timeout kill its whole process group (a hang is a failure)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    finally:
+        if proc.poll() is None:   # an exception (e.g. KeyboardInterrupt) while waiting
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run(cmd, tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
+    return finish(start(cmd, tmp_path, env))
 
 
 def sbatch(tmp_path: Path, *args, **env) -> tuple[subprocess.CompletedProcess, str]:
@@ -238,21 +257,16 @@ def test_requeue_checkpoints_on_usr1_and_resumes(tmp_path, digits):
     cmd = [SHIM / "sbatch", "--ntasks=3", JOBS / "slurm/requeue.sbatch", "--data", digits,
            "--model", "mlp", "--hidden", "16", "--epochs", epochs, "--seed", "1",
            "--inject", "*:delay=0.01", "--checkpoint-interval", "0.5"]
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=tmp_path, env=shim_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        # Slurm's --signal=B:USR1@120 goes to the batch shell once training is under way;
-        # the sbatch shim hands it to the batch shell.
-        deadline = time.monotonic() + 60
-        while not list(tmp_path.glob("mpilb-*.ckpt.h5")) and proc.poll() is None:
-            assert time.monotonic() < deadline, "no checkpoint within 60 s"
-            time.sleep(0.1)
-        proc.send_signal(signal.SIGUSR1)
-        out, err = proc.communicate(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    proc = start(cmd, tmp_path, shim_env(tmp_path))
+    # Slurm's --signal=B:USR1@120 goes to the batch shell once training is under way; the
+    # sbatch shim hands it to the batch shell.
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("mpilb-*.ckpt.h5")) and proc.poll() is None \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGUSR1)
+    done = finish(proc)
+    out, err = done.stdout, done.stderr
     assert proc.returncode == 0, out + err
     job = next(tmp_path.glob("mpilb-*.ckpt.h5")).name.split("-")[1].split(".")[0]
     assert (tmp_path / "slurm" / "requeue.log").read_text().split()[0] == job
@@ -260,7 +274,7 @@ def test_requeue_checkpoints_on_usr1_and_resumes(tmp_path, digits):
     assert "--resume" not in out.split(f"job {job} start 1:")[0]
     assert "--resume" in out.split(f"job {job} start 1:")[1]
     # One log for the job: the resumed run continued it to the end of the last epoch.
-    attrs = assert_finished(tmp_path / f"mpilb-{job}.h5", 3, subprocess.CompletedProcess(cmd, 0, out, err))
+    attrs = assert_finished(tmp_path / f"mpilb-{job}.h5", 3, done)
     assert attrs["resumed"] == 1
     assert attrs["summary"]["epochs_completed"] == epochs
     assert f"job {job} start 1 ended: exit code 0, run status finished" in out
