@@ -87,11 +87,12 @@ def _launcher() -> tuple[str, int | None]:
 
     if "OMPI_COMM_WORLD_SIZE" in env:
         return "Open MPI mpirun", count("OMPI_COMM_WORLD_SIZE")
-    if "SLURM_STEP_ID" in env and "PMI_FD" not in env and "PMI_PORT" not in env:
-        size = count("PMI_SIZE") or count("SLURM_STEP_NUM_TASKS")
-        return f"srun --mpi={env.get('SLURM_MPI_TYPE', '?')}", size
+    if "MPI_LOCALNRANKS" in env:   # set by MPICH's Hydra only
+        return "mpiexec (MPICH Hydra)", count("PMI_SIZE")
+    if "SLURM_STEP_ID" in env:
+        return f"srun --mpi={env.get('SLURM_MPI_TYPE', '?')}", count("PMI_SIZE") or count("SLURM_STEP_NUM_TASKS")
     if "PMI_SIZE" in env:
-        return "mpiexec (Hydra, PMI)", count("PMI_SIZE")
+        return "a PMI launcher", count("PMI_SIZE")
     if "PMIX_RANK" in env:
         return "a PMIx launcher", None
     return "none (singleton: one process without mpiexec)", None

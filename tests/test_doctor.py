@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -27,7 +28,15 @@ def run_doctor(n: int, **env_extra) -> subprocess.CompletedProcess:
         mpiexec = shutil.which("mpiexec", path=env["PATH"])
         assert mpiexec, "mpiexec not found: pip install mpich"
         cmd = [mpiexec, "-n", str(n), *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:   # a hang: end mpiexec and every rank it started
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def facts(host="h", local_rank=0, gpus=0, cupy="13.3.0", driver_gpus=None, cuda_support=False):
@@ -147,3 +156,22 @@ def test_doctor_refuses_cuda_aware_on_a_library_without_cuda():
         pytest.skip("this MPI library reports CUDA support or cannot say")
     assert proc.returncode == 1
     assert "ERROR: MPILB_CUDA_AWARE=1 but the MPI library is not CUDA-aware" in proc.stdout
+
+
+@pytest.mark.parametrize("env, label, size", [
+    ({"OMPI_COMM_WORLD_SIZE": "4"}, "Open MPI mpirun", 4),
+    ({"PMI_SIZE": "3", "MPI_LOCALNRANKS": "3", "SLURM_STEP_ID": "0"}, "mpiexec (MPICH Hydra)", 3),
+    ({"SLURM_STEP_ID": "0", "SLURM_MPI_TYPE": "pmi2", "PMI_SIZE": "8", "PMI_FD": "5"},
+     "srun --mpi=pmi2", 8),
+    ({"SLURM_STEP_ID": "0", "SLURM_MPI_TYPE": "pmix", "SLURM_STEP_NUM_TASKS": "9"},
+     "srun --mpi=pmix", 9),
+    ({}, "none (singleton", None),
+])
+def test_launcher_is_named_with_the_size_it_started(monkeypatch, env, label, size):
+    for var in ("OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_STEP_ID", "SLURM_MPI_TYPE",
+                "SLURM_STEP_NUM_TASKS", "PMI_SIZE", "PMI_FD", "PMIX_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    name, started = D._launcher()
+    assert name.startswith(label) and started == size
