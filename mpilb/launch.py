@@ -72,10 +72,10 @@ def train(config_file, cli_values: dict) -> int:
                      "mpi_library": C.library_version(), "world_size": size,
                      "hostnames": json.dumps(hosts)}
         if size == 1:
-            from .serial import train_serial
+            from .serial import SerialTrainer
 
-            return train_serial(cfg, dataset, run_attrs)
-        if rank == 0:
+            role = SerialTrainer(cfg, dataset, run_attrs)
+        elif rank == 0:
             from .server import ParameterServer
 
             role = ParameterServer(cfg, dataset, comm, run_attrs)
@@ -104,6 +104,10 @@ def train(config_file, cli_values: dict) -> int:
             print(f"mpilb: error: {first[1]}", file=sys.stderr, flush=True)
         return 2 if first[0] == "usage" else 1
     _install_signal_handlers()
+    if size == 1:
+        from .serial import run_serial
+
+        return run_serial(role)
     try:
         if rank == 0:
             from .server import serve

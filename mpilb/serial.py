@@ -1,16 +1,17 @@
 """One-rank training, in process: the baseline and the debugging path.
 
-Same model, optimizer, shards, batches, balancer plan, evaluation and run log as a
-multi-rank job, without a server. The one "worker" is rank 0 itself.
+Same model, optimizer, shards, batches, balancer plan, evaluation, checkpoints and run log as
+a multi-rank job, without a server. The one "worker" is rank 0 itself.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
+from typing import Optional
 
-import numpy as np
-
+from . import checkpoint
 from .backend import select_backend
 from .balancer import BalancerConfig, build_balancer
 from .batches import GradientStep, ShardFeed
@@ -19,8 +20,8 @@ from .progress import Progress
 from .report import summarize_log
 from .runlog import RunLog
 from .shards import ShardStore
-from .training import (EpochTracker, Evaluator, StopRule, config_model, config_optimizer,
-                       epoch_order)
+from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule, config_model,
+                       config_optimizer, epoch_order)
 
 
 def balancer_config(cfg) -> BalancerConfig:
@@ -29,133 +30,191 @@ def balancer_config(cfg) -> BalancerConfig:
                           rebalance_interval=cfg.rebalance_interval)
 
 
-def train_serial(cfg, dataset, run_attrs: dict) -> int:
+class SerialTrainer:
+    """Train with one process; `run()` returns the final status."""
+
+    def __init__(self, cfg, dataset, run_attrs: dict):
+        self.cfg = cfg
+        self.dataset = dataset
+        self.backend = select_backend(cfg.device, 0)
+        self.model = config_model(cfg, dataset)
+        host_params = self.model.init_params(cfg.seed)
+        self.optimizer = config_optimizer(cfg, self.model.num_params, xp=self.backend.xp)
+        self.balancer = build_balancer(cfg.balancer, [0], dataset.shard_sizes, balancer_config(cfg))
+        self.tracker = EpochTracker(dataset.shard_sizes)
+        self.resumed: Optional[checkpoint.Checkpoint] = None
+        if cfg.resume:
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset)
+            host_params = self.resumed.params
+            self.optimizer.load_state_dict(self.resumed.optimizer)
+            self.balancer.load_state_dict(self.resumed.balancer)
+        self.params = self.backend.asarray(host_params)
+        self.injector = Injector(parse_injects(cfg.inject, 1), 0, cfg.seed)
+        inj = self.injector
+        self.store = ShardStore(dataset, seed=cfg.seed,
+                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s))
+        self.feed = ShardFeed(self.store, self.backend)
+        self.step = GradientStep(self.model, self.backend, self.injector)
+        test_x, test_y = dataset.load_test()
+        self.evaluator = Evaluator(self.model, test_x, test_y)
+        self.stop = StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy)
+        self.log = RunLog(cfg.log, run_attrs,
+                          resume_at=self.resumed.train_s if self.resumed else None)
+        self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
+                                 samples_per_epoch=self.tracker.total)
+        self.version = self.resumed.version if self.resumed else 0
+        self.accuracy: Optional[float] = None
+        # accumulators for the workers/ log rows and the epoch's utilization
+        self.window_samples = 0
+        self.window_compute = 0.0
+        self.io_reported = 0.0
+        self.epoch_busy = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    # ------------------------------------------------------------------ loop
+    def run(self) -> str:
+        self.t0 = time.monotonic() - (self.resumed.train_s if self.resumed else 0.0)
+        self.cpu0 = time.process_time()
+        self.last_eval = self.last_report = self.last_checkpoint = time.monotonic()
+        self.injector.start(time.monotonic())
+        first, counts = 0, None
+        if self.resumed is not None:
+            first, counts = self.resumed.epoch, self.resumed.counts
+            self.tracker.completed = [EpochStats(**e) for e in self.resumed.completed]
+        for epoch in range(first, self.cfg.epochs):
+            self._run_epoch(epoch, counts)
+            counts = None
+            if self.stop.reason:
+                break
+        self.train_s = self.now()
+        self._report_window()
+        if PREEMPTED.is_set():
+            return "preempted"
+        self._checkpoint()
+        return "finished"
+
+    def _run_epoch(self, epoch: int, counts) -> None:
+        order = epoch_order(self.cfg.seed, epoch, len(self.dataset.shard_sizes))
+        starts: dict[int, int] = {}
+        self.tracker.begin(epoch, self.now(), counts)
+        if counts is not None:
+            order, starts = checkpoint.resume_plan(order, counts, self.tracker.offsets,
+                                                   self.dataset.shard_sizes)
+        self.epoch = epoch
+        self.balancer.plan_epoch(epoch, order)
+        self.epoch_busy = 0.0
+        while not self.tracker.complete:
+            shard = self.balancer.next_shard(0)
+            if shard is None:
+                break
+            self.feed.assign(epoch, shard, starts.pop(shard, 0))
+            self.log.append("shards", t=self.now(), epoch=epoch, shard=shard, src=-1, dst=0,
+                            event="assign")
+            while (batch := self.feed.take(self.cfg.batch)) is not None:
+                self._train_step(batch)
+                if self._between_steps():
+                    return
+        self._end_epoch()
+
+    def _train_step(self, batch) -> None:
+        loss, grad, compute_s = self.step(self.params, batch)
+        b = batch.size
+        grad /= b
+        lr_scale = b / self.cfg.batch
+        self.optimizer.step(self.params, grad, lr_scale)
+        self.version += 1
+        self.tracker.record(batch.epoch, batch.shard, batch.lo, batch.hi)
+        self.log.append("updates", t=self.now(), worker=0, version=self.version, staleness=0,
+                        batch=b, loss=loss / b, lr_scale=lr_scale, epoch=batch.epoch,
+                        shard=batch.shard)
+        self.window_samples += b
+        self.window_compute += compute_s
+        self.epoch_busy += compute_s
+
+    def _between_steps(self) -> bool:
+        """Timers between steps; True when training must stop now."""
+        mono = time.monotonic()
+        if PREEMPTED.is_set():
+            print("mpilb: preemption signal: checkpointing and stopping", file=sys.stderr, flush=True)
+            self._checkpoint()
+            self.stop.reason = "preempted"
+            return True
+        if mono - self.last_report >= self.cfg.rebalance_interval:
+            self._report_window()
+        if mono - self.last_eval >= self.cfg.eval_interval:
+            self._evaluate()
+        if self.cfg.checkpoint and mono - self.last_checkpoint >= self.cfg.checkpoint_interval:
+            self._checkpoint()
+        self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy)
+        return self.stop.check(self.epoch, self.now(), self.accuracy) and self.stop.reason != "epochs"
+
+    def _report_window(self) -> None:
+        io_new = self.feed.io_s - self.io_reported
+        self.io_reported = self.feed.io_s
+        self.epoch_busy += io_new
+        busy = self.window_compute + io_new
+        if self.window_samples:
+            self.balancer.observe(0, self.now(), self.window_samples, busy)
+            self.log.append("workers", t=self.now(), worker=0, samples=self.window_samples,
+                            compute_s=self.window_compute, io_s=io_new, batch=self.cfg.batch,
+                            rate=self.window_samples / max(1e-9, busy),
+                            predicted_rate=self.balancer.predicted_rate(0))
+        self.window_samples, self.window_compute = 0, 0.0
+        self.last_report = time.monotonic()
+
+    def _end_epoch(self) -> None:
+        self._report_window()
+        stats = self.tracker.end(self.now())
+        span = max(1e-9, stats.t_end - stats.t_start)
+        self.log.append("epochs", epoch=stats.epoch, t_start=stats.t_start, t_end=stats.t_end,
+                        samples=stats.samples, utilization=min(1.0, self.epoch_busy / span),
+                        imbalance_s=0.0)
+        self._evaluate()
+        self.progress.epoch_done(stats.epoch, self.accuracy)
+        self.stop.check(stats.epoch + 1, self.now(), self.accuracy)
+
+    def _evaluate(self) -> None:
+        loss, acc = self.evaluator(self.backend.to_host(self.params))
+        self.accuracy = acc
+        self.log.append("eval", t=self.now(), version=self.version, epoch=self.epoch,
+                        test_loss=loss, test_accuracy=acc)
+        self.last_eval = time.monotonic()
+
+    def _checkpoint(self) -> None:
+        self.last_checkpoint = time.monotonic()
+        if not self.cfg.checkpoint:
+            return
+        self.log.flush()
+        checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
+                        params=self.backend.to_host(self.params), optimizer=self.optimizer,
+                        version=self.version, epoch=self.epoch, tracker=self.tracker,
+                        balancer=self.balancer, train_s=self.now())
+
+    def finish(self, status: str) -> dict:
+        self.progress.close()
+        self.store.close()
+        self.log.close(status, {"train_s": getattr(self, "train_s", self.now()),
+                                "wall_s": self.now(),
+                                "server_cpu_s": time.process_time() - self.cpu0,
+                                "coverage": json.dumps(self.tracker.coverage()),
+                                "lost_workers": "[]", "stop_reason": self.stop.reason,
+                                "rejected_gradients": 0})
+        summary = summarize_log(self.cfg.log)
+        self.log.write_summary(summary)
+        return summary
+
+
+def run_serial(trainer: SerialTrainer) -> int:
     """Train with one process. Returns the exit code."""
-    backend = select_backend(cfg.device, 0)
-    xp = backend.xp
-    model = config_model(cfg, dataset)
-    host_params = model.init_params(cfg.seed)
-    params = backend.asarray(host_params)
-    optimizer = config_optimizer(cfg, model.num_params, xp=xp)
-    rules = parse_injects(cfg.inject, 1)
-    injector = Injector(rules, 0, cfg.seed)
-    store = ShardStore(dataset, seed=cfg.seed,
-                       io_delay=lambda nbytes, s: injector.io_extra(time.monotonic(), nbytes, s))
-    feed = ShardFeed(store, backend)
-    step = GradientStep(model, backend, injector)
-    balancer = build_balancer(cfg.balancer, [0], dataset.shard_sizes, balancer_config(cfg))
-    tracker = EpochTracker(dataset.shard_sizes)
-    test_x, test_y = dataset.load_test()
-    evaluator = Evaluator(model, test_x, test_y)
-    stop = StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy)
-    log = RunLog(cfg.log, run_attrs)
-    progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
-                        samples_per_epoch=tracker.total)
     status = "failed"
-    t0 = time.monotonic()
-    cpu0 = time.process_time()
-    injector.start(t0)
-    version = 0
-    accuracy = None
-    last_eval = t0
-    last_report = t0
-    samples_window = 0
-    compute_acc = 0.0
-    busy_epoch = 0.0
-    io_reported = 0.0
     try:
-        for epoch in range(cfg.epochs):
-            now = time.monotonic()
-            tracker.begin(epoch, now - t0)
-            balancer.plan_epoch(epoch, epoch_order(cfg.seed, epoch, len(dataset.shard_sizes)))
-            while True:
-                shard = balancer.next_shard(0)
-                if shard is None:
-                    break
-                feed.assign(epoch, shard)
-                log.append("shards", t=time.monotonic() - t0, epoch=epoch, shard=shard, src=-1,
-                           dst=0, event="assign")
-                while True:
-                    batch = feed.take(cfg.batch)
-                    if batch is None:
-                        break
-                    loss, grad, compute_s = step(params, batch)
-                    b = batch.size
-                    grad /= b
-                    optimizer.step(params, grad, lr_scale=b / cfg.batch)
-                    version += 1
-                    tracker.record(batch.epoch, batch.shard, batch.lo, batch.hi)
-                    now = time.monotonic()
-                    log.append("updates", t=now - t0, worker=0, version=version, staleness=0,
-                               batch=b, loss=loss / b, lr_scale=b / cfg.batch, epoch=epoch,
-                               shard=batch.shard)
-                    samples_window += b
-                    compute_acc += compute_s
-                    busy_epoch += compute_s
-                    if now - last_report >= cfg.rebalance_interval:
-                        io_new = feed.io_s - io_reported
-                        io_reported = feed.io_s
-                        busy_epoch += io_new
-                        rate = samples_window / max(1e-9, compute_acc + io_new)
-                        balancer.observe(0, now - t0, samples_window, compute_acc + io_new)
-                        log.append("workers", t=now - t0, worker=0, samples=samples_window,
-                                   compute_s=compute_acc, io_s=io_new, batch=cfg.batch,
-                                   rate=rate, predicted_rate=balancer.predicted_rate(0))
-                        samples_window, compute_acc, last_report = 0, 0.0, now
-                    if now - last_eval >= cfg.eval_interval:
-                        accuracy = _evaluate(log, evaluator, backend, params, version, epoch, now - t0)
-                        last_eval = time.monotonic()
-                        if stop.check(epoch, now - t0, accuracy):
-                            break
-                    if cfg.max_seconds is not None and now - t0 >= cfg.max_seconds:
-                        stop.check(epoch, now - t0, accuracy)
-                        break
-                    progress.update(epoch, tracker.distinct, version, accuracy)
-                if stop.reason:
-                    break
-            if stop.reason:
-                break
-            now = time.monotonic()
-            io_new = feed.io_s - io_reported
-            busy_epoch += io_new
-            io_reported = feed.io_s
-            stats = tracker.end(now - t0)
-            span = max(1e-9, stats.t_end - stats.t_start)
-            log.append("epochs", epoch=epoch, t_start=stats.t_start, t_end=stats.t_end,
-                       samples=stats.samples, utilization=min(1.0, busy_epoch / span),
-                       imbalance_s=0.0)
-            busy_epoch = 0.0
-            accuracy = _evaluate(log, evaluator, backend, params, version, epoch, now - t0)
-            last_eval = time.monotonic()
-            progress.epoch_done(epoch, accuracy)
-            if stop.check(epoch + 1, now - t0, accuracy):
-                break
-        if samples_window:
-            now = time.monotonic()
-            log.append("workers", t=now - t0, worker=0, samples=samples_window,
-                       compute_s=compute_acc, io_s=feed.io_s - io_reported, batch=cfg.batch,
-                       rate=samples_window / max(1e-9, compute_acc),
-                       predicted_rate=balancer.predicted_rate(0))
-        status = "finished"
+        status = trainer.run()
     finally:
-        progress.close()
-        store.close()
-        wall = time.monotonic() - t0
-        log.close(status, {"train_s": wall, "wall_s": wall,
-                           "server_cpu_s": time.process_time() - cpu0,
-                           "coverage": json.dumps(tracker.coverage()), "lost_workers": "[]",
-                           "stop_reason": stop.reason})
-        summary = summarize_log(cfg.log)
-        log.write_summary(summary)
+        summary = trainer.finish(status)
     print(format_final(summary), flush=True)
     return 0
-
-
-def _evaluate(log, evaluator, backend, params, version, epoch, t):
-    host = backend.to_host(params)
-    loss, acc = evaluator(host)
-    log.append("eval", t=t, version=version, epoch=epoch, test_loss=loss, test_accuracy=acc)
-    return acc
 
 
 def format_final(summary: dict) -> str:
