@@ -107,6 +107,7 @@ def test_steal_on_empty_queue():
     plan = bal.plan_epoch(0, list(range(12)))
     for _ in range(len(plan[1])):
         bal.next_shard(1)
+        bal.observe(1, 1.0, 100, 1.0)      # done with it: it holds nothing when it asks
     stolen = bal.next_shard(1)
     assert stolen in (plan[2][-1], plan[3][-1])
     (move,) = bal.take_moves()
@@ -234,3 +235,53 @@ def test_every_shard_done_exactly_once(name, sizes, hysteresis, seed, script):
     assert all(not bal.queued(v) for v in bal.workers)
     for move in bal.take_moves():
         assert move.reason in ("rebalance", "steal", "lost") and move.src != move.dst
+
+
+def _teach_times(bal, busy, gap, reports=50, t=0.0):
+    """Reports of 100 samples: ``busy[w]`` seconds of compute, one every ``gap[w]`` seconds."""
+    for k in range(1, reports + 1):
+        for w in busy:
+            bal.observe(w, t + k * gap[w], 100, busy[w])
+
+
+def test_plan_counts_communication_overhead():
+    # Same compute speed, but rank 3 spends 3 ms more per step outside compute.
+    bal = _bal("load", sizes=[100] * 60)
+    _teach_times(bal, busy={1: 1e-3, 2: 1e-3, 3: 1e-3}, gap={1: 2e-3, 2: 2e-3, 3: 5e-3})
+    assert bal.rate(3) == pytest.approx(bal.rate(1))
+    assert bal.overhead(3) == pytest.approx(4e-5, rel=0.05)
+    plan = bal.plan_epoch(0, list(range(60)))
+    assert len(plan[3]) == pytest.approx(60 * 0.2 / 1.2, abs=1)     # rates 1/2 : 1/2 : 1/5
+
+
+def test_slow_worker_holding_work_is_not_given_the_last_shard():
+    bal = _bal("load", sizes=[100] * 9)
+    plan = bal.plan_epoch(0, list(range(9)))          # 3 each, before any rate
+    _teach(bal, {1: 100.0, 2: 100.0, 3: 25.0})
+    assert bal.next_shard(3) == plan[3][0]            # holding nothing: always served
+    # Holding 4 s of work, rank 3 would end a second shard at 8 s; rank 1 or 2, after
+    # their own three, at 4 s. The shard stays queued (to be stolen) rather than committed.
+    assert bal.next_shard(3) is None
+    assert bal.queued(3) == plan[3][1:]
+    bal.observe(3, 5.0, 100, 4.0)                     # its shard is done
+    assert bal.next_shard(3) == plan[3][1]            # with nothing left it gets it after all
+    # A fast worker asking for a prefetch gets it: nobody would end it sooner.
+    assert bal.next_shard(1) == plan[1][0] and bal.next_shard(1) == plan[1][1]
+
+
+def test_committed_count_follows_hand_outs_and_reports():
+    bal = _bal("load", sizes=[100] * 9)
+    bal.plan_epoch(0, list(range(9)))
+    bal.next_shard(1), bal.next_shard(1)
+    bal.observe(1, 1.0, 30, 0.1)
+    assert bal._committed[1] == 170
+    bal.rebalance(2.0, {1: 120, 2: 0, 3: 0})       # the server's count wins
+    assert bal._committed[1] == 120
+    shard = bal.next_shard(2)
+    bal.remove_worker(2)
+    bal.requeue([shard])                           # maybe half done: counts as nothing
+    taker = 1 if shard in bal.queued(1) else 3
+    before = bal._committed[taker]
+    while bal.queued(taker)[0] != shard:
+        bal._queues[taker].pop(0)
+    assert bal.next_shard(taker) == shard and bal._committed[taker] == before

@@ -115,3 +115,39 @@ def test_state_round_trip():
     trend.update(12.0, 50.0, 1.0)
     copy.update(12.0, 50.0, 1.0)
     assert copy.value == trend.value
+
+
+def test_buckets_remove_the_bias_of_heavy_tailed_steps():
+    # A fast worker on a shared node: 70% of 1 ms steps run clean, 30% are preempted and
+    # take 4 ms. What it gets done is samples / seconds (ratio of sums); the mean of
+    # per-step rates is biased high by the clean steps.
+    rng = np.random.default_rng(0)
+    busy = np.where(rng.random(4000) < 0.3, 4e-3, 1e-3)
+    truth = 100 * busy.size / busy.sum()
+    per_report, bucketed = EwmaRate(0.1), EwmaRate(0.1, bucket_s=0.05)
+    for b in busy:
+        per_report.update(100, b)
+        bucketed.update(100, b)
+    assert abs(bucketed.value / truth - 1.0) < 0.05
+    assert per_report.value / truth - 1.0 > 0.15
+
+
+def test_bucket_waits_for_enough_busy_time():
+    est = EwmaRate(0.1, bucket_s=0.05)
+    for _ in range(4):
+        assert est.update(10, 0.01) is None and not est.closed
+    assert est.update(10, 0.01) == pytest.approx(1000.0) and est.closed
+
+
+def test_overhead_from_report_times_ignores_idle_gaps():
+    # 1 ms of compute per 100 samples, a report every 3 ms: 2 ms of overhead per step.
+    trend, t = TrendRate(bucket_s=0.01), 0.0
+    for k in range(400):
+        t += 0.5 if k == 200 else 3e-3         # one idle wait (an epoch end) of half a second
+        trend.update(t, 100, 1e-3)
+    assert trend.value == pytest.approx(1e5)
+    assert trend.overhead == pytest.approx(2e-5, rel=0.1)
+    measured = TrendRate()
+    for k in range(20):
+        measured.update(float(k), 100, 1e-3, comm_s=5e-3)
+    assert measured.overhead == pytest.approx(5e-5)

@@ -23,9 +23,19 @@ def test_load_beats_static_with_one_slow_worker():
 
 
 def test_predictive_beats_load_on_a_steady_slowdown():
-    load = simulate("load", RAMP, [50] * 96, epochs=1, config=CONFIG)
-    predictive = simulate("predictive", RAMP, [50] * 96, epochs=1, config=CONFIG)
+    # With 48 shards of 100 samples, load commits the ramping worker to a shard it then
+    # does at its floor rate; the forecast sees that coming.
+    load = simulate("load", RAMP, [100] * 48, epochs=1, config=CONFIG)
+    predictive = simulate("predictive", RAMP, [100] * 48, epochs=1, config=CONFIG)
     assert predictive.epoch_s[0] < 0.9 * load.epoch_s[0]
+
+
+def test_lazy_hand_out_ends_the_epoch_sooner():
+    # The ramping worker is not given a prefetch shard near the epoch end that a steady
+    # worker would finish sooner, so load does better than demand on 96 small shards.
+    demand = simulate("demand", RAMP, [50] * 96, epochs=1, config=CONFIG)
+    load = simulate("load", RAMP, [50] * 96, epochs=1, config=CONFIG)
+    assert load.epoch_s[0] < 0.8 * demand.epoch_s[0]
 
 
 @pytest.mark.parametrize("name", sorted(BALANCERS))

@@ -1,0 +1,460 @@
+"""The load balancer's "Must show" scenarios (issue 4), measured in one run.
+
+    python benchmarks/balancing.py [--dir DIR] [--repeats 3] [--epochs 4] [--json OUT]
+
+One server and three workers (``mpiexec -n 4``) train ``mlp --hidden 256,256 --batch 128``
+on a synthetic dataset (96000 x 256, 10 classes, 48 shards by default; made once and cached
+in ``--dir``). Rank 3 is slowed with ``--inject 3:compute=4`` (each of its steps takes four
+times as long). Every figure is measured in this run and set against a baseline measured
+in the same run:
+
+  (a) async, slowdown from the start: mean epoch time of static, round-robin, demand, load
+      and predictive; ratio to static; utilization; and each run against its own ideal,
+      ideal epoch = N / sum of the workers' measured rates (samples per second not idle,
+      in that run), so that CPU the slow rank gains when the others idle is counted in
+      its favour.
+  (b) async, the slowdown starts mid-run (``3:compute=4@T``, T about a third in): the
+      logged ``workers/`` rates of rank 3 around T, rank 3's share of each epoch, and when
+      epoch utilization was back to within 10% of its level before T (the first epoch that
+      starts after T and gets there); the issue asks for at most two rebalance intervals
+      after T. Static is run too, as the case that does not recover.
+  (c) sync rounds, slowdown from the start: ``--batch-policy proportional`` against
+      ``fixed`` (both with the default balancer, load, as the issue's command lines have
+      it), and against plain BSP (fixed batches, static split): samples/s ratio and final
+      accuracy. These runs use ``--rebalance-interval 0.5`` (``--sync-rebalance-interval``),
+      all three alike: the server sets batch sizes only when it rebalances, so with the
+      default 2 s the first 2 s of every run (about a third of it) use the fixed batch.
+  (d) time to ``--target-accuracy``: async + load against sync + static.
+  (e) coverage (duplicates 0, missing 0, applied = expected) in every run.
+
+Runs of one repeat go back to back and ratios are taken within a repeat, then the median
+over repeats is shown, so that drifting machine noise hits both sides of a ratio alike.
+On a machine with fewer cores than ranks the runs share CPUs; the "ideal" column is the
+fair yardstick there. Exit status: 0 when every target is met, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+WORKERS = 3
+SLOW_RANK = 3
+SLOWDOWN = "3:compute=4"
+MODEL = ["--model", "mlp", "--hidden", "256,256", "--batch", "128"]
+POLICIES = ["static", "round-robin", "demand", "load", "predictive"]
+
+
+def mpiexec() -> str:
+    scripts = os.path.dirname(sys.executable)
+    path = shutil.which("mpiexec", path=scripts + os.pathsep + os.environ.get("PATH", ""))
+    if path is None:
+        sys.exit("mpiexec not found: install MPICH or `pip install mpich`")
+    return path
+
+
+@dataclass
+class Run:
+    """One training run: its command and what its log says."""
+
+    label: str
+    args: list[str]
+    log: str
+    summary: dict = field(default_factory=dict)
+    cols: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+    loadavg: float = 0.0     # the machine's 1-minute load average when the run ended
+
+    @property
+    def command(self) -> str:
+        return "mpiexec -n 4 mpilb train " + " ".join(self.args + ["--log", os.path.basename(self.log)])
+
+    def mean_epoch(self) -> float:
+        return float(np.mean(self.summary["epoch_s"]))
+
+    def mean_util(self) -> float:
+        return float(np.mean(self.summary["utilization"]))
+
+    def rates(self) -> dict[int, float]:
+        """Each worker's measured rate: samples per second it was not idle.
+
+        Not idle = the run's training time minus the worker's idle seconds (waiting with
+        no shard, at epoch ends). This counts every second the worker spent on its samples,
+        its communication included, whether or not the worker's timers saw it.
+        """
+        out = {}
+        train_s = self.summary["train_s"]
+        for w in self.summary["per_worker"]:
+            active = train_s - w["idle_s"]
+            out[w["rank"]] = w["samples"] / active if active > 0 else 0.0
+        return out
+
+    def ideal_epoch(self, samples_per_epoch: int) -> float:
+        return samples_per_epoch / sum(self.rates().values())
+
+    def share(self, rank: int) -> float:
+        total = sum(w["samples"] for w in self.summary["per_worker"])
+        mine = sum(w["samples"] for w in self.summary["per_worker"] if w["rank"] == rank)
+        return mine / total if total else 0.0
+
+    def coverage_exact(self) -> bool:
+        cov = self.summary["coverage"]
+        return (cov["expected"] > 0 and cov["applied"] == cov["expected"]
+                and cov["duplicates"] == 0 and cov["missing"] == 0)
+
+
+class Bench:
+    def __init__(self, opts):
+        self.opts = opts
+        self.data = os.path.join(opts.dir, f"synthetic-{opts.samples}x{opts.features}-{opts.shards}")
+        self.logs = os.path.join(opts.dir, "runs")
+        os.makedirs(self.logs, exist_ok=True)
+        self.runs: list[Run] = []
+
+    # ---------------------------------------------------------------- plumbing
+    def prepare(self) -> None:
+        if os.path.exists(os.path.join(self.data, "manifest.json")):
+            print(f"dataset: {self.data} (cached)")
+        else:
+            cmd = [sys.executable, "-m", "mpilb", "prepare", "synthetic", self.data,
+                   "--samples", str(self.opts.samples), "--features", str(self.opts.features),
+                   "--classes", "10", "--shards", str(self.opts.shards)]
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            print(f"dataset: {self.data} (prepared)")
+        from mpilb.dataset import open_dataset
+        self.samples_per_epoch = int(sum(open_dataset(self.data).shard_sizes))
+
+    def train(self, label: str, *args: str) -> Run:
+        from mpilb.report import summarize_log
+        from mpilb.runlog import read_columns
+
+        log = os.path.join(self.logs, f"{label}.h5")
+        if os.path.exists(log):
+            os.remove(log)
+        argv = ["--data", self.data, *MODEL, "--no-progress", *map(str, args)]
+        cmd = [mpiexec(), "-n", str(WORKERS + 1), sys.executable, "-m", "mpilb", "train",
+               *argv, "--log", log]
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.opts.run_timeout)
+        wall = time.perf_counter() - t0
+        if res.returncode != 0:
+            sys.exit(f"run {label} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
+        run = Run(label, argv, log, wall_s=wall, loadavg=os.getloadavg()[0])
+        run.summary = summarize_log(log)
+        _, run.cols = read_columns(log)
+        self.runs.append(run)
+        print(f"  {label:<28} {wall:6.1f} s wall, mean epoch {run.mean_epoch():6.3f} s, "
+              f"util {run.mean_util():.2f}, load average {run.loadavg:.1f}", flush=True)
+        return run
+
+    # ---------------------------------------------------------------- (a)
+    def scenario_a(self) -> dict:
+        print(f"(a) async, {SLOWDOWN}: {', '.join(POLICIES)}; {self.opts.epochs} epochs x "
+              f"{self.opts.repeats} repeats")
+        runs: dict[str, list[Run]] = {p: [] for p in POLICIES}
+        for r in range(self.opts.repeats):
+            for p in POLICIES:
+                runs[p].append(self.train(f"a-{p}-r{r}", "--epochs", self.opts.epochs,
+                                          "--inject", SLOWDOWN, "--balancer", p))
+        n = self.samples_per_epoch
+        rows = {}
+        for p in POLICIES:
+            rs = runs[p]
+            rows[p] = {
+                "mean_epoch_s": statistics.median(x.mean_epoch() for x in rs),
+                "ratio_to_static": statistics.median(
+                    x.mean_epoch() / s.mean_epoch() for x, s in zip(rs, runs["static"])),
+                "utilization": statistics.median(x.mean_util() for x in rs),
+                "ideal_epoch_s": statistics.median(x.ideal_epoch(n) for x in rs),
+                "ideal_over_measured": statistics.median(x.ideal_epoch(n) / x.mean_epoch() for x in rs),
+                "slow_share": statistics.median(x.share(SLOW_RANK) for x in rs),
+                "moves": statistics.median(x.summary["shard_moves"] for x in rs),
+                "command": rs[0].command,
+            }
+        return rows
+
+    # ---------------------------------------------------------------- (b)
+    def scenario_b(self, a_rows: dict) -> dict:
+        epochs = self.opts.mid_epochs
+        start = self.opts.mid_start
+        if start is None:
+            # A third into the run: the epochs before T run at full speed (about 3/4 of the
+            # slowed load epoch), so a third of the epochs takes about this long.
+            start = round(epochs / 3 * 0.75 * a_rows["load"]["mean_epoch_s"], 1)
+        interval = self.opts.rebalance_interval
+        print(f"(b) async, {SLOWDOWN}@{start:g} (mid-run), {epochs} epochs: static, load, predictive")
+        out = {"start_s": start, "rebalance_interval_s": interval, "policies": {}}
+        for p in ("static", "load", "predictive"):
+            found = []
+            for r in range(self.opts.mid_repeats):
+                run = self.train(f"b-{p}-r{r}", "--epochs", epochs, "--inject", f"{SLOWDOWN}@{start:g}",
+                                 "--balancer", p, "--rebalance-interval", interval)
+                found.append(self._recovery(run, start, a_rows[p]["utilization"]))
+            keep = found[len(found) // 2] if len(found) > 1 else found[0]
+            keep = dict(keep)
+            for key in ("detect_s", "recover_s"):
+                vals = [f[key] for f in found]
+                keep[key] = (None if any(v is None for v in vals) else statistics.median(vals))
+            keep["command"] = self.runs[-1].command
+            out["policies"][p] = keep
+        return out
+
+    def _recovery(self, run: Run, start: float, steady_util: float) -> dict:
+        """When the slowdown showed in the logged rate, and when utilization was back."""
+        wk, ep, up = run.cols["workers"], run.cols["epochs"], run.cols["updates"]
+        mine = wk["worker"] == SLOW_RANK
+        t_rows, rate_rows = wk["t"][mine], wk["rate"][mine]
+        pred_rows = wk["predicted_rate"][mine]
+        before = rate_rows[t_rows < start]
+        # Reference: the other workers' rates at the same rows (same CPU contention).
+        others = wk["rate"][~mine]
+        ref = float(np.median(before)) if before.size else float(np.median(others))
+        detect = None
+        for t, rate in zip(t_rows, rate_rows):
+            if t >= start and rate < 0.5 * ref:
+                detect = float(t - start)
+                break
+        # Per epoch: utilization and the slow rank's share of the epoch's samples.
+        shares, utils = [], []
+        for e, t0, t1, util in zip(ep["epoch"], ep["t_start"], ep["t_end"], ep["utilization"]):
+            m = up["epoch"] == e
+            total = up["batch"][m].sum()
+            shares.append(float(up["batch"][m & (up["worker"] == SLOW_RANK)].sum() / max(1, total)))
+            utils.append(float(util))
+        pre = [u for u, t1 in zip(utils, ep["t_end"]) if t1 <= start]
+        level = float(np.median(pre)) if pre else steady_util
+        recover = None
+        for t0, t1, util in zip(ep["t_start"], ep["t_end"], utils):
+            if t0 >= start and util >= 0.9 * level:
+                recover = float(t1 - start)
+                break
+        after = [u for u, t0 in zip(utils, ep["t_start"]) if t0 >= start]
+        return {
+            "rate_before": ref,
+            "rows": [(round(float(t), 2), round(float(r)), round(float(p)))
+                     for t, r, p in zip(t_rows, rate_rows, pred_rows)],
+            "detect_s": detect,
+            "recover_s": recover,
+            "util_before": float(np.median(pre)) if pre else None,
+            "util_after": float(np.median(after)) if after else None,
+            "steady_util_a": steady_util,
+            "epoch_table": [(int(e), round(float(t0), 2), round(float(t1), 2), round(u, 2), round(s, 3))
+                            for e, t0, t1, u, s in zip(ep["epoch"], ep["t_start"], ep["t_end"],
+                                                       utils, shares)],
+        }
+
+    # ---------------------------------------------------------------- (c)
+    def scenario_c(self) -> dict:
+        epochs = self.opts.sync_epochs
+        variants = {
+            "proportional (load)": ["--batch-policy", "proportional", "--balancer", "load"],
+            "fixed (load)": ["--batch-policy", "fixed", "--balancer", "load"],
+            "fixed (static, BSP)": ["--batch-policy", "fixed", "--balancer", "static"],
+        }
+        print(f"(c) sync, {SLOWDOWN}, {epochs} epochs: " + ", ".join(variants))
+        runs: dict[str, list[Run]] = {v: [] for v in variants}
+        for r in range(self.opts.repeats):
+            for v, extra in variants.items():
+                tag = v.split()[0] + "-" + extra[-1]
+                runs[v].append(self.train(f"c-{tag}-r{r}", "--mode", "sync", "--epochs", epochs,
+                                          "--inject", SLOWDOWN, "--rebalance-interval",
+                                          self.opts.sync_rebalance_interval, *extra))
+        prop = runs["proportional (load)"]
+        rows = {}
+        for v, rs in runs.items():
+            rows[v] = {
+                "samples_per_s": statistics.median(x.summary["samples_per_s"] for x in rs),
+                "proportional_over_this": statistics.median(
+                    p.summary["samples_per_s"] / x.summary["samples_per_s"] for p, x in zip(prop, rs)),
+                "final_accuracy": statistics.median(x.summary["final_test_accuracy"] for x in rs),
+                "accuracy_gap_points": statistics.median(
+                    100 * (p.summary["final_test_accuracy"] - x.summary["final_test_accuracy"])
+                    for p, x in zip(prop, rs)),
+                "utilization": statistics.median(x.mean_util() for x in rs),
+                "mean_batch": [round(statistics.median(
+                    w["mean_batch"] for x in rs for w in x.summary["per_worker"] if w["rank"] == k), 1)
+                    for k in range(1, WORKERS + 1)],
+                "command": rs[0].command,
+            }
+        return rows
+
+    # ---------------------------------------------------------------- (d)
+    def scenario_d(self) -> dict:
+        target = self.opts.target
+        variants = {
+            "async + load": ["--mode", "async", "--balancer", "load"],
+            "sync + static": ["--mode", "sync", "--balancer", "static"],
+        }
+        print(f"(d) time to --target-accuracy {target}, {SLOWDOWN}: " + ", ".join(variants))
+        runs: dict[str, list[Run]] = {v: [] for v in variants}
+        for r in range(self.opts.repeats):
+            for v, extra in variants.items():
+                runs[v].append(self.train(f"d-{extra[1]}-{extra[3]}-r{r}", *extra,
+                                          "--epochs", self.opts.target_epochs,
+                                          "--target-accuracy", target,
+                                          "--eval-interval", self.opts.eval_interval,
+                                          "--inject", SLOWDOWN))
+        base = runs["sync + static"]
+        rows = {}
+        for v, rs in runs.items():
+            times = [x.summary["time_to_target_s"] for x in rs]
+            reached = all(t is not None for t in times)
+            rows[v] = {
+                "time_to_target_s": statistics.median(times) if reached else None,
+                "ratio_to_sync_static": (statistics.median(
+                    x.summary["time_to_target_s"] / b.summary["time_to_target_s"]
+                    for x, b in zip(rs, base)) if reached and all(
+                        b.summary["time_to_target_s"] for b in base) else None),
+                "samples_to_target": statistics.median(x.summary["samples"] for x in rs),
+                "command": rs[0].command,
+            }
+        return rows
+
+
+def verdicts(a, b, c, d, runs: list[Run], interval: float) -> list[tuple[str, bool, str]]:
+    out = []
+    r = a["load"]["ratio_to_static"]
+    out.append(("(a) load mean epoch <= 0.65 x static", r <= 0.65, f"{r:.2f}"))
+    r = a["predictive"]["ratio_to_static"]
+    out.append(("(a) predictive mean epoch <= 0.70 x static", r <= 0.70, f"{r:.2f}"))
+    r = a["demand"]["ratio_to_static"]
+    out.append(("(a) demand clearly ahead of static (<= 0.90 x)", r <= 0.90, f"{r:.2f}"))
+    u = a["load"]["utilization"]
+    out.append(("(a) load utilization >= 0.75", u >= 0.75, f"{u:.2f}"))
+    for p in ("load", "predictive"):
+        rec = b["policies"][p]["recover_s"]
+        ok = rec is not None and rec <= 2 * interval
+        out.append((f"(b) {p} utilization back within 2 x {interval:g} s after T", ok,
+                    "never" if rec is None else f"{rec:.2f} s"))
+    for base in ("fixed (load)", "fixed (static, BSP)"):
+        r = c[base]["proportional_over_this"]
+        gap = c[base]["accuracy_gap_points"]
+        out.append((f"(c) sync proportional >= 1.8 x {base} samples/s", r >= 1.8, f"{r:.2f}"))
+        out.append((f"(c) final accuracy within 1 point of {base}", abs(gap) <= 1.0,
+                    f"{gap:+.2f} points"))
+    r = d["async + load"]["ratio_to_sync_static"]
+    out.append(("(d) time to target: async+load <= 0.6 x sync+static",
+                r is not None and r <= 0.6, "not reached" if r is None else f"{r:.2f}"))
+    bad = [x.label for x in runs if not x.coverage_exact()]
+    out.append(("(e) coverage exact in every run", not bad,
+                f"{len(runs) - len(bad)}/{len(runs)} runs" + (f"; inexact: {bad}" if bad else "")))
+    return out
+
+
+def print_tables(bench: Bench, a, b, c, d, checks) -> None:
+    n = bench.samples_per_epoch
+    print()
+    print(f"(a) async, --inject {SLOWDOWN}, {bench.opts.epochs} epochs of {n} samples, "
+          f"median of {bench.opts.repeats}")
+    print(f"{'policy':<12} {'epoch s':>8} {'x static':>9} {'util':>6} {'ideal s':>8} "
+          f"{'ideal/meas':>10} {'rank3 share':>11} {'moves':>6}")
+    for p, row in a.items():
+        print(f"{p:<12} {row['mean_epoch_s']:>8.3f} {row['ratio_to_static']:>9.2f} "
+              f"{row['utilization']:>6.2f} {row['ideal_epoch_s']:>8.3f} "
+              f"{row['ideal_over_measured']:>10.2f} {row['slow_share']:>11.3f} {row['moves']:>6g}")
+    print()
+    print(f"(b) async, --inject {SLOWDOWN}@{b['start_s']:g}, --rebalance-interval "
+          f"{b['rebalance_interval_s']:g}")
+    print(f"{'policy':<12} {'rank3 rate before':>17} {'seen slow after':>15} "
+          f"{'util back after':>15} {'util before':>11} {'util after':>10}")
+    for p, row in b["policies"].items():
+        det = "-" if row["detect_s"] is None else f"{row['detect_s']:.2f} s"
+        rec = "never" if row["recover_s"] is None else f"{row['recover_s']:.2f} s"
+        ub = "-" if row["util_before"] is None else f"{row['util_before']:.2f}"
+        ua = "-" if row["util_after"] is None else f"{row['util_after']:.2f}"
+        print(f"{p:<12} {row['rate_before']:>17.0f} {det:>15} {rec:>15} {ub:>11} {ua:>10}")
+    for p in ("load", "predictive"):
+        row = b["policies"][p]
+        print(f"  {p}: logged rank-3 rows (t, rate, predicted_rate): {row['rows']}")
+        print(f"  {p}: epochs (epoch, t_start, t_end, utilization, rank-3 share): {row['epoch_table']}")
+    print()
+    print(f"(c) sync, --inject {SLOWDOWN}, {bench.opts.sync_epochs} epochs, --rebalance-interval "
+          f"{bench.opts.sync_rebalance_interval:g}, median of {bench.opts.repeats}")
+    print(f"{'variant':<22} {'samples/s':>10} {'prop. x':>8} {'accuracy':>9} {'prop. - it':>10} "
+          f"{'util':>6} {'mean batch (ranks 1-3)':>24}")
+    for v, row in c.items():
+        print(f"{v:<22} {row['samples_per_s']:>10.0f} {row['proportional_over_this']:>8.2f} "
+              f"{row['final_accuracy']:>9.4f} {row['accuracy_gap_points']:>+10.2f} "
+              f"{row['utilization']:>6.2f} {str(row['mean_batch']):>24}")
+    print()
+    print(f"(d) time to --target-accuracy {bench.opts.target}, --inject {SLOWDOWN}, "
+          f"--eval-interval {bench.opts.eval_interval:g}, median of {bench.opts.repeats}")
+    for v, row in d.items():
+        t = "not reached" if row["time_to_target_s"] is None else f"{row['time_to_target_s']:.2f} s"
+        r = "-" if row["ratio_to_sync_static"] is None else f"{row['ratio_to_sync_static']:.2f}"
+        print(f"{v:<14} {t:>12}  x sync+static {r:>5}  samples {row['samples_to_target']}")
+    print()
+    print("targets")
+    for name, ok, value in checks:
+        print(f"  {'PASS' if ok else 'MISS'}  {name}: {value}")
+    print()
+    print("commands (one per configuration; --data is the cached dataset)")
+    seen = set()
+    for run in bench.runs:
+        key = run.label.rsplit("-r", 1)[0]
+        if key not in seen:
+            seen.add(key)
+            print(f"  {key}: {run.command}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "mpilb-balancing"),
+                    help="where the dataset is cached and run logs go")
+    ap.add_argument("--samples", type=int, default=96000)
+    ap.add_argument("--features", type=int, default=256)
+    ap.add_argument("--shards", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of (a), (c), (d)")
+    ap.add_argument("--epochs", type=int, default=4, help="epochs per run in (a)")
+    ap.add_argument("--mid-epochs", type=int, default=12, help="epochs per run in (b)")
+    ap.add_argument("--mid-repeats", type=int, default=1, help="repeats of (b)")
+    ap.add_argument("--mid-start", type=float, default=None,
+                    help="T in seconds for (b); default about a third into the run")
+    ap.add_argument("--rebalance-interval", type=float, default=2.0, help="used in (b)")
+    ap.add_argument("--sync-epochs", type=int, default=4, help="epochs per run in (c)")
+    ap.add_argument("--sync-rebalance-interval", type=float, default=0.5, help="used in (c)")
+    ap.add_argument("--target", type=float, default=0.80, help="target accuracy in (d)")
+    ap.add_argument("--target-epochs", type=int, default=10, help="epoch cap in (d)")
+    ap.add_argument("--eval-interval", type=float, default=0.5, help="used in (d)")
+    ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
+    ap.add_argument("--only", default="abcd", help="scenarios to run, e.g. 'ab'")
+    ap.add_argument("--json", help="also write every figure to this JSON file")
+    opts = ap.parse_args(argv)
+
+    os.makedirs(opts.dir, exist_ok=True)
+    bench = Bench(opts)
+    bench.prepare()
+    t0 = time.perf_counter()
+    a = bench.scenario_a()
+    b = bench.scenario_b(a) if "b" in opts.only else None
+    c = bench.scenario_c() if "c" in opts.only else None
+    d = bench.scenario_d() if "d" in opts.only else None
+    if not (b and c and d):
+        print(json.dumps({"a": a, "b": b, "c": c, "d": d}, indent=1, default=str))
+        return 0
+    checks = verdicts(a, b, c, d, bench.runs, opts.rebalance_interval)
+    print_tables(bench, a, b, c, d, checks)
+    loads = [r.loadavg for r in bench.runs]
+    print(f"\n{len(bench.runs)} runs in {time.perf_counter() - t0:.0f} s on {os.cpu_count()} CPUs; "
+          f"1-minute load average after each run: {min(loads):.1f} to {max(loads):.1f} "
+          f"(median {statistics.median(loads):.1f}; 4 means this job alone)")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"a": a, "b": b, "c": c, "d": d,
+                       "checks": [{"target": n, "met": ok, "value": v} for n, ok, v in checks],
+                       "options": vars(opts)}, f, indent=1, default=str)
+    return 0 if all(ok for _, ok, _ in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
