@@ -30,10 +30,11 @@ class Batch:
 
 
 class ShardFeed:
-    """A worker's assigned shards: the current one plus those queued, the next prefetching.
+    """A worker's assigned tasks: positions [start, end) of shards, the next one prefetching.
 
-    The feed counts as I/O only the time spent waiting for shard data that the prefetch
-    thread had not delivered yet.
+    A task's rows come from the rank's own shard store, or (`remote`, with a node-local
+    store) from another rank that holds them; either way the feed counts as I/O only the
+    time spent waiting for rows that had not arrived yet.
 
     Args:
         store: a ShardStore.
@@ -43,65 +44,98 @@ class ShardFeed:
     def __init__(self, store, backend):
         self.store = store
         self.backend = backend
-        self.queue: deque[tuple[int, int, int]] = deque()   # (epoch, shard, start) assigned, not current
+        # queued tasks: [epoch, shard, start, end, remote]; remote has .wait() -> (x, y, seconds)
+        self.queue: deque[list] = deque()
         self.current: Optional[tuple[int, int]] = None
-        self.size = 0
+        self.end = 0
         self.pos = 0
+        self._offset = 0        # position of row 0 of the current arrays
         self._x = self._y = None
         self.io_s = 0.0
 
-    def assign(self, epoch: int, shard: int, start: int = 0) -> None:
-        """Queue `shard` of `epoch`, to be consumed from position `start` on."""
-        self.queue.append((epoch, shard, start))
+    def assign(self, epoch: int, shard: int, start: int = 0, end: Optional[int] = None,
+               remote=None) -> None:
+        """Queue positions [start, end) of `shard` (default: to its end)."""
+        if end is None:
+            end = self.store.dataset.shard_sizes[shard]
+        self.queue.append([epoch, shard, start, end, remote])
         self._prefetch()
 
+    def truncate(self, epoch: int, shard: int, end: int) -> None:
+        """Stop the task on `shard` at `end`: the rest was given to another worker."""
+        if self.current == (epoch, shard) and self.end > end:
+            if self.pos > end:
+                raise RuntimeError(f"shard {shard}: cut at {end} but already at {self.pos}")
+            self.end = end
+            return
+        for task in self.queue:
+            if task[0] == epoch and task[1] == shard and task[3] > end:
+                task[3] = max(task[2], end)
+        self.queue = deque(t for t in self.queue if t[3] > t[2])
+
     def _prefetch(self) -> None:
-        if self.queue:
+        if self.queue and self.queue[0][4] is None:
             self.store.prefetch(*self.queue[0][:2])
 
     @property
     def has_work(self) -> bool:
-        return (self.current is not None and self.pos < self.size) or bool(self.queue)
+        return (self.current is not None and self.pos < self.end) or bool(self.queue)
 
     def _advance(self) -> bool:
-        while self.current is None or self.pos >= self.size:
+        while self.current is None or self.pos >= self.end:
             if not self.queue:
                 self.current = None
                 return False
-            epoch, shard, start = self.queue.popleft()
-            data, waited = self.store.get(epoch, shard)
+            epoch, shard, start, end, remote = self.queue.popleft()
+            if remote is None:
+                data, waited = self.store.get(epoch, shard)
+                x, y, offset = data.x, data.y, 0
+            else:
+                x, y, waited = remote.wait()
+                offset = start
             self.io_s += waited
             self.current = (epoch, shard)
-            self.size = len(data.y)
-            self.pos = start
-            self._x = self.backend.asarray(data.x)
-            self._y = self.backend.asarray(data.y)
+            self.end, self.pos, self._offset = end, start, offset
+            self._x = self.backend.asarray(x)
+            self._y = self.backend.asarray(y)
             self._prefetch()
         return True
 
     def next_range(self, batch: int) -> Optional[tuple[int, int, int, int]]:
         """(epoch, shard, lo, hi) of the batch `take(batch)` would return, without loading."""
-        if self.current is not None and self.pos < self.size:
-            return (*self.current, self.pos, min(self.size, self.pos + batch))
+        if self.current is not None and self.pos < self.end:
+            return (*self.current, self.pos, min(self.end, self.pos + batch))
         if self.queue:
-            epoch, shard, start = self.queue[0]
-            return epoch, shard, start, min(self.store.dataset.shard_sizes[shard], start + batch)
+            epoch, shard, start, end, _ = self.queue[0]
+            return epoch, shard, start, min(end, start + batch)
         return None
 
     def take(self, batch: int) -> Optional[Batch]:
-        """The next batch of at most `batch` samples (a shard's last batch may be smaller)."""
+        """The next batch of at most `batch` samples (a task's last batch may be smaller)."""
         if not self._advance():
             return None
-        lo, hi = self.pos, min(self.size, self.pos + batch)
+        lo, hi = self.pos, min(self.end, self.pos + batch)
         self.pos = hi
         epoch, shard = self.current
-        return Batch(epoch, shard, lo, hi, self._x[lo:hi], self._y[lo:hi])
+        a, b = lo - self._offset, hi - self._offset
+        return Batch(epoch, shard, lo, hi, self._x[a:b], self._y[a:b])
+
+    def rows(self, epoch: int, shard: int, start: int, end: int):
+        """Rows [start, end) of a shard's permuted order, for sending to another rank."""
+        if self.current == (epoch, shard) and self._offset <= start and self._x is not None \
+                and end - self._offset <= len(self._x):
+            a, b = start - self._offset, end - self._offset
+            return np.ascontiguousarray(self._host(self._x[a:b])), np.ascontiguousarray(self._host(self._y[a:b]))
+        data, _ = self.store.get(epoch, shard)
+        return np.ascontiguousarray(data.x[start:end]), np.ascontiguousarray(data.y[start:end])
+
+    def _host(self, a):
+        return self.backend.to_host(a)
 
     def remaining(self) -> int:
-        """Samples left in the current shard and the queued ones."""
-        left = (self.size - self.pos) if self.current is not None else 0
-        sizes = self.store.dataset.shard_sizes
-        return left + sum(sizes[s] - start for _, s, start in self.queue)
+        """Samples left in the current task and the queued ones."""
+        left = (self.end - self.pos) if self.current is not None else 0
+        return left + sum(end - start for _, _, start, end, _ in self.queue)
 
 
 class GradientStep:

@@ -150,24 +150,21 @@ def load(path: str, model, dataset) -> Checkpoint:
 
 
 def resume_plan(order: list[int], counts: np.ndarray, offsets: np.ndarray,
-                sizes: list[int]) -> tuple[list[int], dict[int, int]]:
-    """Shards still to do in an interrupted epoch, and where each partly done one resumes.
+                sizes: list[int]) -> tuple[list[int], dict[int, list[tuple[int, int]]]]:
+    """Shards still to do in an interrupted epoch, and the position ranges left in each.
 
-    Each shard is consumed from position 0 upwards by one worker at a time, so its applied
-    samples form a prefix; the remainder starts after it.
+    A shard is usually consumed from position 0 upwards, so what is left is one range; a
+    shard split between two workers can leave two.
     """
-    remaining, starts = [], {}
+    remaining, ranges = [], {}
     for shard in order:
-        seg = counts[offsets[shard]: offsets[shard] + sizes[shard]]
-        done = int(np.count_nonzero(seg))
-        if done == sizes[shard]:
+        seg = counts[offsets[shard]: offsets[shard] + sizes[shard]] == 0
+        if not seg.any():
             continue
-        if done and not seg[:done].all():
-            raise UsageError(f"checkpoint coverage of shard {shard} is not a prefix; cannot resume exactly")
+        edges = np.flatnonzero(np.diff(np.concatenate([[0], seg.view(np.int8), [0]])))
         remaining.append(shard)
-        if done:
-            starts[shard] = done
-    return remaining, starts
+        ranges[shard] = [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2])]
+    return remaining, ranges
 
 
 def restore_tracker(tracker, ckpt: Checkpoint, t: float) -> None:

@@ -29,7 +29,7 @@ try:
 except ImportError as exc:  # pragma: no cover - mpi4py is an install requirement
     raise ImportError("mpilb needs mpi4py: pip install mpi4py (and an MPI library, e.g. pip install mpich)") from exc
 
-HEADER_FIELDS = 32
+HEADER_FIELDS = 48
 HEADER_BYTES = HEADER_FIELDS * 8
 
 # Tags. PUSH: worker -> server gradient; REPLY: server -> worker parameters or command;
@@ -37,7 +37,8 @@ HEADER_BYTES = HEADER_FIELDS * 8
 TAG_PUSH = 11
 TAG_REPLY = 12
 TAG_ERROR = 13
-TAG_SHARD = 14
+TAG_SHARD_BASE = 1000   # shard rows between workers: tag and tag+1 (samples, labels)
+SHARD_TAGS = 10000      # transfer tags cycle through this many pairs
 TAG_PREEMPT = 15
 
 
@@ -78,16 +79,24 @@ class Reply(IntEnum):
     BATCH = 2         # batch size to use from now on
     HELD_S = 3        # seconds the server held this reply (ssp/sync wait): idle, not comm
     RETRY = 4         # 1: the last gradient was rejected (non-finite); recompute the batch once
-    N_ASSIGN = 5      # number of (epoch, shard, start) assignments that follow
-    ASSIGN = 6        # first of N_ASSIGN triples: epoch, shard, start position
+    N_ASSIGN = 5      # tasks handed to the worker: epoch, shard, start, end, src, tag
+    ASSIGN = 6        # src -1: read from own store; else receive rows from rank src (tag)
+    N_ORDER = 18      # rows this worker must send: epoch, shard, start, end, dst, tag
+    ORDER = 19
+    TRUNC_EPOCH = 31  # stop the task on this shard at TRUNC_END (the rest went elsewhere)
+    TRUNC_SHARD = 32
+    TRUNC_END = 33
 
 
+TASK_FIELDS = 6       # per assignment / per send order
 class Cmd(IntEnum):
     PARAMS = 1        # payload holds parameters; carry on
     STOP = 2          # finish: no payload
+    ORDERS = 3        # header only, not a reply: send these rows, then keep waiting
 
 
 MAX_ASSIGN = 2
+MAX_ORDER = 2
 
 
 class Backoff:

@@ -97,10 +97,10 @@ class SerialTrainer:
 
     def _run_epoch(self, epoch: int, counts) -> None:
         order = epoch_order(self.cfg.seed, epoch, len(self.dataset.shard_sizes))
-        starts: dict[int, int] = {}
+        ranges: dict[int, list] = {}
         self.tracker.begin(epoch, self.now(), counts)
         if counts is not None:
-            order, starts = checkpoint.resume_plan(order, counts, self.tracker.offsets,
+            order, ranges = checkpoint.resume_plan(order, counts, self.tracker.offsets,
                                                    self.dataset.shard_sizes)
         self.epoch = epoch
         self.balancer.plan_epoch(epoch, order)
@@ -109,7 +109,8 @@ class SerialTrainer:
             shard = self.balancer.next_shard(0)
             if shard is None:
                 break
-            self.feed.assign(epoch, shard, starts.pop(shard, 0))
+            for lo, hi in ranges.pop(shard, [(0, self.dataset.shard_sizes[shard])]):
+                self.feed.assign(epoch, shard, lo, hi)
             self.log.append("shards", t=self.now(), epoch=epoch, shard=shard, src=-1, dst=0,
                             event="assign")
             while (batch := self.feed.take(self.cfg.batch)) is not None:

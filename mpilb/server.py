@@ -31,6 +31,7 @@ from .report import summarize_log
 from .runlog import RunLog
 from .serial import balancer_config, format_final
 from . import checkpoint
+from .shards import placement
 from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule, config_model,
                        config_optimizer, epoch_order)
 
@@ -39,10 +40,16 @@ COMMITTED = 2   # shards a worker holds at once: the current one and the one it 
 
 @dataclass
 class Task:
+    """Positions [pos, end) of a shard's permuted order still to be applied by one worker."""
+
     epoch: int
     shard: int
-    size: int
-    pos: int        # samples before `pos` are applied (or were applied before a reassignment)
+    pos: int        # samples before `pos` are applied (or belong to another task)
+    end: int
+
+    @property
+    def remaining(self) -> int:
+        return self.end - self.pos
 
 
 @dataclass
@@ -57,7 +64,14 @@ class WorkerState:
     idle: bool = False                      # told it has nothing to do; waits for a message
     held: bool = False                      # pushed; reply held (ssp/sync)
     held_since: float = 0.0
-    pending_assign: list = field(default_factory=list)
+    pending_assign: list = field(default_factory=list)   # (epoch, shard, start, end, src, tag)
+    pending_orders: list = field(default_factory=list)   # (epoch, shard, start, end, dst, tag)
+    pending_trunc: Optional[tuple] = None                # (epoch, shard, end)
+    orders_msg: tuple = None                # header-only buffer for Cmd.ORDERS
+    orders_req: Optional[object] = None
+    batch_sent: int = 0                     # the batch size its in-flight work uses
+    next_shard: int = -1                    # pipeline: the batch it computes now
+    next_hi: int = 0
     stopped: bool = False
     lost: bool = False
     step: int = 0
@@ -111,13 +125,19 @@ class ParameterServer:
         self.version = 0
         self.epoch = 0
         self.accuracy: Optional[float] = None
-        self.starts: dict[int, int] = {}      # shard -> start position for reassigned remainders
+        # shard -> [(start, end)] still to do when it is next handed out (a lost worker's
+        # remainder, or an interrupted epoch's gaps)
+        self.pending_ranges: dict[int, list[tuple[int, int]]] = {}
+        self.holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.replicas)
+                        if cfg.store == "local" else None)
+        self.transfers = 0
         self.lost: list[int] = []
         self.rejected = 0
         self.workers = {r: WorkerState(rank=r, batch=cfg.batch) for r in self.ranks}
         for w in self.workers.values():
             w.recv = C.new_message(self.n)
             w.replies = [list(C.new_message(self.n)) + [-1] for _ in range(2)]
+            w.orders_msg = C.new_message(0)
         if cfg.mode == "sync":
             self.round_grad = np.zeros(self.n, dtype=np.float32)
             self.round_batch = 0
@@ -152,11 +172,20 @@ class ParameterServer:
         hdr[Reply.HELD_S] = held_s
         hdr[Reply.RETRY] = 1 if w.retry else 0
         w.retry = False
-        assigns = w.pending_assign
-        hdr[Reply.N_ASSIGN] = len(assigns)
-        for i, (epoch, shard, start) in enumerate(assigns):
-            hdr[Reply.ASSIGN + 3 * i: Reply.ASSIGN + 3 * i + 3] = (epoch, shard, start)
-        w.pending_assign = []
+        if cmd != Cmd.STOP:
+            w.batch_sent = max(w.batch_sent, w.batch) if w.tasks else w.batch
+            n = C.TASK_FIELDS
+            assigns, w.pending_assign = w.pending_assign[:C.MAX_ASSIGN], w.pending_assign[C.MAX_ASSIGN:]
+            hdr[Reply.N_ASSIGN] = len(assigns)
+            for i, task in enumerate(assigns):
+                hdr[Reply.ASSIGN + n * i: Reply.ASSIGN + n * (i + 1)] = task
+            orders, w.pending_orders = w.pending_orders[:C.MAX_ORDER], w.pending_orders[C.MAX_ORDER:]
+            hdr[Reply.N_ORDER] = len(orders)
+            for i, order in enumerate(orders):
+                hdr[Reply.ORDER + n * i: Reply.ORDER + n * (i + 1)] = order
+            if w.pending_trunc is not None:
+                hdr[Reply.TRUNC_EPOCH], hdr[Reply.TRUNC_SHARD], hdr[Reply.TRUNC_END] = w.pending_trunc
+                w.pending_trunc = None
         if cmd == Cmd.STOP:
             w.reply_req = self.comm.Isend(buf[:C.HEADER_BYTES], dest=w.rank, tag=C.TAG_REPLY)
             self.sending.append(w.reply_req)
@@ -166,6 +195,26 @@ class ParameterServer:
         slot[3] = self.version
         w.reply_req = self.comm.Isend(buf, dest=w.rank, tag=C.TAG_REPLY)
         self.sending.append(w.reply_req)
+        if w.pending_orders and w.idle:
+            self._send_orders(w)
+
+    def _send_orders(self, w: WorkerState) -> None:
+        """Orders to send rows, for a worker that is waiting (idle, or its reply is held)."""
+        if w.orders_req is not None:
+            w.orders_req.Wait()
+        hdr = w.orders_msg[1]
+        hdr[:] = 0
+        hdr[Reply.CMD] = Cmd.ORDERS
+        n = C.TASK_FIELDS
+        orders, w.pending_orders = w.pending_orders[:C.MAX_ORDER], w.pending_orders[C.MAX_ORDER:]
+        hdr[Reply.N_ORDER] = len(orders)
+        for i, order in enumerate(orders):
+            hdr[Reply.ORDER + n * i: Reply.ORDER + n * (i + 1)] = order
+        w.orders_req = self.comm.Isend(w.orders_msg[0], dest=w.rank, tag=C.TAG_REPLY)
+        self.sending.append(w.orders_req)
+        if w.pending_orders:
+            w.orders_req.Wait()
+            self._send_orders(w)
 
     def _params_then(self, w: WorkerState, version: int) -> Optional[np.ndarray]:
         for slot in w.replies:
@@ -174,20 +223,98 @@ class ParameterServer:
         return None
 
     def _top_up(self, w: WorkerState) -> None:
-        """Hand w shards until it holds COMMITTED of them (or the balancer has none)."""
+        """Hand w shards until it holds COMMITTED of them; with none left, split another's."""
         if self.stop.reason or w.lost:
             return
         while len(w.tasks) < COMMITTED:
             shard = self.balancer.next_shard(w.rank)
             if shard is None:
                 break
-            start = self.starts.pop(shard, 0)
-            size = self.dataset.shard_sizes[shard]
-            w.tasks.append(Task(self.epoch, shard, size, start))
-            w.pending_assign.append((self.epoch, shard, start))
-            self.log.append("shards", t=self.now(), epoch=self.epoch, shard=shard, src=-1,
-                            dst=w.rank, event="assign")
+            ranges = self.pending_ranges.pop(shard, None) or [(0, self.dataset.shard_sizes[shard])]
+            for lo, hi in ranges:
+                self._assign(w, shard, lo, hi)
         self._log_moves()
+        if not w.tasks:
+            self._split_for(w)
+
+    def _assign(self, w: WorkerState, shard: int, lo: int, hi: int, source: Optional[WorkerState] = None,
+                event: str = "assign") -> None:
+        """Give w positions [lo, hi) of `shard`; with a local store, have a holder send them."""
+        src, tag, nbytes = -1, 0, 0
+        if source is not None or (self.holders is not None and w.rank not in self.holders[shard]):
+            giver = source or self._holder_for(shard)
+            src, tag = giver.rank, self._next_tag()
+            nbytes = (hi - lo) * self.dataset.row_nbytes
+            giver.pending_orders.append((self.epoch, shard, lo, hi, w.rank, tag))
+            if giver.idle or giver.held:   # it waits for a message: send the order now
+                self._send_orders(giver)
+        w.tasks.append(Task(self.epoch, shard, lo, hi))
+        w.pending_assign.append((self.epoch, shard, lo, hi, src, tag))
+        self.log.append("shards", t=self.now(), epoch=self.epoch, shard=shard, src=src,
+                        dst=w.rank, event=event if src < 0 else "move", bytes=nbytes)
+
+    def _holder_for(self, shard: int) -> WorkerState:
+        """The holder of a shard copy that can deliver soonest (least work committed)."""
+        alive = [self.workers[r] for r in self.holders[shard] if not self.workers[r].lost]
+        if not alive:
+            raise RuntimeError(f"shard {shard}: every rank holding a copy was lost "
+                               f"(use --replicas 2 or more to survive this)")
+        return min(alive, key=lambda h: sum(t.remaining for t in h.tasks) / max(1e-9, self.balancer.rate(h.rank)))
+
+    def _next_tag(self) -> int:
+        self.transfers += 1
+        return C.TAG_SHARD_BASE + 2 * (self.transfers % C.SHARD_TAGS)
+
+    def _split_for(self, thief: WorkerState) -> None:
+        """Give an idle worker the tail of the task that would finish last (part-way move).
+
+        The donor keeps [pos, cut) and the thief takes [cut, end), with the cut chosen so both
+        finish together; `cut` lies past anything the donor may already be computing, and the
+        donor learns of it in its next reply, before it could reach it.
+        """
+        if self.cfg.balancer in ("static", "round-robin") or self.stop.reason or thief.lost:
+            return
+        best = None
+        for d in self.active():
+            if d is thief or not d.tasks or d.pending_trunc is not None:
+                continue
+            task = d.tasks[-1]
+            if task.epoch != self.epoch:
+                continue
+            current = len(d.tasks) == 1
+            if self.holders is not None and not current and d.rank not in self.holders[task.shard]:
+                continue   # its rows are not in the donor's memory or store: nothing to send
+            # How far the donor may get before it reads the cut: one batch past what it is
+            # computing now; pipelined, two (the batch it announced may not have reached us,
+            # and it computes one more while waiting), possibly into a task it has not
+            # started. Without pipelining a task it has not started stays untouched.
+            if self.cfg.pipeline:
+                reach = d.next_hi if d.next_shard == task.shard else task.pos
+                cut_min = max(task.pos, reach) + 2 * d.batch_sent
+            else:
+                cut_min = task.pos + (d.batch_sent if current else 0)
+            splittable = task.end - cut_min
+            if splittable < max(2 * d.batch_sent, thief.batch):
+                continue
+            r_d = max(1e-9, self.balancer.rate(d.rank))
+            r_t = max(1e-9, self.balancer.rate(thief.rank))
+            before = sum(t.remaining for t in d.tasks) - splittable
+            keep = int((splittable * r_d - before * r_t) / (r_d + r_t))
+            keep = min(max(keep, 0), splittable)
+            give = splittable - keep
+            finish = (before + splittable) / r_d
+            if give >= thief.batch and (best is None or finish > best[0]):
+                best = (finish, d, task, cut_min + keep)
+        if best is None:
+            return
+        _, donor, task, cut = best
+        end = task.end
+        task.end = cut
+        donor.pending_trunc = (task.epoch, task.shard, cut)
+        if task.remaining <= 0 and task is donor.tasks[-1] and len(donor.tasks) > 1:
+            donor.tasks.pop()
+        self._assign(thief, task.shard, cut, end, source=donor if self.holders is not None else None,
+                     event="move")
 
     def _log_moves(self) -> None:
         for mv in self.balancer.take_moves():
@@ -202,8 +329,8 @@ class ParameterServer:
             self.tracker.begin(epoch, self.now())
         else:   # an interrupted epoch: only what was not applied yet
             self.tracker.begin(epoch, self.now(), resume_counts)
-            order, self.starts = checkpoint.resume_plan(order, resume_counts, self.tracker.offsets,
-                                                        self.dataset.shard_sizes)
+            order, self.pending_ranges = checkpoint.resume_plan(
+                order, resume_counts, self.tracker.offsets, self.dataset.shard_sizes)
         self.balancer.plan_epoch(epoch, order)
         if self.tracker.complete:   # resumed from a checkpoint taken as the epoch ended
             self._end_epoch()
@@ -291,6 +418,7 @@ class ParameterServer:
             return
         w.retried = False
         self.balancer.observe(w.rank, now, hi - lo, busy)
+        w.next_shard, w.next_hi = int(hdr[Push.NEXT_SHARD]), int(hdr[Push.NEXT_HI])
         w.samples += hi - lo
         w.step += 1
         task = w.tasks[0] if w.tasks else None
@@ -308,6 +436,8 @@ class ParameterServer:
             self.round_tasks.append((w.rank, epoch, shard, lo, hi, b, float(hdr[Push.LOSS]), staleness))
             w.held = True
             w.held_since = time.monotonic()
+            if w.pending_orders:   # rows others wait for must not wait for this round
+                self._send_orders(w)
             self._advance(w, hi)
             if self._round_complete():
                 self._apply_round()
@@ -333,7 +463,7 @@ class ParameterServer:
         if first:
             self.log.append("shards", t=self.now(), epoch=task.epoch, shard=task.shard, src=-1,
                             dst=w.rank, event="start")
-        if task.pos >= task.size:
+        if task.pos >= task.end:
             w.tasks.popleft()
             w.epoch_finish = self.now()
             self.log.append("shards", t=self.now(), epoch=task.epoch, shard=task.shard, src=-1,
@@ -350,6 +480,8 @@ class ParameterServer:
         if self.cfg.mode == "ssp" and self._too_far_ahead(w):
             w.held = True
             w.held_since = time.monotonic()
+            if w.pending_orders:   # rows others wait for must not wait for this round
+                self._send_orders(w)
             return
         self._send_reply(w)
 
@@ -430,7 +562,7 @@ class ParameterServer:
     def _rebalance(self, mono: float) -> None:
         self.last_rebalance = mono
         t = self.now()
-        committed = {w.rank: sum(task.size - task.pos for task in w.tasks) for w in self.active()}
+        committed = {w.rank: sum(task.remaining for task in w.tasks) for w in self.active()}
         self.balancer.rebalance(t, committed)
         self._log_moves()
         self._wake_idle()
@@ -477,9 +609,10 @@ class ParameterServer:
         self.balancer.remove_worker(w.rank)
         requeue = []
         for task in w.tasks:
-            if task.epoch == self.epoch and task.pos < task.size:
-                self.starts[task.shard] = task.pos
-                requeue.append(task.shard)
+            if task.epoch == self.epoch and task.remaining > 0:
+                self.pending_ranges.setdefault(task.shard, []).append((task.pos, task.end))
+                if task.shard not in requeue:
+                    requeue.append(task.shard)
                 self.log.append("shards", t=self.now(), epoch=task.epoch, shard=task.shard,
                                 src=w.rank, dst=-1, event="reassign")
         w.tasks.clear()

@@ -225,3 +225,14 @@ class ShardStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def placement(num_shards: int, workers: list[int], replicas: int = 1) -> dict[int, list[int]]:
+    """Which ranks hold a copy of each shard with `--store local` (R copies on R ranks).
+
+    Shard s lives on workers[s % W], workers[(s+1) % W], ...: every rank holds about the same
+    number of shards, and every rank can compute the same map without talking to the others.
+    """
+    w = len(workers)
+    r = min(max(1, replicas), w)
+    return {s: [workers[(s + k) % w] for k in range(r)] for s in range(num_shards)}

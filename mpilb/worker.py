@@ -23,12 +23,29 @@ from .backend import select_backend
 from .batches import GradientStep, ShardFeed
 from .comm import Cmd, Push, PushKind, Reply
 from .inject import Injector, parse_injects
-from .shards import ShardStore
+from .shards import ShardStore, placement
 from .training import PREEMPTED, config_model
 
 
 class StopWorker(Exception):
     pass
+
+
+class RemoteRows:
+    """Rows of a shard arriving from the rank that holds them (posted at assignment time)."""
+
+    def __init__(self, comm, src: int, tag: int, rows: int, sample_shape, backoff):
+        self.x = np.empty((rows, *sample_shape), dtype=np.float32)
+        self.y = np.empty(rows, dtype=np.int64)
+        self.reqs = [comm.Irecv(self.x, source=src, tag=tag), comm.Irecv(self.y, source=src, tag=tag + 1)]
+        self.backoff = backoff
+
+    def wait(self):
+        t0 = time.perf_counter()
+        self.backoff.reset()
+        while not C.Request.Testall(self.reqs):
+            self.backoff.sleep()
+        return self.x, self.y, time.perf_counter() - t0
 
 
 class Worker:
@@ -69,6 +86,13 @@ class Worker:
         self.retry = False
         self.preempt_sent = False
         self.preempt_req = None
+        self.outgoing: list = []
+        self.sample_shape = tuple(dataset.sample_shape)
+        self.held = None
+        if cfg.store == "local":
+            ranks = list(range(1, comm.Get_size()))
+            self.held = {s for s, hs in placement(len(dataset.shard_sizes), ranks, cfg.replicas).items()
+                         if rank in hs}
 
     def _pinned_message(self):
         buf = self.backend.empty_host(C.HEADER_BYTES + 4 * self.n)
@@ -79,10 +103,14 @@ class Worker:
     def _wait_reply(self, counts_as_idle: bool) -> None:
         """Wait for the server's message (no spinning) and act on it."""
         t0 = time.perf_counter()
-        C.recv_when_ready(self.comm, self.recv_buf[0], 0, C.TAG_REPLY, self.backoff,
-                          on_poll=self._check_fault)
-        waited = time.perf_counter() - t0
         hdr = self.recv_buf[1]
+        while True:
+            C.recv_when_ready(self.comm, self.recv_buf[0], 0, C.TAG_REPLY, self.backoff,
+                              on_poll=self._check_fault)
+            if int(hdr[Reply.CMD]) != Cmd.ORDERS:
+                break
+            self._serve_orders(hdr)   # rows another rank needs; the reply is still to come
+        waited = time.perf_counter() - t0
         held = float(hdr[Reply.HELD_S])
         if counts_as_idle:
             self.idle_s += waited
@@ -94,9 +122,20 @@ class Worker:
         self.version = int(hdr[Reply.VERSION])
         self.batch = max(1, int(hdr[Reply.BATCH]))
         self.retry = bool(hdr[Reply.RETRY])
+        n = C.TASK_FIELDS
         for i in range(int(hdr[Reply.N_ASSIGN])):
-            epoch, shard, start = (int(v) for v in hdr[Reply.ASSIGN + 3 * i: Reply.ASSIGN + 3 * i + 3])
-            self.feed.assign(epoch, shard, start)
+            epoch, shard, start, end, src, tag = (int(v) for v in hdr[Reply.ASSIGN + n * i: Reply.ASSIGN + n * (i + 1)])
+            remote = None
+            if src >= 0:
+                remote = RemoteRows(self.comm, src, tag, end - start, self.sample_shape, self.backoff)
+            elif self.held is not None and shard not in self.held:
+                raise RuntimeError(f"shard {shard} assigned for a local read, but this rank holds no copy")
+            self.feed.assign(epoch, shard, start, end, remote)
+        if hdr[Reply.TRUNC_END] > 0 or hdr[Reply.TRUNC_SHARD] > 0:
+            # after the assignments: a cut may concern a task handed out in this very reply
+            self.feed.truncate(int(hdr[Reply.TRUNC_EPOCH]), int(hdr[Reply.TRUNC_SHARD]),
+                               int(hdr[Reply.TRUNC_END]))
+        self._serve_orders(hdr)
         payload = self.recv_buf[2]
         if self.params is not payload:
             if self.on_cpu:
@@ -135,7 +174,24 @@ class Worker:
         if not self.cfg.pipeline:
             C.complete(self.push_req)   # the server has a receive posted: this is quick
 
+    def _serve_orders(self, hdr) -> None:
+        n = C.TASK_FIELDS
+        for i in range(int(hdr[Reply.N_ORDER])):
+            epoch, shard, start, end, dst, tag = (int(v) for v in hdr[Reply.ORDER + n * i: Reply.ORDER + n * (i + 1)])
+            self._send_rows(epoch, shard, start, end, dst, tag)
+
+    def _send_rows(self, epoch, shard, start, end, dst, tag) -> None:
+        """Send positions [start, end) of a shard to `dst` without waiting for the transfer."""
+        x, y = self.feed.rows(epoch, shard, start, end)
+        reqs = [self.comm.Isend(x, dest=dst, tag=tag), self.comm.Isend(y, dest=dst, tag=tag + 1)]
+        self.outgoing.append((reqs, x, y))   # the arrays live until the sends complete
+
+    def _progress_outgoing(self) -> None:
+        if self.outgoing:
+            self.outgoing = [o for o in self.outgoing if not C.Request.Testall(o[0])]
+
     def _check_fault(self) -> None:
+        self._progress_outgoing()
         if PREEMPTED.is_set() and not self.preempt_sent:
             self.preempt_req = C.notify_preempt(self.comm)   # rank 0 checkpoints, stops all
             self.preempt_sent = True
@@ -175,6 +231,9 @@ class Worker:
         finally:
             if self.push_req is not None:
                 C.wait(self.push_req, timeout=5.0)
+            for reqs, _, _ in self.outgoing:   # rows other ranks still need
+                for req in reqs:
+                    C.wait(req, timeout=30.0)
             self.store.close()
             if self.preempt_req is not None and not self.preempt_req.Test():
                 self.preempt_req.Cancel()
