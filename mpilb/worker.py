@@ -63,15 +63,18 @@ class Worker:
         self.feed = ShardFeed(self.store, self.backend)
         self.step_fn = GradientStep(self.model, self.backend, self.injector)
         self.on_cpu = self.backend.name == "cpu"
+        # With CUDA-aware MPI, messages live in device memory and MPI reads them there;
+        # otherwise a GPU worker stages them through pinned host buffers.
+        self.cuda_aware = cfg.workers_cuda_aware and not self.on_cpu
         # Two push buffers so that with --pipeline 1 one can be in flight while the next
         # gradient is computed into the other.
-        self.push_bufs = [C.new_message(self.n) for _ in range(2 if cfg.pipeline else 1)]
-        if not self.on_cpu:
-            self.push_bufs = [self._pinned_message() for _ in self.push_bufs]
-        self.recv_buf = self._pinned_message() if not self.on_cpu else C.new_message(self.n)
-        # On the CPU without pipelining the parameters can live in the reply buffer itself:
-        # nothing reads them while the next reply is being received.
-        if self.on_cpu and not cfg.pipeline:
+        self.push_bufs = [self._message() for _ in range(2 if cfg.pipeline else 1)]
+        self.recv_buf = self._message()
+        # Where the message payload is already on the compute device (CPU, or CUDA-aware
+        # GPU) and nothing reads the parameters while the next reply arrives (no
+        # pipelining), the parameters live in the reply buffer itself: no copy per step.
+        self.device_payload = self.on_cpu or self.cuda_aware
+        if self.device_payload and not cfg.pipeline:
             self.params = self.recv_buf[2]
         else:
             self.params = self.backend.xp.zeros(self.n, dtype=np.float32)
@@ -94,10 +97,26 @@ class Worker:
             self.held = {s for s, hs in placement(len(dataset.shard_sizes), ranks, cfg.replicas).items()
                          if rank in hs}
 
-    def _pinned_message(self):
-        buf = self.backend.empty_host(C.HEADER_BYTES + 4 * self.n)
+    def _message(self):
+        """(buffer MPI sends/receives, host header, payload on the compute device or host)."""
+        if self.on_cpu:
+            return C.new_message(self.n)
+        nbytes = C.HEADER_BYTES + 4 * self.n
+        if self.cuda_aware:
+            buf = self.backend.xp.zeros(nbytes, dtype=np.uint8)
+            return buf, np.zeros(C.HEADER_FIELDS, np.float64), buf[C.HEADER_BYTES:].view(np.float32)
+        buf = self.backend.empty_host(nbytes)
         buf[:] = 0
         return buf, buf[:C.HEADER_BYTES].view(np.float64), buf[C.HEADER_BYTES:].view(np.float32)
+
+    def _header_to_buffer(self, msg) -> None:
+        if self.cuda_aware:
+            msg[0][:C.HEADER_BYTES].set(msg[1].view(np.uint8))
+            self.backend.synchronize()
+
+    def _header_from_buffer(self, msg) -> None:
+        if self.cuda_aware:
+            msg[1][:] = msg[0][:C.HEADER_BYTES].get().view(np.float64)
 
     # ---------------------------------------------------------------- messages
     def _wait_reply(self, counts_as_idle: bool) -> None:
@@ -107,6 +126,7 @@ class Worker:
         while True:
             C.recv_when_ready(self.comm, self.recv_buf[0], 0, C.TAG_REPLY, self.backoff,
                               on_poll=self._check_fault)
+            self._header_from_buffer(self.recv_buf)
             if int(hdr[Reply.CMD]) != Cmd.ORDERS:
                 break
             self._serve_orders(hdr)   # rows another rank needs; the reply is still to come
@@ -138,8 +158,8 @@ class Worker:
         self._serve_orders(hdr)
         payload = self.recv_buf[2]
         if self.params is not payload:
-            if self.on_cpu:
-                np.copyto(self.params, payload)
+            if self.device_payload:
+                self.backend.xp.copyto(self.params, payload)
             else:
                 self.params.set(payload)   # host (pinned) -> device
 
@@ -169,6 +189,7 @@ class Worker:
         self.comm_s = self.idle_s = 0.0
         if self.push_req is not None:
             C.complete(self.push_req)
+        self._header_to_buffer(msg)
         self.push_req = self.comm.Isend(buf, dest=0, tag=C.TAG_PUSH)
         self.step += 1
         if not self.cfg.pipeline:
@@ -205,15 +226,16 @@ class Worker:
     def _compute(self, batch, msg):
         """Gradient of `batch` into the payload of `msg` (staged through the host on a GPU)."""
         self._check_fault()
-        out = msg[2] if self.on_cpu else None
+        out = msg[2] if self.device_payload else None
         loss, grad, compute_s = self.step_fn(self.params, batch, out=out)
         # Push the mean gradient: the division and the finiteness check happen here, in
         # parallel on every worker, instead of on the server's hot path.
         grad *= np.float32(1.0 / batch.size)
         xp = self.backend.xp
         nonfinite = not np.isfinite(loss) or not bool(xp.isfinite(grad).all())
-        if not self.on_cpu:
-            self.backend.to_host(grad, out=msg[2])
+        if not self.device_payload:
+            self.backend.to_host(grad, out=msg[2])   # stage through pinned host memory
+        self.backend.synchronize()   # MPI must not touch device memory still being written
         return loss, compute_s, nonfinite
 
     # ---------------------------------------------------------------- main loop

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# GPU check for a machine with an NVIDIA GPU and CuPy (not part of the CPU test suite).
+#
+#   bash tests/gpu/device_check.sh [OUT_DIR]
+#
+# 1. CuPy vs NumPy gradients for every model (same parameters and batch, float32 and float64).
+# 2. A 3-rank training run with --device gpu (host staging), and with CUDA-aware MPI when
+#    the MPI library reports CUDA support.
+# 3. Step time of a large MLP on CuPy vs NumPy (loss_and_grad + sgd step), as a ratio.
+# Figures go to stdout and OUT_DIR/device_check.json.
+set -euo pipefail
+OUT="${1:-${OUT:-/tmp/mpilb-device-check}}"
+mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+export MPILB_CACHE="$OUT/cache"
+PY="${PYTHON:-python3}"
+
+echo "== 1. CuPy vs NumPy gradients"
+"$PY" - "$OUT" <<'PYEOF'
+import json, sys, time
+import numpy as np
+import cupy as cp
+from mpilb.models import build_model
+from mpilb.optimizers import build_optimizer
+
+out = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "models": {}}
+rng = np.random.default_rng(0)
+for name, shape in (("softmax", (64,)), ("mlp", (64,)), ("cnn", (1, 8, 8))):
+    model = build_model(name, shape, 10, (128, 64))
+    x = rng.normal(size=(256, *shape)).astype(np.float32)
+    y = rng.integers(0, 10, 256)
+    for dtype in (np.float64, np.float32):
+        p = model.init_params(1).astype(dtype)
+        l_cpu, g_cpu = model.loss_and_grad(p, x, y)
+        l_gpu, g_gpu = model.loss_and_grad(cp.asarray(p), cp.asarray(x), cp.asarray(y))
+        g_gpu = cp.asnumpy(g_gpu)
+        rel = float(np.abs(g_gpu - g_cpu).max() / (np.abs(g_cpu).max() + 1e-30))
+        tol = 1e-10 if dtype == np.float64 else 1e-4
+        print(f"  {name:8s} {np.dtype(dtype).name}: loss {l_cpu:.6f} vs {l_gpu:.6f}, max rel grad diff {rel:.2e}")
+        assert abs(l_cpu - l_gpu) <= tol * max(1, abs(l_cpu)) * 10 and rel < tol, (name, dtype, rel)
+        out["models"][f"{name}/{np.dtype(dtype).name}"] = rel
+
+print("== 3. step time, mlp 1024x2048x2048x10, batch 512")
+model = build_model("mlp", (1024,), 10, (2048, 2048))
+x = rng.normal(size=(512, 1024)).astype(np.float32)
+y = rng.integers(0, 10, 512)
+def bench(xp, steps):
+    p = xp.asarray(model.init_params(0))
+    xb, yb = xp.asarray(x), xp.asarray(y)
+    opt = build_optimizer("sgd", model.num_params, lr=0.01, xp=xp)
+    g = xp.empty_like(p)
+    for _ in range(3):
+        model.loss_and_grad(p, xb, yb, g); opt.step(p, g)
+    if xp is cp: cp.cuda.get_current_stream().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        model.loss_and_grad(p, xb, yb, g); opt.step(p, g)
+    if xp is cp: cp.cuda.get_current_stream().synchronize()
+    return (time.perf_counter() - t0) / steps
+t_np, t_cp = bench(np, 5), bench(cp, 50)
+print(f"  numpy {t_np*1e3:.1f} ms/step, cupy {t_cp*1e3:.2f} ms/step, speed-up {t_np/t_cp:.1f}x")
+out["step_ms"] = {"numpy": t_np * 1e3, "cupy": t_cp * 1e3, "speedup": t_np / t_cp}
+json.dump(out, open(sys.argv[1] + "/device_check.json", "w"), indent=2)
+PYEOF
+
+echo "== 2. 3-rank GPU training (host staging)"
+mpilb prepare synthetic "$OUT/data" --samples 60000 --features 256 --classes 10 --shards 24 >/dev/null
+run() {
+    local log="$1"; shift
+    timeout 300 mpiexec -n 3 mpilb train --data "$OUT/data" --model mlp --hidden 512,512 \
+        --batch 256 --epochs 3 --device gpu --no-progress --log "$log" "$@"
+    mpilb report "$log" --json | "$PY" -c 'import json,sys; s=json.load(sys.stdin); c=s["coverage"]; \
+print(f"  {s[\"samples_per_s\"]:.0f} samples/s, accuracy {s[\"final_test_accuracy\"]:.4f}, coverage exact: {c[\"applied\"]==c[\"expected\"] and not c[\"duplicates\"] and not c[\"missing\"]}"); \
+assert c["applied"] == c["expected"] and not c["duplicates"] and not c["missing"]'
+}
+run "$OUT/gpu_staged.h5"
+timeout 300 mpiexec -n 3 mpilb train --data "$OUT/data" --model mlp --hidden 512,512 --batch 256 \
+    --epochs 3 --device cpu --no-progress --log "$OUT/cpu.h5" >/dev/null
+mpilb report --compare "$OUT/cpu.h5" "$OUT/gpu_staged.h5"
+if mpilb doctor 2>/dev/null | grep -q "the MPI library reports CUDA support"; then
+    echo "== 2b. CUDA-aware MPI"
+    MPILB_CUDA_AWARE=1 run "$OUT/gpu_cuda_aware.h5"
+else
+    echo "== 2b. skipped: the MPI library does not report CUDA support"
+fi
+echo "device check passed; figures in $OUT/device_check.json"
