@@ -159,16 +159,17 @@ class Bench:
 
     # ---------------------------------------------------------------- (a)
     def scenario_a(self) -> dict:
-        print(f"(a) async, {SLOWDOWN}: {', '.join(POLICIES)}; {self.opts.epochs} epochs x "
+        policies = self.opts.policies.split(",")
+        print(f"(a) async, {SLOWDOWN}: {', '.join(policies)}; {self.opts.epochs} epochs x "
               f"{self.opts.repeats} repeats")
-        runs: dict[str, list[Run]] = {p: [] for p in POLICIES}
+        runs: dict[str, list[Run]] = {p: [] for p in policies}
         for r in range(self.opts.repeats):
-            for p in POLICIES:
+            for p in policies:
                 runs[p].append(self.train(f"a-{p}-r{r}", "--epochs", self.opts.epochs,
                                           "--inject", SLOWDOWN, "--balancer", p))
         n = self.samples_per_epoch
         rows = {}
-        for p in POLICIES:
+        for p in policies:
             rs = runs[p]
             rows[p] = {
                 "mean_epoch_s": statistics.median(x.mean_epoch() for x in rs),
@@ -427,11 +428,15 @@ def main(argv=None) -> int:
     ap.add_argument("--target-epochs", type=int, default=10, help="epoch cap in (d)")
     ap.add_argument("--eval-interval", type=float, default=0.5, help="used in (d)")
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
-    ap.add_argument("--only", default="abcd", help="scenarios to run, e.g. 'ab'")
+    ap.add_argument("--only", default="abcd", help="scenarios besides (a) to run, e.g. 'b'")
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="balancers compared in (a) (static is the baseline: keep it)")
     ap.add_argument("--json", help="also write every figure to this JSON file")
     opts = ap.parse_args(argv)
 
     os.makedirs(opts.dir, exist_ok=True)
+    import mpilb
+    print(f"mpilb {mpilb.__version__} from {os.path.dirname(mpilb.__file__)}")
     bench = Bench(opts)
     bench.prepare()
     t0 = time.perf_counter()

@@ -73,7 +73,8 @@ class BalancerConfig:
             default 0.1, with the estimator's level-shift reset, keeps +-20% jitter within
             10% and still follows a 2x change of speed within 3 buckets (see
             :mod:`mpilb.rates`).
-        window: buckets the ``predictive`` policy fits its trend on.
+        window: buckets the ``predictive`` policy fits its trend on (24 buckets of 50 ms
+            busy time: a trend over about 1.5 s of a busy worker's reports).
         rate_bucket_s: busy seconds of reports pooled before they update a rate estimate.
             A worker pushing every millisecond on a shared node has heavy-tailed per-step
             times (preemption); 50 ms buckets average that out, and 3 buckets (the shift
@@ -87,7 +88,7 @@ class BalancerConfig:
     rebalance_interval: float = 2.0
     hysteresis: float = 0.05
     ewma_alpha: float = 0.1
-    window: int = 8
+    window: int = 24
     rate_bucket_s: float = 0.05
 
 

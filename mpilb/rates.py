@@ -18,10 +18,11 @@ straggler), so the estimators smooth it:
   on the same side, the estimate is reset to their median: a 2x step is then tracked to
   within 10% after 3 buckets. With ``bucket_s = 0`` every report is its own bucket.
 - :class:`TrendRate` (``predictive`` policy, and every policy's projections): double
-  exponential smoothing. The trend is the least-squares slope of the EWMA level against
-  time over the last ``window`` buckets, and the forecast is the level, corrected for the
-  EWMA's lag and extrapolated to the mean rate over the next ``horizon`` seconds, clamped to
-  [0.05, 20] times the EWMA. Least squares on times copes with reports arriving at
+  exponential smoothing. The trend is the least-squares slope of the bucket rates against
+  time over the last ``window`` buckets, used only when it is at least ``TREND_T`` standard
+  errors from zero, and the forecast is the EWMA level, corrected for its lag and
+  extrapolated to the mean rate over the next ``horizon`` seconds, clamped to [0.05, 20]
+  times the EWMA. Least squares on times copes with reports arriving at
   irregular intervals, where Holt's recursions assume evenly spaced ones. It also estimates
   the worker's *overhead*: seconds per sample spent outside compute and I/O (sending the
   gradient, waiting for the reply, being scheduled), from the report times themselves
@@ -39,6 +40,8 @@ import numpy as np
 # Forecasts stay within this factor range of the EWMA (never negative, never wild).
 FORECAST_MIN_FACTOR = 0.05
 FORECAST_MAX_FACTOR = 20.0
+# A fitted trend is used only when it is this many standard errors away from zero.
+TREND_T = 3.0
 # Three reports in a row beyond this factor of the estimate (same side) mean a real change.
 SHIFT_FACTOR = 1.3
 # A bucket more than this factor away from the median of the last three is an outlier.
@@ -132,11 +135,13 @@ class EwmaRate:
 class TrendRate:
     """EWMA plus a linear-trend forecast (double exponential smoothing, Brown-style).
 
-    The trend is the least-squares slope of the EWMA level over the last ``window`` buckets,
-    against their times; fitting the smoothed level rather than raw reports keeps the slope
-    steady under jitter. On a ramp an EWMA lags the truth by ``(1 - alpha) / alpha`` bucket
-    intervals, so the forecast adds the slope over that lag plus the time ahead. After a level
-    shift (see :class:`EwmaRate`) the window restarts, so a step is not read as a trend.
+    The trend is the least-squares slope of the (outlier-guarded) bucket rates over the last
+    ``window`` buckets, against their times, and counts only when it stands clear of the
+    noise (``TREND_T`` standard errors). Fitting the raw buckets rather than the EWMA levels
+    keeps the residuals independent, so the standard error is honest. On a ramp an EWMA
+    lags the truth by ``(1 - alpha) / alpha`` bucket intervals, so the forecast adds the
+    slope over that lag plus the time ahead. After a level shift (see :class:`EwmaRate`) the
+    window restarts, so a step is not read as a trend.
 
     :attr:`overhead` is the EWMA (same buckets, same ``alpha``) of the seconds per sample the
     worker spends outside compute and I/O: the caller's ``comm_s`` when it has one, otherwise
@@ -196,7 +201,7 @@ class TrendRate:
         self.overhead = per_sample if self.overhead is None else (1 - a) * self.overhead + a * per_sample
         if self.ewma.shifted:
             self._points.clear()
-        self._points.append((t, self.ewma.value))
+        self._points.append((t, self.ewma.last_input))
         return self.ewma.value
 
     def _overhead_of(self, gap: float | None, samples: float, busy_s: float,
@@ -213,14 +218,25 @@ class TrendRate:
         return over
 
     def slope(self) -> float:
-        """Trend of the rate in samples/s per second (0.0 with fewer than 3 reports)."""
-        if len(self._points) < 3:
+        """Trend of the rate in samples/s per second.
+
+        0.0 with fewer than 3 buckets, and when the fitted slope is within ``TREND_T``
+        standard errors of zero: jitter on a steady worker is not a trend, and
+        extrapolating it would only move shards back and forth.
+        """
+        n = len(self._points)
+        if n < 3:
             return 0.0
         ts = np.array([p[0] for p in self._points])
-        levels = np.array([p[1] for p in self._points])
+        rates = np.array([p[1] for p in self._points])
         dt = ts - ts.mean()
         denom = float(dt @ dt)
-        return float(dt @ (levels - levels.mean()) / denom) if denom > 0 else 0.0
+        if denom <= 0:
+            return 0.0
+        slope = float(dt @ (rates - rates.mean()) / denom)
+        residuals = rates - rates.mean() - slope * dt
+        stderr = float(np.sqrt(residuals @ residuals / (n - 2) / denom))
+        return slope if abs(slope) > TREND_T * stderr else 0.0
 
     def forecast(self, now: float, horizon: float) -> float | None:
         """Mean rate expected over ``[now, now + horizon]`` (None before any report)."""

@@ -169,6 +169,8 @@ def scenarios() -> dict[str, tuple[list[Callable[[float], float]], list[int]]]:
             [lambda t: 100.0, lambda t: 100.0, lambda t: 25.0], [100] * 48),
         "1 ramping down (100 - 6t, floor 5 samples/s), 96 shards x 50": (
             [lambda t: 100.0, lambda t: 100.0, lambda t: max(5.0, 100.0 - 6.0 * t)], [50] * 96),
+        "1 ramping down (100 - 6t, floor 5 samples/s), 48 shards x 100": (
+            [lambda t: 100.0, lambda t: 100.0, lambda t: max(5.0, 100.0 - 6.0 * t)], [100] * 48),
     }
 
 
