@@ -189,9 +189,10 @@ class Bench:
         epochs = self.opts.mid_epochs
         start = self.opts.mid_start
         if start is None:
-            # A third into the run: the epochs before T run at full speed (about 3/4 of the
-            # slowed load epoch), so a third of the epochs takes about this long.
-            start = round(epochs / 3 * 0.75 * a_rows["load"]["mean_epoch_s"], 1)
+            # A third into the run. Before T the three workers are equally fast, but on a
+            # node with fewer cores than ranks they share the CPU, so an epoch then takes
+            # about as long as a balanced epoch with the slowdown, measured in (a).
+            start = round(epochs / 3 * a_rows["load"]["mean_epoch_s"], 1)
         interval = self.opts.rebalance_interval
         print(f"(b) async, {SLOWDOWN}@{start:g} (mid-run), {epochs} epochs: static, load, predictive")
         out = {"start_s": start, "rebalance_interval_s": interval, "policies": {}}
