@@ -1,0 +1,113 @@
+"""Shard stores and moves: placement, the feed's task ranges, and exact coverage end to end
+with shared and node-local stores, replicas, part-way moves and random slowdowns."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mpirun
+from mpilb.backend import select_backend
+from mpilb.batches import ShardFeed
+from mpilb.dataset import open_dataset
+from mpilb.report import summarize_log
+from mpilb.shards import ShardStore, placement
+
+
+def test_placement_spreads_copies():
+    p = placement(10, [1, 2, 3], replicas=2)
+    assert all(len(set(h)) == 2 for h in p.values())
+    counts = np.bincount([r for h in p.values() for r in h], minlength=4)[1:]
+    assert counts.max() - counts.min() <= 1
+    assert placement(4, [1, 2], replicas=5)[0] == [1, 2]   # at most one copy per rank
+
+
+class Rows:
+    """A remote task's rows, as RemoteRows delivers them."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def wait(self):
+        return self.x, self.y, 0.0
+
+
+def test_feed_ranges_truncation_and_remote_rows(small_dataset):
+    store = ShardStore(small_dataset, seed=3)
+    feed = ShardFeed(store, select_backend("cpu"))
+    full, _ = store.get(0, 1)
+    feed.assign(0, 1, 100, 300)
+    feed.assign(0, 2, 0, 50)
+    b = feed.take(64)
+    assert (b.lo, b.hi) == (100, 164)
+    np.testing.assert_array_equal(b.x, full.x[100:164])
+    feed.truncate(0, 1, 200)             # the rest of shard 1 went to another worker
+    feed.truncate(0, 2, 0)               # and all of the queued shard 2
+    b = feed.take(64)
+    assert (b.lo, b.hi) == (164, 200)
+    assert feed.take(64) is None
+    with pytest.raises(RuntimeError):
+        feed.assign(0, 3, 0, 100)
+        feed.take(80)
+        feed.truncate(0, 3, 40)          # past the cut already: a protocol violation
+    # rows sent to another rank are the permuted rows of those positions
+    x, y = feed.rows(0, 1, 10, 20)
+    np.testing.assert_array_equal(x, full.x[10:20])
+    feed2 = ShardFeed(store, select_backend("cpu"))
+    feed2.assign(0, 1, 10, 20, remote=Rows(x, y))
+    b = feed2.take(100)
+    assert (b.lo, b.hi) == (10, 20)
+    np.testing.assert_array_equal(b.y, full.y[10:20])
+    store.close()
+
+
+def run_summary(tmp_path, data, *args, n=4):
+    log = tmp_path / "run.h5"
+    res = mpirun.run(n, "train", "--data", data, "--model", "mlp", "--hidden", "32",
+                     "--batch", "32", "--no-progress", "--log", log, *args, timeout=120)
+    assert res.returncode == 0, res.stderr
+    return summarize_log(str(log))
+
+
+def assert_exact(s):
+    cov = s["coverage"]
+    assert cov["applied"] == cov["expected"] > 0 and cov["duplicates"] == 0 and cov["missing"] == 0, cov
+
+
+@pytest.mark.mpi
+def test_local_store_moves_bytes_for_a_slow_rank(synth_dir, tmp_path):
+    s = run_summary(tmp_path, synth_dir, "--store", "local", "--epochs", "3",
+                    "--inject", "3:compute=4")
+    assert_exact(s)
+    ds = open_dataset(synth_dir)
+    dataset_bytes = sum(ds.shard_nbytes(i) for i in range(len(ds.shards)))
+    assert 0 < s["bytes_moved"] <= dataset_bytes * 3
+    samples = {w["rank"]: w["samples"] for w in s["per_worker"]}
+    assert samples[3] < min(samples[1], samples[2])
+
+
+@pytest.mark.mpi
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(st.data())
+def test_exactly_once_whatever_moves(synth_dir, tmp_path_factory, data):
+    """Random stores, replicas, policies, modes and slowdowns: every sample exactly once."""
+    store = data.draw(st.sampled_from(["shared", "local"]), label="store")
+    args = ["--store", store, "--epochs", "2",
+            "--balancer", data.draw(st.sampled_from(["demand", "load", "predictive"]), label="balancer"),
+            "--mode", data.draw(st.sampled_from(["async", "ssp", "sync"]), label="mode")]
+    if store == "local":
+        args += ["--replicas", str(data.draw(st.integers(1, 3), label="replicas"))]
+    if "sync" not in args and data.draw(st.booleans(), label="pipeline"):
+        args += ["--pipeline", "1"]
+    for rank in data.draw(st.sets(st.integers(1, 3), max_size=2), label="slow ranks"):
+        factor = data.draw(st.sampled_from([2, 4, 8]), label="factor")
+        start = data.draw(st.sampled_from(["", "@0.3", "@0.1-0.6"]), label="window")
+        prob = data.draw(st.sampled_from(["", ",p=0.3"]), label="p")
+        args += ["--inject", f"{rank}:compute={factor}{start}{prob}"]
+    if data.draw(st.booleans(), label="batch policy"):
+        args += ["--batch-policy", "proportional"]
+    s = run_summary(tmp_path_factory.mktemp("run"), synth_dir, *args)
+    assert s["epochs_completed"] == 2
+    assert_exact(s)
