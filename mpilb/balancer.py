@@ -208,6 +208,12 @@ class Balancer:
             self._commit(worker, shard)
         return shard
 
+    def discount(self, worker: int, samples: int) -> None:
+        """``samples`` of the shard just handed to ``worker`` were applied before (a remainder
+        resumed from a checkpoint or taken over from a lost worker): not committed work."""
+        if worker in self._committed:
+            self._committed[worker] = max(0, self._committed[worker] - int(samples))
+
     def _commit(self, worker: int, shard: int) -> None:
         # A requeued shard may be partly done already: counting none of it errs on the side
         # of "this worker may run dry", never on the side of leaving it without work.

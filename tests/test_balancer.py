@@ -285,3 +285,6 @@ def test_committed_count_follows_hand_outs_and_reports():
     while bal.queued(taker)[0] != shard:
         bal._queues[taker].pop(0)
     assert bal.next_shard(taker) == shard and bal._committed[taker] == before
+    resumed = bal.next_shard(3)
+    bal.discount(3, 60)                            # started at sample 60 (a resumed remainder)
+    assert bal._committed[3] == 40 and resumed is not None
