@@ -179,6 +179,10 @@ class Balancer:
         known = [e.overhead for w, e in self._rates.items() if w != worker and e.overhead is not None]
         return sum(known) / len(known) if known else 0.0
 
+    def effective_rate(self, worker: int) -> float:
+        """Samples per wall-clock second, communication included: what to split work by."""
+        return 1.0 / (1.0 / self._planning_rate(worker) + self.overhead(worker))
+
     def _planning_rate(self, worker: int) -> float:
         return max(self.predicted_rate(worker), 1e-12)
 

@@ -252,6 +252,8 @@ def test_plan_counts_communication_overhead():
     assert bal.overhead(3) == pytest.approx(4e-5, rel=0.05)
     plan = bal.plan_epoch(0, list(range(60)))
     assert len(plan[3]) == pytest.approx(60 * 0.2 / 1.2, abs=1)     # rates 1/2 : 1/2 : 1/5
+    assert bal.effective_rate(1) == pytest.approx(5e4, rel=0.05)     # 100 samples per 2 ms
+    assert bal.effective_rate(3) == pytest.approx(2e4, rel=0.05)     # 100 samples per 5 ms
 
 
 def test_slow_worker_holding_work_is_not_given_the_last_shard():
