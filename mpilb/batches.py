@@ -163,13 +163,16 @@ class GradientStep:
         inj = self.injector
         if inj is not None:
             inj.begin_step(time.monotonic())
-        loss, grad = self.model.loss_and_grad(params, batch.x, batch.y,
-                                              self.grad if out is None else out)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            # a diverging run is caught by the finiteness check, once, not by a warning per rank
+            loss, grad = self.model.loss_and_grad(params, batch.x, batch.y,
+                                                  self.grad if out is None else out)
         self.backend.synchronize()
         compute_s = time.perf_counter() - t0
         if inj is not None:
             extra = inj.compute_extra(time.monotonic(), compute_s)
             if extra > 0:
+                t1 = time.perf_counter()
                 time.sleep(extra)
-                compute_s += extra
+                compute_s += time.perf_counter() - t1   # what the sleep really took
         return float(loss), grad, compute_s

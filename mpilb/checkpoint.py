@@ -3,8 +3,10 @@
 A checkpoint holds the parameters, the optimizer state, the version, the epoch and which
 samples of it were applied, the balancer state and the config, plus signatures of the model
 and the dataset so that `--resume` refuses a checkpoint that belongs to something else.
-There is no random-number stream to save: every shuffle (shard order, sample permutation)
-and every injected decision is derived from `--seed` and the epoch.
+There is no random-number stream to save for training: every shuffle (shard order, sample
+permutation) is derived from `--seed` and the epoch. (Injected slowdowns with `p=` draw from a
+per-rank stream seeded by `--seed` that restarts with the job; they simulate hardware, not
+training state.)
 
 It is written to a temporary file in the same directory, flushed, fsynced and renamed over
 the old one, so a kill at any moment leaves the previous checkpoint intact.
@@ -122,10 +124,12 @@ def load(path: str, model, dataset) -> Checkpoint:
             saved_data = json.loads(f.attrs["dataset"])
             want_model = model_signature(model)
             if saved_model != want_model:
+                differ = [k for k in want_model if saved_model.get(k) != want_model[k]]
                 raise UsageError(
-                    f"--resume: {path} holds a {saved_model['model']} model with "
-                    f"{saved_model['num_params']} parameters, but this run builds a "
-                    f"{want_model['model']} model with {want_model['num_params']}: use the "
+                    f"--resume: {path} holds a different model ({', '.join(differ)} differ: "
+                    f"{saved_model['model']}, {saved_model['num_params']} parameters, layers "
+                    f"{[n for n, _ in saved_model['layout']]}; this run builds "
+                    f"{want_model['model']}, {want_model['num_params']} parameters): use the "
                     f"model options of the run that wrote it")
             want_data = dataset_signature(dataset)
             if saved_data != want_data:
@@ -172,3 +176,16 @@ def restore_tracker(tracker, ckpt: Checkpoint, t: float) -> None:
 
     tracker.completed = [EpochStats(**s) for s in ckpt.completed]
     tracker.begin(ckpt.epoch, t, ckpt.counts)
+
+
+def restore_balancer(balancer, state: dict) -> bool:
+    """Take over the balancer's learnt state (rates) when it fits this job.
+
+    A checkpoint written by another policy or another set of workers (resuming on a
+    different number of ranks) leaves the balancer fresh: its queues are rebuilt at the
+    epoch start from what the checkpoint says is left, and rates are learnt again.
+    """
+    if state.get("name") != balancer.name or [int(w) for w in state.get("workers", [])] != list(balancer.workers):
+        return False
+    balancer.load_state_dict(state)
+    return True

@@ -51,7 +51,8 @@ class Parser(argparse.ArgumentParser):
             word = next((w for w in message.split(":", 1)[1].split() if w.startswith("--")), None)
             if word:
                 message += closest(word.split("=")[0], flags)
-        raise UsageError(f"{self.prog}: {message}")
+        prog = self.prog.split(" ", 1)[1] + ": " if " " in self.prog else ""
+        raise UsageError(f"{prog}{message}")
 
 
 def _add_train_options(p: argparse.ArgumentParser) -> None:
@@ -150,6 +151,9 @@ def main(argv=None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:   # e.g. `mpilb report run.h5 | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def _dispatch(args) -> int:

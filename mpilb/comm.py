@@ -68,7 +68,6 @@ class Push(IntEnum):
 
 class PushKind(IntEnum):
     GRAD = 1
-    HELLO = 2
 
 
 class Reply(IntEnum):

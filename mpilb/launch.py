@@ -107,7 +107,11 @@ def train(config_file, cli_values: dict) -> int:
     if size == 1:
         from .serial import run_serial
 
-        return run_serial(role)
+        try:
+            return run_serial(role)
+        except Exception as exc:  # noqa: BLE001 - one line, the run log says "failed"
+            _fail(exc, comm, rank, size)
+            return 1
     try:
         if rank == 0:
             from .server import serve

@@ -7,6 +7,7 @@ a multi-rank job, without a server. The one "worker" is rank 0 itself.
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from typing import Optional
@@ -14,6 +15,7 @@ from typing import Optional
 from . import checkpoint
 from .backend import select_backend
 from .balancer import BalancerConfig, build_balancer
+from .errors import MpilbError
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
 from .progress import Progress
@@ -47,7 +49,7 @@ class SerialTrainer:
             self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset)
             host_params = self.resumed.params
             self.optimizer.load_state_dict(self.resumed.optimizer)
-            self.balancer.load_state_dict(self.resumed.balancer)
+            checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
         self.params = self.backend.asarray(host_params)
         self.injector = Injector(parse_injects(cfg.inject, 1), 0, cfg.seed)
         inj = self.injector
@@ -63,8 +65,10 @@ class SerialTrainer:
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
                                  samples_per_epoch=self.tracker.total)
         self.version = self.resumed.version if self.resumed else 0
+        self.epoch = self.resumed.epoch if self.resumed else 0
         self.accuracy: Optional[float] = None
         # accumulators for the workers/ log rows and the epoch's utilization
+        self.rejected = 0
         self.window_samples = 0
         self.window_compute = 0.0
         self.io_reported = 0.0
@@ -117,11 +121,19 @@ class SerialTrainer:
                 self._train_step(batch)
                 if self._between_steps():
                     return
+        if not self.tracker.complete:
+            missing = self.tracker.total - self.tracker.distinct
+            raise RuntimeError(f"epoch {epoch}: the plan ran out with {missing} samples never handed out")
         self._end_epoch()
 
     def _train_step(self, batch) -> None:
         loss, grad, compute_s = self.step(self.params, batch)
         b = batch.size
+        if not (math.isfinite(loss) and bool(self.backend.xp.isfinite(grad).all())):
+            # recomputing on the same parameters would give the same result: nothing to retry
+            self.rejected += 1
+            raise MpilbError(f"non-finite gradient for shard {batch.shard} [{batch.lo}, {batch.hi}) "
+                             f"at update {self.version + 1}; lower --lr?")
         grad /= b
         lr_scale = b / self.cfg.batch
         self.optimizer.step(self.params, grad, lr_scale)
@@ -201,7 +213,7 @@ class SerialTrainer:
                                 "server_cpu_s": time.process_time() - self.cpu0,
                                 "coverage": json.dumps(self.tracker.coverage()),
                                 "lost_workers": "[]", "stop_reason": self.stop.reason,
-                                "rejected_gradients": 0})
+                                "rejected_gradients": self.rejected})
         summary = summarize_log(self.cfg.log)
         self.log.write_summary(summary)
         return summary

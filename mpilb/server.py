@@ -46,6 +46,12 @@ class Task:
     shard: int
     pos: int        # samples before `pos` are applied (or belong to another task)
     end: int
+    src: int = -1   # rank sending the rows (node-local store), -1: read from storage
+    start: int = -1
+
+    def __post_init__(self):
+        if self.start < 0:
+            self.start = self.pos
 
     @property
     def remaining(self) -> int:
@@ -106,7 +112,6 @@ class ParameterServer:
         self.correction = build_correction(cfg.correction, cfg.dc_lambda)
         self.balancer = build_balancer(cfg.balancer, self.ranks, dataset.shard_sizes,
                                        balancer_config(cfg))
-        self.batch_sizes = {r: cfg.batch for r in self.ranks}
         self.tracker = EpochTracker(dataset.shard_sizes)
         test_x, test_y = dataset.load_test()
         self.evaluator = Evaluator(self.model, test_x, test_y)
@@ -117,13 +122,13 @@ class ParameterServer:
             ck = self.resumed
             self.params[:] = ck.params
             self.optimizer.load_state_dict(ck.optimizer)
-            self.balancer.load_state_dict(ck.balancer)
+            checkpoint.restore_balancer(self.balancer, ck.balancer)
         self.log = RunLog(cfg.log, run_attrs,
                           resume_at=self.resumed.train_s if self.resumed else None)
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
                                  samples_per_epoch=self.tracker.total)
         self.version = 0
-        self.epoch = 0
+        self.epoch = self.resumed.epoch if self.resumed else 0
         self.accuracy: Optional[float] = None
         # shard -> [(start, end)] still to do when it is next handed out (a lost worker's
         # remainder, or an interrupted epoch's gaps)
@@ -136,7 +141,8 @@ class ParameterServer:
         self.workers = {r: WorkerState(rank=r, batch=cfg.batch) for r in self.ranks}
         for w in self.workers.values():
             w.recv = C.new_message(self.n)
-            w.replies = [list(C.new_message(self.n)) + [-1] for _ in range(2)]
+            # pipelined workers compute on the previous reply while the next is sent: two slots
+            w.replies = [list(C.new_message(self.n)) + [-1] for _ in range(2 if cfg.pipeline else 1)]
             w.orders_msg = C.new_message(0)
         if cfg.mode == "sync":
             self.round_grad = np.zeros(self.n, dtype=np.float32)
@@ -230,7 +236,11 @@ class ParameterServer:
             shard = self.balancer.next_shard(w.rank)
             if shard is None:
                 break
-            ranges = self.pending_ranges.pop(shard, None) or [(0, self.dataset.shard_sizes[shard])]
+            size = self.dataset.shard_sizes[shard]
+            ranges = self.pending_ranges.pop(shard, None) or [(0, size)]
+            done = size - sum(hi - lo for lo, hi in ranges)
+            if done:   # a remainder (resumed or taken over): only that part is work
+                self.balancer.discount(w.rank, done)
             for lo, hi in ranges:
                 self._assign(w, shard, lo, hi)
         self._log_moves()
@@ -241,17 +251,18 @@ class ParameterServer:
                 event: str = "assign") -> None:
         """Give w positions [lo, hi) of `shard`; with a local store, have a holder send them."""
         src, tag, nbytes = -1, 0, 0
-        if source is not None or (self.holders is not None and w.rank not in self.holders[shard]):
+        if self.holders is not None and (source is not None or w.rank not in self.holders[shard]):
             giver = source or self._holder_for(shard)
             src, tag = giver.rank, self._next_tag()
             nbytes = (hi - lo) * self.dataset.row_nbytes
             giver.pending_orders.append((self.epoch, shard, lo, hi, w.rank, tag))
             if giver.idle or giver.held:   # it waits for a message: send the order now
                 self._send_orders(giver)
-        w.tasks.append(Task(self.epoch, shard, lo, hi))
+        w.tasks.append(Task(self.epoch, shard, lo, hi, src))
         w.pending_assign.append((self.epoch, shard, lo, hi, src, tag))
-        self.log.append("shards", t=self.now(), epoch=self.epoch, shard=shard, src=src,
-                        dst=w.rank, event=event if src < 0 else "move", bytes=nbytes)
+        origin = src if src >= 0 else (source.rank if source is not None else -1)
+        self.log.append("shards", t=self.now(), epoch=self.epoch, shard=shard, src=origin,
+                        dst=w.rank, event=event if origin < 0 else "move", bytes=nbytes)
 
     def _holder_for(self, shard: int) -> WorkerState:
         """The holder of a shard copy that can deliver soonest (least work committed)."""
@@ -259,7 +270,8 @@ class ParameterServer:
         if not alive:
             raise RuntimeError(f"shard {shard}: every rank holding a copy was lost "
                                f"(use --replicas 2 or more to survive this)")
-        return min(alive, key=lambda h: sum(t.remaining for t in h.tasks) / max(1e-9, self.balancer.rate(h.rank)))
+        return min(alive, key=lambda h: sum(t.remaining for t in h.tasks)
+                   / max(1e-9, self.balancer.effective_rate(h.rank)))
 
     def _next_tag(self) -> int:
         self.transfers += 1
@@ -296,8 +308,8 @@ class ParameterServer:
             splittable = task.end - cut_min
             if splittable < max(2 * d.batch_sent, thief.batch):
                 continue
-            r_d = max(1e-9, self.balancer.rate(d.rank))
-            r_t = max(1e-9, self.balancer.rate(thief.rank))
+            r_d = max(1e-9, self.balancer.effective_rate(d.rank))
+            r_t = max(1e-9, self.balancer.effective_rate(thief.rank))
             before = sum(t.remaining for t in d.tasks) - splittable
             keep = int((splittable * r_d - before * r_t) / (r_d + r_t))
             keep = min(max(keep, 0), splittable)
@@ -309,12 +321,12 @@ class ParameterServer:
             return
         _, donor, task, cut = best
         end = task.end
+        self.balancer.discount(donor.rank, end - cut)
         task.end = cut
         donor.pending_trunc = (task.epoch, task.shard, cut)
         if task.remaining <= 0 and task is donor.tasks[-1] and len(donor.tasks) > 1:
             donor.tasks.pop()
-        self._assign(thief, task.shard, cut, end, source=donor if self.holders is not None else None,
-                     event="move")
+        self._assign(thief, task.shard, cut, end, source=donor, event="move")
 
     def _log_moves(self) -> None:
         for mv in self.balancer.take_moves():
@@ -332,6 +344,7 @@ class ParameterServer:
             order, self.pending_ranges = checkpoint.resume_plan(
                 order, resume_counts, self.tracker.offsets, self.dataset.shard_sizes)
         self.balancer.plan_epoch(epoch, order)
+        self._update_batches()
         if self.tracker.complete:   # resumed from a checkpoint taken as the epoch ended
             self._end_epoch()
             return
@@ -408,8 +421,9 @@ class ParameterServer:
         # off the server's hot path); the flag says whether it was.
         if hdr[Push.NONFINITE]:
             self.rejected += 1
-            self.log.append("shards", t=now, epoch=epoch, shard=shard, src=w.rank, dst=-1,
-                            event="reject")
+            print(f"mpilb: warning: rank {w.rank}: non-finite gradient for shard {shard} "
+                  f"[{lo}, {hi}) rejected" + ("" if w.retried else "; retrying the batch"),
+                  file=sys.stderr, flush=True)
             if w.retried:  # the retry failed too: give up on this run
                 raise RuntimeError(f"rank {w.rank}: non-finite gradient for shard {shard} "
                                    f"[{lo}, {hi}) twice (also after a retry); lower --lr?")
@@ -417,7 +431,7 @@ class ParameterServer:
             self._reply(w)
             return
         w.retried = False
-        self.balancer.observe(w.rank, now, hi - lo, busy)
+        self.balancer.observe(w.rank, now, hi - lo, busy, comm_s=float(hdr[Push.COMM_S]))
         w.next_shard, w.next_hi = int(hdr[Push.NEXT_SHARD]), int(hdr[Push.NEXT_HI])
         w.samples += hi - lo
         w.step += 1
@@ -566,10 +580,13 @@ class ParameterServer:
         self.balancer.rebalance(t, committed)
         self._log_moves()
         self._wake_idle()
+        self._update_batches()
+        self._log_worker_rows()
+
+    def _update_batches(self) -> None:
         sizes = self.balancer.batch_sizes()
         for w in self.active():
             w.batch = int(sizes.get(w.rank, self.cfg.batch))
-        self._log_worker_rows()
 
     def _log_worker_rows(self) -> None:
         """One `workers/` row per worker with what it reported since the previous row."""
@@ -619,8 +636,15 @@ class ParameterServer:
         if requeue:
             self.balancer.requeue(requeue)
         self._log_moves()
-        if not self.active():
+        if all(o.lost for o in self.workers.values()):
             raise RuntimeError("every worker was lost")
+        for o in self.active():   # rows it was to send can no longer arrive
+            for t in o.tasks:
+                if t.src == w.rank and t.pos == t.start:
+                    raise RuntimeError(
+                        f"rank {w.rank} was lost before sending rows of shard {t.shard} to rank "
+                        f"{o.rank}, which waits for them; this run cannot continue: resume from "
+                        f"the last checkpoint")
         self._wake_idle()
         if self.cfg.mode == "sync" and self.round_members and self._round_complete():
             self._apply_round()
@@ -737,6 +761,7 @@ class ParameterServer:
             "lost_workers": json.dumps(self.lost),
             "stop_reason": self.stop.reason,
             "rejected_gradients": self.rejected,
+            "stray_samples": self.tracker.stray,
         }
         self.log.close(status, attrs)
         summary = summarize_log(self.cfg.log)

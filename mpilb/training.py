@@ -80,7 +80,7 @@ class EpochTracker:
         self.epoch = -1
         self.t_start = 0.0
         self.distinct = 0
-        self.stray = 0   # gradients for an epoch other than the current one
+        self.stray = 0   # samples of gradients dropped unapplied (not the current epoch)
         self.completed: list[EpochStats] = []
 
     def begin(self, epoch: int, t: float, counts: Optional[np.ndarray] = None) -> None:
@@ -122,7 +122,7 @@ class EpochTracker:
         return {
             "expected": self.total * len(self.completed),
             "applied": sum(self.total - s.missing for s in self.completed),
-            "duplicates": sum(s.duplicates for s in self.completed) + self.stray,
+            "duplicates": sum(s.duplicates for s in self.completed),
             "missing": sum(s.missing for s in self.completed),
         }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -29,6 +30,17 @@ from .training import PREEMPTED, config_model
 
 class StopWorker(Exception):
     pass
+
+
+@dataclass
+class Computed:
+    """A gradient computed into a push buffer, not yet pushed."""
+
+    batch: object
+    loss: float
+    compute_s: float
+    nonfinite: bool
+    version: int        # parameters it was computed on (pipelined: older than the latest)
 
 
 class RemoteRows:
@@ -163,30 +175,32 @@ class Worker:
             else:
                 self.params.set(payload)   # host (pinned) -> device
 
-    def _push(self, msg, batch, loss: float, compute_s: float, nonfinite: bool, next_range) -> None:
+    def _push(self, msg, done: Computed, next_range) -> None:
         buf, hdr, _ = msg
+        batch = done.batch
         io_total = self.feed.io_s
         hdr[:] = 0
         hdr[Push.KIND] = PushKind.GRAD
         hdr[Push.STEP] = self.step
-        hdr[Push.VERSION] = self.version
+        hdr[Push.VERSION] = done.version
         hdr[Push.EPOCH] = batch.epoch
         hdr[Push.SHARD] = batch.shard
         hdr[Push.LO] = batch.lo
         hdr[Push.HI] = batch.hi
         hdr[Push.BATCH] = batch.size
-        hdr[Push.LOSS] = loss
-        hdr[Push.COMPUTE_S] = compute_s
+        hdr[Push.LOSS] = done.loss
+        hdr[Push.COMPUTE_S] = done.compute_s
         hdr[Push.IO_S] = io_total - self.io_reported
         hdr[Push.COMM_S] = self.comm_s
         hdr[Push.IDLE_S] = self.idle_s
-        hdr[Push.NONFINITE] = 1 if nonfinite else 0
+        hdr[Push.NONFINITE] = 1 if done.nonfinite else 0
         hdr[Push.NEXT_SHARD] = -1
         if next_range is not None:
             hdr[Push.NEXT_EPOCH], hdr[Push.NEXT_SHARD], hdr[Push.NEXT_LO], hdr[Push.NEXT_HI] = next_range
         hdr[Push.T] = time.monotonic() - self.t0
         self.io_reported = io_total
         self.comm_s = self.idle_s = 0.0
+        t0 = time.perf_counter()
         if self.push_req is not None:
             C.complete(self.push_req)
         self._header_to_buffer(msg)
@@ -194,6 +208,7 @@ class Worker:
         self.step += 1
         if not self.cfg.pipeline:
             C.complete(self.push_req)   # the server has a receive posted: this is quick
+        self.comm_s += time.perf_counter() - t0   # reported with the next push
 
     def _serve_orders(self, hdr) -> None:
         n = C.TASK_FIELDS
@@ -223,7 +238,7 @@ class Worker:
             while True:  # stops responding, process stays alive
                 time.sleep(3600)
 
-    def _compute(self, batch, msg):
+    def _compute(self, batch, msg) -> Computed:
         """Gradient of `batch` into the payload of `msg` (staged through the host on a GPU)."""
         self._check_fault()
         out = msg[2] if self.device_payload else None
@@ -236,7 +251,7 @@ class Worker:
         if not self.device_payload:
             self.backend.to_host(grad, out=msg[2])   # stage through pinned host memory
         self.backend.synchronize()   # MPI must not touch device memory still being written
-        return loss, compute_s, nonfinite
+        return Computed(batch, loss, compute_s, nonfinite, self.version)
 
     # ---------------------------------------------------------------- main loop
     def run(self) -> None:
@@ -266,48 +281,36 @@ class Worker:
             if not self.feed.has_work:
                 self._wait_reply(counts_as_idle=True)
                 continue
-            batch = self.feed.take(self.batch)
-            loss, compute_s, nonfinite = self._compute(batch, msg)
-            self._push(msg, batch, loss, compute_s, nonfinite, None)
+            done = self._compute(self.feed.take(self.batch), msg)
+            self._push(msg, done, None)
             self._wait_reply(counts_as_idle=False)
-            if self.retry:
-                loss, compute_s, nonfinite = self._compute(batch, msg)
-                self._push(msg, batch, loss, compute_s, nonfinite, None)
+            if self.retry:   # rejected (non-finite): once more on the fresh parameters
+                self._push(msg, self._compute(done.batch, msg), None)
                 self._wait_reply(counts_as_idle=False)
 
     def _loop_pipelined(self) -> None:
         """Compute batch k+1 on the parameters at hand while push k is in flight."""
         cur = 0
-        pending: Optional[tuple] = None   # (batch, loss, compute_s, nonfinite) computed, not pushed
+        pending: Optional[Computed] = None   # computed into push_bufs[cur], not pushed
         while True:
             if pending is None:
                 if not self.feed.has_work:
                     self._wait_reply(counts_as_idle=True)
                     continue
-                batch = self.feed.take(self.batch)
-                pending = (batch, *self._compute(batch, self.push_bufs[cur]))
-            batch, loss, compute_s, nonfinite = pending
-            msg = self.push_bufs[cur]
+                pending = self._compute(self.feed.take(self.batch), self.push_bufs[cur])
+            pushed, msg = pending, self.push_bufs[cur]
             next_range = self.feed.next_range(self.batch)
-            self._push(msg, batch, loss, compute_s, nonfinite, next_range)
+            self._push(msg, pushed, next_range)
             pending = None
             cur = 1 - cur
             if next_range is not None:
-                nb = self.feed.take(self.batch)
-                pending = (nb, *self._compute(nb, self.push_bufs[cur]))
+                pending = self._compute(self.feed.take(self.batch), self.push_bufs[cur])
             self._wait_reply(counts_as_idle=False)
             if self.retry:
                 # recompute the rejected batch on the fresh parameters and push it again
-                old = self.push_bufs[1 - cur]
-                loss, compute_s, nonfinite = self._compute(batch, old)
-                self._push_retry(old, batch, loss, compute_s, nonfinite, pending)
-
-    def _push_retry(self, msg, batch, loss, compute_s, nonfinite, pending) -> None:
-        next_range = None
-        if pending is not None:
-            nb = pending[0]
-            next_range = (nb.epoch, nb.shard, nb.lo, nb.hi)
-        self._push(msg, batch, loss, compute_s, nonfinite, next_range)
-        self._wait_reply(counts_as_idle=False)
+                again = self._compute(pushed.batch, msg)
+                nb = pending.batch if pending is not None else None
+                self._push(msg, again, None if nb is None else (nb.epoch, nb.shard, nb.lo, nb.hi))
+                self._wait_reply(counts_as_idle=False)
 
 

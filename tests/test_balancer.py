@@ -223,9 +223,13 @@ def test_every_shard_done_exactly_once(name, sizes, hysteresis, seed, script):
             bal.remove_worker(w)
             bal.requeue(held.pop(w))
             held[w] = []
-    # Drain: live workers finish what they hold and ask until nothing is left.
+    # Drain: live workers finish what they hold, report it (as every push does in the
+    # server) and ask until nothing is left.
     for _ in range(4 * len(sizes) + 8):
         for v in list(bal.workers):
+            if held[v]:
+                t += 0.25
+                bal.observe(v, t, sum(sizes[s] for s in held[v]), 1.0)
             done.update(held[v])
             held[v] = []
             fetch(v)

@@ -139,13 +139,13 @@ POISON = textwrap.dedent("""
     calls = [0]
     ALWAYS = sys.argv.pop(1) == "always"
     def poisoned(self, batch, msg):
-        loss, compute_s, nonfinite = original(self, batch, msg)
+        done = original(self, batch, msg)
         if self.rank == 2:
             calls[0] += 1
             if ALWAYS or calls[0] == 5:
                 msg[2][0] = np.nan
-                return loss, compute_s, True
-        return loss, compute_s, nonfinite
+                done.nonfinite = True
+        return done
     worker.Worker._compute = poisoned
     from mpilb.cli import main
     sys.exit(main(sys.argv[1:]))
@@ -169,7 +169,8 @@ def test_poisoned_gradient_is_rejected(digits_dir, tmp_path, mode):
         assert_exact(s)
     else:
         assert res.returncode == 1
-        assert (res.stdout + res.stderr).count("non-finite gradient") == 1
+        errors = [l for l in (res.stdout + res.stderr).splitlines() if l.startswith("mpilb: error:")]
+        assert len(errors) == 1 and "non-finite gradient" in errors[0], errors
 
 
 # ------------------------------------------------------------------ bad-input battery
