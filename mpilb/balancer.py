@@ -116,7 +116,8 @@ class Balancer:
 
     name = "base"
 
-    def __init__(self, workers: list[int], shard_sizes: list[int], config: BalancerConfig):
+    def __init__(self, workers: list[int], shard_sizes: list[int], config: BalancerConfig,
+                 holders: dict[int, list[int]] | None = None):
         if not workers:
             raise MpilbError("a balancer needs at least one worker")
         if config.batch_policy not in BATCH_POLICIES:
@@ -125,6 +126,10 @@ class Balancer:
         self.workers = list(workers)
         self.shard_sizes = [int(s) for s in shard_sizes]
         self.config = config
+        # --store local: the ranks holding a copy of each shard. Plans put shards on their
+        # holders; a shard placed elsewhere must be sent over MPI, so it moves only when
+        # that brings the epoch end forward (by more than the hysteresis).
+        self.holders = holders
         self.epoch = -1
         self.now = 0.0
         self._rates = {w: self._new_estimator() for w in self.workers}
@@ -197,6 +202,19 @@ class Balancer:
 
     def _build_queues(self, order: list[int]) -> dict[int, list[int]]:
         raise NotImplementedError
+
+    def _home(self, shard: int) -> list[int]:
+        """Workers that hold `shard` (all of them with a shared store, or if none is left)."""
+        if self.holders is None:
+            return self.workers
+        return [w for w in self.holders[shard] if w in self.workers] or self.workers
+
+    def _by_holder(self, order: list[int]) -> dict[int, list[int]]:
+        """Each shard on its first live holder: the plan of the fixed policies with --store local."""
+        queues = {w: [] for w in self.workers}
+        for shard in order:
+            queues[self._home(shard)[0]].append(shard)
+        return queues
 
     def queued(self, worker: int) -> list[int]:
         """Unstarted shards now queued for ``worker`` (a copy)."""
@@ -330,6 +348,8 @@ class StaticBalancer(Balancer):
     """Even contiguous split of the epoch's order, fixed at its start; never moves."""
 
     def _build_queues(self, order):
+        if self.holders is not None:
+            return self._by_holder(order)
         n, k = len(order), len(self.workers)
         queues, start = {}, 0
         for i, w in enumerate(self.workers):
@@ -344,6 +364,8 @@ class RoundRobinBalancer(Balancer):
     """Shards dealt in turn: ``order[k]`` goes to ``workers[k % W]``; never moves."""
 
     def _build_queues(self, order):
+        if self.holders is not None:
+            return self._by_holder(order)
         k = len(self.workers)
         return {w: order[i::k] for i, w in enumerate(self.workers)}
 
@@ -352,8 +374,8 @@ class RoundRobinBalancer(Balancer):
 class DemandBalancer(Balancer):
     """One central queue; whoever asks first gets its head. No per-worker queues, no moves."""
 
-    def __init__(self, workers, shard_sizes, config):
-        super().__init__(workers, shard_sizes, config)
+    def __init__(self, workers, shard_sizes, config, holders=None):
+        super().__init__(workers, shard_sizes, config, holders)
         self._central: list[int] = []
 
     def _build_queues(self, order):
@@ -363,7 +385,9 @@ class DemandBalancer(Balancer):
     def next_shard(self, worker):
         if worker not in self.workers or not self._central:
             return None
-        shard = self._central.pop(0)
+        # With a node-local store, take the first shard this worker holds, if any is left.
+        pick = next((i for i, s in enumerate(self._central) if worker in self._home(s)), 0)
+        shard = self._central.pop(pick)
         self._commit(worker, shard)
         return shard
 
@@ -430,9 +454,15 @@ class LoadBalancer(Balancer):
         load = {w: 0 for w in self.workers}
         for shard in order:
             size = self.shard_sizes[shard]
-            w = min(self.workers, key=lambda v: self._time_for(v, load[v] + size))
+            w = min(self._home(shard), key=lambda v: self._time_for(v, load[v] + size))
             queues[w].append(shard)
             load[w] += size
+        if self.holders is not None and len(self.workers) > 1:
+            # Holders first; then send shards elsewhere only where that ends the epoch
+            # sooner by more than the hysteresis (rebalance's rule).
+            self._queues = queues
+            self.rebalance(self.now, {})
+            queues = self._queues
         return queues
 
     def rebalance(self, t, committed):
@@ -558,12 +588,13 @@ def proportional_batches(balancer: Balancer) -> dict[int, int]:
 
 
 def build_balancer(name: str, workers: list[int], shard_sizes: list[int],
-                   config: BalancerConfig | None = None) -> Balancer:
-    """Make the balancer registered as ``name``.
+                   config: BalancerConfig | None = None,
+                   holders: dict[int, list[int]] | None = None) -> Balancer:
+    """Make the balancer registered as ``name`` (``holders``: see :class:`Balancer`).
 
     Raises:
         UsageError: for an unknown name, listing the valid ones.
     """
     if name not in BALANCERS:
         raise UsageError(f"unknown balancer {name!r}; valid: {', '.join(BALANCERS)}")
-    return BALANCERS[name](workers, shard_sizes, config or BalancerConfig())
+    return BALANCERS[name](workers, shard_sizes, config or BalancerConfig(), holders)

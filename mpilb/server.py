@@ -110,8 +110,10 @@ class ParameterServer:
         self.params = self.model.init_params(cfg.seed)
         self.optimizer = config_optimizer(cfg, self.n)
         self.correction = build_correction(cfg.correction, cfg.dc_lambda)
+        self.holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.replicas)
+                        if cfg.store == "local" else None)
         self.balancer = build_balancer(cfg.balancer, self.ranks, dataset.shard_sizes,
-                                       balancer_config(cfg))
+                                       balancer_config(cfg), self.holders)
         self.tracker = EpochTracker(dataset.shard_sizes)
         test_x, test_y = dataset.load_test()
         self.evaluator = Evaluator(self.model, test_x, test_y)
@@ -133,8 +135,6 @@ class ParameterServer:
         # shard -> [(start, end)] still to do when it is next handed out (a lost worker's
         # remainder, or an interrupted epoch's gaps)
         self.pending_ranges: dict[int, list[tuple[int, int]]] = {}
-        self.holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.replicas)
-                        if cfg.store == "local" else None)
         self.transfers = 0
         self.lost: list[int] = []
         self.rejected = 0
