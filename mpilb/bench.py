@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -146,35 +147,39 @@ def _real_server(comm, n: int, seconds: float, optimizer: str, lr: float) -> flo
         updates = server.version
         train_s = server.train_s
         server.finish("finished")
-    return updates / train_s, (features * 10 + 10)
+    return updates / train_s
 
 
-def bench_ps(params: int = 1_000_000, seconds: float = 3.0, optimizer: str = "sgd",
-             as_json: bool = False) -> int:
-    """Run both loops on every rank; rank 0 prints the figures."""
+def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sgd",
+             as_json: bool = False, repeats: int = 3) -> int:
+    """Run both loops on every rank, alternating `repeats` times; rank 0 prints medians
+    (the ratio is the median of the per-pair ratios)."""
     comm, rank, size = C.world()
     if size < 2:
         if rank == 0:
             raise UsageError("bench ps needs at least 2 ranks: mpiexec -n 4 mpilb bench ps")
         return 2
-    if params < 10 or seconds <= 0:
-        raise UsageError("bench ps: --params must be >= 10 and --seconds > 0")
+    if params < 10 or seconds <= 0 or repeats < 1:
+        raise UsageError("bench ps: --params must be >= 10, --seconds > 0 and --repeats >= 1")
     lr = 1e-6
     # Use the server's actual parameter count (softmax: 10*(features+1)) for both loops.
     n = (max(1, params // 10 - 1)) * 10 + 10
-    comm.Barrier()
-    if rank == 0:
-        baseline = _bare_server(comm, n, seconds, lr)
-    else:
-        _bare_worker(comm, n)
-    comm.Barrier()
-    if rank == 0:
-        rate, n_real = _real_server(comm, n, seconds, optimizer, lr)
-    else:
-        _null_worker(comm, n)
-    comm.Barrier()
+    baselines, rates = [], []
+    for _ in range(repeats):   # alternate, so both loops see the same machine load
+        C.wait(comm.Ibarrier())
+        if rank == 0:
+            baselines.append(_bare_server(comm, n, seconds, lr))
+        else:
+            _bare_worker(comm, n)
+        C.wait(comm.Ibarrier())
+        if rank == 0:
+            rates.append(_real_server(comm, n, seconds, optimizer, lr))
+        else:
+            _null_worker(comm, n)
+    C.wait(comm.Ibarrier())
     if rank != 0:
         return 0
+    rate, baseline = statistics.median(rates), statistics.median(baselines)
     result = {
         "params": n,
         "workers": size - 1,
@@ -182,13 +187,14 @@ def bench_ps(params: int = 1_000_000, seconds: float = 3.0, optimizer: str = "sg
         "updates_per_s": rate,
         "gb_per_s": rate * n * 4 * 2 / 1e9,
         "baseline_updates_per_s": baseline,
-        "ratio": rate / baseline if baseline > 0 else 0.0,
+        "ratio": statistics.median(r / b for r, b in zip(rates, baselines)),
+        "repeats": repeats,
     }
     if as_json:
         print(json.dumps(result))
     else:
         print(f"parameter server, {n} float32 params, {size - 1} workers, {optimizer}: "
               f"{rate:.0f} updates/s ({result['gb_per_s']:.2f} GB/s in+out); bare loop "
-              f"{baseline:.0f} updates/s; ratio {result['ratio']:.2f}")
+              f"{baseline:.0f} updates/s; ratio {result['ratio']:.2f} (medians of {repeats})")
     sys.stdout.flush()
     return 0

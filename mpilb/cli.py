@@ -129,7 +129,8 @@ def build_parser() -> Parser:
     bsub.required = True
     ps = bsub.add_parser("ps", help="parameter-server throughput vs a bare MPI loop")
     ps.add_argument("--params", type=int, default=1_000_000)
-    ps.add_argument("--seconds", type=float, default=3.0)
+    ps.add_argument("--seconds", type=float, default=2.0, help="length of each timed phase")
+    ps.add_argument("--repeats", type=int, default=3, help="alternations of the two loops")
     ps.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam"))
     ps.add_argument("--json", action="store_true")
 
@@ -182,7 +183,7 @@ def _dispatch(args) -> int:
         from .bench import bench_ps
 
         return bench_ps(params=args.params, seconds=args.seconds, optimizer=args.optimizer,
-                        as_json=args.json)
+                        as_json=args.json, repeats=args.repeats)
     if args.command == "doctor":
         from .doctor import doctor
 

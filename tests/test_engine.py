@@ -122,3 +122,14 @@ def test_server_does_not_spin_while_workers_are_slow(digits_dir, tmp_path):
     assert s["wall_s"] > 1.0
     assert s["server_cpu_s"] < 0.3 * s["wall_s"], (s["server_cpu_s"], s["wall_s"])
     assert_exact_coverage(s)
+
+
+def test_bench_ps_prints_design_keys():
+    import json
+
+    res = mpirun.run(3, "bench", "ps", "--params", "20000", "--seconds", "0.3", "--repeats", "1", "--json")
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(out) >= {"params", "workers", "optimizer", "updates_per_s", "gb_per_s",
+                        "baseline_updates_per_s", "ratio"}
+    assert out["workers"] == 2 and out["updates_per_s"] > 0 and out["baseline_updates_per_s"] > 0
