@@ -109,22 +109,34 @@ class SerialTrainer:
         self.epoch = epoch
         self.balancer.plan_epoch(epoch, order)
         self.epoch_busy = 0.0
-        while not self.tracker.complete:
-            shard = self.balancer.next_shard(0)
-            if shard is None:
+        more = True
+        while True:
+            if more and not self.feed.queue:
+                # hand out the next shard now, so that it is read while this one is consumed
+                more = self._hand_out(epoch, ranges)
+            batch = self.feed.take(self.cfg.batch)
+            if batch is None:
+                if more:
+                    continue
                 break
-            for lo, hi in ranges.pop(shard, [(0, self.dataset.shard_sizes[shard])]):
-                self.feed.assign(epoch, shard, lo, hi)
-            self.log.append("shards", t=self.now(), epoch=epoch, shard=shard, src=-1, dst=0,
-                            event="assign")
-            while (batch := self.feed.take(self.cfg.batch)) is not None:
-                self._train_step(batch)
-                if self._between_steps():
-                    return
+            self._train_step(batch)
+            if self._between_steps():
+                return
         if not self.tracker.complete:
             missing = self.tracker.total - self.tracker.distinct
             raise RuntimeError(f"epoch {epoch}: the plan ran out with {missing} samples never handed out")
         self._end_epoch()
+
+    def _hand_out(self, epoch: int, ranges: dict) -> bool:
+        """Queue the balancer's next shard (or the ranges of it still to do); False at the end."""
+        shard = self.balancer.next_shard(0)
+        if shard is None:
+            return False
+        for lo, hi in ranges.pop(shard, [(0, self.dataset.shard_sizes[shard])]):
+            self.feed.assign(epoch, shard, lo, hi)
+        self.log.append("shards", t=self.now(), epoch=epoch, shard=shard, src=-1, dst=0,
+                        event="assign")
+        return True
 
     def _train_step(self, batch) -> None:
         loss, grad, compute_s = self.step(self.params, batch)
@@ -213,7 +225,8 @@ class SerialTrainer:
                                 "server_cpu_s": time.process_time() - self.cpu0,
                                 "coverage": json.dumps(self.tracker.coverage()),
                                 "lost_workers": "[]", "stop_reason": self.stop.reason,
-                                "rejected_gradients": self.rejected})
+                                "rejected_gradients": self.rejected,
+                                "eval_s": self.evaluator.seconds})
         summary = summarize_log(self.cfg.log)
         self.log.write_summary(summary)
         return summary

@@ -761,6 +761,7 @@ class ParameterServer:
             "lost_workers": json.dumps(self.lost),
             "stop_reason": self.stop.reason,
             "rejected_gradients": self.rejected,
+            "eval_s": self.evaluator.seconds,
             "stray_samples": self.tracker.stray,
         }
         self.log.close(status, attrs)
