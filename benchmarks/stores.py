@@ -1,0 +1,383 @@
+"""The shard stores' "Must show" scenarios (issue 5), measured in one run.
+
+    python benchmarks/stores.py [--dir DIR] [--repeats 5] [--epochs 5] [--json OUT]
+
+One server and three workers (``mpiexec -n 4``), async, train ``mlp --hidden 128 --batch
+128`` on a synthetic dataset (96000 x 256, 10 classes, 48 shards by default, of which 80 %
+train; made once and cached in ``--dir``). Every figure is measured in this run and set
+against a baseline measured in the same run:
+
+  (a) ``--store shared --inject 2:readbw=10`` (rank 2's shard reads deliver at most
+      10 MB/s): mean epoch time of ``load`` against ``static`` (target <= 0.5 x), and
+      against ``load`` on the same store with no injection (target <= 1.4 x). Also rank 2's
+      share of the samples, its waited read time (``io_s``) and its logged rate against the
+      other workers', which show that slow reads are seen in the rates.
+  (b) ``--store local --inject 3:compute=4``: ``load`` against ``static`` (target <= 0.65 x),
+      with ``bytes_moved`` > 0 and bytes moved in every epoch no more than the dataset's
+      size (x + y bytes of every shard file, read from the files). ``load`` on the shared
+      store is run too, as the same balancing with no bytes to move.
+  (c) ``--store local --replicas 2 --inject 2:readbw=10``: ``load`` against ``load`` with
+      two replicas and no injection. The issue asks for "close to"; this script holds it to
+      the bound (a) uses for the shared store, <= 1.4 x: with two copies every shard has a
+      holder other than rank 2, so the store allows what the shared store allows. ``static``
+      is run too, as the case that reads where it is told.
+  (d) coverage exact (applied = expected, duplicates 0, missing 0) in every run.
+
+Runs of one repeat go back to back and ratios are taken within a repeat, then the median
+over repeats is shown, so that drifting machine noise hits both sides of a ratio alike.
+Mean epoch time is over every epoch, the first included (the balancer learns the rates
+there); the "epochs 2+" column leaves the first out, for reading only. On a machine with
+fewer cores than ranks the runs share CPUs, and a rank that sleeps in an injected read
+gives its CPU to the others. Exit status: 0 when every target is met, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+WORKERS = 3
+MODEL = ["--model", "mlp", "--hidden", "128", "--batch", "128"]
+SLOW_READ = "2:readbw=10"
+SLOW_READ_RANK = 2
+SLOW_COMPUTE = "3:compute=4"
+SLOW_COMPUTE_RANK = 3
+
+# label -> (store options, injection or None, balancer). One repeat runs them all in turn.
+CONFIGS = {
+    "a-static": (["--store", "shared"], SLOW_READ, "static"),
+    "a-load": (["--store", "shared"], SLOW_READ, "load"),
+    "a-load-noinj": (["--store", "shared"], None, "load"),
+    "b-static": (["--store", "local"], SLOW_COMPUTE, "static"),
+    "b-load": (["--store", "local"], SLOW_COMPUTE, "load"),
+    "b-load-shared": (["--store", "shared"], SLOW_COMPUTE, "load"),
+    "c-load": (["--store", "local", "--replicas", "2"], SLOW_READ, "load"),
+    "c-load-noinj": (["--store", "local", "--replicas", "2"], None, "load"),
+    "c-static": (["--store", "local", "--replicas", "2"], SLOW_READ, "static"),
+}
+
+
+def mpiexec() -> str:
+    scripts = os.path.dirname(sys.executable)
+    path = shutil.which("mpiexec", path=scripts + os.pathsep + os.environ.get("PATH", ""))
+    if path is None:
+        sys.exit("mpiexec not found: install MPICH or `pip install mpich`")
+    return path
+
+
+@dataclass
+class Run:
+    """One training run: its command and what its log says."""
+
+    label: str
+    args: list[str]
+    log: str
+    summary: dict = field(default_factory=dict)
+    cols: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+    loadavg: float = 0.0     # the machine's 1-minute load average when the run ended
+
+    @property
+    def command(self) -> str:
+        return "mpiexec -n 4 mpilb train " + " ".join(self.args + ["--log", os.path.basename(self.log)])
+
+    def mean_epoch(self) -> float:
+        return float(np.mean(self.summary["epoch_s"]))
+
+    def later_epochs(self) -> float:
+        """Mean epoch time without the first epoch (the one where rates are learnt)."""
+        e = self.summary["epoch_s"]
+        return float(np.mean(e[1:] if len(e) > 1 else e))
+
+    def mean_util(self) -> float:
+        return float(np.mean(self.summary["utilization"]))
+
+    def worker(self, rank: int) -> dict:
+        return next(w for w in self.summary["per_worker"] if w["rank"] == rank)
+
+    def share(self, rank: int) -> float:
+        total = sum(w["samples"] for w in self.summary["per_worker"])
+        return self.worker(rank)["samples"] / total if total else 0.0
+
+    def rate_ratio(self, rank: int) -> float:
+        """Median logged rate of ``rank`` over the median logged rate of the other workers.
+
+        The rate is what the balancer plans with (the ``workers/`` rows of the log), so this
+        says whether a slowdown was seen.
+        """
+        wk = self.cols["workers"]
+        mine = wk["worker"] == rank
+        if not mine.any() or mine.all():
+            return float("nan")
+        return float(np.median(wk["rate"][mine]) / np.median(wk["rate"][~mine]))
+
+    def bytes_from(self, rank: int) -> int:
+        """Bytes of shard rows that ``rank`` sent to other workers (it read them to send them)."""
+        sh = self.cols["shards"]
+        return int(sh["bytes"][(sh["event"] == "move") & (sh["src"] == rank)].sum())
+
+    def others_io(self, rank: int) -> float:
+        """Waited read time of the workers other than ``rank``, summed (their ``io_s``)."""
+        return float(sum(w["io_s"] for w in self.summary["per_worker"] if w["rank"] != rank))
+
+    def bytes_per_epoch(self) -> list[int]:
+        """Bytes of shard rows sent between workers, per epoch (``move`` rows of ``shards/``)."""
+        sh = self.cols["shards"]
+        moves = sh["event"] == "move"
+        epochs = range(int(self.summary["epochs_completed"]))
+        return [int(sh["bytes"][moves & (sh["epoch"] == e)].sum()) for e in epochs]
+
+    def coverage_exact(self) -> bool:
+        cov = self.summary["coverage"]
+        return (cov["expected"] > 0 and cov["applied"] == cov["expected"]
+                and cov["duplicates"] == 0 and cov["missing"] == 0)
+
+
+class Bench:
+    def __init__(self, opts):
+        self.opts = opts
+        self.data = os.path.join(opts.dir, f"synthetic-{opts.samples}x{opts.features}-{opts.shards}")
+        self.logs = os.path.join(opts.dir, "runs")
+        os.makedirs(self.logs, exist_ok=True)
+        self.runs: list[Run] = []
+
+    # ---------------------------------------------------------------- plumbing
+    def prepare(self) -> None:
+        if os.path.exists(os.path.join(self.data, "manifest.json")):
+            print(f"dataset: {self.data} (cached)")
+        else:
+            cmd = [sys.executable, "-m", "mpilb", "prepare", "synthetic", self.data,
+                   "--samples", str(self.opts.samples), "--features", str(self.opts.features),
+                   "--classes", "10", "--shards", str(self.opts.shards)]
+            subprocess.run(cmd, check=True, capture_output=True, text=True)
+            print(f"dataset: {self.data} (prepared)")
+        import h5py
+        from mpilb.dataset import open_dataset
+        ds = open_dataset(self.data)
+        self.samples_per_epoch = int(sum(ds.shard_sizes))
+        # The dataset's size as the shard files hold it: every x and y, in bytes.
+        self.dataset_bytes = 0
+        for i in range(len(ds.shards)):
+            with h5py.File(ds.shard_path(i), "r", locking=False) as f:
+                for name in ("x", "y"):
+                    self.dataset_bytes += int(f[name].size) * f[name].dtype.itemsize
+        print(f"  {self.samples_per_epoch} training samples in {len(ds.shards)} shards, "
+              f"{self.dataset_bytes} bytes of x + y")
+
+    def train(self, label: str, *args: str) -> Run:
+        from mpilb.report import summarize_log
+        from mpilb.runlog import read_columns
+
+        log = os.path.join(self.logs, f"{label}.h5")
+        if os.path.exists(log):
+            os.remove(log)
+        argv = ["--data", self.data, *MODEL, "--mode", "async", "--no-progress", *map(str, args)]
+        cmd = [mpiexec(), "-n", str(WORKERS + 1), sys.executable, "-m", "mpilb", "train",
+               *argv, "--log", log]
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.opts.run_timeout)
+        wall = time.perf_counter() - t0
+        if res.returncode != 0:
+            sys.exit(f"run {label} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
+        run = Run(label, argv, log, wall_s=wall, loadavg=os.getloadavg()[0])
+        run.summary = summarize_log(log)
+        _, run.cols = read_columns(log)
+        self.runs.append(run)
+        print(f"  {label:<24} {wall:6.1f} s wall, mean epoch {run.mean_epoch():6.3f} s, "
+              f"util {run.mean_util():.2f}, bytes moved {run.summary['bytes_moved']:>11,}, "
+              f"load average {run.loadavg:.1f}", flush=True)
+        return run
+
+    def measure(self) -> dict[str, list[Run]]:
+        print(f"{len(CONFIGS)} configurations x {self.opts.repeats} repeats, "
+              f"{self.opts.epochs} epochs each")
+        runs: dict[str, list[Run]] = {k: [] for k in CONFIGS}
+        for r in range(self.opts.repeats):
+            for key, (store, inject, balancer) in CONFIGS.items():
+                extra = list(store) + ["--balancer", balancer, "--epochs", self.opts.epochs]
+                if inject:
+                    extra += ["--inject", inject]
+                runs[key].append(self.train(f"{key}-r{r}", *extra))
+        return runs
+
+
+def med(values) -> float:
+    return float(statistics.median(values))
+
+
+def ratio(num: list[Run], den: list[Run]) -> float:
+    """Median over repeats of the within-repeat ratio of mean epoch times."""
+    return med(a.mean_epoch() / b.mean_epoch() for a, b in zip(num, den))
+
+
+def row(rs: list[Run], rank: int, dataset_bytes: int) -> dict:
+    """The figures shown for one configuration, medians over repeats."""
+    per_epoch = [x.bytes_per_epoch() for x in rs]
+    return {
+        "mean_epoch_s": med(x.mean_epoch() for x in rs),
+        "later_epochs_s": med(x.later_epochs() for x in rs),
+        "utilization": med(x.mean_util() for x in rs),
+        "rank": rank,
+        "share": med(x.share(rank) for x in rs),
+        "io_s": med(x.worker(rank)["io_s"] for x in rs),
+        "rate_ratio": med(x.rate_ratio(rank) for x in rs),
+        "others_io_s": med(x.others_io(rank) for x in rs),
+        "moves": med(x.summary["shard_moves"] for x in rs),
+        "bytes_moved": med(x.summary["bytes_moved"] for x in rs),
+        "bytes_per_epoch": med(x.summary["bytes_moved"] / max(1, x.summary["epochs_completed"])
+                               for x in rs),
+        "from_rank_per_epoch": med(x.bytes_from(rank) / max(1, x.summary["epochs_completed"])
+                                   for x in rs),
+        "max_epoch_bytes": max((max(p) if p else 0) for p in per_epoch),
+        "max_epoch_fraction": max((max(p) if p else 0) for p in per_epoch) / dataset_bytes,
+        "command": rs[0].command,
+    }
+
+
+def figures(bench: Bench, runs: dict[str, list[Run]]) -> dict:
+    n = bench.dataset_bytes
+    rows = {}
+    for key in CONFIGS:
+        rank = SLOW_COMPUTE_RANK if key.startswith("b-") else SLOW_READ_RANK
+        rows[key] = row(runs[key], rank, n)
+    rows["a-load"]["x_static"] = ratio(runs["a-load"], runs["a-static"])
+    rows["a-load"]["x_noinj"] = ratio(runs["a-load"], runs["a-load-noinj"])
+    rows["a-static"]["x_noinj"] = ratio(runs["a-static"], runs["a-load-noinj"])
+    rows["b-load"]["x_static"] = ratio(runs["b-load"], runs["b-static"])
+    rows["b-load-shared"]["x_static"] = ratio(runs["b-load-shared"], runs["b-static"])
+    rows["c-load"]["x_noinj"] = ratio(runs["c-load"], runs["c-load-noinj"])
+    rows["c-static"]["x_noinj"] = ratio(runs["c-static"], runs["c-load-noinj"])
+    rows["c-load"]["x_static"] = ratio(runs["c-load"], runs["c-static"])
+    # Every local-store load run's bytes: the smallest total (must be > 0) and the largest
+    # single epoch (must be <= the dataset).
+    b = runs["b-load"]
+    rows["b-load"]["min_bytes_moved"] = min(x.summary["bytes_moved"] for x in b)
+    return rows
+
+
+def verdicts(rows: dict, runs: list[Run], dataset_bytes: int) -> list[tuple[str, bool, str]]:
+    out = []
+    r = rows["a-load"]["x_static"]
+    out.append(("(a) shared, readbw: load mean epoch <= 0.5 x static", r <= 0.5, f"{r:.2f}"))
+    r = rows["a-load"]["x_noinj"]
+    out.append(("(a) shared, readbw: load <= 1.4 x load with no injection", r <= 1.4, f"{r:.2f}"))
+    r = rows["b-load"]["x_static"]
+    out.append(("(b) local, compute=4: load mean epoch <= 0.65 x static", r <= 0.65, f"{r:.2f}"))
+    lo = rows["b-load"]["min_bytes_moved"]
+    out.append(("(b) local, compute=4: bytes_moved > 0 (every repeat)", lo > 0, f"min {lo:,}"))
+    big = rows["b-load"]["max_epoch_bytes"]
+    out.append(("(b) bytes moved in any one epoch <= dataset size", big <= dataset_bytes,
+                f"max {big:,} of {dataset_bytes:,} ({big / dataset_bytes:.0%})"))
+    r = rows["c-load"]["x_noinj"]
+    out.append(("(c) local x2, readbw: load <= 1.4 x load with no injection", r <= 1.4, f"{r:.2f}"))
+    bad = [x.label for x in runs if not x.coverage_exact()]
+    out.append(("(d) coverage exact in every run", not bad,
+                f"{len(runs) - len(bad)}/{len(runs)} runs" + (f"; inexact: {bad}" if bad else "")))
+    return out
+
+
+def print_tables(bench: Bench, rows: dict, checks) -> None:
+    o = bench.opts
+    n = bench.samples_per_epoch
+    print()
+    print(f"{o.epochs} epochs of {n} samples ({bench.dataset_bytes:,} bytes of shard data), "
+          f"median of {o.repeats} repeats.")
+    print("share, io_s, rate: the injected rank's share of the samples, its waited read time, and "
+          "its logged rate over the others' (medians of workers/ rows); others io_s: the other "
+          "workers' waited read time, summed; MB/epoch: shard rows sent between workers "
+          "(mean, and the largest single epoch of any repeat); MB/ep from: rows the injected "
+          "rank sent (it read them to send them)")
+    head = (f"{'run':<40} {'epoch s':>8} {'epochs 2+':>9} {'ratio':>13} {'util':>5} "
+            f"{'share':>6} {'io_s':>5} {'rate':>5} {'others io_s':>11} {'moves':>5} {'MB/epoch':>8} "
+            f"{'max MB/ep':>9} {'MB/ep from':>10}")
+
+    def line(key: str, name: str, ratio_text: str) -> None:
+        r = rows[key]
+        print(f"{name:<40} {r['mean_epoch_s']:>8.3f} {r['later_epochs_s']:>9.3f} {ratio_text:>13} "
+              f"{r['utilization']:>5.2f} {r['share']:>6.3f} {r['io_s']:>5.2f} {r['rate_ratio']:>5.3f} "
+              f"{r['others_io_s']:>11.2f} {r['moves']:>5g} {r['bytes_per_epoch'] / 1e6:>8.2f} "
+              f"{r['max_epoch_bytes'] / 1e6:>9.2f} {r['from_rank_per_epoch'] / 1e6:>10.2f}")
+
+    print()
+    print(f"(a) --store shared --inject {SLOW_READ}")
+    print(head)
+    line("a-static", "static", f"{rows['a-static']['x_noinj']:.2f} x no-inj")
+    line("a-load", "load", f"{rows['a-load']['x_static']:.2f} x static")
+    line("a-load", "", f"{rows['a-load']['x_noinj']:.2f} x no-inj")
+    line("a-load-noinj", "load, no injection", "1.00")
+    print()
+    print(f"(b) --store local --inject {SLOW_COMPUTE}")
+    print(head)
+    line("b-static", "static", "1.00")
+    line("b-load", "load", f"{rows['b-load']['x_static']:.2f} x static")
+    line("b-load-shared", "load, --store shared (no bytes to move)",
+         f"{rows['b-load-shared']['x_static']:.2f} x static")
+    print()
+    print(f"(c) --store local --replicas 2 --inject {SLOW_READ}")
+    print(head)
+    line("c-load", "load", f"{rows['c-load']['x_noinj']:.2f} x no-inj")
+    line("c-load-noinj", "load, no injection", "1.00")
+    line("c-static", "static", f"{rows['c-static']['x_noinj']:.2f} x no-inj")
+    print()
+    print("targets")
+    for name, ok, value in checks:
+        print(f"  {'PASS' if ok else 'MISS'}  {name}: {value}")
+    print()
+    print("commands (one per configuration; --data is the cached dataset)")
+    for key in CONFIGS:
+        print(f"  {key}: {rows[key]['command']}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "mpilb-stores"),
+                    help="where the dataset is cached and run logs go")
+    ap.add_argument("--samples", type=int, default=96000)
+    ap.add_argument("--features", type=int, default=256)
+    ap.add_argument("--shards", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=5, help="repeats of every configuration")
+    ap.add_argument("--epochs", type=int, default=5, help="epochs per run")
+    ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
+    ap.add_argument("--json", help="also write every figure to this JSON file")
+    opts = ap.parse_args(argv)
+
+    os.makedirs(opts.dir, exist_ok=True)
+    import mpilb
+    print(f"mpilb {mpilb.__version__} from {os.path.dirname(mpilb.__file__)}")
+    load_before = os.getloadavg()[0]
+    print(f"1-minute load average before: {load_before:.1f} on {os.cpu_count()} CPUs")
+    bench = Bench(opts)
+    bench.prepare()
+    t0 = time.perf_counter()
+    runs = bench.measure()
+    rows = figures(bench, runs)
+    checks = verdicts(rows, bench.runs, bench.dataset_bytes)
+    print_tables(bench, rows, checks)
+    loads = [r.loadavg for r in bench.runs]
+    elapsed = time.perf_counter() - t0
+    print(f"\n{len(bench.runs)} runs in {elapsed:.0f} s on {os.cpu_count()} CPUs; 1-minute load "
+          f"average before {load_before:.1f}, after each run {min(loads):.1f} to {max(loads):.1f} "
+          f"(median {statistics.median(loads):.1f}); other jobs on the machine raise it and slow "
+          f"both sides of a ratio")
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump({"rows": rows, "dataset_bytes": bench.dataset_bytes,
+                       "samples_per_epoch": bench.samples_per_epoch,
+                       "checks": [{"target": n, "met": ok, "value": v} for n, ok, v in checks],
+                       "elapsed_s": elapsed, "load_before": load_before, "loads": loads,
+                       "options": vars(opts)}, f, indent=1, default=str)
+    return 0 if all(ok for _, ok, _ in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
