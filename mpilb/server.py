@@ -252,7 +252,7 @@ class ParameterServer:
         """Give w positions [lo, hi) of `shard`; with a local store, have a holder send them."""
         src, tag, nbytes = -1, 0, 0
         if self.holders is not None and (source is not None or w.rank not in self.holders[shard]):
-            giver = source or self._holder_for(shard)
+            giver = source or self._holder_for(shard, hi - lo)
             src, tag = giver.rank, self._next_tag()
             nbytes = (hi - lo) * self.dataset.row_nbytes
             giver.pending_orders.append((self.epoch, shard, lo, hi, w.rank, tag))
@@ -264,13 +264,17 @@ class ParameterServer:
         self.log.append("shards", t=self.now(), epoch=self.epoch, shard=shard, src=origin,
                         dst=w.rank, event=event if origin < 0 else "move", bytes=nbytes)
 
-    def _holder_for(self, shard: int) -> WorkerState:
-        """The holder of a shard copy that can deliver soonest (least work committed)."""
+    def _holder_for(self, shard: int, rows: int) -> WorkerState:
+        """The holder of a shard copy that can deliver soonest.
+
+        A holder must read the rows before it sends them; its rate includes its reads, so
+        (work it holds + the rows) / rate ranks a slow reader last even when it is idle.
+        """
         alive = [self.workers[r] for r in self.holders[shard] if not self.workers[r].lost]
         if not alive:
             raise RuntimeError(f"shard {shard}: every rank holding a copy was lost "
                                f"(use --replicas 2 or more to survive this)")
-        return min(alive, key=lambda h: sum(t.remaining for t in h.tasks)
+        return min(alive, key=lambda h: (sum(t.remaining for t in h.tasks) + rows)
                    / max(1e-9, self.balancer.effective_rate(h.rank)))
 
     def _next_tag(self) -> int:
