@@ -160,7 +160,7 @@ class GradientStep:
         the CPU, which saves a copy per step); default an internal buffer.
         """
         t0 = time.perf_counter()
-        inj = self.injector
+        inj = self.injector if self.injector is not None and self.injector.rules else None
         if inj is not None:
             inj.begin_step(time.monotonic())
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
