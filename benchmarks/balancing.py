@@ -38,53 +38,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
-WORKERS = 3
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _runs  # noqa: E402  (the shared run plumbing beside this script)
+
+WORKERS = _runs.WORKERS
 SLOW_RANK = 3
 SLOWDOWN = "3:compute=4"
 MODEL = ["--model", "mlp", "--hidden", "256,256", "--batch", "128"]
 POLICIES = ["static", "round-robin", "demand", "load", "predictive"]
 
 
-def mpiexec() -> str:
-    scripts = os.path.dirname(sys.executable)
-    path = shutil.which("mpiexec", path=scripts + os.pathsep + os.environ.get("PATH", ""))
-    if path is None:
-        sys.exit("mpiexec not found: install MPICH or `pip install mpich`")
-    return path
-
-
-@dataclass
-class Run:
-    """One training run: its command and what its log says."""
-
-    label: str
-    args: list[str]
-    log: str
-    summary: dict = field(default_factory=dict)
-    cols: dict = field(default_factory=dict)
-    wall_s: float = 0.0
-    loadavg: float = 0.0     # the machine's 1-minute load average when the run ended
-
-    @property
-    def command(self) -> str:
-        return "mpiexec -n 4 mpilb train " + " ".join(self.args + ["--log", os.path.basename(self.log)])
-
-    def mean_epoch(self) -> float:
-        return float(np.mean(self.summary["epoch_s"]))
-
-    def mean_util(self) -> float:
-        return float(np.mean(self.summary["utilization"]))
-
+class Run(_runs.Run):
     def rates(self) -> dict[int, float]:
         """Each worker's measured rate: samples per second it was not idle.
 
@@ -102,60 +73,12 @@ class Run:
     def ideal_epoch(self, samples_per_epoch: int) -> float:
         return samples_per_epoch / sum(self.rates().values())
 
-    def share(self, rank: int) -> float:
-        total = sum(w["samples"] for w in self.summary["per_worker"])
-        mine = sum(w["samples"] for w in self.summary["per_worker"] if w["rank"] == rank)
-        return mine / total if total else 0.0
 
-    def coverage_exact(self) -> bool:
-        cov = self.summary["coverage"]
-        return (cov["expected"] > 0 and cov["applied"] == cov["expected"]
-                and cov["duplicates"] == 0 and cov["missing"] == 0)
+class Bench(_runs.Bench):
+    run_class = Run
 
-
-class Bench:
     def __init__(self, opts):
-        self.opts = opts
-        self.data = os.path.join(opts.dir, f"synthetic-{opts.samples}x{opts.features}-{opts.shards}")
-        self.logs = os.path.join(opts.dir, "runs")
-        os.makedirs(self.logs, exist_ok=True)
-        self.runs: list[Run] = []
-
-    # ---------------------------------------------------------------- plumbing
-    def prepare(self) -> None:
-        if os.path.exists(os.path.join(self.data, "manifest.json")):
-            print(f"dataset: {self.data} (cached)")
-        else:
-            cmd = [sys.executable, "-m", "mpilb", "prepare", "synthetic", self.data,
-                   "--samples", str(self.opts.samples), "--features", str(self.opts.features),
-                   "--classes", "10", "--shards", str(self.opts.shards)]
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
-            print(f"dataset: {self.data} (prepared)")
-        from mpilb.dataset import open_dataset
-        self.samples_per_epoch = int(sum(open_dataset(self.data).shard_sizes))
-
-    def train(self, label: str, *args: str) -> Run:
-        from mpilb.report import summarize_log
-        from mpilb.runlog import read_columns
-
-        log = os.path.join(self.logs, f"{label}.h5")
-        if os.path.exists(log):
-            os.remove(log)
-        argv = ["--data", self.data, *MODEL, "--no-progress", *map(str, args)]
-        cmd = [mpiexec(), "-n", str(WORKERS + 1), sys.executable, "-m", "mpilb", "train",
-               *argv, "--log", log]
-        t0 = time.perf_counter()
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.opts.run_timeout)
-        wall = time.perf_counter() - t0
-        if res.returncode != 0:
-            sys.exit(f"run {label} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
-        run = Run(label, argv, log, wall_s=wall, loadavg=os.getloadavg()[0])
-        run.summary = summarize_log(log)
-        _, run.cols = read_columns(log)
-        self.runs.append(run)
-        print(f"  {label:<28} {wall:6.1f} s wall, mean epoch {run.mean_epoch():6.3f} s, "
-              f"util {run.mean_util():.2f}, load average {run.loadavg:.1f}", flush=True)
-        return run
+        super().__init__(opts, MODEL)
 
     # ---------------------------------------------------------------- (a)
     def scenario_a(self) -> dict:

@@ -36,17 +36,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
-WORKERS = 3
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _runs  # noqa: E402  (the shared run plumbing beside this script)
+
+WORKERS = _runs.WORKERS
 MODEL = ["--model", "mlp", "--hidden", "128", "--batch", "128"]
 SLOW_READ = "2:readbw=10"
 SLOW_READ_RANK = 2
@@ -67,47 +67,9 @@ CONFIGS = {
 }
 
 
-def mpiexec() -> str:
-    scripts = os.path.dirname(sys.executable)
-    path = shutil.which("mpiexec", path=scripts + os.pathsep + os.environ.get("PATH", ""))
-    if path is None:
-        sys.exit("mpiexec not found: install MPICH or `pip install mpich`")
-    return path
-
-
-@dataclass
-class Run:
-    """One training run: its command and what its log says."""
-
-    label: str
-    args: list[str]
-    log: str
-    summary: dict = field(default_factory=dict)
-    cols: dict = field(default_factory=dict)
-    wall_s: float = 0.0
-    loadavg: float = 0.0     # the machine's 1-minute load average when the run ended
-
-    @property
-    def command(self) -> str:
-        return "mpiexec -n 4 mpilb train " + " ".join(self.args + ["--log", os.path.basename(self.log)])
-
-    def mean_epoch(self) -> float:
-        return float(np.mean(self.summary["epoch_s"]))
-
-    def later_epochs(self) -> float:
-        """Mean epoch time without the first epoch (the one where rates are learnt)."""
-        e = self.summary["epoch_s"]
-        return float(np.mean(e[1:] if len(e) > 1 else e))
-
-    def mean_util(self) -> float:
-        return float(np.mean(self.summary["utilization"]))
-
+class Run(_runs.Run):
     def worker(self, rank: int) -> dict:
         return next(w for w in self.summary["per_worker"] if w["rank"] == rank)
-
-    def share(self, rank: int) -> float:
-        total = sum(w["samples"] for w in self.summary["per_worker"])
-        return self.worker(rank)["samples"] / total if total else 0.0
 
     def rate_ratio(self, rank: int) -> float:
         """Median logged rate of ``rank`` over the median logged rate of the other workers.
@@ -137,34 +99,17 @@ class Run:
         epochs = range(int(self.summary["epochs_completed"]))
         return [int(sh["bytes"][moves & (sh["epoch"] == e)].sum()) for e in epochs]
 
-    def coverage_exact(self) -> bool:
-        cov = self.summary["coverage"]
-        return (cov["expected"] > 0 and cov["applied"] == cov["expected"]
-                and cov["duplicates"] == 0 and cov["missing"] == 0)
 
+class Bench(_runs.Bench):
+    run_class = Run
 
-class Bench:
     def __init__(self, opts):
-        self.opts = opts
-        self.data = os.path.join(opts.dir, f"synthetic-{opts.samples}x{opts.features}-{opts.shards}")
-        self.logs = os.path.join(opts.dir, "runs")
-        os.makedirs(self.logs, exist_ok=True)
-        self.runs: list[Run] = []
+        super().__init__(opts, MODEL + ["--mode", "async"])
 
-    # ---------------------------------------------------------------- plumbing
-    def prepare(self) -> None:
-        if os.path.exists(os.path.join(self.data, "manifest.json")):
-            print(f"dataset: {self.data} (cached)")
-        else:
-            cmd = [sys.executable, "-m", "mpilb", "prepare", "synthetic", self.data,
-                   "--samples", str(self.opts.samples), "--features", str(self.opts.features),
-                   "--classes", "10", "--shards", str(self.opts.shards)]
-            subprocess.run(cmd, check=True, capture_output=True, text=True)
-            print(f"dataset: {self.data} (prepared)")
+    def prepare(self):
         import h5py
-        from mpilb.dataset import open_dataset
-        ds = open_dataset(self.data)
-        self.samples_per_epoch = int(sum(ds.shard_sizes))
+
+        ds = super().prepare()
         # The dataset's size as the shard files hold it: every x and y, in bytes.
         self.dataset_bytes = 0
         for i in range(len(ds.shards)):
@@ -173,30 +118,10 @@ class Bench:
                     self.dataset_bytes += int(f[name].size) * f[name].dtype.itemsize
         print(f"  {self.samples_per_epoch} training samples in {len(ds.shards)} shards, "
               f"{self.dataset_bytes} bytes of x + y")
+        return ds
 
-    def train(self, label: str, *args: str) -> Run:
-        from mpilb.report import summarize_log
-        from mpilb.runlog import read_columns
-
-        log = os.path.join(self.logs, f"{label}.h5")
-        if os.path.exists(log):
-            os.remove(log)
-        argv = ["--data", self.data, *MODEL, "--mode", "async", "--no-progress", *map(str, args)]
-        cmd = [mpiexec(), "-n", str(WORKERS + 1), sys.executable, "-m", "mpilb", "train",
-               *argv, "--log", log]
-        t0 = time.perf_counter()
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.opts.run_timeout)
-        wall = time.perf_counter() - t0
-        if res.returncode != 0:
-            sys.exit(f"run {label} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
-        run = Run(label, argv, log, wall_s=wall, loadavg=os.getloadavg()[0])
-        run.summary = summarize_log(log)
-        _, run.cols = read_columns(log)
-        self.runs.append(run)
-        print(f"  {label:<24} {wall:6.1f} s wall, mean epoch {run.mean_epoch():6.3f} s, "
-              f"util {run.mean_util():.2f}, bytes moved {run.summary['bytes_moved']:>11,}, "
-              f"load average {run.loadavg:.1f}", flush=True)
-        return run
+    def run_note(self, run) -> str:
+        return f", bytes moved {run.summary['bytes_moved']:>11,}"
 
     def measure(self) -> dict[str, list[Run]]:
         print(f"{len(CONFIGS)} configurations x {self.opts.repeats} repeats, "

@@ -8,4 +8,6 @@ module) and ``backend`` (the only CuPy module).
 
 __version__ = "0.1.0"
 
-from .errors import MpilbError, UsageError, DataError  # noqa: E402,F401
+from .errors import DataError, MpilbError, UsageError  # noqa: E402
+
+__all__ = ["DataError", "MpilbError", "UsageError", "__version__"]

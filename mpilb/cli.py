@@ -34,7 +34,7 @@ if env_world_size() > 1:
         os.environ.setdefault(_var, "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
+
 import traceback  # noqa: E402
 
 from .errors import MpilbError, UsageError  # noqa: E402

@@ -19,7 +19,7 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import h5py
 import numpy as np
@@ -639,7 +639,6 @@ def make_teacher(features: int, classes: int, seed: int) -> Teacher:
     b1 = 0.1 * rng.standard_normal(TEACHER_HIDDEN)
     w2 = rng.standard_normal((TEACHER_HIDDEN, classes)) * (3.0 / np.sqrt(TEACHER_HIDDEN))
     b2 = np.zeros(classes)
-    teacher = Teacher(w1, b1, w2, b2)
     # Balance on a pilot sample: push down the bias of over-represented classes.
     pilot = rng.standard_normal((8192, features))
     hidden_out = np.tanh(pilot @ w1 + b1) @ w2

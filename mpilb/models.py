@@ -260,7 +260,6 @@ class MLP(Model):
         return h, acts[:-1]
 
     def _backward(self, v, g, acts, dz):
-        xp = get_array_module(dz)
         for i in range(len(self._layers) - 1, -1, -1):
             layer = self._layers[i]
             W = v[f"{layer}.W"] if i > 0 else None  # no gradient w.r.t. the input

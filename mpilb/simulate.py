@@ -12,7 +12,7 @@ shards requeued, as the server does.
 
 from __future__ import annotations
 
-import math
+
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
