@@ -52,6 +52,14 @@ def bare_loop(data_dir: str, epochs: int) -> float:
     return epochs * len(y) / (time.perf_counter() - t0)
 
 
+def bare_loop_process(data_dir: str, epochs: int) -> float:
+    """The bare loop in a fresh process, like the serial one: no BLAS threads of this
+    process linger (OpenBLAS workers keep spinning for a while after a call) to compete."""
+    out = subprocess.run([sys.executable, __file__, "--bare-only", data_dir, "--epochs", str(epochs)],
+                         check=True, capture_output=True, text=True).stdout
+    return float(out.strip().splitlines()[-1])
+
+
 def serial_loop(data_dir: str, epochs: int, log: str) -> float:
     cmd = [sys.executable, "-m", "mpilb", "train", "--data", data_dir, "--epochs", str(epochs),
            "--no-progress", "--log", log, "--eval-interval", "1000"]
@@ -72,7 +80,11 @@ def main() -> None:
     ap.add_argument("--features", type=int, default=256)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--bare-only", metavar="DATA", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.bare_only:
+        print(bare_loop(args.bare_only, args.epochs))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         data = os.path.join(tmp, "data")
         subprocess.run([sys.executable, "-m", "mpilb", "prepare", "synthetic", data, "--samples",
@@ -80,7 +92,7 @@ def main() -> None:
                         "--shards", "16"], check=True, capture_output=True)
         serial, bare = [], []
         for _ in range(args.repeats):
-            bare.append(bare_loop(data, args.epochs))
+            bare.append(bare_loop_process(data, args.epochs))
             serial.append(serial_loop(data, args.epochs, os.path.join(tmp, "run.h5")))
         s, b = statistics.median(serial), statistics.median(bare)
         # each pair ran back to back, so its ratio sees the same machine load
