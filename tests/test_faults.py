@@ -82,6 +82,8 @@ def test_sigkill_twice_then_resume_matches_uninterrupted(medium, tmp_path):
         ck = checkpoint.load(str(tmp_path / "ck.h5"), model, ds)   # loadable after every kill
         assert ck.version > 0
         h5py.File(tmp_path / "run.h5", "r", swmr=True).close()      # the log still opens
+    # the kills left the dataset as it was: shard files are only ever read
+    assert mpirun.run(0, "data", "verify", medium).returncode == 0
     final = mpirun.run(4, *args, "--resume", timeout=180)
     assert final.returncode == 0, final.stderr
     s = summarize_log(str(tmp_path / "run.h5"))
