@@ -1,0 +1,71 @@
+"""Cost of the run log: the same training with the real log and with a log that drops rows.
+
+    python benchmarks/logging_overhead.py [--repeats 5] [--epochs 4]
+
+Both variants run `mpiexec -n 4 mpilb train` on the same data, alternating; the null variant
+replaces RunLog.append with a no-op (root attributes, and so train_s, are still written). A
+small model makes updates frequent, the worst case for logging. Prints the median of the
+per-pair ratios of training time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import h5py
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _runs  # noqa: E402
+
+# mpilb.cli first: it limits BLAS threads per rank before numpy is imported
+DROP_ROWS = (
+    "import sys\n"
+    "from mpilb.cli import main\n"
+    "from mpilb import runlog\n"
+    "runlog.RunLog.append = lambda self, group, **row: None\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def run(data: str, log: str, epochs: int, null_log: bool) -> tuple[float, int]:
+    code = ["-c", DROP_ROWS] if null_log else ["-m", "mpilb"]
+    cmd = [_runs.mpiexec(), "-n", "4", sys.executable, *code, "train", "--data", data,
+           "--model", "mlp", "--hidden", "64", "--batch", "32", "--epochs", str(epochs),
+           "--no-progress", "--log", log]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    with h5py.File(log, "r") as f:
+        return float(f.attrs["train_s"]), int(f["updates/t"].shape[0])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=4)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        data = os.path.join(tmp, "d")
+        subprocess.run([sys.executable, "-m", "mpilb", "prepare", "synthetic", data, "--samples",
+                        "30000", "--features", "64", "--classes", "10", "--shards", "12"],
+                       check=True, capture_output=True)
+        logged, dropped, ratios, updates = [], [], [], 0
+        for _ in range(args.repeats):
+            t_log, updates = run(data, os.path.join(tmp, "with.h5"), args.epochs, False)
+            t_null, _ = run(data, os.path.join(tmp, "without.h5"), args.epochs, True)
+            logged.append(t_log)
+            dropped.append(t_null)
+            ratios.append(t_log / t_null)
+        print(f"mlp --hidden 64 --batch 32, 24000 samples x {args.epochs} epochs, 3 workers, "
+              f"{updates} updates a run, median of {args.repeats} pairs:")
+        print(f"  with the run log      {statistics.median(logged):.3f} s  ({updates / statistics.median(logged):.0f} updates/s)")
+        print(f"  rows dropped          {statistics.median(dropped):.3f} s")
+        print(f"  ratio with/without    {statistics.median(ratios):.3f}   (pairs: "
+              f"{', '.join(f'{r:.3f}' for r in ratios)})")
+
+
+if __name__ == "__main__":
+    main()
