@@ -1,13 +1,16 @@
 """The parameter server on rank 0: parameters, optimizer, balancer, evaluation, run log.
 
-Protocol (DESIGN.md), per worker w:
-  server -> w  REPLY  [header | params]  assignments (epoch, shard, start), batch size, version
-  w -> server  PUSH   [header | gradient] the batch [lo, hi) of a shard it covered, timings
+Protocol (DESIGN.md; field layout in comm.py), per worker w:
+  server -> w  REPLY   [header | params]   tasks (epoch, shard, start, end, source rank),
+                                           rows to send to others, a cut, batch size, version
+  server -> w  ORDERS  [header]            rows to send, for a worker waiting on a reply
+  w -> server  PUSH    [header | gradient] the positions [lo, hi) of a shard it covered, timings
 A worker waits for a reply after each push (with --pipeline 1 it computes the next gradient
 meanwhile). A worker that has nothing left in the epoch idles until the server sends it new
-assignments; STOP (header only) ends it. The server owns the shard queues (through the
-balancer): a worker holds at most its current shard and one more it is prefetching, and
-everything else can be moved between workers at any time without asking them.
+tasks; STOP (header only) ends it. The server owns the shard queues (through the balancer):
+a worker holds at most its current task and one more it is prefetching; everything else can
+be moved between workers at any time without asking them, and the tail of a started task
+can be cut off and handed to an idle worker (see _split_for).
 """
 
 from __future__ import annotations
