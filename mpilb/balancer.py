@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from .errors import MpilbError, UsageError
-from .rates import TrendRate
+from .rates import StepFit, TrendRate
 
 BALANCERS: dict[str, type["Balancer"]] = {}
 BATCH_POLICIES: dict[str, Callable[["Balancer"], dict[int, int]]] = {}
@@ -133,6 +133,7 @@ class Balancer:
         self.epoch = -1
         self.now = 0.0
         self._rates = {w: self._new_estimator() for w in self.workers}
+        self._steps = {w: StepFit() for w in self.workers}   # step time vs batch size
         self._queues: dict[int, list[int]] = {w: [] for w in self.workers}
         self._committed: dict[int, int] = {w: 0 for w in self.workers}
         self._requeued: set[int] = set()    # shards of a lost worker, maybe partly done
@@ -152,8 +153,14 @@ class Balancer:
         self.now = max(self.now, t)
         if worker in self._rates:
             self._rates[worker].update(t, samples, busy_s, comm_s)
+            self._steps[worker].update(samples, busy_s)
         if worker in self._committed:
             self._committed[worker] = max(0, self._committed[worker] - int(samples))
+
+    def step_model(self, worker: int) -> tuple[float, float] | None:
+        """(fixed seconds per step, seconds per sample) of ``worker``'s steps, once known."""
+        fit = self._steps.get(worker)
+        return fit.coefficients() if fit is not None else None
 
     def has_rates(self) -> bool:
         """True once any worker has reported."""
@@ -549,7 +556,8 @@ def fixed_batches(balancer: Balancer) -> dict[int, int]:
 
 @register_batch_policy("proportional")
 def proportional_batches(balancer: Balancer) -> dict[int, int]:
-    """Batches in proportion to (predicted) rates, so step times match.
+    """Batches sized so step times match: in proportion to (predicted) rates at first, then
+    from each worker's fitted step time a + c * batch (see :class:`mpilb.rates.StepFit`).
 
     The total stays ``batch * workers`` exactly when the clamp to
     ``[min_batch, max_batch]`` allows it: the shares are ``clamp(scale * rate)`` with the
@@ -561,13 +569,22 @@ def proportional_batches(balancer: Balancer) -> dict[int, int]:
         return {w: cfg.batch for w in workers}
     lo, hi = cfg.min_batch, max(cfg.min_batch, cfg.max_batch)
     total = min(max(cfg.batch * len(workers), lo * len(workers)), hi * len(workers))
-    rates = {w: balancer._planning_rate(w) for w in workers}
+    models = {w: balancer.step_model(w) for w in workers}
+    if all(m is not None for m in models.values()):
+        # Equal step times with a fixed cost per step: batch = (T - a) / c for a common T.
+        def clamped(step: float) -> dict[int, float]:
+            return {w: min(max((step - a) / c, lo), hi) for w, (a, c) in models.items()}
 
-    def clamped(scale: float) -> dict[int, float]:
-        return {w: min(max(scale * rates[w], lo), hi) for w in workers}
+        low, high = 0.0, max(a + hi * c for a, c in models.values())
+    else:
+        # Until the step times are known: batches in proportion to the rates.
+        rates = {w: balancer._planning_rate(w) for w in workers}
 
-    # Find the scale at which the clamped shares add up to the total (monotone: bisect).
-    low, high = 0.0, hi / min(rates.values())
+        def clamped(scale: float) -> dict[int, float]:
+            return {w: min(max(scale * rates[w], lo), hi) for w in workers}
+
+        low, high = 0.0, hi / min(rates.values())
+    # Find where the clamped shares add up to the total (monotone: bisect).
     for _ in range(100):
         mid = (low + high) / 2.0
         if sum(clamped(mid).values()) < total:

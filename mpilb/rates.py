@@ -289,3 +289,48 @@ class TrendRate:
         self.overhead = state.get("overhead")
         self._last_t = state.get("last_t")
         self._over = list(state.get("over", [0.0, 0.0]))
+
+
+class StepFit:
+    """Step time as a function of batch size, t = a + c * b, fitted to recent reports.
+
+    Proportional batches assume a step takes time in proportion to its batch. At small
+    batches a step's fixed cost (Python, a small matrix product, a kernel launch) weighs
+    more, and a slowed-down worker multiplies it too; equal step times then need the fixed
+    part. The fit is weighted least squares with exponentially decaying weights, so it
+    follows a worker whose speed changes. It is only trusted once the batches it has seen
+    differ (with one batch size, a and c cannot be told apart).
+
+    Args:
+        decay: weight kept by the past at each report.
+        min_spread: smallest relative spread (std / mean) of the batch sizes seen.
+    """
+
+    def __init__(self, decay: float = 0.98, min_spread: float = 0.05):
+        self.decay = decay
+        self.min_spread = min_spread
+        self.w = self.sb = self.st = self.sbb = self.sbt = 0.0
+
+    def update(self, batch: float, seconds: float) -> None:
+        if batch <= 0 or seconds <= 0:
+            return
+        d = self.decay
+        self.w = d * self.w + 1.0
+        self.sb = d * self.sb + batch
+        self.st = d * self.st + seconds
+        self.sbb = d * self.sbb + batch * batch
+        self.sbt = d * self.sbt + batch * seconds
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, c) in seconds and seconds per sample, or None while not identifiable."""
+        if self.w < 3:
+            return None
+        mb, mt = self.sb / self.w, self.st / self.w
+        var = self.sbb / self.w - mb * mb
+        if var <= (self.min_spread * mb) ** 2:
+            return None
+        c = (self.sbt / self.w - mb * mt) / var
+        if c <= 0:
+            return None
+        a = min(max(mt - c * mb, 0.0), mt)
+        return a, c

@@ -151,3 +151,37 @@ def test_overhead_from_report_times_ignores_idle_gaps():
     for k in range(20):
         measured.update(float(k), 100, 1e-3, comm_s=5e-3)
     assert measured.overhead == pytest.approx(5e-5)
+
+
+def test_step_fit_recovers_fixed_and_per_sample_cost():
+    from mpilb.rates import StepFit
+
+    fit = StepFit()
+    for b in [128] * 10:
+        fit.update(b, 0.002 + b * 1e-5)
+    assert fit.coefficients() is None        # one batch size: a and c cannot be told apart
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        b = int(rng.integers(10, 200))
+        fit.update(b, (0.002 + b * 1e-5) * rng.uniform(0.95, 1.05))
+    a, c = fit.coefficients()
+    assert abs(a - 0.002) < 0.0003 and abs(c - 1e-5) < 2e-6
+
+
+def test_proportional_batches_equalise_step_times_with_fixed_costs():
+    from mpilb.balancer import BalancerConfig, build_balancer
+
+    bal = build_balancer("load", [1, 2, 3], [100] * 12,
+                         BalancerConfig(batch=128, batch_policy="proportional"))
+    rng = np.random.default_rng(1)
+    cost = {1: (0.0004, 6e-6), 2: (0.0004, 6e-6), 3: (0.0016, 24e-6)}   # rank 3: 4x slower
+    t = 0.0
+    for _ in range(100):
+        for w, (a, c) in cost.items():
+            b = int(rng.integers(16, 200))
+            t += 0.01
+            bal.observe(w, t, b, a + c * b)
+    sizes = bal.batch_sizes()
+    assert sum(sizes.values()) == 3 * 128
+    steps = {w: cost[w][0] + cost[w][1] * sizes[w] for w in sizes}
+    assert max(steps.values()) / min(steps.values()) < 1.1, (sizes, steps)
