@@ -123,3 +123,19 @@ class Bench:
     def run_note(self, run: Run) -> str:
         """Extra figures for the progress line of each run."""
         return ""
+
+
+def add_dataset_args(ap, default_dir: str) -> None:
+    """The options every benchmark has: where to work, the synthetic dataset, a run's limit."""
+    ap.add_argument("--dir", default=default_dir, help="where the dataset is cached and run logs go")
+    ap.add_argument("--samples", type=int, default=96000)
+    ap.add_argument("--features", type=int, default=256)
+    ap.add_argument("--shards", type=int, default=48)
+    ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
+
+
+def print_targets(checks) -> None:
+    """One PASS/MISS line per (name, ok, value)."""
+    print("targets")
+    for name, ok, value in checks:
+        print(f"  {'PASS' if ok else 'MISS'}  {name}: {value}")

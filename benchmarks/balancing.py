@@ -319,9 +319,7 @@ def print_tables(bench: Bench, a, b, c, d, checks) -> None:
         r = "-" if row["ratio_to_sync_static"] is None else f"{row['ratio_to_sync_static']:.2f}"
         print(f"{v:<14} {t:>12}  x sync+static {r:>5}  samples {row['samples_to_target']}")
     print()
-    print("targets")
-    for name, ok, value in checks:
-        print(f"  {'PASS' if ok else 'MISS'}  {name}: {value}")
+    _runs.print_targets(checks)
     print()
     print("commands (one per configuration; --data is the cached dataset)")
     seen = set()
@@ -334,11 +332,7 @@ def print_tables(bench: Bench, a, b, c, d, checks) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "mpilb-balancing"),
-                    help="where the dataset is cached and run logs go")
-    ap.add_argument("--samples", type=int, default=96000)
-    ap.add_argument("--features", type=int, default=256)
-    ap.add_argument("--shards", type=int, default=48)
+    _runs.add_dataset_args(ap, os.path.join(tempfile.gettempdir(), "mpilb-balancing"))
     ap.add_argument("--repeats", type=int, default=3, help="repeats of (a), (c), (d)")
     ap.add_argument("--epochs", type=int, default=4, help="epochs per run in (a)")
     ap.add_argument("--mid-epochs", type=int, default=12, help="epochs per run in (b)")
@@ -351,7 +345,6 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=0.80, help="target accuracy in (d)")
     ap.add_argument("--target-epochs", type=int, default=10, help="epoch cap in (d)")
     ap.add_argument("--eval-interval", type=float, default=0.5, help="used in (d)")
-    ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
     ap.add_argument("--only", default="abcd", help="scenarios besides (a) to run, e.g. 'b'")
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="balancers compared in (a) (static is the baseline: keep it)")

@@ -254,9 +254,7 @@ def print_tables(bench: Bench, rows: dict, checks) -> None:
     line("c-load-noinj", "load, no injection", "1.00")
     line("c-static", "static", f"{rows['c-static']['x_noinj']:.2f} x no-inj")
     print()
-    print("targets")
-    for name, ok, value in checks:
-        print(f"  {'PASS' if ok else 'MISS'}  {name}: {value}")
+    _runs.print_targets(checks)
     print()
     print("commands (one per configuration; --data is the cached dataset)")
     for key in CONFIGS:
@@ -265,14 +263,9 @@ def print_tables(bench: Bench, rows: dict, checks) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "mpilb-stores"),
-                    help="where the dataset is cached and run logs go")
-    ap.add_argument("--samples", type=int, default=96000)
-    ap.add_argument("--features", type=int, default=256)
-    ap.add_argument("--shards", type=int, default=48)
+    _runs.add_dataset_args(ap, os.path.join(tempfile.gettempdir(), "mpilb-stores"))
     ap.add_argument("--repeats", type=int, default=5, help="repeats of every configuration")
     ap.add_argument("--epochs", type=int, default=5, help="epochs per run")
-    ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds per run")
     ap.add_argument("--json", help="also write every figure to this JSON file")
     opts = ap.parse_args(argv)
 
