@@ -103,17 +103,40 @@ class Backoff:
 
     A short first sleep keeps latency low when messages come fast; the cap bounds the
     wake-ups per second (and so the CPU) when a rank waits a long time.
+
+    When the caller knows about when the awaited message is due (``reset(due, grace)``, a
+    ``time.monotonic()`` value), the sleeps are long until just before it, then every
+    `fine` seconds until `grace` seconds after it, and only then grow again. A rank that
+    waits for a round's reply or for the next push thus notices it within ~`fine` seconds
+    without polling all the time in between. A wrong estimate costs little: too early and
+    the rank polls finely for a while, too late and it sleeps through at most `fine` (the
+    first sleep never goes past ``due - fine``).
     """
 
-    def __init__(self, start: float = 20e-6, cap: float = 1e-3):
+    def __init__(self, start: float = 20e-6, cap: float = 1e-3, fine: float = 50e-6):
         self.start = start
         self.cap = cap
+        self.fine = fine
         self.delay = start
+        self.due: Optional[float] = None
+        self.grace = 0.0
 
-    def reset(self) -> None:
+    def reset(self, due: Optional[float] = None, grace: float = 0.0) -> None:
         self.delay = self.start
+        self.due = due
+        self.grace = grace
 
     def sleep(self) -> None:
+        if self.due is not None:
+            ahead = self.due - time.monotonic()
+            if ahead > self.fine:
+                time.sleep(min(ahead - self.fine, self.cap))
+                return
+            if ahead > -self.grace:
+                self.short()
+                return
+            self.due = None           # overdue: back off from the fine interval on
+            self.delay = max(self.delay, self.fine)
         time.sleep(self.delay)
         self.delay = min(self.cap, self.delay * 2)
 
@@ -122,6 +145,31 @@ class Backoff:
         """The shortest sleep (the kernel's timer slack, ~50 us): a transfer is under way
         and needs MPI progress soon, but another process may need this core."""
         time.sleep(1e-6)
+
+
+class WaitEstimate:
+    """How long a recurring wait lasts when it is short: a low quantile, tracked by an
+    asymmetric EWMA that follows shorter waits quickly and longer ones slowly. As a
+    ``(due, grace)`` for :meth:`Backoff.reset`, fine polling starts a little before it.
+    """
+
+    def __init__(self, down: float = 0.5, up: float = 0.05, early: float = 0.8):
+        self.down = down
+        self.up = up
+        self.early = early
+        self.value: Optional[float] = None
+
+    def update(self, seconds: float) -> None:
+        if self.value is None:
+            self.value = seconds
+        else:
+            self.value += (self.down if seconds < self.value else self.up) * (seconds - self.value)
+
+    def window(self, start: float) -> tuple[Optional[float], float]:
+        """(due, grace) for a wait that began at ``start`` (``time.monotonic()``)."""
+        if self.value is None:
+            return None, 0.0
+        return start + self.early * self.value, 2.0 * self.value + 1e-3
 
 
 def new_message(payload_floats: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -137,13 +185,14 @@ def new_message(payload_floats: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def wait(req: "MPI.Request", backoff: Optional[Backoff] = None, timeout: Optional[float] = None,
-         on_poll=None) -> bool:
+         on_poll=None, due: Optional[float] = None, grace: float = 0.0) -> bool:
     """Wait for one request without spinning. Returns False on timeout.
 
-    `on_poll` (optional) is called between polls, e.g. to serve other duties.
+    `on_poll` (optional) is called between polls, e.g. to serve other duties; `due` and
+    `grace`: when the request is expected to complete (see :class:`Backoff`).
     """
     backoff = backoff or Backoff()
-    backoff.reset()
+    backoff.reset(due, grace)
     deadline = None if timeout is None else time.monotonic() + timeout
     while not req.Test():
         if on_poll is not None:
@@ -161,14 +210,15 @@ def complete(req: "MPI.Request") -> None:
 
 
 def recv_when_ready(comm, buf, source: int, tag: int, backoff: Optional[Backoff] = None,
-                    on_poll=None) -> None:
+                    on_poll=None, due: Optional[float] = None, grace: float = 0.0) -> None:
     """Receive one message into `buf`, sleeping with backoff until it starts to arrive.
 
     A matched probe tells when the message is there; the receive itself then runs without
-    sleeping, so a large transfer is not stretched over many sleeps.
+    sleeping, so a large transfer is not stretched over many sleeps. `due`, `grace`: when
+    the message is expected (see :class:`Backoff`).
     """
     backoff = backoff or Backoff()
-    backoff.reset()
+    backoff.reset(due, grace)
     while True:
         msg = comm.improbe(source=source, tag=tag)
         if msg is not None:

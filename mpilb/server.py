@@ -39,6 +39,7 @@ from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule,
                        config_optimizer, epoch_order)
 
 COMMITTED = 2   # shards a worker holds at once: the current one and the one it prefetches
+CHORES_S = 0.002   # how often the main loop checks errors, lost workers and timers
 
 
 @dataclass
@@ -86,6 +87,8 @@ class WorkerState:
     step: int = 0
     batch: int = 0
     last_seen: float = 0.0
+    awaiting: bool = False   # sent work and parameters, its next push is to come
+    push_gap: C.WaitEstimate = field(default_factory=C.WaitEstimate)   # reply -> next push
     retry: bool = False      # ask the worker to recompute its last batch
     retried: bool = False    # that batch was already retried once
     # accumulators for the workers/ log (since the last row)
@@ -169,6 +172,7 @@ class ParameterServer:
     def _reply(self, w: WorkerState, cmd: Cmd = Cmd.PARAMS, held_s: float = 0.0) -> None:
         """Send w the current parameters (or STOP) with its assignments and batch size."""
         w.last_seen = time.monotonic()   # its silence counts from now (--worker-timeout)
+        w.awaiting = cmd != Cmd.STOP and not w.idle
         if w.reply_req is not None:
             w.reply_req.Wait()   # the previous reply was received before w pushed again
         slot = w.replies[w.reply_index]
@@ -409,7 +413,11 @@ class ParameterServer:
     def _on_push(self, w: WorkerState) -> None:
         _, hdr, grad = w.recv
         now = self.now()
-        w.last_seen = time.monotonic()
+        mono = time.monotonic()
+        if w.awaiting:
+            w.push_gap.update(mono - w.last_seen)
+            w.awaiting = False
+        w.last_seen = mono
         if w.lost:
             return
         b = int(hdr[Push.BATCH])
@@ -559,6 +567,18 @@ class ParameterServer:
                     self._top_up(w)
                     self._send_reply(w)
 
+    def _next_push_due(self) -> tuple[Optional[float], float]:
+        """(due, grace) of the next push expected, for the backoff (see C.Backoff)."""
+        now = time.monotonic()
+        best: tuple[Optional[float], float] = (None, 0.0)
+        for w in self.workers.values():
+            if not w.awaiting or w.lost:
+                continue
+            due, grace = w.push_gap.window(w.last_seen)
+            if due is not None and due + grace > now and (best[0] is None or due < best[0]):
+                best = (due, grace)
+        return best
+
     # ----------------------------------------------------------------- timers
     def _timers(self) -> None:
         mono = time.monotonic()
@@ -694,24 +714,18 @@ class ParameterServer:
                 self._begin_epoch(ck.epoch, ck.counts)
         reqs = [w.recv_req for w in self.workers.values()]
         order = list(self.workers.values())
+        next_chores = 0.0
         while not (self.stop.reason and self._all_stopped()):
             done = C.Request.Testsome(reqs)
             if done:
-                self.backoff.reset()
                 for i in done:
                     w = order[i]
                     self._on_push(w)
                     if not (w.stopped or w.lost):
                         self._post_recv(w)
                         reqs[i] = w.recv_req
+                self.backoff.reset(*self._next_push_due())
             else:
-                err = C.poll_error(self.comm)
-                if err is not None:
-                    raise WorkerFailed(*err)
-                if C.poll_preempt(self.comm):
-                    PREEMPTED.set()
-                self._check_lost()
-                self._check_stalled()
                 # While replies are still being transferred keep MPI progressing (yield the
                 # core, don't sleep); when nothing is under way, back off.
                 self.sending = [r for r in self.sending if not r.Test()]
@@ -719,7 +733,17 @@ class ParameterServer:
                     self.backoff.short()
                 else:
                     self.backoff.sleep()
-            self._timers()
+            mono = time.monotonic()
+            if mono >= next_chores:   # a few hundred times a second, not at every poll
+                next_chores = mono + CHORES_S
+                err = C.poll_error(self.comm)
+                if err is not None:
+                    raise WorkerFailed(*err)
+                if C.poll_preempt(self.comm):
+                    PREEMPTED.set()
+                self._check_lost()
+                self._check_stalled()
+                self._timers()
         self.train_s = self.now()
         self._log_worker_rows()
         C.drain(self.comm)

@@ -94,6 +94,7 @@ class Worker:
         self.batch = cfg.batch
         self.step = 0
         self.backoff = C.Backoff()
+        self.reply_wait = C.WaitEstimate()   # push -> reply, to wake up just in time
         self.push_req = None
         # timings since the last push
         self.compute_s = self.comm_s = self.idle_s = 0.0
@@ -134,10 +135,11 @@ class Worker:
     def _wait_reply(self, counts_as_idle: bool) -> None:
         """Wait for the server's message (no spinning) and act on it."""
         t0 = time.perf_counter()
+        due, grace = (None, 0.0) if counts_as_idle else self.reply_wait.window(time.monotonic())
         hdr = self.recv_buf[1]
         while True:
             C.recv_when_ready(self.comm, self.recv_buf[0], 0, C.TAG_REPLY, self.backoff,
-                              on_poll=self._check_fault)
+                              on_poll=self._check_fault, due=due, grace=grace)
             self._header_from_buffer(self.recv_buf)
             if int(hdr[Reply.CMD]) != Cmd.ORDERS:
                 break
@@ -147,6 +149,7 @@ class Worker:
         if counts_as_idle:
             self.idle_s += waited
         else:
+            self.reply_wait.update(waited)
             self.idle_s += min(held, waited)
             self.comm_s += max(0.0, waited - held)
         if int(hdr[Reply.CMD]) == Cmd.STOP:

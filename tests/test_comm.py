@@ -1,0 +1,79 @@
+"""The waiting helpers in mpilb.comm: backoff schedule and wait estimates (no MPI needed)."""
+
+import time
+
+import pytest
+
+from mpilb import comm as C
+
+
+class Clock:
+    """A fake monotonic clock whose sleeps advance it; records every sleep."""
+
+    def __init__(self, monkeypatch):
+        self.now = 100.0
+        self.sleeps = []
+        monkeypatch.setattr(C.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(C.time, "sleep", self.sleep)
+
+    def sleep(self, s):
+        self.sleeps.append(s)
+        self.now += max(s, 50e-6)   # the kernel's timer slack: no sleep is shorter
+
+
+def test_backoff_without_due_grows_to_the_cap(monkeypatch):
+    clock = Clock(monkeypatch)
+    b = C.Backoff(start=20e-6, cap=1e-3)
+    b.reset()
+    for _ in range(10):
+        b.sleep()
+    assert clock.sleeps[:3] == pytest.approx([20e-6, 40e-6, 80e-6])
+    assert clock.sleeps[-1] == pytest.approx(1e-3)
+    assert max(clock.sleeps) == pytest.approx(1e-3)
+
+
+def test_backoff_with_due_sleeps_long_then_polls_finely_then_backs_off(monkeypatch):
+    clock = Clock(monkeypatch)
+    b = C.Backoff(start=20e-6, cap=1e-3, fine=50e-6)
+    due = clock.now + 2.5e-3
+    b.reset(due, grace=0.5e-3)
+    woke = []
+    while clock.now < due + 3e-3:
+        b.sleep()
+        woke.append(clock.now)
+    before = [t for t in woke if t <= due - b.fine]
+    # few wake-ups before the message is due, none of them past it by more than `fine`
+    assert len(before) <= 3
+    assert min(t for t in woke if t >= due - b.fine) <= due + 2 * b.fine
+    # fine polling around the due time: every ~50 us up to `grace` after it
+    window = [t for t in woke if due <= t <= due + 0.5e-3]
+    assert len(window) >= 8
+    # overdue: sleeps grow again
+    late = [s for t, s in zip(woke, clock.sleeps) if t > due + 0.6e-3]
+    assert late and late[-1] > 4 * b.fine
+
+
+def test_backoff_due_in_the_past_falls_back_to_growing_sleeps(monkeypatch):
+    clock = Clock(monkeypatch)
+    b = C.Backoff(start=20e-6, cap=1e-3, fine=50e-6)
+    b.reset(clock.now - 1.0, grace=1e-3)
+    for _ in range(6):
+        b.sleep()
+    assert clock.sleeps == sorted(clock.sleeps)
+    assert clock.sleeps[-1] > clock.sleeps[0]
+
+
+def test_wait_estimate_tracks_the_short_waits():
+    est = C.WaitEstimate()
+    assert est.window(5.0) == (None, 0.0)
+    # waits of 1 ms with every fifth one 5 ms: the estimate stays near the short ones
+    for i in range(200):
+        est.update(5e-3 if i % 5 == 0 else 1e-3)
+    assert 0.8e-3 < est.value < 1.6e-3
+    due, grace = est.window(10.0)
+    assert 10.0 < due < 10.0 + est.value
+    assert grace > est.value
+    # a lasting change to longer waits is followed, if slowly
+    for _ in range(200):
+        est.update(4e-3)
+    assert est.value == pytest.approx(4e-3, rel=0.05)
