@@ -64,6 +64,9 @@ class BalancerConfig:
         batch: per-worker batch size (the global batch is ``batch * workers``).
         batch_policy: ``fixed`` or ``proportional``.
         min_batch, max_batch: clamp for proportional batches.
+        sit_out: proportional batches may be 0 for a worker whose step at ``min_batch``
+            would take longer than everyone else's step: it sits sync rounds out (the
+            server then benches it, see :meth:`Balancer.bench`).
         rebalance_interval: seconds between rebalance calls; also the forecast horizon of
             the ``predictive`` policy.
         hysteresis: a rebalance commits its moves only if they bring the projected epoch
@@ -85,6 +88,7 @@ class BalancerConfig:
     batch_policy: str = "fixed"
     min_batch: int = 1
     max_batch: int = 4096
+    sit_out: bool = False
     rebalance_interval: float = 2.0
     hysteresis: float = 0.05
     ewma_alpha: float = 0.1
@@ -138,22 +142,27 @@ class Balancer:
         self._committed: dict[int, int] = {w: 0 for w in self.workers}
         self._requeued: set[int] = set()    # shards of a lost worker, maybe partly done
         self._moves: list[Move] = []
+        self.benched: set[int] = set()      # sitting sync rounds out: no shards, no batch
+        self.round_step: float | None = None   # step time the last proportional sizes aim at
 
     # -- rates ------------------------------------------------------------------------------
     def _new_estimator(self) -> TrendRate:
         return TrendRate(self.config.ewma_alpha, self.config.window, self.config.rate_bucket_s)
 
     def observe(self, worker: int, t: float, samples: int, busy_s: float,
-                comm_s: float | None = None) -> None:
+                comm_s: float | None = None, step_s: float | None = None) -> None:
         """Take one report: ``samples`` done in ``busy_s`` seconds of compute + I/O, at ``t``.
 
         ``comm_s``, when the caller knows it, is the communication time that went with them
         (not idle or held time); otherwise the overhead is inferred from report times.
+        ``step_s``: what the step cost whoever waits for it, from the parameters sent to
+        the gradient received (compute, I/O and both transfers); the step-time fit of
+        proportional batches uses it when given, ``busy_s`` otherwise.
         """
         self.now = max(self.now, t)
         if worker in self._rates:
             self._rates[worker].update(t, samples, busy_s, comm_s)
-            self._steps[worker].update(samples, busy_s)
+            self._steps[worker].update(samples, busy_s if step_s is None else step_s)
         if worker in self._committed:
             self._committed[worker] = max(0, self._committed[worker] - int(samples))
 
@@ -293,8 +302,38 @@ class Balancer:
         self._queues[dst].append(shard)
         return dst
 
+    def bench(self, worker: int) -> list[Move]:
+        """``worker`` sits out for now: its queued shards go to the others (moves), it gets
+        none until :meth:`unbench`; its rate and step estimates are kept."""
+        if worker not in self.workers or len(self.workers) < 2:
+            return []
+        self.workers.remove(worker)
+        self.benched.add(worker)
+        orphans = self._queues.pop(worker, [])
+        self._committed.pop(worker, None)
+        moves = [Move(shard, worker, self._place(shard), "rebalance") for shard in orphans]
+        self._moves.extend(moves)
+        return moves
+
+    def unbench(self, worker: int) -> None:
+        """Take a benched worker back (with an empty queue; shards reach it by moves and
+        steals)."""
+        if worker not in self.benched:
+            return
+        self.benched.discard(worker)
+        self.workers.append(worker)
+        self._queues[worker] = []
+        self._committed[worker] = 0
+
+    def forget_steps(self, worker: int) -> None:
+        """Drop ``worker``'s step-time fit (it changed speed): sizes follow its rate again
+        until a new fit is identifiable."""
+        if worker in self._steps:
+            self._steps[worker] = StepFit()
+
     def remove_worker(self, worker: int) -> list[Move]:
         """Drop a lost worker; its queued shards go to the others (moves with reason "lost")."""
+        self.benched.discard(worker)
         if worker not in self.workers:
             return []
         self.workers.remove(worker)
@@ -321,10 +360,11 @@ class Balancer:
         return {
             "name": self.name,
             "config": asdict(self.config),
-            "workers": list(self.workers),
+            "workers": list(self.workers) + sorted(self.benched),   # benching restarts afresh
             "epoch": self.epoch,
             "now": self.now,
-            "queues": {str(w): list(q) for w, q in self._queues.items()},
+            "queues": {**{str(w): [] for w in self.benched},
+                       **{str(w): list(q) for w, q in self._queues.items()}},
             "committed": {str(w): c for w, c in self._committed.items()},
             "requeued": sorted(self._requeued),
             "rates": {str(w): est.state_dict() for w, est in self._rates.items()},
@@ -337,10 +377,12 @@ class Balancer:
             raise MpilbError(f"balancer state is for {state.get('name')!r}, not {self.name!r}")
         self.config = BalancerConfig(**state["config"])
         self.workers = [int(w) for w in state["workers"]]
+        self.benched = set()
         self.epoch = int(state["epoch"])
         self.now = float(state["now"])
         self._queues = {int(w): [int(s) for s in q] for w, q in state["queues"].items()}
-        self._committed = {int(w): int(c) for w, c in state["committed"].items()}
+        self._committed = {w: 0 for w in self.workers}
+        self._committed.update({int(w): int(c) for w, c in state["committed"].items()})
         self._requeued = {int(s) for s in state.get("requeued", [])}
         self._rates = {}
         for w, est_state in state["rates"].items():
@@ -556,41 +598,47 @@ def fixed_batches(balancer: Balancer) -> dict[int, int]:
 
 @register_batch_policy("proportional")
 def proportional_batches(balancer: Balancer) -> dict[int, int]:
-    """Batches sized so step times match: in proportion to (predicted) rates at first, then
-    from each worker's fitted step time a + c * batch (see :class:`mpilb.rates.StepFit`).
+    """Batches sized so step times match: ``batch = (T - a) / c`` for a common step time T.
 
-    The total stays ``batch * workers`` exactly when the clamp to
-    ``[min_batch, max_batch]`` allows it: the shares are ``clamp(scale * rate)`` with the
-    scale chosen so they add up to the total, then largest remainders round to integers.
+    Each worker's step time is fitted as ``a + c * batch`` (a fixed cost per step and a
+    cost per sample, see :class:`mpilb.rates.StepFit`); a worker whose fit is not known yet
+    counts as ``a = 0, c = 1 / rate``, i.e. its batch is in proportion to its (forecast)
+    rate. T is chosen so the batches add up to ``batch * workers`` (exactly when the clamp
+    to ``[min_batch, max_batch]`` allows it; largest remainders round to integers).
+
+    With ``sit_out``, a worker that could not finish even ``min_batch`` samples within T
+    gets 0: it sits sync rounds out, and benched workers (:meth:`Balancer.bench`) get 0.
     """
     cfg = balancer.config
     workers = list(balancer.workers)
+    sizes_out = {w: 0 for w in balancer.benched}
     if not balancer.has_rates():
-        return {w: cfg.batch for w in workers}
+        return {**sizes_out, **{w: cfg.batch for w in workers}}
     lo, hi = cfg.min_batch, max(cfg.min_batch, cfg.max_batch)
-    total = min(max(cfg.batch * len(workers), lo * len(workers)), hi * len(workers))
-    models = {w: balancer.step_model(w) for w in workers}
-    if all(m is not None for m in models.values()):
-        # Equal step times with a fixed cost per step: batch = (T - a) / c for a common T.
-        def clamped(step: float) -> dict[int, float]:
-            return {w: min(max((step - a) / c, lo), hi) for w, (a, c) in models.items()}
+    # the global batch counts benched workers too: sitting out does not change the step
+    total = min(max(cfg.batch * (len(workers) + len(balancer.benched)), lo * len(workers)),
+                hi * len(workers))
+    models = {}
+    for w in workers:
+        fit = balancer.step_model(w)
+        models[w] = fit if fit is not None else (0.0, 1.0 / balancer._planning_rate(w))
 
-        low, high = 0.0, max(a + hi * c for a, c in models.values())
-    else:
-        # Until the step times are known: batches in proportion to the rates.
-        rates = {w: balancer._planning_rate(w) for w in workers}
+    def clamped(step: float) -> dict[int, float]:
+        out = {}
+        for w, (a, c) in models.items():
+            b = (step - a) / c
+            out[w] = 0.0 if cfg.sit_out and b < lo else min(max(b, lo), hi)
+        return out
 
-        def clamped(scale: float) -> dict[int, float]:
-            return {w: min(max(scale * rates[w], lo), hi) for w in workers}
-
-        low, high = 0.0, hi / min(rates.values())
-    # Find where the clamped shares add up to the total (monotone: bisect).
+    # The shares grow with T (a sitting-out worker joins once it can do `lo`): bisect.
+    low, high = 0.0, max(a + hi * c for a, c in models.values())
     for _ in range(100):
         mid = (low + high) / 2.0
         if sum(clamped(mid).values()) < total:
             low = mid
         else:
             high = mid
+    balancer.round_step = high
     share = clamped(high)
     sizes = {w: int(share[w]) for w in workers}
     by_remainder = sorted(workers, key=lambda w: share[w] - sizes[w], reverse=True)
@@ -598,10 +646,11 @@ def proportional_batches(balancer: Balancer) -> dict[int, int]:
     for w in by_remainder:
         if deficit <= 0:
             break
-        if sizes[w] < hi:
+        if 0 < sizes[w] < hi:
             sizes[w] += 1
             deficit -= 1
-    return {w: min(max(sizes[w], lo), hi) for w in workers}
+    sizes = {w: 0 if share[w] == 0 else min(max(sizes[w], lo), hi) for w in workers}
+    return {**sizes_out, **sizes}
 
 
 def build_balancer(name: str, workers: list[int], shard_sizes: list[int],

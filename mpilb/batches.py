@@ -73,6 +73,15 @@ class ShardFeed:
                 task[3] = max(task[2], end)
         self.queue = deque(t for t in self.queue if t[3] > t[2])
 
+    def drop(self) -> None:
+        """Forget every task (the server gave what is left of them to other workers)."""
+        if any(task[4] is not None for task in self.queue):
+            raise RuntimeError("told to drop tasks whose rows are still to arrive from another rank")
+        self.queue.clear()
+        self.current = None
+        self.pos = self.end = 0
+        self._x = self._y = None
+
     def _prefetch(self) -> None:
         if self.queue and self.queue[0][4] is None:
             self.store.prefetch(*self.queue[0][:2])

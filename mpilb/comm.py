@@ -85,6 +85,7 @@ class Reply(IntEnum):
     TRUNC_EPOCH = 31  # stop the task on this shard at TRUNC_END (the rest went elsewhere)
     TRUNC_SHARD = 32
     TRUNC_END = 33
+    DROP = 34         # 1: forget every task held (the server took them back: sit rounds out)
 
 
 TASK_FIELDS = 6       # per assignment / per send order

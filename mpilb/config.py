@@ -98,6 +98,9 @@ OPTIONS: tuple[Option, ...] = (
            check=_POSITIVE_INT, group="balancing"),
     Option("max_batch", int, 4096, "largest batch the proportional policy may give",
            check=_POSITIVE_INT, group="balancing"),
+    Option("sit_out", int, 1, "sync with proportional batches: 1 lets a worker too slow to "
+           "finish even --min-batch samples within the others' step sit rounds out (its data "
+           "goes to the others; it is tried again every few seconds)", (0, 1), group="balancing"),
     Option("balancer", str, "load", "shard assignment policy",
            ("static", "round-robin", "demand", "load", "predictive"), group="balancing"),
     Option("rebalance_interval", float, 2.0, "seconds between balancer decisions",

@@ -29,6 +29,8 @@ from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule,
 def balancer_config(cfg) -> BalancerConfig:
     return BalancerConfig(batch=cfg.batch, batch_policy=cfg.batch_policy,
                           min_batch=cfg.min_batch, max_batch=cfg.max_batch,
+                          sit_out=(bool(cfg.sit_out) and cfg.mode == "sync"
+                                   and cfg.batch_policy == "proportional"),
                           rebalance_interval=cfg.rebalance_interval)
 
 

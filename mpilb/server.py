@@ -40,6 +40,7 @@ from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule,
 
 COMMITTED = 2   # shards a worker holds at once: the current one and the one it prefetches
 CHORES_S = 0.002   # how often the main loop checks errors, lost workers and timers
+PROBE_S = 2.0      # a worker sitting sync rounds out is tried again after this (at least)
 
 
 @dataclass
@@ -89,6 +90,13 @@ class WorkerState:
     last_seen: float = 0.0
     awaiting: bool = False   # sent work and parameters, its next push is to come
     push_gap: C.WaitEstimate = field(default_factory=C.WaitEstimate)   # reply -> next push
+    last_gap: Optional[float] = None   # reply -> push of its last push (its step's cost)
+    # sync + proportional: too slow for even --min-batch within a round, it sits rounds out
+    benched: bool = False
+    benched_at: float = 0.0
+    probing: bool = False    # back from the bench for a try: its next push decides
+    lags: list = field(default_factory=list)   # its step minus the others' longest, per round
+    drop: bool = False       # the next reply tells it to forget its tasks
     retry: bool = False      # ask the worker to recompute its last batch
     retried: bool = False    # that batch was already retried once
     # accumulators for the workers/ log (since the last row)
@@ -184,7 +192,8 @@ class ParameterServer:
         hdr[Reply.BATCH] = w.batch
         hdr[Reply.HELD_S] = held_s
         hdr[Reply.RETRY] = 1 if w.retry else 0
-        w.retry = False
+        hdr[Reply.DROP] = 1 if w.drop else 0
+        w.retry = w.drop = False
         if cmd != Cmd.STOP:
             w.batch_sent = max(w.batch_sent, w.batch) if w.tasks else w.batch
             n = C.TASK_FIELDS
@@ -237,7 +246,7 @@ class ParameterServer:
 
     def _top_up(self, w: WorkerState) -> None:
         """Hand w shards until it holds COMMITTED of them; with none left, split another's."""
-        if self.stop.reason or w.lost:
+        if self.stop.reason or w.lost or w.benched:
             return
         while len(w.tasks) < COMMITTED:
             shard = self.balancer.next_shard(w.rank)
@@ -414,8 +423,12 @@ class ParameterServer:
         _, hdr, grad = w.recv
         now = self.now()
         mono = time.monotonic()
+        w.last_gap = None
         if w.awaiting:
-            w.push_gap.update(mono - w.last_seen)
+            w.last_gap = mono - w.last_seen
+            # The gap seen here includes how late this loop noticed the push; the worker's
+            # own busy time does not (waking later for having woken late would feed on itself).
+            w.push_gap.update(min(w.last_gap, float(hdr[Push.COMPUTE_S] + hdr[Push.IO_S])))
             w.awaiting = False
         w.last_seen = mono
         if w.lost:
@@ -446,7 +459,10 @@ class ParameterServer:
             self._reply(w)
             return
         w.retried = False
-        self.balancer.observe(w.rank, now, hi - lo, busy, comm_s=float(hdr[Push.COMM_S]))
+        # Without pipelining, reply -> push is what the step cost whoever waits for it.
+        step_s = None if self.cfg.pipeline or w.last_gap is None else w.last_gap
+        self.balancer.observe(w.rank, now, hi - lo, busy, comm_s=float(hdr[Push.COMM_S]),
+                              step_s=step_s)
         w.next_shard, w.next_hi = int(hdr[Push.NEXT_SHARD]), int(hdr[Push.NEXT_HI])
         w.samples += hi - lo
         w.step += 1
@@ -556,6 +572,13 @@ class ParameterServer:
         self.round_batch = 0
         self.round_members = []
         self.round_tasks = []
+        self._note_lags(members)
+        for rank in members:
+            w = self.workers[rank]
+            if w.probing:
+                self._end_probe(w)
+            elif w.batch == 0 and not w.benched:
+                self._bench(w)
         if self.tracker.complete:
             self._end_epoch()
         for rank in members:
@@ -578,6 +601,86 @@ class ParameterServer:
             if due is not None and due + grace > now and (best[0] is None or due < best[0]):
                 best = (due, grace)
         return best
+
+    # ----------------------------------------------------------------- sitting out
+    def _bench(self, w: WorkerState) -> None:
+        """w sits sync rounds out (proportional batches gave it 0): what is left of its tasks
+        goes back to the balancer for the others; its next reply tells it to drop them."""
+        if w.benched or any(t.src >= 0 for t in w.tasks) or w.pending_orders:
+            return   # rows on their way to or from it: not now
+        if not [o for o in self.active() if o is not w and not o.benched]:
+            return
+        requeue = []
+        for task in w.tasks:
+            if task.epoch == self.epoch and task.remaining > 0:
+                self.pending_ranges.setdefault(task.shard, []).append((task.pos, task.end))
+                if task.shard not in requeue:
+                    requeue.append(task.shard)
+                self.log.append("shards", t=self.now(), epoch=task.epoch, shard=task.shard,
+                                src=w.rank, dst=-1, event="reassign")
+        w.tasks.clear()
+        w.pending_assign.clear()
+        w.pending_trunc = None
+        w.drop = True
+        w.benched, w.probing = True, False
+        w.benched_at = time.monotonic()
+        w.batch = 0
+        self.balancer.bench(w.rank)
+        if requeue:
+            self.balancer.requeue(requeue)
+        self._log_moves()
+
+    def _note_lags(self, members: list[int]) -> None:
+        """How much longer each member's step was than the longest of the others' (< 0: not
+        the straggler): the evidence for sitting out that fitted step times may miss."""
+        if not self.balancer.config.sit_out or len(members) < 2:
+            return
+        gaps = [(r, self.workers[r].last_gap) for r in members]
+        if any(g is None for _, g in gaps):
+            return
+        gaps.sort(key=lambda rg: rg[1])
+        (r1, g1), (_, g2) = gaps[-1], gaps[-2]
+        for r, g in gaps:
+            self.workers[r].lags.append(g - (g2 if r == r1 else g1))
+
+    def _slows_rounds(self, w: WorkerState) -> bool:
+        """True when the rounds would be shorter without w: over the last interval its step
+        was the longest by more than the others would need to take over its batch."""
+        if len(w.lags) < 10 or w.batch <= 0:
+            return False
+        lag = sorted(w.lags)[len(w.lags) // 2]
+        others = [o for o in self.active() if o is not w and not o.benched and o.batch > 0]
+        if not others or lag <= 0:
+            return False
+        per_sample = []
+        for o in others:
+            model = self.balancer.step_model(o.rank)
+            per_sample.append(model[1] if model else (o.last_gap or 0.0) / o.batch)
+        takeover = w.batch * (sum(per_sample) / len(per_sample)) / len(others)
+        step = self.balancer.round_step or 0.0
+        return lag > max(takeover, 0.05 * step)
+
+    def _start_probes(self, mono: float) -> None:
+        """Give each worker benched long enough one more try, at --min-batch."""
+        wait = max(PROBE_S, 4 * self.cfg.rebalance_interval)
+        for w in self.active():
+            if w.benched and mono - w.benched_at >= wait:
+                w.benched, w.probing = False, True
+                w.batch = self.cfg.min_batch
+                self.balancer.unbench(w.rank)
+
+    def _end_probe(self, w: WorkerState) -> None:
+        """After a probing worker's push: back in the rounds if its step (reads aside) now
+        fits in the round's step time, else on the bench again."""
+        w.probing = False
+        step = w.last_gap
+        if step is not None:
+            step -= float(w.recv[1][Push.IO_S])   # its first read of a shard is a one-off
+        target = self.balancer.round_step
+        if step is None or target is None or step <= target:
+            self.balancer.forget_steps(w.rank)   # fitted while it was slow
+        else:
+            self._bench(w)
 
     # ----------------------------------------------------------------- timers
     def _timers(self) -> None:
@@ -604,6 +707,8 @@ class ParameterServer:
         self.last_rebalance = mono
         t = self.now()
         committed = {w.rank: sum(task.remaining for task in w.tasks) for w in self.active()}
+        if self.cfg.mode == "sync":
+            self._start_probes(mono)
         self.balancer.rebalance(t, committed)
         self._log_moves()
         self._wake_idle()
@@ -612,8 +717,18 @@ class ParameterServer:
 
     def _update_batches(self) -> None:
         sizes = self.balancer.batch_sizes()
+        slow = {w.rank for w in self.active() if self.balancer.config.sit_out and not w.probing
+                and self._slows_rounds(w)}   # judged on the interval that just ended
         for w in self.active():
             w.batch = int(sizes.get(w.rank, self.cfg.batch))
+            if w.probing:
+                w.batch = max(w.batch, self.cfg.min_batch)
+            elif w.rank in slow:
+                w.batch = 0
+            if w.batch == 0 and not w.benched and w.idle and not w.held:
+                self._bench(w)   # nothing in flight: at once (else after its next push)
+        for w in self.active():
+            w.lags.clear()
 
     def _log_worker_rows(self) -> None:
         """One `workers/` row per worker with what it reported since the previous row."""

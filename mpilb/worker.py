@@ -149,7 +149,9 @@ class Worker:
         if counts_as_idle:
             self.idle_s += waited
         else:
-            self.reply_wait.update(waited)
+            # the server's hold, not `waited`: that includes this rank's own lateness, and
+            # waking later for having woken late would feed on itself
+            self.reply_wait.update(held)
             self.idle_s += min(held, waited)
             self.comm_s += max(0.0, waited - held)
         if int(hdr[Reply.CMD]) == Cmd.STOP:
@@ -157,6 +159,8 @@ class Worker:
         self.version = int(hdr[Reply.VERSION])
         self.batch = max(1, int(hdr[Reply.BATCH]))
         self.retry = bool(hdr[Reply.RETRY])
+        if hdr[Reply.DROP]:
+            self.feed.drop()
         n = C.TASK_FIELDS
         for i in range(int(hdr[Reply.N_ASSIGN])):
             epoch, shard, start, end, src, tag = (int(v) for v in hdr[Reply.ASSIGN + n * i: Reply.ASSIGN + n * (i + 1)])

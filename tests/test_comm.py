@@ -1,6 +1,5 @@
 """The waiting helpers in mpilb.comm: backoff schedule and wait estimates (no MPI needed)."""
 
-import time
 
 import pytest
 
