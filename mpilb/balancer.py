@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Callable
 
 from .errors import MpilbError, UsageError
-from .rates import StepFit, TrendRate
+from .rates import TrendRate
 
 BALANCERS: dict[str, type["Balancer"]] = {}
 BATCH_POLICIES: dict[str, Callable[["Balancer"], dict[int, int]]] = {}
@@ -54,6 +54,9 @@ def register_batch_policy(name: str):
         BATCH_POLICIES[name] = fn
         return fn
     return deco
+
+
+STEP_ALPHA = 0.1   # EWMA weight of a new per-step overhead
 
 
 @dataclass
@@ -137,7 +140,8 @@ class Balancer:
         self.epoch = -1
         self.now = 0.0
         self._rates = {w: self._new_estimator() for w in self.workers}
-        self._steps = {w: StepFit() for w in self.workers}   # step time vs batch size
+        # per-step cost beyond compute and I/O (transfers, waiting to be noticed): EWMA
+        self._step_over: dict[int, float | None] = {w: None for w in self.workers}
         self._queues: dict[int, list[int]] = {w: [] for w in self.workers}
         self._committed: dict[int, int] = {w: 0 for w in self.workers}
         self._requeued: set[int] = set()    # shards of a lost worker, maybe partly done
@@ -162,14 +166,23 @@ class Balancer:
         self.now = max(self.now, t)
         if worker in self._rates:
             self._rates[worker].update(t, samples, busy_s, comm_s)
-            self._steps[worker].update(samples, busy_s if step_s is None else step_s)
+            if step_s is not None:
+                over = max(0.0, step_s - busy_s)
+                old = self._step_over.get(worker)
+                self._step_over[worker] = over if old is None else old + STEP_ALPHA * (over - old)
         if worker in self._committed:
             self._committed[worker] = max(0, self._committed[worker] - int(samples))
 
-    def step_model(self, worker: int) -> tuple[float, float] | None:
-        """(fixed seconds per step, seconds per sample) of ``worker``'s steps, once known."""
-        fit = self._steps.get(worker)
-        return fit.coefficients() if fit is not None else None
+    def step_model(self, worker: int) -> tuple[float, float]:
+        """(a, c): ``worker``'s step at batch b is expected to take ``a + c * b`` seconds.
+
+        c is 1 / its (forecast) rate, a its per-step cost beyond compute and I/O. Both are
+        measured at the batch it uses now, so the model is exact there and proportional
+        sizes converge to equal step times over successive rebalances; a slow worker's
+        fixed costs, which a fit over small batches could not pin down, show up in the
+        rounds it slows (the server's sit-out check) rather than here.
+        """
+        return self._step_over.get(worker) or 0.0, 1.0 / self._planning_rate(worker)
 
     def has_rates(self) -> bool:
         """True once any worker has reported."""
@@ -326,10 +339,8 @@ class Balancer:
         self._committed[worker] = 0
 
     def forget_steps(self, worker: int) -> None:
-        """Drop ``worker``'s step-time fit (it changed speed): sizes follow its rate again
-        until a new fit is identifiable."""
-        if worker in self._steps:
-            self._steps[worker] = StepFit()
+        """Drop ``worker``'s per-step overhead (measured while it was slow)."""
+        self._step_over[worker] = None
 
     def remove_worker(self, worker: int) -> list[Move]:
         """Drop a lost worker; its queued shards go to the others (moves with reason "lost")."""
@@ -600,10 +611,9 @@ def fixed_batches(balancer: Balancer) -> dict[int, int]:
 def proportional_batches(balancer: Balancer) -> dict[int, int]:
     """Batches sized so step times match: ``batch = (T - a) / c`` for a common step time T.
 
-    Each worker's step time is fitted as ``a + c * batch`` (a fixed cost per step and a
-    cost per sample, see :class:`mpilb.rates.StepFit`); a worker whose fit is not known yet
-    counts as ``a = 0, c = 1 / rate``, i.e. its batch is in proportion to its (forecast)
-    rate. T is chosen so the batches add up to ``batch * workers`` (exactly when the clamp
+    Each worker's step time is modelled as ``a + c * batch`` (see
+    :meth:`Balancer.step_model`: ``c = 1 / rate``, ``a`` its per-step overhead; without
+    overheads the batches are in proportion to the rates). T is chosen so the batches add up to ``batch * workers`` (exactly when the clamp
     to ``[min_batch, max_batch]`` allows it; largest remainders round to integers).
 
     With ``sit_out``, a worker that could not finish even ``min_batch`` samples within T
@@ -618,10 +628,7 @@ def proportional_batches(balancer: Balancer) -> dict[int, int]:
     # the global batch counts benched workers too: sitting out does not change the step
     total = min(max(cfg.batch * (len(workers) + len(balancer.benched)), lo * len(workers)),
                 hi * len(workers))
-    models = {}
-    for w in workers:
-        fit = balancer.step_model(w)
-        models[w] = fit if fit is not None else (0.0, 1.0 / balancer._planning_rate(w))
+    models = {w: balancer.step_model(w) for w in workers}
 
     def clamped(step: float) -> dict[int, float]:
         out = {}

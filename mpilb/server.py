@@ -40,6 +40,7 @@ from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule,
 
 COMMITTED = 2   # shards a worker holds at once: the current one and the one it prefetches
 CHORES_S = 0.002   # how often the main loop checks errors, lost workers and timers
+FIRST_SIZES_STEPS = 16   # proportional batches are first sized after this many steps each
 PROBE_S = 2.0      # a worker sitting sync rounds out is tried again after this (at least)
 
 
@@ -158,6 +159,7 @@ class ParameterServer:
             # pipelined workers compute on the previous reply while the next is sent: two slots
             w.replies = [list(C.new_message(self.n)) + [-1] for _ in range(2 if cfg.pipeline else 1)]
             w.orders_msg = C.new_message(0)
+        self.sized_early = False
         if cfg.mode == "sync":
             self.round_grad = np.zeros(self.n, dtype=np.float32)
             self.round_batch = 0
@@ -652,11 +654,9 @@ class ParameterServer:
         others = [o for o in self.active() if o is not w and not o.benched and o.batch > 0]
         if not others or lag <= 0:
             return False
-        per_sample = []
-        for o in others:
-            model = self.balancer.step_model(o.rank)
-            per_sample.append(model[1] if model else (o.last_gap or 0.0) / o.batch)
-        takeover = w.batch * (sum(per_sample) / len(per_sample)) / len(others)
+        # measured, not modelled: early on, rate estimates are not there yet
+        per_sample = sum((o.last_gap or 0.0) / o.batch for o in others) / len(others)
+        takeover = w.batch * per_sample / len(others)
         step = self.balancer.round_step or 0.0
         return lag > max(takeover, 0.05 * step)
 
@@ -690,7 +690,7 @@ class ParameterServer:
         if (self.cfg.checkpoint and not self.stop.reason
                 and mono - self.last_checkpoint >= self.cfg.checkpoint_interval):
             self._checkpoint()
-        if mono - self.last_rebalance >= self.cfg.rebalance_interval:
+        if mono - self.last_rebalance >= self.cfg.rebalance_interval or self._first_sizes_due():
             self._rebalance(mono)
         if mono - self.last_eval >= self.cfg.eval_interval:
             self._evaluate()
@@ -702,6 +702,16 @@ class ParameterServer:
         self.log.maybe_flush()
         rates = {w.rank: self.balancer.rate(w.rank) for w in self.active()}
         self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy, rates)
+
+    def _first_sizes_due(self) -> bool:
+        """Proportional batches: size them as soon as every worker has taken a few steps,
+        not only at the first --rebalance-interval (a slow worker costs every round)."""
+        if self.sized_early or self.cfg.batch_policy != "proportional":
+            return False
+        busy = [w for w in self.active() if not w.idle]
+        if busy and all(w.step >= FIRST_SIZES_STEPS for w in busy):
+            self.sized_early = True
+        return self.sized_early
 
     def _rebalance(self, mono: float) -> None:
         self.last_rebalance = mono

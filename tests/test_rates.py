@@ -153,35 +153,58 @@ def test_overhead_from_report_times_ignores_idle_gaps():
     assert measured.overhead == pytest.approx(5e-5)
 
 
-def test_step_fit_recovers_fixed_and_per_sample_cost():
-    from mpilb.rates import StepFit
+def _run_rounds(bal, cost, over, rounds=250, t=0.0):
+    """Feed `rounds` reports per worker at its current batch: busy = a + c*b, and the step
+    seen by the server = busy + over (transfers). Returns the time reached."""
+    sizes = bal.batch_sizes()
+    for _ in range(rounds):
+        for w, (a, c) in cost.items():
+            b = sizes[w]
+            if b == 0:
+                continue
+            busy = a + c * b
+            t += busy + over[w]
+            bal.observe(w, t, b, busy, step_s=busy + over[w])
+    return t
 
-    fit = StepFit()
-    for b in [128] * 10:
-        fit.update(b, 0.002 + b * 1e-5)
-    assert fit.coefficients() is None        # one batch size: a and c cannot be told apart
-    rng = np.random.default_rng(0)
-    for _ in range(200):
-        b = int(rng.integers(10, 200))
-        fit.update(b, (0.002 + b * 1e-5) * rng.uniform(0.95, 1.05))
-    a, c = fit.coefficients()
-    assert abs(a - 0.002) < 0.0003 and abs(c - 1e-5) < 2e-6
+
+def _steps(cost, over, sizes):
+    return {w: cost[w][0] + cost[w][1] * sizes[w] + over[w] for w in sizes if sizes[w] > 0}
 
 
-def test_proportional_batches_equalise_step_times_with_fixed_costs():
+def test_proportional_batches_converge_to_equal_step_times_with_fixed_costs():
     from mpilb.balancer import BalancerConfig, build_balancer
 
     bal = build_balancer("load", [1, 2, 3], [100] * 12,
                          BalancerConfig(batch=128, batch_policy="proportional"))
-    rng = np.random.default_rng(1)
-    cost = {1: (0.0004, 6e-6), 2: (0.0004, 6e-6), 3: (0.0016, 24e-6)}   # rank 3: 4x slower
+    cost = {1: (0.0002, 6e-6), 2: (0.0002, 6e-6), 3: (0.0008, 24e-6)}   # rank 3: 4x slower
+    over = {1: 3e-4, 2: 3e-4, 3: 3e-4}
     t = 0.0
-    for _ in range(100):
-        for w, (a, c) in cost.items():
-            b = int(rng.integers(16, 200))
-            t += 0.01
-            bal.observe(w, t, b, a + c * b)
+    for _ in range(8):   # successive rebalances
+        t = _run_rounds(bal, cost, over, t=t)
     sizes = bal.batch_sizes()
     assert sum(sizes.values()) == 3 * 128
-    steps = {w: cost[w][0] + cost[w][1] * sizes[w] for w in sizes}
+    steps = _steps(cost, over, sizes)
     assert max(steps.values()) / min(steps.values()) < 1.1, (sizes, steps)
+    assert sizes[3] < sizes[1] / 3   # the fixed costs push it below the 1:4 rate split
+    a, c = bal.step_model(1)
+    assert a == pytest.approx(3e-4, rel=0.05)
+    assert 1.0 / c == pytest.approx(sizes[1] / (0.0002 + 6e-6 * sizes[1]), rel=0.25)
+
+
+def test_sit_out_gives_zero_to_a_worker_whose_overhead_outlasts_the_round():
+    from mpilb.balancer import BalancerConfig, build_balancer
+
+    cost = {1: (0.0002, 6e-6), 2: (0.0002, 6e-6), 3: (0.0002, 6e-6)}
+    over = {1: 2e-4, 2: 2e-4, 3: 5e-3}   # rank 3 waits 5 ms per step for its transfers
+    for sit_out, expect_zero in ((True, True), (False, False)):
+        bal = build_balancer("load", [1, 2, 3], [100] * 12,
+                             BalancerConfig(batch=128, batch_policy="proportional", sit_out=sit_out))
+        t = 0.0
+        for _ in range(6):
+            t = _run_rounds(bal, cost, over, t=t)
+        sizes = bal.batch_sizes()
+        assert (sizes[3] == 0) == expect_zero, sizes
+        assert sum(sizes.values()) == 3 * 128
+        if expect_zero:
+            assert bal.round_step < over[3]
