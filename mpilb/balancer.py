@@ -361,9 +361,10 @@ class Balancer:
         return moves
 
     # -- batches ----------------------------------------------------------------------------
-    def batch_sizes(self) -> dict[int, int]:
-        """Per-worker batch size under the configured batch policy."""
-        return BATCH_POLICIES[self.config.batch_policy](self)
+    def batch_sizes(self, sitting: frozenset = frozenset()) -> dict[int, int]:
+        """Per-worker batch size under the configured batch policy; ``sitting``: workers
+        about to sit out (batch 0, as if benched)."""
+        return BATCH_POLICIES[self.config.batch_policy](self, sitting)
 
     # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -602,13 +603,13 @@ class PredictiveBalancer(LoadBalancer):
 
 
 @register_batch_policy("fixed")
-def fixed_batches(balancer: Balancer) -> dict[int, int]:
-    """Every worker uses ``config.batch``."""
+def fixed_batches(balancer: Balancer, sitting: frozenset = frozenset()) -> dict[int, int]:
+    """Every worker uses ``config.batch`` (nobody sits out)."""
     return {w: balancer.config.batch for w in balancer.workers}
 
 
 @register_batch_policy("proportional")
-def proportional_batches(balancer: Balancer) -> dict[int, int]:
+def proportional_batches(balancer: Balancer, sitting: frozenset = frozenset()) -> dict[int, int]:
     """Batches sized so step times match: ``batch = (T - a) / c`` for a common step time T.
 
     Each worker's step time is modelled as ``a + c * batch`` (see
@@ -620,14 +621,19 @@ def proportional_batches(balancer: Balancer) -> dict[int, int]:
     gets 0: it sits sync rounds out, and benched workers (:meth:`Balancer.bench`) get 0.
     """
     cfg = balancer.config
-    workers = list(balancer.workers)
-    sizes_out = {w: 0 for w in balancer.benched}
-    if not balancer.has_rates():
-        return {**sizes_out, **{w: cfg.batch for w in workers}}
+    out = set(balancer.benched) | (set(sitting) & set(balancer.workers))
+    workers = [w for w in balancer.workers if w not in out]
+    if not workers:   # nobody left in the rounds: ignore `sitting`
+        out, workers = set(balancer.benched), list(balancer.workers)
+    sizes_out = {w: 0 for w in out}
     lo, hi = cfg.min_batch, max(cfg.min_batch, cfg.max_batch)
     # the global batch counts benched workers too: sitting out does not change the step
-    total = min(max(cfg.batch * (len(workers) + len(balancer.benched)), lo * len(workers)),
+    total = min(max(cfg.batch * (len(workers) + len(out)), lo * len(workers)),
                 hi * len(workers))
+    if not balancer.has_rates():
+        even = {w: total // len(workers) + (1 if i < total % len(workers) else 0)
+                for i, w in enumerate(workers)}
+        return {**sizes_out, **even}
     models = {w: balancer.step_model(w) for w in workers}
 
     def clamped(step: float) -> dict[int, float]:

@@ -726,9 +726,9 @@ class ParameterServer:
         self._log_worker_rows()
 
     def _update_batches(self) -> None:
-        sizes = self.balancer.batch_sizes()
         slow = {w.rank for w in self.active() if self.balancer.config.sit_out and not w.probing
                 and self._slows_rounds(w)}   # judged on the interval that just ended
+        sizes = self.balancer.batch_sizes(frozenset(slow))
         for w in self.active():
             w.batch = int(sizes.get(w.rank, self.cfg.batch))
             if w.probing:

@@ -53,3 +53,35 @@ def test_load_unloads_the_slow_rank_and_beats_static(balancing_dir, tmp_path):
     last = {r: rows["rate"][rows["worker"] == r][-1] for r in (1, 2, 3)}
     assert last[3] < 0.5 * min(last[1], last[2]), last
     assert np.mean(load["epoch_s"]) < np.mean(static["epoch_s"]), (load["epoch_s"], static["epoch_s"])
+
+
+def _sync(data, log, *extra):
+    res = mpirun.run(4, "train", "--data", data, *RUN, "--mode", "sync", "--batch-policy",
+                     "proportional", "--rebalance-interval", "0.3", "--log", log, *extra, timeout=90)
+    assert res.returncode == 0, res.stderr
+    s = summarize_log(str(log))
+    cov = s["coverage"]
+    assert s["status"] == "finished" and cov["applied"] == cov["expected"] == 4 * 24000
+    assert cov["duplicates"] == 0 and cov["missing"] == 0, cov
+    _, cols = read_columns(str(log))
+    return s, cols
+
+
+def test_sync_proportional_benches_a_worker_that_slows_every_round(balancing_dir, tmp_path):
+    s, cols = _sync(balancing_dir, tmp_path / "sit.h5")
+    rows = cols["workers"]
+    batch3 = rows["batch"][rows["worker"] == 3]
+    # rank 3 sits rounds out for most of the run (batch 0), the others share the global batch
+    assert np.mean(batch3 == 0) > 0.5, batch3
+    both = (rows["worker"] != 3) & np.isin(rows["t"], rows["t"][(rows["worker"] == 3) & (rows["batch"] == 0)])
+    pairs = rows["batch"][both].reshape(-1, 2).sum(axis=1)
+    assert np.all(np.abs(pairs - 3 * 64) <= 1), pairs
+    # what it held went back to the others: reassign events from rank 3
+    sh = cols["shards"]
+    assert np.any((sh["src"] == 3) & (sh["event"].astype(str) == "reassign"))
+    samples = {w["rank"]: w["samples"] for w in s["per_worker"]}
+    assert samples[3] < 0.2 * min(samples[1], samples[2]), samples
+
+    off, cols = _sync(balancing_dir, tmp_path / "stay.h5", "--sit-out", "0")
+    rows = cols["workers"]
+    assert np.all(rows["batch"][rows["worker"] == 3] > 0)
