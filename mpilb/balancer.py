@@ -338,9 +338,12 @@ class Balancer:
         self._queues[worker] = []
         self._committed[worker] = 0
 
-    def forget_steps(self, worker: int) -> None:
-        """Drop ``worker``'s per-step overhead (measured while it was slow)."""
+    def forget(self, worker: int) -> None:
+        """Drop ``worker``'s rate and per-step overhead (it changed speed, e.g. back from
+        the bench): until it reports again it is planned at the others' mean rate."""
         self._step_over[worker] = None
+        if worker in self._rates:
+            self._rates[worker] = self._new_estimator()
 
     def remove_worker(self, worker: int) -> list[Move]:
         """Drop a lost worker; its queued shards go to the others (moves with reason "lost")."""

@@ -95,7 +95,7 @@ class WorkerState:
     # sync + proportional: too slow for even --min-batch within a round, it sits rounds out
     benched: bool = False
     benched_at: float = 0.0
-    probing: bool = False    # back from the bench for a try: its next push decides
+    probing: int = 0         # back from the bench for a try: pushes left until the verdict
     lags: list = field(default_factory=list)   # its step minus the others' longest, per round
     drop: bool = False       # the next reply tells it to forget its tasks
     retry: bool = False      # ask the worker to recompute its last batch
@@ -578,7 +578,9 @@ class ParameterServer:
         for rank in members:
             w = self.workers[rank]
             if w.probing:
-                self._end_probe(w)
+                w.probing -= 1
+                if not w.probing:
+                    self._end_probe(w)
             elif w.batch == 0 and not w.benched:
                 self._bench(w)
         if self.tracker.complete:
@@ -624,7 +626,7 @@ class ParameterServer:
         w.pending_assign.clear()
         w.pending_trunc = None
         w.drop = True
-        w.benched, w.probing = True, False
+        w.benched, w.probing = True, 0
         w.benched_at = time.monotonic()
         w.batch = 0
         self.balancer.bench(w.rank)
@@ -660,25 +662,40 @@ class ParameterServer:
         step = self.balancer.round_step or 0.0
         return lag > max(takeover, 0.05 * step)
 
+    def _probe_batch(self) -> int:
+        """Half an even share: a worker that cannot carry that within the round's step
+        has no place in the rounds; one that can is back for proportional sizing."""
+        return min(max(self.cfg.min_batch, self.cfg.batch // 2), self.cfg.max_batch)
+
     def _start_probes(self, mono: float) -> None:
-        """Give each worker benched long enough one more try, at --min-batch."""
+        """Give each worker benched long enough one more try (see _end_probe)."""
         wait = max(PROBE_S, 4 * self.cfg.rebalance_interval)
         for w in self.active():
             if w.benched and mono - w.benched_at >= wait:
-                w.benched, w.probing = False, True
-                w.batch = self.cfg.min_batch
+                # two steps: the first after a long idle wait runs cold (caches, pages)
+                w.benched, w.probing = False, 2
+                w.batch = self._probe_batch()
                 self.balancer.unbench(w.rank)
 
     def _end_probe(self, w: WorkerState) -> None:
-        """After a probing worker's push: back in the rounds if its step (reads aside) now
-        fits in the round's step time, else on the bench again."""
-        w.probing = False
-        step = w.last_gap
-        if step is not None:
-            step -= float(w.recv[1][Push.IO_S])   # its first read of a shard is a one-off
+        """After a probing worker's second push: back in the rounds if its step at the probe batch
+        (its compute, plus the others' usual per-step overhead: it was woken from an idle
+        wait, so its own reply -> push time includes a late wake-up) fits in the round's
+        step time; else on the bench again. A probe cut short by the end of a task (less
+        than half the probe batch) proves nothing: the worker is back in the rounds and
+        the lag check decides at the next rebalance."""
+        hdr = w.recv[1]
+        done = int(hdr[Push.HI] - hdr[Push.LO])
+        want = self._probe_batch()
         target = self.balancer.round_step
-        if step is None or target is None or step <= target:
-            self.balancer.forget_steps(w.rank)   # fitted while it was slow
+        others = [o for o in self.active() if o is not w and not o.benched]
+        fits = True
+        if target is not None and others and done >= want / 2:
+            overhead = sum(self.balancer.step_model(o.rank)[0] for o in others) / len(others)
+            step = float(hdr[Push.COMPUTE_S]) * want / done + overhead
+            fits = step <= target
+        if fits:
+            self.balancer.forget(w.rank)   # measured while it was slow
         else:
             self._bench(w)
 
@@ -732,7 +749,7 @@ class ParameterServer:
         for w in self.active():
             w.batch = int(sizes.get(w.rank, self.cfg.batch))
             if w.probing:
-                w.batch = max(w.batch, self.cfg.min_batch)
+                w.batch = self._probe_batch()
             elif w.rank in slow:
                 w.batch = 0
             if w.batch == 0 and not w.benched and w.idle and not w.held:
