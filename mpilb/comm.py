@@ -186,14 +186,13 @@ def new_message(payload_floats: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def wait(req: "MPI.Request", backoff: Optional[Backoff] = None, timeout: Optional[float] = None,
-         on_poll=None, due: Optional[float] = None, grace: float = 0.0) -> bool:
+         on_poll=None) -> bool:
     """Wait for one request without spinning. Returns False on timeout.
 
-    `on_poll` (optional) is called between polls, e.g. to serve other duties; `due` and
-    `grace`: when the request is expected to complete (see :class:`Backoff`).
+    `on_poll` (optional) is called between polls, e.g. to serve other duties.
     """
     backoff = backoff or Backoff()
-    backoff.reset(due, grace)
+    backoff.reset()
     deadline = None if timeout is None else time.monotonic() + timeout
     while not req.Test():
         if on_poll is not None:

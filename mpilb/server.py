@@ -614,15 +614,6 @@ class ParameterServer:
             return   # rows on their way to or from it: not now
         if not [o for o in self.active() if o is not w and not o.benched]:
             return
-        requeue = []
-        for task in w.tasks:
-            if task.epoch == self.epoch and task.remaining > 0:
-                self.pending_ranges.setdefault(task.shard, []).append((task.pos, task.end))
-                if task.shard not in requeue:
-                    requeue.append(task.shard)
-                self.log.append("shards", t=self.now(), epoch=task.epoch, shard=task.shard,
-                                src=w.rank, dst=-1, event="reassign")
-        w.tasks.clear()
         w.pending_assign.clear()
         w.pending_trunc = None
         w.drop = True
@@ -630,9 +621,7 @@ class ParameterServer:
         w.benched_at = time.monotonic()
         w.batch = 0
         self.balancer.bench(w.rank)
-        if requeue:
-            self.balancer.requeue(requeue)
-        self._log_moves()
+        self._take_back(w)
 
     def _note_lags(self, members: list[int]) -> None:
         """How much longer each member's step was than the longest of the others' (< 0: not
@@ -666,6 +655,22 @@ class ParameterServer:
         """Half an even share: a worker that cannot carry that within the round's step
         has no place in the rounds; one that can is back for proportional sizing."""
         return min(max(self.cfg.min_batch, self.cfg.batch // 2), self.cfg.max_batch)
+
+    def _take_back(self, w: WorkerState) -> None:
+        """What is left of w's tasks this epoch goes back to the balancer, as ranges for
+        whoever gets the shard next (w lost or benched, and already out of the balancer)."""
+        requeue = []
+        for task in w.tasks:
+            if task.epoch == self.epoch and task.remaining > 0:
+                self.pending_ranges.setdefault(task.shard, []).append((task.pos, task.end))
+                if task.shard not in requeue:
+                    requeue.append(task.shard)
+                self.log.append("shards", t=self.now(), epoch=task.epoch, shard=task.shard,
+                                src=w.rank, dst=-1, event="reassign")
+        w.tasks.clear()
+        if requeue:
+            self.balancer.requeue(requeue)
+        self._log_moves()
 
     def _start_probes(self, mono: float) -> None:
         """Give each worker benched long enough one more try (see _end_probe)."""
@@ -754,7 +759,6 @@ class ParameterServer:
                 w.batch = 0
             if w.batch == 0 and not w.benched and w.idle and not w.held:
                 self._bench(w)   # nothing in flight: at once (else after its next push)
-        for w in self.active():
             w.lags.clear()
 
     def _log_worker_rows(self) -> None:
@@ -793,18 +797,7 @@ class ParameterServer:
         w.lost = True
         self.lost.append(w.rank)
         self.balancer.remove_worker(w.rank)
-        requeue = []
-        for task in w.tasks:
-            if task.epoch == self.epoch and task.remaining > 0:
-                self.pending_ranges.setdefault(task.shard, []).append((task.pos, task.end))
-                if task.shard not in requeue:
-                    requeue.append(task.shard)
-                self.log.append("shards", t=self.now(), epoch=task.epoch, shard=task.shard,
-                                src=w.rank, dst=-1, event="reassign")
-        w.tasks.clear()
-        if requeue:
-            self.balancer.requeue(requeue)
-        self._log_moves()
+        self._take_back(w)
         if all(o.lost for o in self.workers.values()):
             raise RuntimeError("every worker was lost")
         for o in self.active():   # rows it was to send can no longer arrive
