@@ -44,7 +44,8 @@ class RunLog:
     """Append-only HDF5 run log.
 
     Args:
-        path: file to create (replaced if it exists).
+        path: file to create (replaced if it exists: the caller decides whether it may be,
+            see `training.check_paths`); refused while another run holds its lock.
         attrs: root attributes to write at creation (config, world_size, ...).
         flush_interval: seconds between flushes to disk.
         resume_at: when resuming from a checkpoint taken at this many training seconds,
@@ -61,10 +62,14 @@ class RunLog:
             raise UsageError(f"--log {self.path}: directory {parent} does not exist")
         if not os.access(parent, os.W_OK):
             raise UsageError(f"--log {self.path}: directory {parent} is not writable")
+        self._locks: list[int] = []
+        self._lock(self.path)   # before anything is read or written: one writer per log
         carried = self._carry_over(resume_at) if resume_at is not None else None
         # A resumed run's log is rebuilt beside the old one and renamed over it, so that a
         # kill during the rebuild leaves the old log intact.
         target = self.path if carried is None else f"{self.path}.resume{os.getpid()}"
+        if carried is not None:
+            self._lock(target)
         try:
             self._file = h5py.File(target, "w", libver="latest", locking=False)
         except OSError as exc:
@@ -88,6 +93,39 @@ class RunLog:
             f.flush()
             os.replace(target, self.path)
         self._start_swmr()
+
+    def _lock(self, path: str) -> None:
+        """Hold an exclusive lock on `path` (created if absent) until the summary is written
+        or this process ends: a second run naming the same log is refused at start-up
+        instead of both writing one file. HDF5's own locking is off (SWMR readers, parallel
+        file systems), so the lock is a separate flock on the file."""
+        import fcntl
+
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UsageError(f"--log {path}: cannot create the run log ({exc.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            self.release()
+            raise UsageError(f"--log {path}: another mpilb run is writing this log now (it "
+                             f"holds its lock): wait for it to end or give another --log") from None
+        except OSError:   # a file system without locks: nothing to hold
+            pass
+        self._locks.append(fd)
+
+    def release(self) -> None:
+        """Let another run open this log (after the summary; also at process exit)."""
+        while self._locks:
+            os.close(self._locks.pop())
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def _carry_over(self, resume_at: float):
         """Rows of the log being resumed up to the checkpoint (later work is done again).
@@ -167,6 +205,7 @@ class RunLog:
         """Store the summary object (DESIGN.md: `summary` with attribute `json`)."""
         with h5py.File(self.path, "a", locking=False) as f:
             f.require_group("summary").attrs["json"] = json.dumps(summary)
+        self.release()
 
 
 def read_columns(path: str) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:

@@ -242,7 +242,13 @@ def run_serial(trainer: SerialTrainer) -> int:
     finally:
         summary = trainer.finish(status)
     print(format_final(summary), flush=True)
+    print(files_line(trainer.cfg), flush=True)
     return 0
+
+
+def files_line(cfg) -> str:
+    """The last line of a run: where its log and its final parameters are."""
+    return f"mpilb: log {cfg.log}, checkpoint {cfg.checkpoint}"
 
 
 def format_final(summary: dict) -> str:

@@ -32,7 +32,7 @@ from .corrections import build_correction
 from .progress import Progress
 from .report import summarize_log
 from .runlog import RunLog
-from .serial import balancer_config, format_final
+from .serial import balancer_config, files_line, format_final
 from . import checkpoint
 from .shards import placement
 from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule, config_model,
@@ -963,6 +963,7 @@ def serve(server: ParameterServer) -> int:
         raise
     summary = server.finish(status)
     print(format_final(summary), flush=True)
+    print(files_line(server.cfg), flush=True)
     if server.lost:
         # A lost (hung) rank never exits by itself and would keep the job alive.
         sys.stdout.flush()
