@@ -25,7 +25,8 @@ from .errors import UsageError
 
 SCHEMA: dict[str, dict[str, str]] = {
     "updates": {"t": "f8", "worker": "i4", "version": "i8", "staleness": "i4", "batch": "i4",
-                "loss": "f4", "lr_scale": "f4", "epoch": "i4", "shard": "i4"},
+                "loss": "f4", "lr_scale": "f4", "epoch": "i4", "shard": "i4", "lo": "i4",
+                "hi": "i4"},
     "workers": {"t": "f8", "worker": "i4", "samples": "i8", "compute_s": "f8", "io_s": "f8",
                 "comm_s": "f8", "idle_s": "f8", "batch": "i4", "rate": "f8",
                 "predicted_rate": "f8"},

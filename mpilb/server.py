@@ -135,7 +135,7 @@ class ParameterServer:
         self.stop = StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy)
         self.resumed = None
         if cfg.resume:
-            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset)
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed)
             ck = self.resumed
             self.params[:] = ck.params
             self.optimizer.load_state_dict(ck.optimizer)
@@ -497,7 +497,7 @@ class ParameterServer:
         self.tracker.record(epoch, shard, lo, hi)
         self.log.append("updates", t=now, worker=w.rank, version=self.version, staleness=staleness,
                         batch=b, loss=float(hdr[Push.LOSS]) / max(1, b), lr_scale=lr_scale,
-                        epoch=epoch, shard=shard)
+                        epoch=epoch, shard=shard, lo=lo, hi=hi)
         self._advance(w, hi)
         if self.tracker.complete:
             self._end_epoch()
@@ -569,7 +569,8 @@ class ParameterServer:
         for rank, epoch, shard, lo, hi, bb, loss, staleness in self.round_tasks:
             self.tracker.record(epoch, shard, lo, hi)
             self.log.append("updates", t=now, worker=rank, version=self.version, staleness=staleness,
-                            batch=bb, loss=loss / max(1, bb), lr_scale=lr_scale, epoch=epoch, shard=shard)
+                            batch=bb, loss=loss / max(1, bb), lr_scale=lr_scale, epoch=epoch, shard=shard,
+                            lo=lo, hi=hi)
         grad[:] = 0
         self.round_batch = 0
         self.round_members = []
@@ -843,6 +844,9 @@ class ParameterServer:
             self.version = ck.version
             self.tracker.completed = [EpochStats(**e) for e in ck.completed]
             if ck.epoch >= self.cfg.epochs or self.stop.check(ck.epoch, self.now(), None):
+                # nothing to do, but the interrupted epoch's counts must survive the
+                # checkpoint this run ends with (they were zeroed: coverage then lied)
+                self.tracker.begin(ck.epoch, self.now(), ck.counts)
                 self.stop.reason = self.stop.reason or "epochs"
                 self._begin_stop()
             else:
