@@ -173,7 +173,9 @@ def train(config_file, cli_values: dict) -> int:
         if size == 1:
             from .serial import run_serial
 
-            return run_serial(role)
+            code = run_serial(role)
+            _ignore_stop_signals()
+            return code
         if rank == 0:
             from .server import serve
 
@@ -186,6 +188,7 @@ def train(config_file, cli_values: dict) -> int:
         C.wait(comm.Ibarrier(), timeout=30.0)
         if rank == 0:
             C.drain(comm)   # control messages sent before the barrier (preemption notices)
+        _ignore_stop_signals()
         return code
     except SystemExit:
         raise
@@ -205,6 +208,16 @@ def _install_signal_handlers() -> None:
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, handler)
+
+
+def _ignore_stop_signals() -> None:
+    """The run is complete: a SIGTERM now (a time limit, a preemption a moment too late) must
+    not kill the process while the interpreter and MPI shut down, which turned a finished
+    run into exit 15. Ignored at the C level, so it holds during finalisation too."""
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _fail(exc: BaseException, comm, rank: int, size: int) -> None:

@@ -209,9 +209,21 @@ class RunLog:
         self.release()
 
 
+def open_for_reading(path: str) -> h5py.File:
+    """Open a run log read-only. A log left by a killed run is still marked as open by its
+    SWMR writer and only opens as a SWMR reader; every other file is opened plainly first,
+    because a SWMR reader retries a damaged file's checksums for many minutes (a hang)."""
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        if "already open for write" not in str(exc):
+            raise
+    return h5py.File(path, "r", locking=False, swmr=True)
+
+
 def read_columns(path: str) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
     """Open a run log: (root attributes, {group: {column: array}}). DataError-free: OSError passes up."""
-    with h5py.File(path, "r", locking=False, swmr=True) as f:
+    with open_for_reading(path) as f:
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
         groups = {}
         for group, columns in SCHEMA.items():

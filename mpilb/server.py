@@ -969,8 +969,10 @@ def serve(server: ParameterServer) -> int:
     print(format_final(summary), flush=True)
     print(files_line(server.cfg), flush=True)
     if server.lost:
-        # A lost (hung) rank never exits by itself and would keep the job alive.
+        # A lost (hung) rank never exits by itself and would keep the job alive. A preempted
+        # run stopped as asked (checkpoint written): exit 0 so that a requeue follows.
+        code = 0 if status == "preempted" else 3
         sys.stdout.flush()
-        C.abort(3)
-        os._exit(3)
+        C.abort(code)
+        os._exit(code)
     return 0
