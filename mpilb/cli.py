@@ -33,6 +33,15 @@ if env_world_size() > 1:
     for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, "1")
 
+# A preemption signal (SIGTERM/SIGUSR1) while a training rank is still importing must not
+# kill it (exit 15, no checkpoint): note it now, `mpilb train` acts on it once running.
+EARLY_SIGNALS: list = []
+if len(sys.argv) > 1 and sys.argv[1] == "train":
+    import signal as _signal
+
+    for _sig in (_signal.SIGTERM, _signal.SIGUSR1):
+        _signal.signal(_sig, lambda signum, frame: EARLY_SIGNALS.append(signum))
+
 import argparse  # noqa: E402
 
 import traceback  # noqa: E402

@@ -162,13 +162,13 @@ def train(config_file, cli_values: dict) -> int:
     from . import comm as C
 
     comm, rank, size = C.world()
+    _install_signal_handlers()   # a preemption during start-up stops the run once it starts
     try:
         cfg, role = _start(comm, rank, size, config_file, cli_values)
     except JobStop as stop:
         if rank == 0:
             print(f"mpilb: error: {stop.text}", file=sys.stderr, flush=True)
         return stop.code
-    _install_signal_handlers()
     try:
         if size == 1:
             from .serial import run_serial
@@ -204,6 +204,11 @@ def _install_signal_handlers() -> None:
     from .training import PREEMPTED
 
     def handler(signum, frame):
+        PREEMPTED.set()
+
+    from .cli import EARLY_SIGNALS
+
+    if EARLY_SIGNALS:   # arrived while the process was still importing
         PREEMPTED.set()
 
     for sig in (signal.SIGTERM, signal.SIGUSR1):
