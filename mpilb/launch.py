@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from .errors import MpilbError, UsageError
+from .errors import MpilbError, UsageError, report_exception
 
 
 class JobStop(Exception):
@@ -39,8 +39,6 @@ def exit_code(exc: BaseException) -> int:
 
 def describe(exc: BaseException, rank: int) -> str:
     """One line for `exc`, naming the rank unless it is an mpilb error of rank 0."""
-    from .cli import report_exception
-
     if isinstance(exc, KeyboardInterrupt):
         text = "interrupted"
     elif isinstance(exc, MpilbError):
@@ -199,30 +197,18 @@ def train(config_file, cli_values: dict) -> int:
 
 def _install_signal_handlers() -> None:
     """SIGTERM/SIGUSR1 (Slurm preemption, time limit, `scancel --signal`): checkpoint and stop."""
-    import signal
-
+    from . import signals
     from .training import PREEMPTED
 
-    def handler(signum, frame):
-        PREEMPTED.set()
-
-    from .cli import EARLY_SIGNALS
-
-    if EARLY_SIGNALS:   # arrived while the process was still importing
-        PREEMPTED.set()
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, handler)
+    signals.install(lambda signum: PREEMPTED.set())
 
 
 def _ignore_stop_signals() -> None:
     """The run is complete: a SIGTERM now (a time limit, a preemption a moment too late) must
-    not kill the process while the interpreter and MPI shut down, which turned a finished
-    run into exit 15. Ignored at the C level, so it holds during finalisation too."""
-    import signal
+    not kill the process while the interpreter and MPI shut down (that gave exit 15)."""
+    from . import signals
 
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
+    signals.ignore()
 
 
 def _fail(exc: BaseException, comm, rank: int, size: int) -> None:
