@@ -160,7 +160,7 @@ def train(config_file, cli_values: dict) -> int:
     from . import comm as C
 
     comm, rank, size = C.world()
-    _install_signal_handlers()   # a preemption during start-up stops the run once it starts
+    _install_signal_handlers(size)   # a preemption during start-up stops the run once it starts
     try:
         cfg, role = _start(comm, rank, size, config_file, cli_values)
     except JobStop as stop:
@@ -195,12 +195,22 @@ def train(config_file, cli_values: dict) -> int:
         return 1
 
 
-def _install_signal_handlers() -> None:
-    """SIGTERM/SIGUSR1 (Slurm preemption, time limit, `scancel --signal`): checkpoint and stop."""
-    from . import signals
-    from .training import PREEMPTED
+def _install_signal_handlers(size: int) -> None:
+    """SIGTERM/SIGUSR1 (Slurm preemption, time limit, `scancel --signal`): checkpoint and stop.
+    In a multi-rank job SIGUSR1 is only a notice until rank 0 has ruled out a failed rank
+    (see training.USR1_NOTICE)."""
+    import signal
 
-    signals.install(lambda signum: PREEMPTED.set())
+    from . import signals
+    from .training import PREEMPTED, USR1_NOTICE
+
+    def on_signal(signum):
+        if signum == signal.SIGUSR1 and size > 1:
+            USR1_NOTICE.set()
+        else:
+            PREEMPTED.set()
+
+    signals.install(on_signal)
 
 
 def _ignore_stop_signals() -> None:

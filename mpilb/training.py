@@ -17,8 +17,13 @@ import numpy as np
 from .config import Config, default_cache_dir
 from .errors import UsageError
 
-# Set by the SIGTERM/SIGUSR1 handler (any rank); the training loops poll it.
+# Set by the SIGTERM handler (any rank; SIGUSR1 too in a one-rank run): checkpoint and stop.
 PREEMPTED = threading.Event()
+# Set by SIGUSR1 on a rank of a multi-rank job. Slurm's `--signal=USR1` means preemption, but
+# MPICH's Hydra under `-disable-auto-cleanup` sends the same signal to the survivors when a
+# rank dies; rank 0 tells them apart (server/chores.py): a preemption only when every worker
+# present at the signal reports it too, none of them dying first.
+USR1_NOTICE = threading.Event()
 
 DEFAULT_DATASET = dict(samples=24000, features=64, classes=10, shards=12, noise=0.0,
                        test_fraction=0.2, seed=0)

@@ -13,6 +13,7 @@ buffers, one copy each way per step.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -24,7 +25,7 @@ from .backend import select_backend
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
 from .shards import ShardStore, placement
-from .training import PREEMPTED, config_model
+from .training import PREEMPTED, USR1_NOTICE, config_model
 from . import wire
 from .wire import Cmd
 
@@ -101,8 +102,8 @@ class Worker:
         self.compute_s = self.comm_s = self.idle_s = 0.0
         self.io_reported = 0.0
         self.retry = False
-        self.preempt_sent = False
-        self.preempt_req = None
+        self.signals_sent: set = set()
+        self.preempt_reqs: list = []
         self.outgoing: list = []
         self.sample_shape = tuple(dataset.sample_shape)
         self.held = None
@@ -219,9 +220,10 @@ class Worker:
 
     def _check_fault(self) -> None:
         self._progress_outgoing()
-        if PREEMPTED.is_set() and not self.preempt_sent:
-            self.preempt_req = C.notify_preempt(self.comm)   # rank 0 checkpoints, stops all
-            self.preempt_sent = True
+        for event, signum in ((PREEMPTED, signal.SIGTERM), (USR1_NOTICE, signal.SIGUSR1)):
+            if event.is_set() and signum not in self.signals_sent:   # rank 0 decides
+                self.preempt_reqs.append(C.notify_preempt(self.comm, signum))
+                self.signals_sent.add(signum)
         fault = self.injector.fault(time.monotonic())
         if fault == "crash":
             os._exit(17)
@@ -263,8 +265,9 @@ class Worker:
                 for req in reqs:
                     C.wait(req, timeout=30.0)
             self.store.close()
-            if self.preempt_req is not None and not self.preempt_req.Test():
-                self.preempt_req.Cancel()
+            for req in self.preempt_reqs:
+                if not req.Test():
+                    req.Cancel()
 
     def _loop(self) -> None:
         msg = self.push_bufs[0]
