@@ -295,8 +295,7 @@ def _(d, data):
     (d / ".run.ckpt.h5.tmp999999").write_bytes(b"x" * 100000)
     # files over 2 MB cannot be written: the log (0.7 MB) fits, the checkpoint (9 MB) not
     r = run([PY, str(d / "full.py"), "2000000",
-             *map(str, train(data, d, "--epochs", 1, "--max-seconds", 1.5))[:-2],
-             "--hidden", "1024,1024", "--log", "run.h5"], d)
+             *map(str, train(data, d, "--epochs", 1, "--max-seconds", 1.5, "--hidden", "1024,1024"))], d)
     temps = sorted(p.name for p in d.glob(".*tmp*"))
     return r, r["code"] == 1 and len(r["lines"]) <= 2 and not temps, f"temp files left: {temps}"
 
