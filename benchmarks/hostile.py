@@ -184,6 +184,8 @@ def _(d, data):
 
 
 def interrupted(d, data, n):
+    """A run stopped by --max-seconds part-way through a later epoch (small dataset)."""
+    data = data.parent / "small"
     r = run(mpilb(n, *train(data, d, "--epochs", 200, "--batch", 16, "--max-seconds", 1.5)), d)
     with h5py.File(d / "run.ckpt.h5", "r") as f:
         return int(f.attrs["epoch"]), bool(f["coverage/counts"][()].any())
@@ -192,13 +194,15 @@ def interrupted(d, data, n):
 for _n, _label in ((4, "MPI"), (1, "one rank")):
     def _fewer(d, data, n=_n):
         epoch, _ = interrupted(d, data, n)
+        data = data.parent / "small"
         run(mpilb(n, *train(data, d, "--epochs", epoch, "--batch", 16, "--resume")), d)
         r = run(mpilb(n, *train(data, d, "--epochs", epoch + 2, "--batch", 16, "--resume")), d)
         text, ok = exact(d / "run.h5", data)
-        return r, ok and r["code"] == 0, f"checkpoint epoch {epoch}; {text}"
+        return r, ok and r["code"] == 0 and epoch >= 1, f"checkpoint epoch {epoch}; {text}"
 
     def _seed(d, data, n=_n):
         epoch, mid = interrupted(d, data, n)
+        data = data.parent / "small"
         before = digest(d / "run.h5"), digest(d / "run.ckpt.h5")
         r = run(mpilb(n, *train(data, d, "--epochs", epoch + 2, "--batch", 16, "--resume", "--seed", 1)), d)
         unchanged = before == (digest(d / "run.h5"), digest(d / "run.ckpt.h5"))
@@ -425,6 +429,10 @@ def main() -> int:
     if not data.exists():
         subprocess.run(mpilb(0, "prepare", "synthetic", data, "--samples", 12000, "--features", 32,
                              "--classes", 10, "--shards", 12), check=True, capture_output=True)
+    if not (root / "small").exists():
+        subprocess.run(mpilb(0, "prepare", "synthetic", root / "small", "--samples", 2000,
+                             "--features", 16, "--classes", 4, "--shards", 8),
+                       check=True, capture_output=True)
     bad = 0
     print(f"{'case':48} {'exit':>5} {'s':>6} {'lines':>5} {'left':>4}  ok  detail")
     for i, (name, fn) in enumerate(CASES.items()):
