@@ -214,13 +214,14 @@ for _n, _label in ((4, "MPI"), (1, "one rank")):
 
 @case("two runs share one log")
 def _(d, data):
-    first = Case(mpilb(4, *train(data, d, "--epochs", 200, "--max-seconds", 6)), d)
+    first = Case(mpilb(4, *train(data, d, "--epochs", 200, "--max-seconds", 25)), d)
     first.wait_log_rows(d / "run.h5")
     second = run(mpilb(4, *train(data, d, "--epochs", 1, "--overwrite")), d)
     r = first.end()
     s = summary(d / "run.h5")
     ok = one_line(second, 2) and "another mpilb run" in second["lines"][0] and r["code"] == 0
-    return second, ok and s["status"] == "finished", f"first run exit {r['code']}, its log {s['status']}"
+    ok = ok and s["status"] == "finished" and s["train_s"] >= 25
+    return second, ok, f"first run exit {r['code']}, its log {s['status']} after {s['train_s']:.0f} s"
 
 
 @case("empty shard (load balancer)")

@@ -183,10 +183,15 @@ def train(config_file, cli_values: dict) -> int:
             code = 0
         # Leave together: under Hydra, after a forwarded SIGTERM, a rank that is still
         # finalising when another exits can be killed, turning a clean stop into exit 9.
-        C.wait(comm.Ibarrier(), timeout=30.0)
+        together_at_end = C.wait(comm.Ibarrier(), timeout=30.0)
         if rank == 0:
             C.drain(comm)   # control messages sent before the barrier (preemption notices)
         _ignore_stop_signals()
+        if not together_at_end:
+            # a rank never arrived (it died, e.g. under -disable-auto-cleanup): MPI_Finalize
+            # would wait for it forever; the log and checkpoint are written, so end here
+            sys.stdout.flush()
+            C.abort(code)
         return code
     except SystemExit:
         raise

@@ -206,14 +206,15 @@ class Chores:
     # ----------------------------------------------------------------- SIGUSR1
     def _usr1_from(self, rank: int) -> None:
         """SIGUSR1 reached `rank` (0: this one). Slurm's `--signal` preemption and Hydra's
-        notice that a rank died look alike; a vote tells them apart: every worker computing
-        at the signal must be heard from again (a push or its own notice) before any of them
-        is declared lost. Then no rank died and it is a preemption."""
+        notice that a rank died look alike; a vote tells them apart: every worker present at
+        the signal must be heard from again (a push, or its own report of the signal) before
+        any of them is declared lost. Then no rank died and it is a preemption. An idle
+        worker that died is never heard from; it is timed, and lost, once it has work."""
         vote = getattr(self, "_usr1", None)
         if vote is None:
-            busy = [w for w in self.present() if not (w.idle or w.held)]
-            vote = self._usr1 = {"t": self.now(), "expect": {w.rank for w in busy},
-                                 "steps": {w.rank: w.step for w in busy}, "heard": set()}
+            present = self.present()
+            vote = self._usr1 = {"t": self.now(), "expect": {w.rank for w in present},
+                                 "steps": {w.rank: w.step for w in present}, "heard": set()}
         if rank:
             vote["heard"].add(rank)
 
@@ -222,8 +223,7 @@ class Chores:
         if vote is None or self.preempted:
             return
         for r in vote["expect"] - vote["heard"]:
-            w = self.peers[r]
-            if w.step > vote["steps"][r] or w.idle or w.held or w.stopped:
+            if self.peers[r].step > vote["steps"][r]:
                 vote["heard"].add(r)
         if vote["heard"] >= vote["expect"]:
             self._usr1 = None
