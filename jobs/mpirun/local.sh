@@ -35,7 +35,7 @@ echo "mpilb: $np ranks on $(hostname): mpilb train ${args[*]}"
 launcher=("${MPILB_MPIEXEC:-mpiexec}")
 if [[ ${MPILB_SURVIVE:-0} == 1 ]]; then
     # The survivors of a death get SIGUSR1 from Hydra: mpilb tells that notice from a
-    # preemption (a preemption only if every computing worker reports the signal too).
+    # preemption (a preemption only if every worker is heard from again before any is lost).
     launcher+=(-disable-auto-cleanup)
 fi
 exec "${launcher[@]}" -n "$np" mpilb train "${args[@]}"
