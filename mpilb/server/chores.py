@@ -235,6 +235,7 @@ class Chores:
         if not self.cfg.checkpoint:
             return
         self.log.flush()   # the log holds everything up to the checkpoint: a resume continues it
+        self.checkpointed_at = self.version
         checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
                         params=self.params, optimizer=self.optimizer, version=self.version,
                         epoch=self.epoch, tracker=self.tracker, balancer=self.balancer,

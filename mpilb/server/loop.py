@@ -70,6 +70,7 @@ class ParameterServer(Epochs, Chores):
         self.rejected = 0
         self.sized_early = False
         self.preempted = False
+        self.checkpointed_at: Optional[int] = None   # version of the last checkpoint written
         self.backoff = C.Backoff()
 
     # ----------------------------------------------------------------- state
@@ -317,10 +318,12 @@ class ParameterServer(Epochs, Chores):
             if reqs[i] is not None and not reqs[i].Test():
                 reqs[i].Cancel()   # the receive preposted for a push that never came
                 C.wait(reqs[i], timeout=1.0)
+        # Every run ends with its final parameters in the checkpoint; a preemption that
+        # came while the run was already stopping did not write one.
+        if self.cfg.checkpoint and (not self.preempted or self.checkpointed_at != self.version):
+            self._checkpoint()
         if self.preempted:
             return "preempted"
-        if self.cfg.checkpoint:
-            self._checkpoint()
         return "degraded" if self.lost else "finished"
 
     def abandon(self) -> None:
