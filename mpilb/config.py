@@ -133,6 +133,9 @@ OPTIONS: tuple[Option, ...] = (
            check=_POSITIVE, group="output", metavar="SECONDS"),
     Option("progress", bool, True, "live progress on rank 0 (--no-progress silences it)",
            group="output"),
+    Option("servers", int, 1, "parameter stores: ranks 0..K-1 each hold a slice of the "
+           "parameters (rank 0 also coordinates); workers are ranks K..P-1",
+           check=_POSITIVE_INT, group="mode", metavar="K"),
 )
 
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}

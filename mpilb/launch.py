@@ -18,6 +18,7 @@ def _validate(config_file, cli_values, world_size):
     from .config import build_config, load_toml
     from .dataset import verify_dataset
     from .inject import parse_injects
+    from .server.store import check_servers
     from .training import check_world, config_model, resolve_data
 
     file_values = load_toml(config_file) if config_file else {}
@@ -26,7 +27,8 @@ def _validate(config_file, cli_values, world_size):
     data_dir = resolve_data(cfg)
     dataset = verify_dataset(data_dir)
     check_world(cfg, world_size, dataset)
-    config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
+    model = config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
+    check_servers(cfg, world_size, model.num_params)
     if cfg.device == "gpu" and world_size == 1:
         from .backend import select_backend
 
@@ -79,6 +81,10 @@ def train(config_file, cli_values: dict) -> int:
             from .server import ParameterServer
 
             role = ParameterServer(cfg, dataset, comm, run_attrs)
+        elif rank < cfg.servers:
+            from .server.store import StoreRank
+
+            role = StoreRank(cfg, dataset, comm, rank)
         else:
             from .worker import Worker
 

@@ -124,10 +124,20 @@ class Optimizer:
         self._scratch += grad
         return self._scratch
 
-    def step(self, params, grad, lr_scale: float = 1.0) -> None:
-        """Update ``params`` in place from ``grad`` with learning rate ``lr * lr_scale``."""
+    def step(self, params, grad, lr_scale: float = 1.0, out=None) -> None:
+        """Update ``params`` in place from ``grad`` with learning rate ``lr * lr_scale``;
+        with ``out`` (another vector of the same length), write the result there and leave
+        ``params`` as it was (the server steps into a free buffer while a send reads the
+        current one)."""
         self.steps += 1
-        self._update(params, grad, self.lr * lr_scale)
+        if out is None or out is params:
+            self._update(params, grad, self.lr * lr_scale)
+        else:
+            self._update_into(params, grad, self.lr * lr_scale, out)
+
+    def _update_into(self, params, grad, lr: float, out) -> None:
+        out[...] = params
+        self._update(out, grad, lr)
 
     def _update(self, params, grad, lr: float) -> None:
         raise NotImplementedError
@@ -168,6 +178,18 @@ class SGD(Optimizer):
             params *= 1.0 - lr * self.weight_decay
         xp.multiply(grad, lr, out=self._scratch)
         params -= self._scratch
+
+    def _update_into(self, params, grad, lr, out):
+        # the same arithmetic as _update, out of place: no copy of params first
+        # p - lr*g == (-lr)*g + p exactly (IEEE), and touches no scratch vector
+        xp = self.xp
+        if self.weight_decay:
+            xp.multiply(params, 1.0 - lr * self.weight_decay, out=out)
+            xp.multiply(grad, lr, out=self._scratch)
+            out -= self._scratch
+            return
+        xp.multiply(grad, -lr, out=out)
+        out += params
 
 
 @register_optimizer("momentum")
