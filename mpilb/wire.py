@@ -169,13 +169,19 @@ def cut_slices(n: int, k: int, layer_sizes: Sequence[int] = (), tolerance: float
         raise ValueError(f"{k} slices of {n} parameters")
     edges = np.cumsum([0, *layer_sizes]).tolist() if sum(layer_sizes) == n else [0, n]
     ideal = n / k
-    bounds = [0]
+    even = [round(i * n / k) for i in range(k + 1)]
+    bounds = list(even)
     for i in range(1, k):
-        even = round(i * n / k)
-        near = min(edges, key=lambda e: abs(e - even))
-        # each cut may move a slice's end by tolerance/2: no slice grows by more than tolerance
-        bounds.append(near if abs(near - even) <= tolerance * ideal / 2 and near > bounds[-1] else even)
-    bounds.append(n)
+        near = min(edges, key=lambda e: abs(e - even[i]))
+        if abs(near - even[i]) <= tolerance * ideal:
+            bounds[i] = near
+    limit = max((1 + tolerance) * ideal, max(b - a for a, b in zip(even, even[1:])))
+    while bounds != even:   # a slice grown past the tolerance by two moved ends: put them back
+        over = [i for i in range(k) if bounds[i + 1] - bounds[i] > limit or bounds[i + 1] <= bounds[i]]
+        if not over:
+            break
+        for i in over:
+            bounds[i], bounds[i + 1] = even[i], even[i + 1]
     return bounds
 
 
