@@ -233,6 +233,7 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
         "gb_per_s": rate * n * 4 * 2 / 1e9,
         "baseline_updates_per_s": baseline,
         "ratio": statistics.median(r / b for r, b in zip(rates, baselines)),
+        "ratios": [r / b for r, b in zip(rates, baselines)],
         "repeats": repeats,
         "servers": servers,
         "runs": runs,   # per repeat: updates/s, rank 0's CPU seconds, per-store counters
