@@ -128,6 +128,7 @@ class Engine:
         self.moves = 0
         self.lost: list[int] = []
         self.epochs: list[dict] = []
+        self._alive: list[int] | None = None
 
     # ------------------------------------------------------------------ helpers
     def _at(self, t: float, kind: int, rank: int = 0) -> None:
@@ -135,7 +136,10 @@ class Engine:
         heapq.heappush(self.heap, (t, self.seq, kind, rank))
 
     def _active(self) -> list[int]:
-        return [r for r, w in self.workers.items() if w.state not in ("lost", "dead")]
+        """Workers neither dead nor lost (the donors of part-way moves); cached."""
+        if self._alive is None:
+            self._alive = [r for r, w in self.workers.items() if w.state not in ("lost", "dead")]
+        return self._alive
 
     def _link(self, w: _Worker, t: float) -> float:
         p = w.profile
@@ -290,7 +294,7 @@ class Engine:
             self._end_epoch(t)
             if self.done:
                 return
-        self.ledger.top_up(w.rank, self._active())
+        self.ledger.top_up(w.rank, self._active)
         self._count_moves()
         reply = done + self._link(w, done)
         w.comm = reply - t + self._link(w, t)
@@ -315,11 +319,10 @@ class Engine:
             self._end_epoch(t)
             if self.done:
                 return
-        active = self._active()
         for w in members:
             if w.state != "held":
                 continue
-            self.ledger.top_up(w.rank, active)
+            self.ledger.top_up(w.rank, self._active)
             reply = done + self._link(w, done)
             w.comm = 2 * self._link(w, t)
             w.epoch_busy += w.comm
@@ -343,10 +346,9 @@ class Engine:
         self._update_batches(t)
 
     def _wake_idle(self, t: float) -> None:
-        active = self._active()
         for w in self.workers.values():
             if w.state == "idle":
-                self.ledger.top_up(w.rank, active)
+                self.ledger.top_up(w.rank, self._active)
                 if self.ledger.tasks(w.rank):
                     self._start(w, t + self._link(w, t))
         self._count_moves()
@@ -405,10 +407,12 @@ class Engine:
     def _die(self, w: _Worker, t: float) -> None:
         """w hangs or crashes: the server notices after --worker-timeout of silence."""
         w.state = "dead"
+        self._alive = None
         self._at(max(t, w.fault_t) + self.cfg.worker_timeout, LOST, w.rank)
 
     def _declare_lost(self, w: _Worker, t: float) -> None:
         w.state = "lost"
+        self._alive = None
         self.lost.append(w.rank)
         if all(o.state == "lost" for o in self.workers.values()):
             raise RuntimeError("every simulated worker was lost")

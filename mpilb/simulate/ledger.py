@@ -84,9 +84,9 @@ class Ledger:
         """Samples ``worker`` still has to do in the tasks it holds."""
         return sum(t.remaining for t in self._tasks.get(worker, ()))
 
-    def top_up(self, worker: int, active: list[int]) -> None:
+    def top_up(self, worker: int, active) -> None:
         """Hand ``worker`` shards until it holds COMMITTED tasks; with none left, split the
-        task of another (``active``: the workers that may donate)."""
+        task of another (``active()``: the workers that may donate)."""
         tasks = self.tasks(worker)
         while len(tasks) < COMMITTED:
             shard = self.balancer.next_shard(worker)
@@ -100,7 +100,7 @@ class Ledger:
             for lo, hi in ranges:
                 tasks.append(Task(self.epoch, shard, lo, hi))
         if not tasks and self.part_way:
-            self._split_for(worker, active)
+            self._split_for(worker, active())
 
     def advance(self, worker: int, hi: int) -> Task | None:
         """``worker`` pushed positions up to ``hi`` of its current task; returns the task if
