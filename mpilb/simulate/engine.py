@@ -180,6 +180,7 @@ class Engine:
         self._wake_idle(t)
 
     def _end_epoch(self, t: float) -> None:
+        self.ledger.end_epoch(t)
         span = max(1e-12, t - self.t_epoch)
         alive = [w for w in self.workers.values() if w.state != "lost"]
         finishes = [w.epoch_finish for w in alive if w.epoch_finish is not None]
@@ -291,7 +292,7 @@ class Engine:
         self.ledger.record(task.epoch, task.shard, lo, hi)
         done = self.stores.update(t)
         if self.ledger.complete:
-            self._end_epoch(t)
+            self._end_epoch(done)
             if self.done:
                 return
         self.ledger.top_up(w.rank, self._active)
@@ -316,7 +317,7 @@ class Engine:
             elif w.batch == 0 and w.state == "held":
                 self._bench(w, t)
         if self.ledger.complete:
-            self._end_epoch(t)
+            self._end_epoch(done)
             if self.done:
                 return
         for w in members:
@@ -425,7 +426,7 @@ class Engine:
     # ------------------------------------------------------------------ results
     def _summary(self) -> dict:
         total = max(self.now, 1e-12)
-        cov = self.ledger.tracker.coverage()
+        cov = self.ledger.coverage()
         ep = self.epochs
         return {
             "balancer": self.cfg.balancer, "batch_policy": self.cfg.batch_policy,

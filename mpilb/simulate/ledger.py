@@ -66,6 +66,14 @@ class Ledger:
         self.tracker.begin(epoch, t)
         self.balancer.plan_epoch(epoch, order)
 
+    def end_epoch(self, t: float) -> None:
+        """The epoch is over: its coverage counts (see :meth:`coverage`)."""
+        self.tracker.end(t)
+
+    def coverage(self) -> dict:
+        """DESIGN.md's ``coverage`` over completed epochs."""
+        return self.tracker.coverage()
+
     @property
     def complete(self) -> bool:
         """Every sample of the epoch applied."""
