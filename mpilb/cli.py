@@ -140,6 +140,11 @@ def build_parser() -> Parser:
     ps.add_argument("--json", action="store_true")
 
     sub.add_parser("doctor", help="check the MPI, HDF5 and GPU setup")
+
+    from .simulate.main import add_arguments as simulate_arguments
+
+    simulate_arguments(sub.add_parser("simulate", help="replay a run or simulate a cluster "
+                                      "under other policies (no MPI)"))
     return parser
 
 
@@ -193,6 +198,10 @@ def _dispatch(args) -> int:
         from .doctor import doctor
 
         return doctor()
+    if args.command == "simulate":
+        from .simulate.main import run_simulate
+
+        return run_simulate(args)
     raise UsageError(f"unknown command {args.command}")
 
 
