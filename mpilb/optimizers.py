@@ -8,8 +8,8 @@ On the host a step is also one pass over memory: the vectors are walked in block
 :data:`BLOCK` elements, and every ufunc of the update runs on one block (a few hundred kB
 for all the vectors together, which stay in the core's L2 cache) before the next block is
 touched. Main memory then sees each of params, grad and the state vectors read once and
-written once per step, where whole-vector ufuncs would stream them a dozen times (Adam: 12
-ufuncs). The arithmetic, and so the result, is the same element by element. On a GPU
+written once per step, where whole-vector ufuncs would stream them ten times over (Adam:
+10 ufuncs). The arithmetic, and so the result, is the same element by element. On a GPU
 (cupy) the whole vector is one block: kernels launch per call, and the device has the
 bandwidth.
 
@@ -116,6 +116,10 @@ class Optimizer:
     _buffers: tuple[str, ...] = ()
     _scratch_vectors = 1
 
+    def _scale(self, buf: str) -> float:
+        """State as checkpointed = ``_scale(buf)`` x state as kept (1: kept as it is)."""
+        return 1.0
+
     def __init__(self, num_params, *, lr, weight_decay=0.0, xp=np, dtype=np.float32, **_):
         self.num_params = num_params
         self.lr = lr
@@ -168,6 +172,8 @@ class Optimizer:
         state = {"name": self.name, "steps": self.steps}
         for buf in self._buffers:
             state[buf] = _to_host(getattr(self, buf))
+            if self._scale(buf) != 1.0:
+                state[buf] *= self._scale(buf)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -184,7 +190,7 @@ class Optimizer:
             if value.shape != (self.num_params,):
                 raise UsageError(f"optimizer state {buf!r} has shape {value.shape}, expected "
                                  f"({self.num_params},); the checkpoint is for another model")
-            getattr(self, buf)[...] = self.xp.asarray(value, dtype=self.dtype)
+            getattr(self, buf)[...] = self.xp.asarray(value / self._scale(buf), dtype=self.dtype)
         self.steps = int(state["steps"])
 
 
@@ -241,28 +247,36 @@ class Adam(Optimizer):
 
     ``m = b1*m + (1-b1)*g``, ``v = b2*v + (1-b2)*g*g`` with ``g = grad + wd * params``;
     ``params -= lr / (1-b1**t) * m / (sqrt(v / (1-b2**t)) + eps)``, t = step count.
+
+    The moments are kept divided by their weights, ``exp_avg = m / (1-b1)`` and
+    ``exp_avg_sq = v / (1-b2)``, so that each update is ``M = b1*M + g``: two ufuncs
+    instead of three for ``m`` and three instead of four for ``v`` (10 per block in all;
+    the constant factors go into the step's scalars). Checkpoints hold ``m`` and ``v``
+    themselves (:meth:`state_dict` multiplies, :meth:`load_state_dict` divides).
     """
 
     _buffers = ("exp_avg", "exp_avg_sq")
     _scratch_vectors = 2
 
     def __init__(self, num_params, *, beta1=0.9, beta2=0.999, eps=1e-8, **kw):
-        super().__init__(num_params, **kw)
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
+        super().__init__(num_params, **kw)
+
+    def _scale(self, buf: str) -> float:
+        return 1.0 - (self.beta1 if buf == "exp_avg" else self.beta2)
 
     def _update(self, params, grad, lr):
         xp, b1, b2 = self.xp, self.beta1, self.beta2
         bias1 = 1.0 - b1 ** self.steps
-        sqrt_bias2 = math.sqrt(1.0 - b2 ** self.steps)
-        # m/bias1 / (sqrt(v/bias2) + eps) == m / (sqrt(v) + eps*sqrt_bias2) * sqrt_bias2/bias1
-        eps, scale = self.eps * sqrt_bias2, lr * sqrt_bias2 / bias1
+        bias2 = 1.0 - b2 ** self.steps
+        # With m = (1-b1)*M and v = (1-b2)*V, m/bias1 / (sqrt(v/bias2) + eps)
+        # == M / (sqrt(V) + eps/c) * (1-b1)/(bias1*c), where c = sqrt((1-b2)/bias2)
+        c = math.sqrt((1.0 - b2) / bias2)
+        eps, scale = self.eps / c, lr * (1.0 - b1) / (bias1 * c)
         for p, g, m, v, _, s in self._blocks(params, grad):
-            # b*m + (1-b)*g computed as (m - g)*b + g: in place, no temporary
-            m -= g
             m *= b1
             m += g
             xp.multiply(g, g, out=s)
-            v -= s
             v *= b2
             v += s
             xp.sqrt(v, out=s)

@@ -167,7 +167,7 @@ def _reference(name, p, grads, lr, wd, mu=0.9, nesterov=False, b1=0.9, b2=0.999,
             v = b2 * v + (1 - b2) * g * g
             m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
             p = p - lr * m_hat / (np.sqrt(v_hat) + eps)
-    return p
+    return p, m, v
 
 
 @pytest.mark.parametrize("name,kw", [
@@ -190,10 +190,21 @@ def test_blocked_float32_step_matches_a_float64_reference(name, kw):
         opt.step(params, g)
     ref_kw = {k: v for k, v in kw.items() if k != "weight_decay"}
     ref_kw = {{"beta1": "b1", "beta2": "b2"}.get(k, k): v for k, v in ref_kw.items()}
-    expected = _reference(name, p0, grads, 1e-2, kw.get("weight_decay", 0.0), **ref_kw)
+    expected, m, v = _reference(name, p0, grads, 1e-2, kw.get("weight_decay", 0.0), **ref_kw)
     # float32 rounding of a few steps of size ~lr around values ~1: well under 1e-5
     np.testing.assert_allclose(params, expected, rtol=0, atol=2e-6)
     assert np.abs(params - p0).max() > 1e-3   # and the parameters did move
+    state = opt.state_dict()   # checkpoints hold the textbook moments, however they are kept
+    if name == "adam":
+        close(state["exp_avg"], m)
+        close(state["exp_avg_sq"], v)
+    elif name == "momentum":
+        close(state["velocity"], m)
+
+
+def close(got, want):
+    """Equal to float32 rounding, relative to the vector's scale (entries near 0 cancel)."""
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
