@@ -105,7 +105,9 @@ def _commit() -> str:
     try:
         out = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no"],
+        # changed code (not docs or results) means the figures are not the commit's
+        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--untracked-files=no",
+                                "--", "mpilb", "benchmarks", ":!benchmarks/results"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
         return out.stdout.strip() + ("+changes" if dirty else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.SubprocessError):
