@@ -220,16 +220,19 @@ class SGD(Optimizer):
             p -= s
 
     def _update_into(self, params, grad, lr, out):
-        # the same arithmetic as _update, out of place: no copy of params first
-        # p - lr*g == (-lr)*g + p exactly (IEEE), and touches no scratch vector
+        # the same arithmetic as _update, out of place (no copy of params first), block by
+        # block; without weight decay p - lr*g == (-lr)*g + p exactly (IEEE), no scratch
         xp = self.xp
-        if self.weight_decay:
-            xp.multiply(params, 1.0 - lr * self.weight_decay, out=out)
-            xp.multiply(grad, lr, out=self._scratch)
-            out -= self._scratch
-            return
-        xp.multiply(grad, -lr, out=out)
-        out += params
+        shrink = 1.0 - lr * self.weight_decay
+        for lo, hi, (s,) in self._spans:
+            o = out[lo:hi]
+            if self.weight_decay:
+                xp.multiply(params[lo:hi], shrink, out=o)
+                xp.multiply(grad[lo:hi], lr, out=s)
+                o -= s
+            else:
+                xp.multiply(grad[lo:hi], -lr, out=o)
+                o += params[lo:hi]
 
 
 @register_optimizer("momentum")
