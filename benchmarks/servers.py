@@ -11,9 +11,8 @@
 (b) ``mpiexec -n 4 mpilb bench ps --params 1000000``: the real server (one store) against the
     bare loop in the same run (target >= 0.9), the ratio of each repeat.
 
-Prints medians (min-max) and writes benchmarks/results/servers.json: {name, title, argv,
-quick, machine, groups: [{title, command, figures: [{id, label, unit, digits, command,
-repeats, values, median, min, max, target, result}]}], elapsed_s}.
+Prints medians (min-max) and writes benchmarks/results/servers.json (_results.py's layout).
+Exit status: 0 when every target is met, 1 otherwise.
 On a machine with fewer cores than ranks the ranks share CPUs: the figures then measure
 CPU contention as much as the stores (the notes record the load average).
 """
@@ -23,20 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import statistics
 import subprocess
 import sys
-import time
 
-from _runs import mpiexec
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
+import _runs  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+NAME = "servers"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def bench(n: int, *args) -> dict:
-    cmd = [mpiexec(), "-n", str(n), sys.executable, "-m", "mpilb", "bench", "ps", "--json", *map(str, args)]
+    cmd = [_runs.mpiexec(), "-n", str(n), sys.executable, "-m", "mpilb", "bench", "ps", "--json",
+           *map(str, args)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     if res.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-2000:]}")
@@ -44,7 +43,8 @@ def bench(n: int, *args) -> dict:
 
 
 def rank0(result: dict) -> dict:
-    """Rank 0's per-update CPU seconds and bytes, and its CPU seconds, of a one-repeat bench."""
+    """Rank 0's per-update CPU seconds and bytes, and its CPU seconds, of a one-repeat bench;
+    each store's counters."""
     run = result["runs"][0]
     s0 = next(s for s in run["servers"] if s["rank"] == 0)
     updates = max(1, run["updates"])
@@ -55,103 +55,60 @@ def rank0(result: dict) -> dict:
                        for s in run["servers"]]}
 
 
-def figure(fid, label, values, unit="x", digits=2, target=None, command=""):
-    med = statistics.median(values)
-    result = None
-    if target is not None:
-        op, bound = target.split()
-        result = "PASS" if (med <= float(bound) if op == "<=" else med >= float(bound)) else "MISS"
-    return {"id": fid, "label": label, "unit": unit, "digits": digits, "command": command,
-            "repeats": len(values), "values": values, "median": med, "min": min(values),
-            "max": max(values), "target": target, "result": result}
-
-
-def show(group):
-    print(f"\n{group['title']}\n  {group['command']}")
-    for f in group["figures"]:
-        d = f["digits"]
-        mark = f"  target {f['target']}: {f['result']}" if f["target"] else ""
-        print(f"  {f['label']:<52} {f['median']:.{d}f} {f['unit']} "
-              f"({f['min']:.{d}f}-{f['max']:.{d}f}, n={f['repeats']}){mark}")
-
-
-def machine(load_start):
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=REPO).stdout.strip()
-    load_end = os.getloadavg()[0]
-    cores = os.cpu_count()
-    notes = ("other processes were loading the machine (load average above the core count)"
-             if max(load_start, load_end) > cores else "")
-    return {"cpu": platform.processor() or platform.machine(), "cores": cores,
-            "python": platform.python_version(), "commit": commit,
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_start": load_start,
-            "load_end": load_end, "notes": notes}
-
-
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--params", type=int, default=4_000_000)
-    ap.add_argument("--seconds", type=float, default=2.0)
-    ap.add_argument("--quick", action="store_true", help="tiny runs, one repeat (checks the script)")
-    ap.add_argument("--out", default=None)
-    opts = ap.parse_args()
+    ap.add_argument("--seconds", type=float, default=2.0, help="length of each timed phase")
+    _results.add_output_args(ap, NAME)
+    opts = ap.parse_args(argv)
     if opts.quick:
         opts.repeats, opts.params, opts.seconds = 1, 100_000, 0.5
-    out = opts.out or (os.path.join("/tmp", "mpilb-bench-servers.quick.json") if opts.quick
-                       else os.path.join(HERE, "results", "servers.json"))
-    t0, load_start = time.monotonic(), os.getloadavg()[0]
+    res = _results.Results(NAME, "Parameter stores (`--servers K`)", opts)
     common = ["--params", opts.params, "--seconds", opts.seconds, "--repeats", 1]
     one, two = [], []
     for i in range(opts.repeats):   # back to back, so both see the same machine load
         one.append(rank0(bench(5, *common, "--servers", 1)))
         two.append(rank0(bench(5, *common, "--servers", 2)))
-        print(f"repeat {i + 1}: K=1 {one[-1]['updates_per_s']:.0f} updates/s, "
+        print(f"repeat {i + 1} of {opts.repeats}: K=1 {one[-1]['updates_per_s']:.0f} updates/s, "
               f"K=2 {two[-1]['updates_per_s']:.0f} updates/s", flush=True)
-    ratio = lambda key: [b[key] / a[key] for a, b in zip(one, two)]   # noqa: E731
-    cmd_a = f"mpiexec -n 5 mpilb bench ps --params {opts.params} --servers 2 (and --servers 1)"
-    per_store = []
-    for s in range(2):
-        per_store.append(figure(f"k2_store{s}_cpu_s", f"K=2: store {s} CPU seconds",
-                                [r["stores"][s]["cpu_s"] for r in two], "s", 2, command=cmd_a))
-        per_store.append(figure(f"k2_store{s}_bytes", f"K=2: store {s} MB per update (in+out)",
-                                [r["stores"][s]["per_update_bytes"] / 1e6 for r in two], "MB", 1,
-                                command=cmd_a))
-    groups = [{
-        "title": "(a) two parameter stores against one (5 ranks: K stores, 5-K workers)",
-        "command": cmd_a,
-        "figures": [
-            figure("rank0_cpu_per_update", "rank 0 CPU seconds per update, K=2 / K=1",
-                   ratio("cpu_per_update"), target="<= 0.6", command=cmd_a),
-            figure("rank0_bytes_per_update", "rank 0 bytes per update, K=2 / K=1",
-                   ratio("bytes_per_update"), target="<= 0.6", command=cmd_a),
-            figure("rank0_cpu_s", "rank 0 CPU seconds (timed phase), K=2 / K=1",
-                   ratio("cpu_s"), command=cmd_a),
-            figure("updates_per_s", "aggregate updates/s, K=2 / K=1", ratio("updates_per_s"),
-                   target=">= 1.2", command=cmd_a),
-            figure("k1_updates_per_s", "K=1 updates/s", [r["updates_per_s"] for r in one],
-                   "1/s", 0, command=cmd_a),
-            figure("k2_updates_per_s", "K=2 updates/s", [r["updates_per_s"] for r in two],
-                   "1/s", 0, command=cmd_a),
-            *per_store,
-        ]}]
+
+    def ratio(key):
+        return [b[key] / a[key] for a, b in zip(one, two)]
+
+    cmd = (f"mpiexec -n 5 mpilb bench ps --params {opts.params} --seconds {opts.seconds:g} "
+           f"--repeats 1 --json --servers 2 (and --servers 1)")
+    g = res.group("(a) two parameter stores against one: 5 ranks, K stores and 5-K workers", cmd)
+    res.figure(g, "rank0_cpu_per_update", "rank 0 CPU seconds per update, K=2 / K=1",
+               ratio("cpu_per_update"), unit="x", target="<= 0.6")
+    res.figure(g, "rank0_bytes_per_update", "rank 0 bytes per update, K=2 / K=1",
+               ratio("bytes_per_update"), unit="x", target="<= 0.6")
+    res.figure(g, "rank0_cpu_s", "rank 0 CPU seconds in the timed phase, K=2 / K=1",
+               ratio("cpu_s"), unit="x")
+    res.figure(g, "updates_per_s", "aggregate updates/s, K=2 / K=1", ratio("updates_per_s"),
+               unit="x", target=">= 1.2")
+    for k, runs in ((1, one), (2, two)):
+        res.figure(g, f"k{k}.updates_per_s", f"K={k} updates/s", [r["updates_per_s"] for r in runs],
+                   unit="updates/s", digits=0)
+        for s in range(k):
+            res.figure(g, f"k{k}.store{s}.cpu_s", f"K={k}: store {s} CPU seconds",
+                       [r["stores"][s]["cpu_s"] for r in runs], unit="s")
+            res.figure(g, f"k{k}.store{s}.mb", f"K={k}: store {s} MB in + out per update",
+                       [r["stores"][s]["per_update_bytes"] / 1e6 for r in runs], unit="MB", digits=1)
     p1 = 100_000 if opts.quick else 1_000_000
-    cmd_b = f"mpiexec -n 4 mpilb bench ps --params {p1} --repeats {max(5, opts.repeats)}"
-    b = bench(4, "--params", p1, "--seconds", opts.seconds, "--repeats", 1 if opts.quick else max(5, opts.repeats))
-    groups.append({"title": "(b) the real server (one store) against the bare loop, same run",
-                   "command": cmd_b,
-                   "figures": [figure("ps_ratio", "real server / bare loop updates/s",
-                                      b["ratios"], target=">= 0.9", command=cmd_b)]})
-    for g in groups:
-        show(g)
-    doc = {"name": "servers", "title": "Parameter stores (--servers K)", "argv": sys.argv[1:],
-           "quick": opts.quick, "machine": machine(load_start), "groups": groups,
-           "elapsed_s": time.monotonic() - t0}
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as fh:
-        json.dump(doc, fh, indent=1)
-    print(f"\nwrote {out}")
-    return 0
+    reps = 1 if opts.quick else max(5, opts.repeats)
+    cmd_b = f"mpiexec -n 4 mpilb bench ps --params {p1} --seconds {opts.seconds:g} --repeats {reps} --json"
+    b = bench(4, "--params", p1, "--seconds", opts.seconds, "--repeats", reps)
+    g = res.group("(b) the real server (one store) against the bare loop, in the same run", cmd_b)
+    res.figure(g, "ps_ratio", "server updates/s / bare loop updates/s", b["ratios"], unit="x",
+               target=">= 0.9")
+    for grp in res.groups:
+        print(f"\n{grp['title']}\n  {grp['command']}")
+        for f in grp["figures"]:
+            print(f"  {f['label']:<52} {_results.fmt_range(f)} {f['unit']}")
+    _runs.print_targets(res.checks())
+    res.write(_results.out_path(opts, NAME))
+    return 0 if res.all_met() else 1
 
 
 if __name__ == "__main__":

@@ -175,6 +175,11 @@ def format_summary(s: dict, path: str = "") -> str:
         lines.append("  epoch   seconds  utilization")
         for i, (t, u) in enumerate(zip(s["epoch_s"], s["utilization"])):
             lines.append(f"  {i:5d}  {t:8.2f}  {u:11.2f}")
+    if len(s.get("servers", [])) > 1:
+        lines.append("  store   params   updates  MB in  MB out  cpu_s")
+        for v in s["servers"]:
+            lines.append(f"  {v['rank']:5d}  {v['params']:7d}  {v['updates']:8d}  "
+                         f"{v['bytes_in'] / 1e6:5.1f}  {v['bytes_out'] / 1e6:6.1f}  {v['cpu_s']:5.2f}")
     if s["per_worker"]:
         lines.append("  rank   samples  compute_s   io_s  comm_s  idle_s  mean_batch")
         for w in s["per_worker"]:

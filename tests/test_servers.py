@@ -45,6 +45,9 @@ def test_check_servers_names_the_problem():
     with pytest.raises(UsageError, match="more than 4 ranks"):
         check_servers(cfg, 1, 1000)
     check_servers(cfg, 5, 1000)
+    with pytest.raises(UsageError, match="rank 2 is a parameter store"):
+        check_servers(SimpleNamespace(servers=3, inject=["2:compute=2"]), 5, 1000)
+    check_servers(SimpleNamespace(servers=3, inject=["3:compute=2", "*:delay=0.1"]), 5, 1000)
 
 
 # ------------------------------------------------------------------ the parameter ring

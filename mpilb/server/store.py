@@ -49,6 +49,14 @@ def check_servers(cfg, world_size: int, num_params: int) -> None:
     if k > num_params:
         raise UsageError(f"--servers {k} exceeds the model's {num_params} parameters "
                          f"(each store needs at least one)")
+    from ..inject import parse_inject
+
+    for text in getattr(cfg, "inject", None) or ():
+        for rank in sorted(parse_inject(text).ranks or ()):
+            if 0 < rank < k:
+                raise UsageError(f"--inject {text!r}: rank {rank} is a parameter store "
+                                 f"(--servers {k}), not a worker; target workers "
+                                 f"{k}..{world_size - 1}")
 
 
 def store_bounds(cfg, model) -> list[int]:
