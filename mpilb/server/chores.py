@@ -148,8 +148,7 @@ class Chores:
         print(f"mpilb: rank {w.rank} silent for {self.cfg.worker_timeout:g} s: declared lost; "
               f"its shards go to the other workers", file=sys.stderr, flush=True)
         w.lose()
-        if self.remote is not None:
-            self.remote.lose(w.rank)   # every store stops listening to it
+        self.remote.lose(w.rank)   # every store stops listening to it
         self.lost.append(w.rank)
         self.balancer.remove_worker(w.rank)
         self.ledger.take_back(w.rank, lost=True)

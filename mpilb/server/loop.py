@@ -123,8 +123,7 @@ class ParameterServer(Epochs, Chores):
         _, hdr, grad = w.link.recv
         push = wire.decode_push(hdr)
         self.store.bytes_in += w.link.recv[0].nbytes
-        if self.remote is not None:
-            self.remote.pushed(w.rank)
+        self.remote.pushed(w.rank)
         w.last_push = push
         now = self.now()
         mono = time.monotonic()
@@ -165,8 +164,7 @@ class ParameterServer(Epochs, Chores):
         update = Update(w.rank, push.epoch, push.shard, push.lo, push.hi, push.batch, push.loss,
                         self.version - push.version)
         then = self.store.params_of(push.version) if self.rule.needs_old_params else None
-        if self.remote is not None:
-            self.remote.gradient(w.rank, update.batch, update.staleness, push.version, self.rule.rounds)
+        self.remote.gradient(w.rank, update.batch, update.staleness, push.version, self.rule.rounds)
         applied = self.rule.push(w, update, grad, then)
         if applied is None:   # it joined a round that is not complete yet
             w.hold(time.monotonic())
@@ -235,8 +233,7 @@ class ParameterServer(Epochs, Chores):
 
     def _close_round(self) -> None:
         """Apply a complete sync round and release its members."""
-        if self.remote is not None:
-            self.remote.round(self.rule.batch)
+        self.remote.round(self.rule.batch)
         updates, lr_scale, ranks = self.rule.close_round()
         self._record(updates, lr_scale, self.now())
         members = [self.peers[r] for r in ranks]
@@ -302,8 +299,7 @@ class ParameterServer(Epochs, Chores):
                 for i in done:
                     w = order[i]
                     self._on_push(w)
-                    if self.remote is not None:
-                        self.remote.settle(w.rank)   # a gradient not taken is dropped everywhere
+                    self.remote.settle(w.rank)   # a gradient not taken is dropped everywhere
                     if not (w.stopped or w.lost):
                         self._post_recv(w)
                         reqs[i] = w.link.recv_req
@@ -321,13 +317,12 @@ class ParameterServer(Epochs, Chores):
         self.train_s = self.now()
         self._log_worker_rows()
         C.drain(self.comm)
-        deadline = time.monotonic() + 5.0   # (a lost worker's never completes)
+        deadline = time.monotonic() + 5.0   # replies and parameters (a lost worker's never complete)
         for req in self.store.pending() + self.outbox.sending:
             C.wait(req, timeout=max(0.0, deadline - time.monotonic()))
         for i, w in enumerate(order):
-            for req in (w.link.reply_req, w.link.params_req):
-                if req is not None and not w.lost:
-                    C.wait(req, timeout=5.0)
+            if w.link.reply_req is not None and not w.lost:
+                C.wait(w.link.reply_req, timeout=5.0)
             if reqs[i] is not None and not reqs[i].Test():
                 reqs[i].Cancel()   # the receive preposted for a push that never came
                 C.wait(reqs[i], timeout=1.0)

@@ -17,10 +17,11 @@ from ..wire import Cmd
 class Outbox:
     """Sends to workers on `comm`; what a reply carries comes from the task ledger.
 
-    `remote` (with --servers K > 1): the other stores, told to send their slices too.
+    `remote`: the other stores (RemoteStores; none with --servers 1), told to send their
+    slices too.
     """
 
-    def __init__(self, comm, ledger, remote=None):
+    def __init__(self, comm, ledger, remote):
         self.comm = comm
         self.ledger = ledger
         self.remote = remote
@@ -54,8 +55,7 @@ class Outbox:
         store.sending(link.params_req, peer.rank)
         store.bytes_out += store.params.nbytes
         self.sending.append(link.params_req)
-        if self.remote is not None:
-            self.remote.reply(peer.rank)
+        self.remote.reply(peer.rank)   # the other stores send their slices (none with K = 1)
 
     def orders(self, peer) -> None:
         """Orders to send rows, for a worker that waits (idle, or its reply is held)."""

@@ -224,7 +224,8 @@ class StoreRank:
 
 
 class RemoteStores:
-    """Rank 0's handle on stores 1..K-1: commands in the order rank 0 decides.
+    """Rank 0's handle on stores 1..K-1: commands in the order rank 0 decides (with K = 1
+    there are none, and every command is a no-op).
 
     Args:
         comm: the world communicator.
@@ -347,13 +348,13 @@ class StoreGroup:
 
         self.session = session
         self.bounds = store_bounds(cfg, session.model)
-        self.remote: Optional[RemoteStores] = None
-        if cfg.servers == 1:
+        self.remote = RemoteStores(comm, self.bounds)   # no-ops with K = 1
+        self.sliced = cfg.servers > 1
+        if not self.sliced:
             self.local = slice_store(cfg, session.params, session.optimizer)
         else:
             n0 = self.bounds[1]
             self.local = slice_store(cfg, np.zeros(n0, np.float32), config_optimizer(cfg, n0))
-            self.remote = RemoteStores(comm, self.bounds)
         self.cpu0 = time.process_time()
         self.last = np.zeros(5)
         self.totals = {s: np.zeros(5) for s in range(len(self.bounds) - 1)}
@@ -366,7 +367,7 @@ class StoreGroup:
     def start(self, version: int) -> None:
         """Every store takes its slice of the session's parameters and optimizer state."""
         self.local.version = version
-        if self.remote is None:
+        if not self.sliced:
             return
         s, hi = self.session, self.bounds[1]
         self.local.params[:] = s.params[:hi]
@@ -379,7 +380,7 @@ class StoreGroup:
     def full_params(self) -> np.ndarray:
         """The whole parameter vector (and, with K > 1, the optimizer state gathered into
         the session's optimizer)."""
-        if self.remote is None:
+        if not self.sliced:
             return self.local.params
         s, hi = self.session, self.bounds[1]
         s.params[:hi] = self.local.params
@@ -407,7 +408,7 @@ class StoreGroup:
         """One `servers/` row per store with its counters since its previous row (the other
         stores' reports arrive asynchronously: asked for now, logged when they are in)."""
         self._row(log, t, 0, self._own())
-        if self.remote is not None:
+        if self.sliced:
             for s, inc in self.remote.poll_stats().items():
                 self._row(log, t, s, inc)
             self.remote.request_stats()
@@ -416,7 +417,7 @@ class StoreGroup:
         """Last rows (the stores finish; `wait` False: the job is failing, and ends them by
         abort); returns the summary's `servers` list."""
         self._row(log, t, 0, self._own())
-        if self.remote is not None and wait:
+        if self.sliced and wait:
             for s, inc in self.remote.end().items():
                 self._row(log, t, s, inc)
         return [{"rank": s, "params": self.bounds[s + 1] - self.bounds[s]}
