@@ -36,9 +36,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def bench(n: int, *args) -> dict:
     cmd = [_runs.mpiexec(), "-n", str(n), sys.executable, "-m", "mpilb", "bench", "ps", "--json",
            *map(str, args)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
-    if res.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} failed ({res.returncode}):\n{res.stderr[-2000:]}")
+    for attempt in range(2):   # once more if a rank was killed from outside (a shared machine)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+        if res.returncode == 0:
+            break
+        print(f"{' '.join(cmd)} failed ({res.returncode}):\n{(res.stdout + res.stderr)[-2000:]}",
+              file=sys.stderr, flush=True)
+    else:
+        sys.exit(1)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
