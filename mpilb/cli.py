@@ -137,9 +137,15 @@ def build_parser() -> Parser:
     ps.add_argument("--seconds", type=float, default=2.0, help="length of each timed phase")
     ps.add_argument("--repeats", type=int, default=3, help="alternations of the two loops")
     ps.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam"))
+    ps.add_argument("--servers", type=int, default=1, help="parameter stores (ranks 0..K-1)")
     ps.add_argument("--json", action="store_true")
 
     sub.add_parser("doctor", help="check the MPI, HDF5 and GPU setup")
+
+    from .simulate.main import add_arguments as simulate_arguments
+
+    simulate_arguments(sub.add_parser("simulate", help="replay a run or simulate a cluster "
+                                      "under other policies (no MPI)"))
     return parser
 
 
@@ -188,11 +194,15 @@ def _dispatch(args) -> int:
         from .bench import bench_ps
 
         return bench_ps(params=args.params, seconds=args.seconds, optimizer=args.optimizer,
-                        as_json=args.json, repeats=args.repeats)
+                        as_json=args.json, repeats=args.repeats, servers=args.servers)
     if args.command == "doctor":
         from .doctor import doctor
 
         return doctor()
+    if args.command == "simulate":
+        from .simulate.main import run_simulate
+
+        return run_simulate(args)
     raise UsageError(f"unknown command {args.command}")
 
 

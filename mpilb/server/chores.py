@@ -128,6 +128,7 @@ class Chores:
     def _log_worker_rows(self) -> None:
         """One `workers/` row per worker with what it reported since the previous row."""
         t = self.now()
+        self.stores.log_rows(self.log, t)
         for w in self.peers.values():
             if w.lost:
                 continue
@@ -187,6 +188,7 @@ class Chores:
                   f"taken as the launcher's notice of a failed rank (MPICH -disable-auto-cleanup), "
                   f"not as a preemption", file=sys.stderr, flush=True)
         w.lose()
+        self.remote.lose(w.rank)   # every store stops listening to it
         self.lost.append(w.rank)
         self.balancer.remove_worker(w.rank)
         self.ledger.take_back(w.rank, lost=True)
