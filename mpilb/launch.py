@@ -100,7 +100,8 @@ def _validate(config_file, cli_values, world_size, all_args):
     from .dataset import verify_dataset
     from .inject import parse_injects
     from .server.store import check_servers
-    from .training import check_paths, check_world, config_model, resolve_data
+    from .paths import check_paths, resolve_data
+    from .training import check_world, config_model
 
     file_values = load_toml(config_file) if config_file else {}
     cfg = build_config(file_values, cli_values, source=config_file or "")

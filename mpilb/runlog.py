@@ -48,7 +48,7 @@ class RunLog:
 
     Args:
         path: file to create (replaced if it exists: the caller decides whether it may be,
-            see `training.check_paths`); refused while another run holds its lock.
+            see `paths.check_paths`); refused while another run holds its lock.
         attrs: root attributes to write at creation (config, world_size, ...).
         flush_interval: seconds between flushes to disk.
         resume_at: when resuming from a checkpoint taken at this many training seconds,
