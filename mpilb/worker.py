@@ -23,7 +23,7 @@ from . import comm as C
 from .backend import select_backend
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
-from .shards import ShardStore, placement
+from .shards import ShardStore, holders_of, placement, resource_tag
 from .training import PREEMPTED, config_model
 from . import wire
 from .wire import Cmd
@@ -45,20 +45,38 @@ class Computed:
 
 
 class RemoteRows:
-    """Rows of a shard arriving from the rank that holds them (posted at assignment time)."""
+    """Rows of a shard arriving from a rank that holds them (posted at assignment time).
 
-    def __init__(self, comm, src: int, tag: int, rows: int, sample_shape, backoff):
-        self.x = np.empty((rows, *sample_shape), dtype=np.float32)
-        self.y = np.empty(rows, dtype=np.int64)
-        self.reqs = [comm.Irecv(self.x, source=src, tag=tag), comm.Irecv(self.y, source=src, tag=tag + 1)]
+    `sources`: (rank, tag) pairs, the ordered sender first. With --replicas 2 or more the
+    other holders of the shard are listed too (with the re-source tag): if the sender is
+    lost before the rows arrive, the server orders another holder to send them, and the
+    first complete copy is used; receives still posted for the others are cancelled (kept
+    in `leftover` until MPI has let go of their buffers).
+    """
+
+    def __init__(self, comm, sources: list[tuple[int, int]], rows: int, sample_shape, backoff):
+        self.copies = []
+        for src, tag in sources:
+            x = np.empty((rows, *sample_shape), dtype=np.float32)
+            y = np.empty(rows, dtype=np.int64)
+            self.copies.append(([comm.Irecv(x, source=src, tag=tag),
+                                 comm.Irecv(y, source=src, tag=tag + 1)], x, y))
         self.backoff = backoff
+        self.leftover: list = []
 
     def wait(self):
         t0 = time.perf_counter()
         self.backoff.reset()
-        while not C.Request.Testall(self.reqs):
+        while True:
+            for i, (reqs, x, y) in enumerate(self.copies):
+                if C.Request.Testall(reqs):
+                    for other in self.copies[:i] + self.copies[i + 1:]:
+                        for req in other[0]:
+                            req.Cancel()
+                        self.leftover.append(other)
+                    self.copies = []
+                    return x, y, time.perf_counter() - t0
             self.backoff.sleep()
-        return self.x, self.y, time.perf_counter() - t0
 
 
 class Worker:
@@ -104,6 +122,8 @@ class Worker:
         self.preempt_sent = False
         self.preempt_req = None
         self.outgoing: list = []
+        self.remotes: list[RemoteRows] = []   # receives of rows not yet complete or let go
+        self.shard_sizes = list(dataset.shard_sizes)
         self.sample_shape = tuple(dataset.sample_shape)
         self.held = None
         if cfg.store == "local":
@@ -166,7 +186,9 @@ class Worker:
         for epoch, shard, start, end, src, tag in reply.assigns:
             remote = None
             if src >= 0:
-                remote = RemoteRows(self.comm, src, tag, end - start, self.sample_shape, self.backoff)
+                remote = RemoteRows(self.comm, self._sources(shard, src, tag), end - start,
+                                    self.sample_shape, self.backoff)
+                self.remotes.append(remote)
             elif self.held is not None and shard not in self.held:
                 raise RuntimeError(f"shard {shard} assigned for a local read, but this rank holds no copy")
             self.feed.assign(epoch, shard, start, end, remote)
@@ -199,8 +221,10 @@ class Worker:
         self._header_to_buffer(msg)
         self.push_req = self.comm.Isend(buf, dest=0, tag=wire.TAG_PUSH)
         self.step += 1
-        if not self.cfg.pipeline:
-            C.complete(self.push_req)   # the server has a receive posted: this is quick
+        # Complete the push now, pipelined or not: the server has a receive posted, so this
+        # is quick, while a large message left in flight would only move once this rank
+        # calls MPI again (no progress during a compute), and the reply would wait for it.
+        C.complete(self.push_req)
         self.comm_s += time.perf_counter() - t0   # reported with the next push
 
     def _serve_orders(self, orders) -> None:
@@ -213,9 +237,24 @@ class Worker:
         reqs = [self.comm.Isend(x, dest=dst, tag=tag), self.comm.Isend(y, dest=dst, tag=tag + 1)]
         self.outgoing.append((reqs, x, y))   # the arrays live until the sends complete
 
+    def _sources(self, shard: int, src: int, tag: int) -> list[tuple[int, int]]:
+        """Who may send a shard's rows: `src`, then (replicas) the other holders."""
+        sources = [(src, tag)]
+        if self.cfg.replicas > 1:
+            ranks = list(range(1, self.comm.Get_size()))
+            alt = resource_tag(tag)
+            sources += [(h, alt) for h in holders_of(shard, len(self.shard_sizes), ranks,
+                                                     self.cfg.replicas)
+                        if h not in (src, self.rank)]
+        return sources
+
     def _progress_outgoing(self) -> None:
         if self.outgoing:
             self.outgoing = [o for o in self.outgoing if not C.Request.Testall(o[0])]
+        if self.remotes:
+            for r in self.remotes:
+                r.leftover = [c for c in r.leftover if not C.Request.Testall(c[0])]
+            self.remotes = [r for r in self.remotes if r.copies or r.leftover]
 
     def _check_fault(self) -> None:
         self._progress_outgoing()

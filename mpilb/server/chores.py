@@ -153,11 +153,13 @@ class Chores:
         self._log_shards()
         if all(o.lost for o in self.peers.values()):
             raise RuntimeError("every worker was lost")
-        for receiver, t in self.ledger.expects_rows_from(w.rank):   # they can no longer arrive
-            raise RuntimeError(
-                f"rank {w.rank} was lost before sending rows of shard {t.shard} to rank "
-                f"{receiver}, which waits for them; this run cannot continue: resume from "
-                f"the last checkpoint")
+        if self.ledger.holders is not None:
+            # rows it owed come from another copy (--replicas >= 2); else resource() raises
+            for receiver, t in self.ledger.resource(w.rank):
+                print(f"mpilb: rows of shard {t.shard} that rank {w.rank} owed rank {receiver} "
+                      f"come from rank {t.src} instead", file=sys.stderr, flush=True)
+            self._log_shards()
+            self._send_orders_to_waiting()
         self._wake_idle()
         if self.rule.round_complete(self.present()):
             self._close_round()

@@ -1,0 +1,81 @@
+"""Balancing quality: re-sourcing rows a lost holder owed, fast first rates, probes of silent
+readers, the shard cache (pure units first, then a few short runs under mpiexec)."""
+
+from __future__ import annotations
+
+import pytest
+
+import mpirun
+from mpilb.balancer import BalancerConfig, build_balancer
+from mpilb.report import summarize_log
+from mpilb.server.tasks import TaskLedger
+from mpilb.shards import RESOURCE_TAG_BASE, holders_of, placement, resource_tag
+from mpilb.wire import OrderMsg
+
+
+def ledger_for(sizes, ranks=(1, 2, 3), policy="load", holders=None, **kw):
+    bal = build_balancer(policy, list(ranks), sizes, BalancerConfig(batch=32), holders)
+    bal.plan_epoch(0, list(range(len(sizes))))
+    return TaskLedger(bal, sizes, ranks, holders=holders, **kw), bal
+
+
+# ---------------------------------------------------------------- replicas
+def test_resource_tags_have_their_own_range_below_the_mpi_minimum_bound():
+    tags = {resource_tag(1000 + 2 * n) for n in range(10000)}
+    assert min(tags) == RESOURCE_TAG_BASE and max(tags) + 1 <= 32767
+    assert all(t % 2 == 0 for t in tags)            # t and t + 1 (samples, labels)
+    assert resource_tag(resource_tag(1000)) == resource_tag(1000)
+    p = placement(7, [1, 2, 3], replicas=2)
+    assert all(holders_of(s, 7, [1, 2, 3], 2) == p[s] for s in range(7))
+
+
+def test_rows_a_lost_holder_owed_are_ordered_from_another_copy():
+    holders = {0: [1, 2], 1: [2, 3]}
+    ledger, _ = ledger_for([100, 100], holders=holders, row_nbytes=8)
+    ledger.assign(3, 0, 0, 100, source=1)       # rank 3 holds no copy: rank 1 sends
+    (first,) = ledger.take_orders(1)
+    ledger.gone.add(1)                            # rank 1 lost before the rows arrived
+    ((receiver, task),) = ledger.resource(1)
+    assert receiver == 3 and task.src == 2 and task.tag == resource_tag(first.tag)
+    assert ledger.take_orders(2) == [OrderMsg(0, 0, 0, 100, 3, resource_tag(first.tag))]
+    assert 2 in ledger.take_ordered()
+    assert ledger.expects_rows_from(1) == []
+    # a holder that is lost too leaves no copy: a clear error, not a hang
+    ledger.gone.add(2)
+    with pytest.raises(RuntimeError, match="no other live rank holds a copy"):
+        ledger.resource(2)
+
+
+def test_a_holder_reads_its_own_copy_of_a_tail_it_takes_over():
+    holders = {0: [1, 2], 1: [2, 3]}
+    ledger, _ = ledger_for([100, 100], holders=holders)
+    ledger.assign(2, 0, 50, 100, source=1, event="move")
+    assert ledger.tasks(2)[-1].src == -1 and not ledger.has_orders(1)
+
+
+def test_no_part_way_move_from_a_donor_whose_rows_are_in_flight():
+    holders = {0: [1], 1: [2], 2: [3]}
+    ledger, bal = ledger_for([400, 400, 400], holders=holders, row_nbytes=8)
+    for r in (1, 2, 3):
+        ledger.of[r].tasks.clear()
+    ledger.assign(2, 0, 0, 400)                   # rows of shard 0 on their way to rank 2
+    ledger.of[2].batch_sent = 32
+    assert ledger.split_for(3, 32) is None
+    ledger.advance(2, 32)                         # they arrived: it started
+    assert ledger.split_for(3, 32) is not None
+
+
+@pytest.mark.mpi
+def test_local_store_replicas_survive_a_lost_holder(synth_dir, tmp_path):
+    """--store local --replicas 2 and a rank hung mid-epoch: exit 3, degraded, every sample
+    exactly once (rows the lost rank owed come from the other copy)."""
+    log = tmp_path / "run.h5"
+    res = mpirun.run(4, "train", "--data", synth_dir, "--model", "mlp", "--hidden", "32",
+                     "--batch", "32", "--epochs", "4", "--store", "local", "--replicas", "2",
+                     "--inject", "2:hang@1", "--inject", "1:readbw=1", "--worker-timeout", "1",
+                     "--no-progress", "--log", log, timeout=120)
+    assert res.returncode == 3, res.stderr
+    s = summarize_log(str(log))
+    assert s["status"] == "degraded" and s["lost_workers"] == [2] and s["epochs_completed"] == 4
+    cov = s["coverage"]
+    assert cov["applied"] == cov["expected"] > 0 and cov["duplicates"] == 0 and cov["missing"] == 0, cov
