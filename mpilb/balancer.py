@@ -184,6 +184,11 @@ class Balancer:
         """
         return self._step_over.get(worker) or 0.0, 1.0 / self._planning_rate(worker)
 
+    def rate_known(self, worker: int) -> bool:
+        """True once ``worker`` has a rate estimate of its own."""
+        est = self._rates.get(worker)
+        return est is not None and est.value is not None
+
     def has_rates(self) -> bool:
         """True once any worker has reported."""
         return any(est.value is not None for est in self._rates.values())

@@ -17,6 +17,7 @@ from .. import comm as C
 from ..training import PREEMPTED
 
 FIRST_SIZES_STEPS = 16   # proportional batches are first sized after this many steps each
+WARMUP_FIRST_S = 0.25    # after the first rates, rebalance after 0.25, 0.5, 1 ... s
 
 
 class WorkerFailed(Exception):
@@ -30,6 +31,7 @@ class Chores:
     """Timers and liveness of the parameter server (a mixin: it reads the server's state)."""
 
     CHORES_S = 0.002   # how often the main loop checks errors, lost workers and timers
+    _warmup_gap: Optional[float] = None   # see _warmup_due
 
     def _chores(self) -> None:
         err = C.poll_error(self.comm)
@@ -61,7 +63,8 @@ class Chores:
         if (self.cfg.checkpoint and not self.stop.reason
                 and mono - self.last_checkpoint >= self.cfg.checkpoint_interval):
             self._checkpoint()
-        if mono - self.last_rebalance >= self.cfg.rebalance_interval or self._first_sizes_due():
+        if (mono - self.last_rebalance >= self.cfg.rebalance_interval or self._first_sizes_due()
+                or self._warmup_due(mono)):
             self._rebalance(mono)
         if mono - self.last_eval >= self.cfg.eval_interval:
             self._evaluate()
@@ -83,6 +86,23 @@ class Chores:
         if busy and all(w.step >= FIRST_SIZES_STEPS for w in busy):
             self.sized_early = True
         return self.sized_early
+
+    def _warmup_due(self, mono: float) -> bool:
+        """Rates learnt from the first steps are used at once: a rebalance as soon as every
+        busy worker has a first estimate (a bucket of its first steps), then after 0.25,
+        0.5, 1 ... s while the estimates settle, until the gap reaches --rebalance-interval.
+        A run of a few seconds would otherwise spend its first interval on a blind plan."""
+        gap = self._warmup_gap
+        if gap is None:
+            busy = [w for w in self.present() if not w.idle]
+            if busy and all(self.balancer.rate_known(w.rank) for w in busy):
+                self._warmup_gap = WARMUP_FIRST_S
+                return True
+            return False
+        if gap < self.cfg.rebalance_interval and mono - self.last_rebalance >= gap:
+            self._warmup_gap = 2 * gap
+            return True
+        return False
 
     def _rebalance(self, mono: float) -> None:
         self.last_rebalance = mono
