@@ -147,6 +147,7 @@ class Balancer:
         self._requeued: set[int] = set()    # shards of a lost worker, maybe partly done
         self._moves: list[Move] = []
         self.benched: set[int] = set()      # sitting sync rounds out: no shards, no batch
+        self._probed: dict[int, float] = {}        # when each silent worker was last probed
         self.round_step: float | None = None   # step time the last proportional sizes aim at
 
     # -- rates ------------------------------------------------------------------------------
@@ -343,6 +344,18 @@ class Balancer:
         self._queues[worker] = []
         self._committed[worker] = 0
 
+    def seed_rate(self, worker: int, samples: float, busy_s: float) -> None:
+        """Start ``worker``'s estimates afresh from one measurement (a readmitted worker's
+        probe step): it is planned and sized at that rate at once, not at the others' mean
+        until 50 ms of busy time have filled a bucket."""
+        self.forget(worker)
+        est = self._rates.get(worker)
+        if est is not None and samples > 0 and busy_s > 0:
+            bucket = est.ewma.bucket_s
+            est.ewma.bucket_s = 0.0      # this one measurement is the first bucket
+            est.update(self.now, samples, busy_s)
+            est.ewma.bucket_s = bucket
+
     def forget(self, worker: int) -> None:
         """Drop ``worker``'s rate and per-step overhead (it changed speed, e.g. back from
         the bench): until it reports again it is planned at the others' mean rate."""
@@ -538,6 +551,40 @@ class LoadBalancer(Balancer):
         super().rebalance(t, committed)
         if len(self.workers) < 2:
             return []
+        moves = self._moves_by_rate()
+        self._moves.extend(moves)
+        probes = self._probe_silent(t)
+        self._moves.extend(probes)
+        return moves + probes
+
+    def _probe_silent(self, t: float) -> list[Move]:
+        """A worker left without work while others still have shards queued (projected too
+        slow for even one, e.g. a slow reader) sends no reports, so its rate would never
+        recover when it speeds up. At a rebalance it gets one queued shard (a probe: the
+        smallest at the tail of the last finisher's queue), at most one per interval; its
+        old estimate is then replaced by what the probe measures. A worker idle for any
+        other reason would have stolen that shard already."""
+        wait = self.config.rebalance_interval
+        moves = []
+        for w in self.workers:
+            if self._queues[w] or self._committed.get(w, 0) > 0:
+                continue
+            if t - self._probed.get(w, -wait) < wait or not self.rate_known(w):
+                continue
+            donors = [v for v in self.workers if v != w and self._queues[v]]
+            if not donors:
+                break
+            src = max(donors, key=self._finish)
+            shard = min(self._queues[src][-3:], key=lambda s: self.shard_sizes[s])
+            self._queues[src].remove(shard)
+            self._queues[w].append(shard)
+            self._probed[w] = t
+            self._rates[w].ewma.mark_stale()
+            moves.append(Move(shard, src, w, "probe"))
+        return moves
+
+    def _moves_by_rate(self) -> list[Move]:
+        """The rebalance proper (see the class docstring); moves not yet recorded."""
         load = {w: self._load(w) for w in self.workers}
         finish = {w: self._time_for(w, load[w]) for w in self.workers}
         before = max(finish.values())
@@ -566,7 +613,6 @@ class LoadBalancer(Balancer):
                 self._queues[move.dst].pop()
                 self._queues[move.src].append(move.shard)
             moves = []
-        self._moves.extend(moves)
         return moves
 
     def _steal(self, worker):

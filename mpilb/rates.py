@@ -74,6 +74,7 @@ class EwmaRate:
         self.shifted = False  # did the last update reset the estimate (a level shift)?
         self.closed = False   # did the last update close a bucket (change the estimate)?
         self.buckets = 0      # buckets closed so far
+        self.stale = False    # the next bucket replaces the estimate (see mark_stale)
         self._recent: deque[float] = deque(maxlen=3)
         self._bucket = [0.0, 0.0]   # samples, busy seconds of the open bucket
 
@@ -108,7 +109,14 @@ class EwmaRate:
         self.buckets += 1
         guarded = self._guard(rate)
         self.last_input = guarded
-        if self.value is None:
+        if self.stale:   # a worker back after a long silence: what it does now counts
+            self.stale = False
+            self._recent.clear()
+            self._recent.append(rate)
+            self.value = guarded = rate
+            self.shifted = True
+            self.buckets = 1      # and the next few are averaged evenly with it
+        elif self.value is None:
             self.value = guarded
         elif len(self._recent) == 3 and (
                 min(self._recent) > SHIFT_FACTOR * self.value
@@ -122,6 +130,13 @@ class EwmaRate:
             weight = max(self.alpha, 1.0 / self.buckets)
             self.value = (1.0 - weight) * self.value + weight * guarded
         return self.value
+
+    def mark_stale(self) -> None:
+        """The estimate is old (the worker got no work for a while): keep it until the
+        next bucket closes, then replace it by that bucket's rate."""
+        if self.value is not None:
+            self.stale = True
+            self._bucket = [0.0, 0.0]
 
     def state_dict(self) -> dict:
         """JSON-serialisable state."""

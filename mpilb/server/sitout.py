@@ -118,7 +118,13 @@ class SitOut:
             overhead = sum(self.balancer.step_model(o.rank)[0] for o in others) / len(others)
             step = float(push.compute_s) * want / done + overhead
             fits = step <= target
-        if fits:
-            self.balancer.forget(peer.rank)   # measured while it was slow
-        else:
+        if not fits:
             self.bench(peer, peers, now)
+            return
+        # Back in the rounds, sized at once from what the probe measured (its old estimate
+        # was made while it was slow; the others' mean would misjudge it just as much).
+        self.balancer.seed_rate(peer.rank, done, float(push.compute_s + push.io_s))
+        sizes = self.balancer.batch_sizes()
+        for p in peers:
+            if not p.benched and not p.probing and p.rank in sizes:
+                p.batch = int(sizes[p.rank])
