@@ -111,3 +111,76 @@ def test_backoff_for_a_long_wait_polls_in_proportion(monkeypatch):
     window = [t for t in woke if due <= t <= due + 0.02]
     assert 20 <= len(window) <= 60                                # ~0.5 ms apart, not 400
     assert min(t for t in woke if t >= due - b.step) <= due + 2 * b.step
+
+
+# ---------------------------------------------------------------- rates learnt fast
+def test_first_buckets_are_averaged_evenly():
+    from mpilb.rates import EwmaRate
+
+    est = EwmaRate(alpha=0.1, bucket_s=0.05)
+    est.update(50, 0.05)                 # a cold first step: 1000/s
+    for _ in range(4):
+        est.update(60, 0.05)             # then 1200/s (within the level-shift factor)
+    # near the mean of the five (guarded) buckets; 4 alpha steps would leave it at 1054
+    assert 1100 <= est.value <= 1160
+    for _ in range(40):
+        est.update(60, 0.05)
+    assert est.value == pytest.approx(1200.0, rel=0.01)
+
+
+def test_a_stale_estimate_is_replaced_by_the_next_bucket():
+    from mpilb.rates import EwmaRate
+
+    est = EwmaRate(alpha=0.1, bucket_s=0.05)
+    for _ in range(30):
+        est.update(5, 0.05)              # a slow reader: 100/s
+    est.mark_stale()
+    assert est.value == pytest.approx(100.0)    # kept until the probe reports
+    est.update(200, 0.05)                # it reads fast again: 4000/s
+    assert est.value == pytest.approx(4000.0)
+
+
+# ---------------------------------------------------------------- probes, readmission
+def test_a_silent_worker_gets_a_probe_shard_once_per_interval():
+    bal = build_balancer("load", [1, 2, 3], [100] * 12, BalancerConfig(batch=32, rebalance_interval=2.0))
+    for t in (0.1, 0.2, 0.3):
+        bal.observe(1, t, 100, 0.05)
+        bal.observe(3, t, 100, 0.05)
+        bal.observe(2, t, 1, 1.0)        # rank 2: 2000 times slower
+    bal.plan_epoch(0, list(range(12)))
+    assert bal.queued(2) == []           # too slow for even one shard: it falls silent
+    moves = bal.rebalance(1.0, {1: 100, 2: 0, 3: 100})
+    probes = [m for m in moves if m.reason == "probe"]
+    assert [(m.dst, len(bal.queued(2))) for m in probes] == [(2, 1)]
+    assert bal.next_shard(2) == probes[0].shard        # an idle worker takes it at once
+    assert not [m for m in bal.rebalance(2.0, {1: 100, 2: 100, 3: 100}) if m.reason == "probe"]
+    bal.observe(2, 2.5, 100, 0.05)      # the probe: it is fast now
+    assert bal.rate(2) == pytest.approx(2000.0)
+
+
+def test_seed_rate_sizes_a_readmitted_worker_at_once():
+    cfg = BalancerConfig(batch=64, batch_policy="proportional", min_batch=1, max_batch=512)
+    bal = build_balancer("load", [1, 2], [100] * 4, cfg)
+    for t in (0.1, 0.2, 0.3):
+        bal.observe(1, t, 100, 0.05)
+        bal.observe(2, t, 10, 0.05)
+    bal.seed_rate(2, 100, 0.05)          # its probe step: as fast as rank 1 now
+    assert bal.rate(2) == pytest.approx(2000.0)
+    assert bal.batch_sizes() == {1: 64, 2: 64}
+
+
+def test_utilization_leaves_out_seconds_on_the_bench():
+    from mpilb.server.peers import Peer
+    from mpilb.server.sitout import SitOut
+
+    bal = build_balancer("load", [1, 2], [100] * 4, BalancerConfig(batch=32))
+    bal.plan_epoch(0, [0, 1, 2, 3])
+    ledger = TaskLedger(bal, [100] * 4, [1, 2])
+    sit = SitOut(bal, ledger, 32, 1, 512, rebalance_interval=0.5)
+    a, b = Peer(rank=1, batch=32), Peer(rank=2, batch=32)
+    assert sit.bench(b, [a, b], now=10.0)
+    assert sit.benched_s(2, 9.0, 12.0) == pytest.approx(2.0)
+    sit.start_probes([a, b], now=13.0)   # back after 3 s on the bench
+    assert sit.benched_s(2, 9.0, 20.0) == pytest.approx(3.0)
+    assert sit.benched_s(2, 11.0, 12.0) == pytest.approx(1.0)
+    assert sit.benched_s(1, 9.0, 20.0) == 0.0
