@@ -89,8 +89,14 @@ class Worker:
         self.n = self.model.num_params
         self.injector = Injector(parse_injects(cfg.inject, comm.Get_size()), rank, cfg.seed)
         inj = self.injector
+        self.held = None
+        if cfg.store == "local":
+            ranks = list(range(1, comm.Get_size()))
+            self.held = {s for s, hs in placement(len(dataset.shard_sizes), ranks, cfg.replicas).items()
+                         if rank in hs}
         self.store = ShardStore(dataset, seed=cfg.seed,
-                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s))
+                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
+                                cache_mb=cfg.cache_mb, shards=self.held)
         self.feed = ShardFeed(self.store, self.backend)
         self.step_fn = GradientStep(self.model, self.backend, self.injector)
         self.on_cpu = self.backend.name == "cpu"
@@ -125,11 +131,6 @@ class Worker:
         self.remotes: list[RemoteRows] = []   # receives of rows not yet complete or let go
         self.shard_sizes = list(dataset.shard_sizes)
         self.sample_shape = tuple(dataset.sample_shape)
-        self.held = None
-        if cfg.store == "local":
-            ranks = list(range(1, comm.Get_size()))
-            self.held = {s for s, hs in placement(len(dataset.shard_sizes), ranks, cfg.replicas).items()
-                         if rank in hs}
 
     def _message(self):
         """(buffer MPI sends/receives, host header, payload on the compute device or host)."""

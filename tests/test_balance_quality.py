@@ -184,3 +184,33 @@ def test_utilization_leaves_out_seconds_on_the_bench():
     assert sit.benched_s(2, 9.0, 20.0) == pytest.approx(3.0)
     assert sit.benched_s(2, 11.0, 12.0) == pytest.approx(1.0)
     assert sit.benched_s(1, 9.0, 20.0) == 0.0
+
+
+# ---------------------------------------------------------------- the shard cache
+def test_shard_cache_reads_each_shard_once_and_injected_reads_only_then(small_dataset):
+    import numpy as np
+
+    from mpilb.shards import ShardStore
+
+    delays = []
+    mb = sum(small_dataset.shard_nbytes(s) for s in range(len(small_dataset.shards))) / 2**20
+    store = ShardStore(small_dataset, seed=1, cache_mb=mb * 1.01,
+                       io_delay=lambda nbytes, s: delays.append(nbytes) or 0.0)
+    assert store.caching
+    first = store.load(0, 1)
+    again = store.load(1, 1)             # the next epoch: another order, no storage read
+    assert len(delays) == 1 and store.loads_done == 2
+    assert sorted(first.y.tolist()) == sorted(again.y.tolist())
+    assert not np.array_equal(first.y, again.y)
+    x, _ = store.read(1, 0, 10)          # a part of a shard is read from storage as before
+    assert len(delays) == 2 and len(x) == 10
+    store.close()
+    # the shards this rank may read do not all fit: nothing is kept
+    small = ShardStore(small_dataset, seed=1, cache_mb=mb / 2,
+                       io_delay=lambda nbytes, s: delays.append(nbytes) or 0.0)
+    assert not small.caching
+    small.load(0, 1)
+    small.load(1, 1)
+    assert len(delays) == 4
+    # ... unless only a few are this rank's (a node-local store's copies)
+    assert ShardStore(small_dataset, cache_mb=mb / 2, shards=[0]).caching
