@@ -81,38 +81,6 @@ def test_local_store_replicas_survive_a_lost_holder(synth_dir, tmp_path):
     assert cov["applied"] == cov["expected"] > 0 and cov["duplicates"] == 0 and cov["missing"] == 0, cov
 
 
-# ---------------------------------------------------------------- server CPU while workers are slow
-def test_backoff_for_a_long_wait_polls_in_proportion(monkeypatch):
-    """A push due in ~50 ms (a slow worker): a few long sleeps until just before it, then
-    polls every ~0.5 ms (not every 50 us) through the window."""
-    import time
-
-    from mpilb.waiting import Backoff, WaitEstimate
-
-    now = [100.0]
-    sleeps = []
-
-    def sleep(s):
-        sleeps.append(s)
-        now[0] += max(s, 50e-6)
-
-    monkeypatch.setattr(time, "monotonic", lambda: now[0])
-    monkeypatch.setattr(time, "sleep", sleep)
-    est = WaitEstimate()
-    est.update(0.05)
-    b = Backoff()
-    due, grace = est.window(now[0])
-    b.reset(due, grace)
-    woke = []
-    while now[0] < due + 0.02:
-        b.sleep()
-        woke.append(now[0])
-    assert len([t for t in woke if t < due - 1e-3]) <= 6          # 10 ms sleeps until then
-    window = [t for t in woke if due <= t <= due + 0.02]
-    assert 20 <= len(window) <= 60                                # ~0.5 ms apart, not 400
-    assert min(t for t in woke if t >= due - b.step) <= due + 2 * b.step
-
-
 # ---------------------------------------------------------------- rates learnt fast
 def test_first_buckets_are_averaged_evenly():
     from mpilb.rates import EwmaRate
