@@ -172,7 +172,8 @@ class Bench:
     def _recovery(cols) -> dict:
         w, sh = cols["workers"], cols["shards"]
         t, rank, rate, samples = (np.asarray(w[k]) for k in ("t", "worker", "rate", "samples"))
-        silent = [round(float(x), 2) for x, r, n in zip(t, rank, samples) if r == 2 and n == 0]
+        silent = [round(float(x), 2) for x, r, n in zip(t, rank, samples)
+                  if r == 2 and n == 0 and x < t.max()]   # the last row closes the run
         recovered = None
         for x in sorted(set(t[t >= SLOW_READER_END_S])):
             mine = rate[(t == x) & (rank == 2)]
