@@ -1,7 +1,7 @@
 """Balancing quality (issue 17): the straggler case against its ideal, node-local stores,
 a silent slow reader that recovers, and a lost holder with two replicas, in one run.
 
-    python benchmarks/quality.py [--dir DIR] [--repeats 3] [--only a,b,c,d] [--json OUT]
+    python benchmarks/quality.py [--dir DIR] [--repeats 3] [--only a,b,c,d] [--out FILE] [--quick]
 
 One server and three workers (``mpiexec -n 4``), async, ``load`` unless said otherwise:
 
@@ -26,7 +26,8 @@ One server and three workers (``mpiexec -n 4``), async, ``load`` unless said oth
       coverage (every repeat).
 
 Ratios are taken within a repeat (runs back to back), then the median, min and max over
-repeats are shown. Other jobs on the machine slow every run; the ratios and the efficiency
+repeats are shown and written to ``benchmarks/results/quality.json`` (``--out``; see
+``_results.py``). Other jobs on the machine slow every run; the ratios and the efficiency
 (whose ideal is measured in the same run) are what to read. Exit status: 0 when every target
 is met, 1 otherwise.
 """
@@ -34,7 +35,6 @@ is met, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -45,7 +45,10 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
 import _runs  # noqa: E402  (the shared run plumbing beside this script)
+
+NAME = "quality"
 
 STRAGGLER = "3:compute=4"
 SLOW_READER = "2:readbw=5@0-3"
@@ -87,10 +90,10 @@ class Bench:
         self.small = _runs.Bench(argparse.Namespace(**vars(ns), samples=96000, features=256),
                                  ["--model", "mlp", "--hidden", "128", "--batch", "128"])
         self.results: dict = {}
-        self.checks: list = []
-
-    def check(self, name: str, ok: bool, value: str) -> None:
-        self.checks.append((name, bool(ok), value))
+        self.res = _results.Results(NAME, "Balancing quality", opts)
+        for name in os.listdir(self.small.logs):   # an earlier run's checkpoints beside its logs
+            if name.endswith(".ckpt.h5"):          # would make `train` refuse the same --log
+                os.remove(os.path.join(self.small.logs, name))
 
     # ---------------------------------------------------------------- (a)
     def straggler(self) -> None:
@@ -122,9 +125,21 @@ class Bench:
             print("  " + show(f"pipeline {p} fast workers' comm share", out[f"pipeline{p}"]["comm_share"]))
         print("  " + show("samples/s pipeline 1 / pipeline 0", out["pipeline1_over_0"]))
         print("  " + show("first plan on measured rates, s into training", out["first_plan_s"]))
-        eff = out[f"pipeline{default}"]["efficiency"]["median"]
-        self.check(f"(a) straggler: efficiency >= 0.85 (default --pipeline {default})", eff >= 0.85,
-                   f"{eff:.2f}")
+        g = self.res.group(f"(a) the straggler ({STRAGGLER}, 120000 x 784, mlp 256,256, batch 512, "
+                           f"2 epochs)", runs[0][0].command)
+        eff = lambda x: efficiency(x)  # noqa: E731
+        self.res.figure(g, "a.efficiency", f"efficiency, default --pipeline {default} (÷ ideal)",
+                        [eff(x) for x in runs[default]], target=">= 0.85",
+                        command=runs[default][0].command)
+        self.res.figure(g, "a.efficiency_other", f"efficiency, --pipeline {1 - default}",
+                        [eff(x) for x in runs[1 - default]], command=runs[1 - default][0].command)
+        for p in (0, 1):
+            self.res.figure(g, f"a.comm_share_p{p}", f"fast workers' comm share, --pipeline {p}",
+                            out[f"pipeline{p}"]["comm_share"]["values"], command=runs[p][0].command)
+        self.res.figure(g, "a.pipeline_ratio", "samples/s, --pipeline 1 ÷ --pipeline 0",
+                        out["pipeline1_over_0"]["values"])
+        self.res.figure(g, "a.first_plan_s", "first plan on measured rates, s into training",
+                        out["first_plan_s"]["values"], unit="s", target="<= 0.5")
 
     # ---------------------------------------------------------------- (b)
     def local_store(self) -> None:
@@ -142,7 +157,10 @@ class Bench:
                              "bytes_moved": spread(x.summary["bytes_moved"] for x in loads)}
         s = self.results["b"]["load_over_static"]
         print("  " + show("load / static mean epoch", s))
-        self.check("(b) local store: load <= 0.6 x static", s["median"] <= 0.6, f"{s['median']:.2f}")
+        g = self.res.group(f"(b) --store local --inject {STRAGGLER} (96000 x 256, mlp 128, batch 128, "
+                           f"2 epochs)", loads[0].command)
+        self.res.figure(g, "b.load_over_static", "load ÷ static, mean epoch time", ratios,
+                        target="<= 0.6")
 
     # ---------------------------------------------------------------- (c)
     def slow_reader(self) -> None:
@@ -164,9 +182,12 @@ class Bench:
         self.results["c"] = {"runs": found, "recovered_after_end_s": spread(late),
                              "silent_runs": sum(1 for f in found if f["silent_rows"]),
                              "command": b.runs[-1].command}
-        worst = statistics.median(late)
-        self.check("(c) slow reader: logged rate back within 2 rebalance intervals of the end of "
-                   "the slowdown (median)", worst <= 2 * INTERVAL_S, f"{worst:.2f} s")
+        g = self.res.group(f"(c) a slow reader, --inject {SLOW_READER}, 8 epochs", b.runs[-1].command)
+        self.res.figure(g, "c.recovered_s", "rank 2's logged rate back (>= half the others'), s "
+                        "after its slowdown ended", [None if v == float("inf") else v for v in late],
+                        unit="s", target=f"<= {2 * INTERVAL_S:g}")
+        self.res.figure(g, "c.silent", "runs in which rank 2 fell silent (a row with no samples)",
+                        [float(bool(f["silent_rows"])) for f in found], digits=0)
 
     @staticmethod
     def _recovery(cols) -> dict:
@@ -200,10 +221,15 @@ class Bench:
                 os.remove(log)
             args = ["--data", b.data, *b.model, "--epochs", "3", "--store", "local", "--replicas",
                     "2", "--inject", "2:hang@1", "--inject", "1:readbw=20", "--worker-timeout", "1",
-                    "--no-progress", "--log", log]
+                    "--no-progress", "--overwrite", "--log", log]
             cmd = [_runs.mpiexec(), "-n", "4", sys.executable, "-m", "mpilb", "train", *args]
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.opts.run_timeout)
-            s = summarize_log(log)
+            try:
+                s = summarize_log(log)
+            except Exception as exc:  # noqa: BLE001 - a run that left no readable log failed
+                print(f"    exit {res.returncode}, no log ({exc}): {res.stderr[-300:]}")
+                ok.append(False)
+                continue
             cov = s["coverage"]
             exact = cov["applied"] == cov["expected"] > 0 and cov["duplicates"] == cov["missing"] == 0
             resourced = "come from rank" in res.stderr
@@ -211,8 +237,10 @@ class Bench:
             print(f"    exit {res.returncode}, {s['status']}, coverage {cov['applied']}/{cov['expected']} "
                   f"(dup {cov['duplicates']}, missing {cov['missing']}), rows re-sourced: {resourced}")
         self.results["d"] = {"runs_ok": ok, "command": "mpiexec -n 4 mpilb train " + " ".join(args[:-2])}
-        self.check("(d) replicas 2, lost holder: exit 3, degraded, exact coverage (every run)",
-                   all(ok), f"{sum(ok)}/{len(ok)}")
+        g = self.res.group("(d) --store local --replicas 2, a rank hung mid-epoch",
+                           self.results["d"]["command"])
+        self.res.figure(g, "d.ok", "exit 3, degraded, exact coverage (1 = yes)",
+                        [float(x) for x in ok], digits=0, target=">= 1", decide="all")
 
 
 def main(argv=None) -> int:
@@ -221,8 +249,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--only", default="a,b,c,d", help="scenarios to run, comma-separated")
     ap.add_argument("--run-timeout", type=float, default=300.0)
-    ap.add_argument("--json", help="also write every figure to this JSON file")
+    _results.add_output_args(ap, NAME)
     opts = ap.parse_args(argv)
+    if opts.quick:
+        opts.repeats = 1
     os.makedirs(opts.dir, exist_ok=True)
     import mpilb
 
@@ -233,17 +263,12 @@ def main(argv=None) -> int:
     steps = {"a": bench.straggler, "b": bench.local_store, "c": bench.slow_reader, "d": bench.lost_holder}
     for key in opts.only.split(","):
         steps[key]()
-    _runs.print_targets(bench.checks)
+    _runs.print_targets(bench.res.checks())
     print(f"{time.perf_counter() - t0:.0f} s on {os.cpu_count()} CPUs; 1-minute load average "
           f"before {load_before:.1f}, after {os.getloadavg()[0]:.1f}; other jobs slow both sides "
           f"of a ratio")
-    if opts.json:
-        with open(opts.json, "w") as f:
-            json.dump({"results": bench.results, "load_average_before": load_before,
-                       "cpus": os.cpu_count(),
-                       "checks": [{"target": n, "met": ok, "value": v} for n, ok, v in bench.checks]},
-                      f, indent=1)
-    return 0 if all(ok for _, ok, _ in bench.checks) else 1
+    bench.res.write(_results.out_path(opts, NAME))
+    return 0 if bench.res.all_met() else 1
 
 
 if __name__ == "__main__":
