@@ -105,7 +105,7 @@ class BalancerConfig:
 
 @dataclass(frozen=True)
 class Move:
-    """One shard moved from ``src``'s queue to ``dst``'s (reason: rebalance, steal, lost)."""
+    """One shard moved from ``src``'s queue to ``dst``'s (reason: rebalance, steal, lost, probe)."""
 
     shard: int
     src: int
