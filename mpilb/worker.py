@@ -54,7 +54,8 @@ class RemoteRows:
     in `leftover` until MPI has let go of their buffers).
     """
 
-    def __init__(self, comm, sources: list[tuple[int, int]], rows: int, sample_shape, backoff):
+    def __init__(self, comm, sources: list[tuple[int, int]], rows: int, sample_shape, backoff,
+                 on_poll=None):
         self.copies = []
         for src, tag in sources:
             x = np.empty((rows, *sample_shape), dtype=np.float32)
@@ -62,6 +63,7 @@ class RemoteRows:
             self.copies.append(([comm.Irecv(x, source=src, tag=tag),
                                  comm.Irecv(y, source=src, tag=tag + 1)], x, y))
         self.backoff = backoff
+        self.on_poll = on_poll    # between polls: rows other ranks wait for from this one
         self.leftover: list = []
 
     def wait(self):
@@ -76,6 +78,8 @@ class RemoteRows:
                         self.leftover.append(other)
                     self.copies = []
                     return x, y, time.perf_counter() - t0
+            if self.on_poll is not None:
+                self.on_poll()
             self.backoff.sleep()
 
 
@@ -188,7 +192,7 @@ class Worker:
             remote = None
             if src >= 0:
                 remote = RemoteRows(self.comm, self._sources(shard, src, tag), end - start,
-                                    self.sample_shape, self.backoff)
+                                    self.sample_shape, self.backoff, self._orders_while_blocked)
                 self.remotes.append(remote)
             elif self.held is not None and shard not in self.held:
                 raise RuntimeError(f"shard {shard} assigned for a local read, but this rank holds no copy")
@@ -237,6 +241,26 @@ class Worker:
         x, y = self.feed.rows(epoch, shard, start, end)
         reqs = [self.comm.Isend(x, dest=dst, tag=tag), self.comm.Isend(y, dest=dst, tag=tag + 1)]
         self.outgoing.append((reqs, x, y))   # the arrays live until the sends complete
+
+    def _orders_while_blocked(self) -> None:
+        """Waiting for rows: serve send orders the server sends meanwhile. Two workers
+        waiting for rows from each other (both re-sourced after a lost holder) would
+        otherwise wait for ever. Without pipelining no reply can be on its way now (this
+        rank has not pushed), so a message from rank 0 here is ORDERS (header only: the
+        parameters in the reply buffer are untouched)."""
+        self._check_fault()
+        if self.cfg.pipeline:
+            return   # a reply may be on its way: it must be read by _wait_reply
+        msg = self.comm.improbe(source=0, tag=wire.TAG_REPLY)
+        if msg is None:
+            return
+        C.complete(msg.Irecv(self.recv_buf[0]))
+        self._header_from_buffer(self.recv_buf)
+        hdr = self.recv_buf[1]
+        if wire.command(hdr) != Cmd.ORDERS:
+            raise RuntimeError(f"rank {self.rank}: message {wire.command(hdr)} from rank 0 while "
+                               f"waiting for shard rows (only ORDERS can come then)")
+        self._serve_orders(wire.decode_orders(hdr))
 
     def _sources(self, shard: int, src: int, tag: int) -> list[tuple[int, int]]:
         """Who may send a shard's rows: `src`, then (replicas) the other holders."""

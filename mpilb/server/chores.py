@@ -179,7 +179,11 @@ class Chores:
                 print(f"mpilb: rows of shard {t.shard} that rank {w.rank} owed rank {receiver} "
                       f"come from rank {t.src} instead", file=sys.stderr, flush=True)
             self._log_shards()
-            self._send_orders_to_waiting()
+            # Now, whatever the holder is doing: it may itself be blocked waiting for rows
+            # (from the lost rank, re-sourced to the receiver), and serves orders meanwhile.
+            for r in self.ledger.take_ordered():
+                if self.ledger.has_orders(r) and self.peers[r].present and not self.peers[r].lost:
+                    self.outbox.orders(self.peers[r])
         self._wake_idle()
         if self.rule.round_complete(self.present()):
             self._close_round()
