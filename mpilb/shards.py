@@ -32,7 +32,6 @@ import numpy as np
 
 from .dataset import Dataset, check_h5_layout, check_values, open_h5
 from .errors import DataError
-from .wire import SHARD_TAGS, TAG_SHARD_BASE
 
 IoDelay = Callable[[int, float], float]
 
@@ -279,18 +278,6 @@ def placement(num_shards: int, workers: list[int], replicas: int = 1) -> dict[in
     w = len(workers)
     r = min(max(1, replicas), w)
     return {s: [workers[(s + k) % w] for k in range(r)] for s in range(num_shards)}
-
-
-# Tags of rows sent again by another holder when the first one was lost: a range of their own
-# above the ordinary transfers (still below 32767, the least MPI_TAG_UB a library may have).
-RESOURCE_TAG_BASE = TAG_SHARD_BASE + 2 * SHARD_TAGS
-
-
-def resource_tag(tag: int) -> int:
-    """The tag another holder sends rows with when the one ordered with `tag` was lost."""
-    if tag >= RESOURCE_TAG_BASE:
-        return tag   # already re-sourced: each holder still has its own (source, tag) pair
-    return RESOURCE_TAG_BASE + (tag - TAG_SHARD_BASE) % SHARD_TAGS
 
 
 def holders_of(shard: int, num_shards: int, workers: list[int], replicas: int) -> list[int]:

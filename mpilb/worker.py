@@ -23,10 +23,10 @@ from . import comm as C
 from .backend import select_backend
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
-from .shards import ShardStore, holders_of, placement, resource_tag
+from .shards import ShardStore, holders_of, placement
 from .training import PREEMPTED, config_model
 from . import wire
-from .wire import Cmd
+from .wire import Cmd, resource_tag
 
 
 class StopWorker(Exception):

@@ -9,8 +9,8 @@ import mpirun
 from mpilb.balancer import BalancerConfig, build_balancer
 from mpilb.report import summarize_log
 from mpilb.server.tasks import TaskLedger
-from mpilb.shards import RESOURCE_TAG_BASE, holders_of, placement, resource_tag
-from mpilb.wire import OrderMsg
+from mpilb.shards import holders_of, placement
+from mpilb.wire import RESOURCE_TAG_BASE, OrderMsg, resource_tag
 
 
 def ledger_for(sizes, ranks=(1, 2, 3), policy="load", holders=None, **kw):

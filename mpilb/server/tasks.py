@@ -19,8 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Optional
 
-from ..shards import resource_tag
-from ..wire import MAX_ASSIGN, MAX_ORDER, SHARD_TAGS, TAG_SHARD_BASE, OrderMsg, TaskMsg
+from ..wire import MAX_ASSIGN, MAX_ORDER, SHARD_TAGS, TAG_SHARD_BASE, OrderMsg, TaskMsg, resource_tag
 
 COMMITTED = 2   # shards a worker holds at once: the current one and the one it prefetches
 
