@@ -99,6 +99,7 @@ def _validate(config_file, cli_values, world_size, all_args):
     from .config import build_config, load_toml
     from .dataset import verify_dataset
     from .inject import parse_injects
+    from .server.store import check_servers
     from .training import check_paths, check_world, config_model, resolve_data
 
     file_values = load_toml(config_file) if config_file else {}
@@ -108,7 +109,8 @@ def _validate(config_file, cli_values, world_size, all_args):
     data_dir = resolve_data(cfg)
     dataset = verify_dataset(data_dir)
     check_world(cfg, world_size, dataset)
-    config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
+    model = config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
+    check_servers(cfg, world_size, model.num_params)
     check_paths(cfg, dataset, config_file)   # the log and checkpoint names, once decided
     if cfg.device == "gpu" and world_size == 1:
         from .backend import select_backend
@@ -147,6 +149,10 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
             from .server import ParameterServer
 
             return ParameterServer(cfg, dataset, comm, run_attrs)
+        if rank < cfg.servers:
+            from .server.store import StoreRank
+
+            return StoreRank(cfg, dataset, comm, rank)
         from .worker import Worker
 
         return Worker(cfg, dataset, comm, rank)

@@ -35,6 +35,8 @@ SCHEMA: dict[str, dict[str, str]] = {
                "bytes": "i8"},
     "epochs": {"epoch": "i4", "t_start": "f8", "t_end": "f8", "samples": "i8",
                "utilization": "f8", "imbalance_s": "f8"},
+    "servers": {"t": "f8", "server": "i4", "updates": "i8", "bytes_in": "i8", "bytes_out": "i8",
+                "apply_s": "f8", "cpu_s": "f8"},
 }
 
 SHARD_EVENTS = ("assign", "move", "start", "done", "reassign")

@@ -206,7 +206,7 @@ def resolve_data(cfg: Config) -> str:
 
 def check_world(cfg: Config, world_size: int, dataset) -> None:
     """Combinations that depend on the job size or the data."""
-    workers = max(1, world_size - 1)
+    workers = max(1, world_size - cfg.servers)
     if cfg.store == "local" and cfg.replicas > workers:
         raise UsageError(f"--replicas {cfg.replicas} exceeds the {workers} worker rank(s) of this job")
     if cfg.model == "cnn" and len(dataset.sample_shape) not in (1, 3):

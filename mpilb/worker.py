@@ -95,7 +95,7 @@ class Worker:
         inj = self.injector
         self.held = None
         if cfg.store == "local":
-            ranks = list(range(1, comm.Get_size()))
+            ranks = list(range(cfg.servers, comm.Get_size()))
             self.held = {s for s, hs in placement(len(dataset.shard_sizes), ranks, cfg.replicas).items()
                          if rank in hs}
         self.store = ShardStore(dataset, seed=cfg.seed,
@@ -124,7 +124,10 @@ class Worker:
         self.step = 0
         self.backoff = C.Backoff()
         self.reply_wait = C.WaitEstimate()   # push -> reply, to wake up just in time
-        self.push_req = None
+        self.push_reqs: list = []
+        # --servers K: store s holds parameters [bounds[s], bounds[s+1]) (wire.cut_slices)
+        self.bounds = wire.cut_slices(self.n, cfg.servers, wire.layer_sizes(self.model))
+        self.pulls: Optional[list] = None   # receives of the next reply's slices, posted early
         # timings since the last push
         self.compute_s = self.comm_s = self.idle_s = 0.0
         self.io_reported = 0.0
@@ -158,9 +161,25 @@ class Worker:
             msg[1][:] = msg[0][:wire.HEADER_BYTES].get().view(np.float64)
 
     # ---------------------------------------------------------------- messages
+    def _post_pulls(self) -> None:
+        """Post the receives of every store's slice of the next reply's parameters."""
+        if self.pulls is None:
+            payload, b = self.recv_buf[2], self.bounds
+            self.pulls = [self.comm.Irecv(payload[b[s]:b[s + 1]], source=s, tag=wire.TAG_PARAMS)
+                          for s in range(len(b) - 1)]
+
+    def _finish_pulls(self) -> None:
+        """The slices follow a PARAMS header: wait for all of them (no spinning)."""
+        self.backoff.reset()
+        while not C.Request.Testall(self.pulls):
+            self._progress_outgoing()
+            self.backoff.sleep()
+        self.pulls = None
+
     def _wait_reply(self, counts_as_idle: bool) -> None:
         """Wait for the server's message (no spinning) and act on it."""
         t0 = time.perf_counter()
+        self._post_pulls()
         due, grace = (None, 0.0) if counts_as_idle else self.reply_wait.window(time.monotonic())
         hdr = self.recv_buf[1]
         while True:
@@ -171,6 +190,8 @@ class Worker:
                 break
             self._serve_orders(wire.decode_orders(hdr))   # rows another rank needs; the reply is still to come
         reply = wire.decode_reply(hdr)
+        if reply.cmd == Cmd.PARAMS:
+            self._finish_pulls()
         waited = time.perf_counter() - t0
         held = reply.held_s
         if counts_as_idle:
@@ -221,15 +242,21 @@ class Worker:
         self.io_reported = io_total
         self.comm_s = self.idle_s = 0.0
         t0 = time.perf_counter()
-        if self.push_req is not None:
-            C.complete(self.push_req)
+        for req in self.push_reqs:
+            C.complete(req)
         self._header_to_buffer(msg)
-        self.push_req = self.comm.Isend(buf, dest=0, tag=wire.TAG_PUSH)
+        b = self.bounds
+        # every store's slice at once; rank 0 gets the header with slice 0
+        self.push_reqs = [self.comm.Isend(msg[2][b[s]:b[s + 1]], dest=s, tag=wire.TAG_GRAD)
+                          for s in range(1, len(b) - 1)]
+        self.push_reqs.append(self.comm.Isend(buf[:wire.HEADER_BYTES + 4 * b[1]], dest=0,
+                                              tag=wire.TAG_PUSH))
         self.step += 1
-        # Complete the push now, pipelined or not: the server has a receive posted, so this
-        # is quick, while a large message left in flight would only move once this rank
+        # Complete the push now, pipelined or not: the receivers have receives posted, so
+        # this is quick, while a large message left in flight would only move once this rank
         # calls MPI again (no progress during a compute), and the reply would wait for it.
-        C.complete(self.push_req)
+        for req in self.push_reqs:
+            C.complete(req)
         self.comm_s += time.perf_counter() - t0   # reported with the next push
 
     def _serve_orders(self, orders) -> None:
@@ -266,7 +293,7 @@ class Worker:
         """Who may send a shard's rows: `src`, then (replicas) the other holders."""
         sources = [(src, tag)]
         if self.cfg.replicas > 1:
-            ranks = list(range(1, self.comm.Get_size()))
+            ranks = list(range(self.cfg.servers, self.comm.Get_size()))
             alt = resource_tag(tag)
             sources += [(h, alt) for h in holders_of(shard, len(self.shard_sizes), ranks,
                                                      self.cfg.replicas)
@@ -321,8 +348,11 @@ class Worker:
         except StopWorker:
             pass
         finally:
-            if self.push_req is not None:
-                C.wait(self.push_req, timeout=5.0)
+            for req in self.push_reqs:
+                C.wait(req, timeout=5.0)
+            for req in self.pulls or ():   # a reply that will not come (STOP)
+                req.Cancel()
+                C.wait(req, timeout=1.0)
             for reqs, _, _ in self.outgoing:   # rows other ranks still need
                 for req in reqs:
                     C.wait(req, timeout=30.0)

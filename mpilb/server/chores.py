@@ -137,6 +137,7 @@ class Chores:
     def _log_worker_rows(self) -> None:
         """One `workers/` row per worker with what it reported since the previous row."""
         t = self.now()
+        self.stores.log_rows(self.log, t)
         for w in self.peers.values():
             if w.lost:
                 continue
@@ -167,6 +168,7 @@ class Chores:
         print(f"mpilb: rank {w.rank} silent for {self.cfg.worker_timeout:g} s: declared lost; "
               f"its shards go to the other workers", file=sys.stderr, flush=True)
         w.lose()
+        self.remote.lose(w.rank)   # every store stops listening to it
         self.lost.append(w.rank)
         self.balancer.remove_worker(w.rank)
         self.ledger.take_back(w.rank, lost=True)
