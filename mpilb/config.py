@@ -109,6 +109,10 @@ OPTIONS: tuple[Option, ...] = (
            "reads only shards placed on it", ("shared", "local"), group="balancing"),
     Option("replicas", int, 1, "local store: copies of each shard", check=_POSITIVE_INT,
            group="balancing", metavar="R"),
+    Option("cache_mb", float, 0.0, "keep shards in memory after their first read when all "
+           "those a rank may read fit in this many MB (0: off); injected slow reads then slow "
+           "the first read of each shard only", check=_NON_NEGATIVE, group="balancing",
+           metavar="MB"),
     # stopping and evaluation
     Option("epochs", int, 5, "epochs to train", check=_POSITIVE_INT, group="stopping"),
     Option("max_seconds", float, None, "stop after this many seconds of training",

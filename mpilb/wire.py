@@ -42,6 +42,16 @@ TAG_GATHER = 18    # store s > 0 <-> rank 0: a slice and its optimizer state (ga
 TAG_STATS = 19     # store s > 0 -> rank 0: its counters (STATS_FIELDS)
 TAG_SHARD_BASE = 1000   # shard rows between workers: tag and tag+1 (samples, labels)
 SHARD_TAGS = 10000      # transfer tags cycle through this many pairs
+# Rows sent again by another holder when the first was lost: a range of their own above the
+# ordinary transfers (below 32767, the least MPI_TAG_UB a library may have).
+RESOURCE_TAG_BASE = TAG_SHARD_BASE + 2 * SHARD_TAGS
+
+
+def resource_tag(tag: int) -> int:
+    """The tag another holder sends rows with when the one ordered with `tag` was lost."""
+    if tag >= RESOURCE_TAG_BASE:
+        return tag   # already re-sourced: each holder still has its own (source, tag) pair
+    return RESOURCE_TAG_BASE + (tag - TAG_SHARD_BASE) % SHARD_TAGS
 
 
 class Push(IntEnum):

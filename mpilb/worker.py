@@ -24,10 +24,10 @@ from . import comm as C
 from .backend import select_backend
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
-from .shards import ShardStore, placement
+from .shards import ShardStore, holders_of, placement
 from .training import PREEMPTED, USR1_NOTICE, config_model
 from . import wire
-from .wire import Cmd
+from .wire import Cmd, resource_tag
 
 
 class StopWorker(Exception):
@@ -46,20 +46,42 @@ class Computed:
 
 
 class RemoteRows:
-    """Rows of a shard arriving from the rank that holds them (posted at assignment time)."""
+    """Rows of a shard arriving from a rank that holds them (posted at assignment time).
 
-    def __init__(self, comm, src: int, tag: int, rows: int, sample_shape, backoff):
-        self.x = np.empty((rows, *sample_shape), dtype=np.float32)
-        self.y = np.empty(rows, dtype=np.int64)
-        self.reqs = [comm.Irecv(self.x, source=src, tag=tag), comm.Irecv(self.y, source=src, tag=tag + 1)]
+    `sources`: (rank, tag) pairs, the ordered sender first. With --replicas 2 or more the
+    other holders of the shard are listed too (with the re-source tag): if the sender is
+    lost before the rows arrive, the server orders another holder to send them, and the
+    first complete copy is used; receives still posted for the others are cancelled (kept
+    in `leftover` until MPI has let go of their buffers).
+    """
+
+    def __init__(self, comm, sources: list[tuple[int, int]], rows: int, sample_shape, backoff,
+                 on_poll=None):
+        self.copies = []
+        for src, tag in sources:
+            x = np.empty((rows, *sample_shape), dtype=np.float32)
+            y = np.empty(rows, dtype=np.int64)
+            self.copies.append(([comm.Irecv(x, source=src, tag=tag),
+                                 comm.Irecv(y, source=src, tag=tag + 1)], x, y))
         self.backoff = backoff
+        self.on_poll = on_poll    # between polls: rows other ranks wait for from this one
+        self.leftover: list = []
 
     def wait(self):
         t0 = time.perf_counter()
         self.backoff.reset()
-        while not C.Request.Testall(self.reqs):
+        while True:
+            for i, (reqs, x, y) in enumerate(self.copies):
+                if C.Request.Testall(reqs):
+                    for other in self.copies[:i] + self.copies[i + 1:]:
+                        for req in other[0]:
+                            req.Cancel()
+                        self.leftover.append(other)
+                    self.copies = []
+                    return x, y, time.perf_counter() - t0
+            if self.on_poll is not None:
+                self.on_poll()
             self.backoff.sleep()
-        return self.x, self.y, time.perf_counter() - t0
 
 
 class Worker:
@@ -72,8 +94,14 @@ class Worker:
         self.n = self.model.num_params
         self.injector = Injector(parse_injects(cfg.inject, comm.Get_size()), rank, cfg.seed)
         inj = self.injector
+        self.held = None
+        if cfg.store == "local":
+            ranks = list(range(cfg.servers, comm.Get_size()))
+            self.held = {s for s, hs in placement(len(dataset.shard_sizes), ranks, cfg.replicas).items()
+                         if rank in hs}
         self.store = ShardStore(dataset, seed=cfg.seed,
-                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s))
+                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
+                                cache_mb=cfg.cache_mb, shards=self.held)
         self.feed = ShardFeed(self.store, self.backend)
         self.step_fn = GradientStep(self.model, self.backend, self.injector)
         self.on_cpu = self.backend.name == "cpu"
@@ -108,12 +136,9 @@ class Worker:
         self.signals_sent: set = set()
         self.preempt_reqs: list = []
         self.outgoing: list = []
+        self.remotes: list[RemoteRows] = []   # receives of rows not yet complete or let go
+        self.shard_sizes = list(dataset.shard_sizes)
         self.sample_shape = tuple(dataset.sample_shape)
-        self.held = None
-        if cfg.store == "local":
-            ranks = list(range(cfg.servers, comm.Get_size()))
-            self.held = {s for s, hs in placement(len(dataset.shard_sizes), ranks, cfg.replicas).items()
-                         if rank in hs}
 
     def _message(self):
         """(buffer MPI sends/receives, host header, payload on the compute device or host)."""
@@ -188,7 +213,9 @@ class Worker:
         for epoch, shard, start, end, src, tag in reply.assigns:
             remote = None
             if src >= 0:
-                remote = RemoteRows(self.comm, src, tag, end - start, self.sample_shape, self.backoff)
+                remote = RemoteRows(self.comm, self._sources(shard, src, tag), end - start,
+                                    self.sample_shape, self.backoff, self._orders_while_blocked)
+                self.remotes.append(remote)
             elif self.held is not None and shard not in self.held:
                 raise RuntimeError(f"shard {shard} assigned for a local read, but this rank holds no copy")
             self.feed.assign(epoch, shard, start, end, remote)
@@ -226,9 +253,11 @@ class Worker:
         self.push_reqs.append(self.comm.Isend(buf[:wire.HEADER_BYTES + 4 * b[1]], dest=0,
                                               tag=wire.TAG_PUSH))
         self.step += 1
-        if not self.cfg.pipeline:
-            for req in self.push_reqs:
-                C.complete(req)   # the stores have receives posted: this is quick
+        # Complete the push now, pipelined or not: the receivers have receives posted, so
+        # this is quick, while a large message left in flight would only move once this rank
+        # calls MPI again (no progress during a compute), and the reply would wait for it.
+        for req in self.push_reqs:
+            C.complete(req)
         self.comm_s += time.perf_counter() - t0   # reported with the next push
 
     def _serve_orders(self, orders) -> None:
@@ -241,9 +270,44 @@ class Worker:
         reqs = [self.comm.Isend(x, dest=dst, tag=tag), self.comm.Isend(y, dest=dst, tag=tag + 1)]
         self.outgoing.append((reqs, x, y))   # the arrays live until the sends complete
 
+    def _orders_while_blocked(self) -> None:
+        """Waiting for rows: serve send orders the server sends meanwhile. Two workers
+        waiting for rows from each other (both re-sourced after a lost holder) would
+        otherwise wait for ever. Without pipelining no reply can be on its way now (this
+        rank has not pushed), so a message from rank 0 here is ORDERS (header only: the
+        parameters in the reply buffer are untouched)."""
+        self._check_fault()
+        if self.cfg.pipeline:
+            return   # a reply may be on its way: it must be read by _wait_reply
+        msg = self.comm.improbe(source=0, tag=wire.TAG_REPLY)
+        if msg is None:
+            return
+        C.complete(msg.Irecv(self.recv_buf[0]))
+        self._header_from_buffer(self.recv_buf)
+        hdr = self.recv_buf[1]
+        if wire.command(hdr) != Cmd.ORDERS:
+            raise RuntimeError(f"rank {self.rank}: message {wire.command(hdr)} from rank 0 while "
+                               f"waiting for shard rows (only ORDERS can come then)")
+        self._serve_orders(wire.decode_orders(hdr))
+
+    def _sources(self, shard: int, src: int, tag: int) -> list[tuple[int, int]]:
+        """Who may send a shard's rows: `src`, then (replicas) the other holders."""
+        sources = [(src, tag)]
+        if self.cfg.replicas > 1:
+            ranks = list(range(self.cfg.servers, self.comm.Get_size()))
+            alt = resource_tag(tag)
+            sources += [(h, alt) for h in holders_of(shard, len(self.shard_sizes), ranks,
+                                                     self.cfg.replicas)
+                        if h not in (src, self.rank)]
+        return sources
+
     def _progress_outgoing(self) -> None:
         if self.outgoing:
             self.outgoing = [o for o in self.outgoing if not C.Request.Testall(o[0])]
+        if self.remotes:
+            for r in self.remotes:
+                r.leftover = [c for c in r.leftover if not C.Request.Testall(c[0])]
+            self.remotes = [r for r in self.remotes if r.copies or r.leftover]
 
     def _check_fault(self) -> None:
         self._progress_outgoing()

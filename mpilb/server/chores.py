@@ -18,6 +18,7 @@ from .. import comm as C
 from ..training import PREEMPTED, USR1_NOTICE
 
 FIRST_SIZES_STEPS = 16   # proportional batches are first sized after this many steps each
+WARMUP_FIRST_S = 0.25    # after the first rates, rebalance after 0.25, 0.5, 1 ... s
 
 
 class WorkerFailed(Exception):
@@ -32,6 +33,7 @@ class Chores:
 
     CHORES_S = 0.002   # how often the main loop checks errors, lost workers and timers
     UNWATCHED_S = 0.25  # a longer gap between chores: rank 0 was busy or stopped, not watching
+    _warmup_gap: Optional[float] = None   # see _warmup_due
 
     def _chores(self) -> None:
         self._note_unwatched()
@@ -72,7 +74,8 @@ class Chores:
         if (self.cfg.checkpoint and not self.stop.reason
                 and mono - self.last_checkpoint >= self.cfg.checkpoint_interval):
             self._checkpoint()
-        if mono - self.last_rebalance >= self.cfg.rebalance_interval or self._first_sizes_due():
+        if (mono - self.last_rebalance >= self.cfg.rebalance_interval or self._first_sizes_due()
+                or self._warmup_due(mono)):
             self._rebalance(mono)
         if mono - self.last_eval >= self.cfg.eval_interval:
             self._evaluate()
@@ -94,6 +97,23 @@ class Chores:
         if busy and all(w.step >= FIRST_SIZES_STEPS for w in busy):
             self.sized_early = True
         return self.sized_early
+
+    def _warmup_due(self, mono: float) -> bool:
+        """Rates learnt from the first steps are used at once: a rebalance as soon as every
+        busy worker has a first estimate (a bucket of its first steps), then after 0.25,
+        0.5, 1 ... s while the estimates settle, until the gap reaches --rebalance-interval.
+        A run of a few seconds would otherwise spend its first interval on a blind plan."""
+        gap = self._warmup_gap
+        if gap is None:
+            busy = [w for w in self.present() if not w.idle]
+            if busy and all(self.balancer.rate_known(w.rank) for w in busy):
+                self._warmup_gap = WARMUP_FIRST_S
+                return True
+            return False
+        if gap < self.cfg.rebalance_interval and mono - self.last_rebalance >= gap:
+            self._warmup_gap = 2 * gap
+            return True
+        return False
 
     def _rebalance(self, mono: float) -> None:
         self.last_rebalance = mono
@@ -195,11 +215,17 @@ class Chores:
         self._log_shards()
         if all(o.lost for o in self.peers.values()):
             raise RuntimeError("every worker was lost")
-        for receiver, t in self.ledger.expects_rows_from(w.rank):   # they can no longer arrive
-            raise RuntimeError(
-                f"rank {w.rank} was lost before sending rows of shard {t.shard} to rank "
-                f"{receiver}, which waits for them; this run cannot continue: resume from "
-                f"the last checkpoint")
+        if self.ledger.holders is not None:
+            # rows it owed come from another copy (--replicas >= 2); else resource() raises
+            for receiver, t in self.ledger.resource(w.rank):
+                print(f"mpilb: rows of shard {t.shard} that rank {w.rank} owed rank {receiver} "
+                      f"come from rank {t.src} instead", file=sys.stderr, flush=True)
+            self._log_shards()
+            # Now, whatever the holder is doing: it may itself be blocked waiting for rows
+            # (from the lost rank, re-sourced to the receiver), and serves orders meanwhile.
+            for r in self.ledger.take_ordered():
+                if self.ledger.has_orders(r) and self.peers[r].present and not self.peers[r].lost:
+                    self.outbox.orders(self.peers[r])
         self._wake_idle()
         if self.rule.round_complete(self.present()):
             self._close_round()
