@@ -65,7 +65,7 @@ def _result(r: str | None) -> str:
 def machine_line(m: dict) -> str:
     mem = f", {m['memory_gib']:g} GiB" if m.get("memory_gib") else ""
     return (f"{m['cpu']}, {m['cores']} cores{mem}, {m['system']}; BLAS {m['blas']} (threads: "
-            f"{m['blas_threads']}); MPI {m['mpi']}; Python {m['python']}, numpy {m['numpy']}, "
+            f"{m['blas_threads']}); MPI {' '.join(m['mpi'].split())}; Python {m['python']}, numpy {m['numpy']}, "
             f"h5py {m['h5py']}, mpi4py {m['mpi4py']}")
 
 
@@ -83,7 +83,7 @@ def render(res: dict) -> str:
         "",
         f"Machine: {machine_line(m)}. {m['notes'][0].upper()}{m['notes'][1:]}.",
         "",
-        "Each figure: median over the repeats, (min–max) in brackets.",
+        "Each figure: the median over the repeats, and (min–max) where there was more than one.",
     ]
     for g in res["groups"]:
         lines += ["", f"**{g['title']}**" + (f": `{g['command']}`" if g["command"] else ""), ""]
