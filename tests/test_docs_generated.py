@@ -2,9 +2,9 @@
 
 benchmarks/gendocs.py renders docs/benchmarks.md, balancing.md and data.md's generated
 blocks from benchmarks/results/*.json; these tests fail when a doc was edited by hand
-between the markers, a result file changed without regenerating, a file is missing or was
-written by a --quick run (a block whose file does not exist yet says so and shows no
-figures), or a file's own verdicts do not follow from its figures.
+between the markers, a result file changed without regenerating, a file was written by a
+--quick run, or a file's own verdicts do not follow from its figures. (A block whose result
+file does not exist yet says so and shows no figures.)
 """
 
 import glob
