@@ -127,5 +127,7 @@ def test_bench_ps_quick_writes_a_result_file(tmp_path):
     data = json.loads(out.read_text())
     assert data["quick"] and data["machine"]["cores"] == os.cpu_count()
     ratio = data["groups"][0]["figures"][0]
-    assert ratio["id"] == "adam.ratio" and ratio["target"] == ">= 0.5" and ratio["median"] > 0
+    # (on a loaded machine a 0.3 s quick loop may apply no update: the ratio is then 0)
+    assert ratio["id"] == "adam.ratio" and ratio["target"] == ">= 0.5" and ratio["median"] >= 0
+    assert ratio["result"] in ("PASS", "MISS") and ratio["repeats"] == 1
     assert "| server updates/s ÷ bare loop updates/s |" in gendocs.render(data)
