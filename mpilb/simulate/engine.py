@@ -277,7 +277,7 @@ class Engine:
         if finished is not None:
             w.epoch_finish = t
             w.ready.pop(id(finished), None)
-        if not self.sized_early and self._first_sizes_due():
+        if not self.sized_early and w.steps == FIRST_SIZES_STEPS and self._first_sizes_due():
             self._rebalance(t)
         if self.sync:
             self.stores.push(t)
@@ -332,6 +332,8 @@ class Engine:
 
     # ------------------------------------------------------------------ server chores
     def _first_sizes_due(self) -> bool:
+        """Proportional batches: sized as soon as every busy worker has taken 16 steps
+        (checked as each worker reaches them)."""
         busy = [w for w in self.workers.values() if w.state in ("run", "held")]
         if busy and all(w.steps >= FIRST_SIZES_STEPS for w in busy):
             self.sized_early = True
