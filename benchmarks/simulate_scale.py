@@ -9,6 +9,8 @@ Every figure comes from a `mpilb simulate ... --json` command, printed beside it
   stragglers  the same worker counts at 100 samples/s with 1% and 10% of the workers
               4x slow (``--inject 1-K:compute=4``); target: load <= 0.7x static with
               10% stragglers at 1024 workers
+  speed       the issue's speed target timed: 1024 workers, 4096 shards, 3 epochs, five
+              policies in one command (target <= 60 s), into the ``speed`` block
   saturation  a 25M-parameter model (each worker: a batch of 256 in 1 s) against 1, 2, 4
               and 8 parameter stores: updates/s and store busy fraction as workers grow;
               the saturation point is the first worker count at which the stores are
@@ -98,6 +100,19 @@ def main() -> int:
     md += [f"Target: load <= 0.7x static with 10% stragglers at {counts[-1]} workers: "
            f"**{target:.2f}x** ({'met' if target <= 0.7 else 'missed'}).", ""]
 
+    speed_args = ["--workers", str(counts[-1]), "--shards", str(4 * counts[-1]), "--epochs", "3",
+                  "--batch", "128", "--rates", "lognormal:mean=100,sigma=0.3",
+                  "--inject", f"1-{max(1, counts[-1] // 10)}:compute=4", "--balancer", POLICIES]
+    cmd, res, secs = simulate(speed_args)
+    print(f"speed: {secs:.1f} s", flush=True)
+    data["speed"] = {"command": cmd, "seconds": secs, "results": res}
+    speed_md = [f"`time {cmd}`: **{secs:.1f} s** wall (target <= 60 s; load average "
+                f"{os.getloadavg()[0]:.1f} when it ended: other jobs shared the 2 cores). "
+                f"{sum(r['updates_per_s'] * r['total_s'] for r in res) / 1e6:.2f} M simulated "
+                f"steps over the five policies.", "",
+                "| policy | epoch s | utilization | moves |", "| --- | ---: | ---: | ---: |"]
+    speed_md += [f"| {r['balancer']} | {r['epoch_s']:.1f} | {r['utilization']:.3f} | {r['moves']} |" for r in res]
+
     sweep = [2, 4, 8, 16, 32, 64] if opts.quick else [4, 8, 16, 32, 64, 128, 256]
     md += ["#### Saturation of the parameter stores (25M parameters, 1 s steps of 256 samples)", "",
            "| workers | " + " | ".join(f"K={k} updates/s | K={k} busy" for k in (1, 2, 4, 8)) + " |",
@@ -131,10 +146,12 @@ def main() -> int:
     if not opts.quick:
         with open(opts.doc) as fh:
             doc = fh.read()
-        block = "<!-- scale:begin -->\n" + "\n".join(md) + "\n<!-- scale:end -->"
-        doc, n = re.subn(r"<!-- scale:begin -->.*?<!-- scale:end -->", lambda _: block, doc, flags=re.S)
-        if n != 1:
-            sys.exit(f"{opts.doc}: no <!-- scale:begin --> ... <!-- scale:end --> block")
+        for name, lines in (("scale", md), ("speed", speed_md)):
+            block = f"<!-- {name}:begin -->\n" + "\n".join(lines) + f"\n<!-- {name}:end -->"
+            doc, n = re.subn(f"<!-- {name}:begin -->.*?<!-- {name}:end -->", lambda _: block, doc,
+                             flags=re.S)
+            if n != 1:
+                sys.exit(f"{opts.doc}: no <!-- {name}:begin --> ... <!-- {name}:end --> block")
         with open(opts.doc, "w") as fh:
             fh.write(doc)
     print("\n".join(md))
