@@ -33,9 +33,14 @@ if env_world_size() > 1:
     for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, "1")
 
-import argparse  # noqa: E402
+# A preemption signal (SIGTERM/SIGUSR1) while a training rank is still importing must not
+# kill it (exit 15, no checkpoint): note it now, `mpilb train` acts on it once running.
+if len(sys.argv) > 1 and sys.argv[1] == "train":
+    from .signals import catch_early
 
-import traceback  # noqa: E402
+    catch_early()
+
+import argparse  # noqa: E402
 
 from .errors import MpilbError, UsageError  # noqa: E402
 
@@ -214,13 +219,6 @@ def _prepare(args) -> int:
     print(f"{args.out}: {len(ds.shards)} shards, {ds.total_samples} training samples, "
           f"{ds.test_samples} test samples, shape {tuple(ds.sample_shape)}, {ds.num_classes} classes")
     return 0
-
-
-def report_exception(exc: BaseException, rank: int) -> str:
-    """One line for an unexpected exception (the traceback with MPILB_DEBUG=1)."""
-    if os.environ.get("MPILB_DEBUG"):
-        traceback.print_exception(type(exc), exc, exc.__traceback__)
-    return f"{type(exc).__name__}: {exc}"
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -35,6 +35,11 @@ def _json_attr(attrs: dict, key: str, default):
         return default
 
 
+def _finite_or_none(value) -> Optional[float]:
+    value = float(value)
+    return value if np.isfinite(value) else None
+
+
 def summarize(attrs: dict, cols: dict) -> dict:
     """Build DESIGN.md's summary object from a log's root attributes and columns."""
     config = _json_attr(attrs, "config", {})
@@ -91,8 +96,9 @@ def summarize(attrs: dict, cols: dict) -> dict:
         "epochs_completed": int(ep["epoch"].size),
         "epoch_s": [float(b - a) for a, b in zip(ep["t_start"], ep["t_end"])],
         "utilization": [float(u) for u in ep["utilization"]],
-        "final_test_accuracy": float(acc[-1]) if acc.size else None,
-        "best_test_accuracy": float(acc.max()) if acc.size else None,
+        # non-finite (an empty test set): null, never a bare NaN in the JSON
+        "final_test_accuracy": _finite_or_none(acc[-1]) if acc.size else None,
+        "best_test_accuracy": _finite_or_none(np.nanmax(acc)) if np.isfinite(acc).any() else None,
         "time_to_target_s": time_to_target,
         "staleness": staleness,
         "shard_moves": int(np.count_nonzero(events == "move")),
@@ -108,11 +114,18 @@ def summarize(attrs: dict, cols: dict) -> dict:
 
 def open_log(path: str) -> tuple[dict, dict]:
     try:
-        return read_columns(path)
+        attrs, cols = read_columns(path)
     except FileNotFoundError:
         raise UsageError(f"{path}: run log not found") from None
-    except OSError as exc:
-        raise UsageError(f"{path}: not a readable mpilb run log ({exc})") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path}: is a directory, not a run log") from None
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:   # damaged file
+        raise UsageError(f"{path}: not a readable mpilb run log ({type(exc).__name__}: {exc})") from None
+    if "status" not in attrs:
+        what = ("an mpilb checkpoint" if "model" in attrs and "format" in attrs else
+                "an HDF5 file without a run log's attributes (a dataset shard?)")
+        raise UsageError(f"{path}: not an mpilb run log: {what}")
+    return attrs, cols
 
 
 def summarize_log(path: str) -> dict:
@@ -192,7 +205,11 @@ def run_report(paths: list[str], as_json: bool = False, plots: Optional[str] = N
     if plots:
         from .plots import write_plots
 
-        written = write_plots(paths, plots)
+        try:
+            written = write_plots(paths, plots)
+        except OSError as exc:   # a read-only directory, or a file where the directory goes
+            raise UsageError(f"--plots {plots}: cannot write the figures there "
+                             f"({exc.strerror or exc})") from None
         for w in written:
             # with --json, stdout must stay one JSON document
             print(f"wrote {w}", file=sys.stderr if as_json else sys.stdout)

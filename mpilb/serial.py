@@ -14,24 +14,17 @@ from typing import Optional
 
 from . import checkpoint
 from .backend import select_backend
-from .balancer import BalancerConfig, build_balancer
+from .balancer import build_balancer
 from .errors import MpilbError
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
 from .progress import Progress
 from .report import summarize_log
 from .runlog import RunLog
+from .session import balancer_config, files_line, format_final
 from .shards import ShardStore
 from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule, config_model,
                        config_optimizer, epoch_order)
-
-
-def balancer_config(cfg) -> BalancerConfig:
-    return BalancerConfig(batch=cfg.batch, batch_policy=cfg.batch_policy,
-                          min_batch=cfg.min_batch, max_batch=cfg.max_batch,
-                          sit_out=(bool(cfg.sit_out) and cfg.mode == "sync"
-                                   and cfg.batch_policy == "proportional"),
-                          rebalance_interval=cfg.rebalance_interval)
 
 
 class SerialTrainer:
@@ -48,7 +41,7 @@ class SerialTrainer:
         self.tracker = EpochTracker(dataset.shard_sizes)
         self.resumed: Optional[checkpoint.Checkpoint] = None
         if cfg.resume:
-            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset)
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed)
             host_params = self.resumed.params
             self.optimizer.load_state_dict(self.resumed.optimizer)
             checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
@@ -89,6 +82,9 @@ class SerialTrainer:
         if self.resumed is not None:
             first, counts = self.resumed.epoch, self.resumed.counts
             self.tracker.completed = [EpochStats(**e) for e in self.resumed.completed]
+            # restored now: a run that stops at once (fewer --epochs, --max-seconds spent)
+            # must checkpoint the interrupted epoch's counts, not zeros
+            self.tracker.begin(first, self.now(), counts)
         for epoch in range(first, self.cfg.epochs):
             self._run_epoch(epoch, counts)
             counts = None
@@ -155,7 +151,7 @@ class SerialTrainer:
         self.tracker.record(batch.epoch, batch.shard, batch.lo, batch.hi)
         self.log.append("updates", t=self.now(), worker=0, version=self.version, staleness=0,
                         batch=b, loss=loss / b, lr_scale=lr_scale, epoch=batch.epoch,
-                        shard=batch.shard)
+                        shard=batch.shard, lo=batch.lo, hi=batch.hi)
         self.window_samples += b
         self.window_compute += compute_s
         self.epoch_busy += compute_s
@@ -242,15 +238,5 @@ def run_serial(trainer: SerialTrainer) -> int:
     finally:
         summary = trainer.finish(status)
     print(format_final(summary), flush=True)
+    print(files_line(trainer.cfg), flush=True)
     return 0
-
-
-def format_final(summary: dict) -> str:
-    acc = summary.get("final_test_accuracy")
-    acc_txt = "n/a" if acc is None else f"{acc:.4f}"
-    cov = summary["coverage"]
-    return (f"mpilb: {summary['status']}: {summary['epochs_completed']} epoch(s), "
-            f"{summary['samples']} samples in {summary['train_s']:.1f} s "
-            f"({summary['samples_per_s']:.0f} samples/s), test accuracy {acc_txt}, "
-            f"coverage {cov['applied']}/{cov['expected']} "
-            f"(duplicates {cov['duplicates']}, missing {cov['missing']})")
