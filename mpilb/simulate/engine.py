@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..balancer import BalancerConfig, build_balancer
-from ..server.chores import FIRST_SIZES_STEPS
 from ..server.sitout import SitOut
-from ..training import epoch_order
 from .cluster import Profile, Stores
 from .ledger import Ledger
 
 PUSH, REBALANCE, LOST = 0, 1, 2
+# as mpilb.server.chores.FIRST_SIZES_STEPS (chores is not pure: it imports MPI); a test
+# checks they agree
+FIRST_SIZES_STEPS = 16
 
 
 @dataclass
@@ -122,10 +123,14 @@ class Engine:
         shard_sizes: samples per shard.
         replay: I/O comes from the profiles' per-sample traces (a replayed run) rather
             than from modelled shard reads.
+        order: ``order(seed, epoch, shards)``, each epoch's shard order (the server's
+            :func:`mpilb.training.epoch_order`; passed in, as that module reaches HDF5).
+        tracker: the coverage counter (a :class:`mpilb.training.EpochTracker`).
+        See :func:`mpilb.simulate.run.simulate`, which passes the server's own.
     """
 
     def __init__(self, cfg: SimConfig, profiles: list[Profile], shard_sizes: list[int],
-                 replay: bool = False):
+                 replay: bool = False, *, order, tracker):
         self.cfg = cfg
         self.replay = replay
         self.shard_sizes = [int(s) for s in shard_sizes]
@@ -136,7 +141,8 @@ class Engine:
                               and cfg.batch_policy == "proportional",
                               rebalance_interval=cfg.rebalance_interval)
         self.balancer = build_balancer(cfg.balancer, ranks, self.shard_sizes, bcfg)
-        self.ledger = Ledger(self.balancer, self.shard_sizes, ranks,
+        self.order = order
+        self.ledger = Ledger(self.balancer, tracker, self.shard_sizes, ranks,
                              part_way=cfg.balancer not in ("static", "round-robin"))
         self.sitout = (SitOut(self.balancer, self.ledger.tasks_ledger, cfg.batch, cfg.min_batch,
                               cfg.max_batch, cfg.rebalance_interval) if bcfg.sit_out else None)
@@ -195,7 +201,7 @@ class Engine:
 
     def _begin_epoch(self, epoch: int, t: float) -> None:
         self.epoch, self.t_epoch = epoch, t
-        order = epoch_order(self.cfg.seed, epoch, len(self.shard_sizes))
+        order = self.order(self.cfg.seed, epoch, len(self.shard_sizes))
         self.ledger.begin_epoch(epoch, order, t)
         self._update_batches(t)
         self._count_moves()

@@ -11,7 +11,6 @@ or benched worker's tasks. Nothing of the ledger's logic lives here.
 from __future__ import annotations
 
 from ..server.tasks import TaskLedger
-from ..training import EpochTracker
 
 
 class Ledger:
@@ -19,16 +18,19 @@ class Ledger:
 
     Args:
         balancer: the :class:`mpilb.balancer.Balancer` (shard queues and rates).
+        tracker: the server's coverage counter, a :class:`mpilb.training.EpochTracker`
+            (passed in: mpilb.training reaches HDF5, and this package stays pure).
         shard_sizes: samples per shard.
         ranks: the workers.
         part_way: split a started task for an idle worker (every policy but static and
             round-robin, as the server does).
     """
 
-    def __init__(self, balancer, shard_sizes: list[int], ranks: list[int], part_way: bool = True):
+    def __init__(self, balancer, tracker, shard_sizes: list[int], ranks: list[int],
+                 part_way: bool = True):
         self.balancer = balancer
         self.tasks_ledger = TaskLedger(balancer, shard_sizes, ranks, split=part_way)
-        self.tracker = EpochTracker(list(shard_sizes))
+        self.tracker = tracker
         self.moved = 0    # shard moves: the balancer's, part-way ones, reassignments
 
     # -- epochs -------------------------------------------------------------------------
