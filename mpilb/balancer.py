@@ -26,14 +26,13 @@ likewise (:data:`BATCH_POLICIES`).
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import numpy as np
 
 from .errors import MpilbError, UsageError
-from .rates import FORECAST_MAX_FACTOR, TrendRate
+from .rates import TrendRate
 
 BALANCERS: dict[str, type["Balancer"]] = {}
 BATCH_POLICIES: dict[str, Callable[["Balancer"], dict[int, int]]] = {}
@@ -385,45 +384,6 @@ class Balancer:
     def _time_nonlinear(self, worker: int, samples: float) -> float:
         raise NotImplementedError
 
-    def _marginal_floor(self, vec: tuple) -> float:
-        """A lower bound on any worker's projected seconds per additional sample."""
-        workers, _, _, spp, _ = vec
-        floor = float(spp[spp >= 0.0].min()) if (spp >= 0.0).any() else np.inf
-        for i in np.flatnonzero(spp < 0.0):   # a slowing worker is never faster than its clamp
-            est = self._rates[workers[i]]
-            floor = min(floor, 1.0 / (FORECAST_MAX_FACTOR * est.value) + self.overhead(workers[i]))
-        return max(0.0, floor)
-
-    def _earliest(self, heap: list, finish: np.ndarray, load: np.ndarray, size: int,
-                  exclude: int, floor: float, vec: tuple) -> tuple[float, int]:
-        """(time, index) of the worker that would finish ``size`` more samples first, the
-        lowest index among equals, ``exclude`` left out: ``min`` over every worker, found by
-        branch and bound on ``heap`` (entries (finish, index); stale ones dropped), since
-        no worker can end sooner than its finish now plus ``size * floor``."""
-        best = (np.inf, len(finish))
-        seen = []
-        slack = 1.0 + 1e-9
-        while heap:
-            f, i = heap[0]
-            if f != finish[i]:
-                heapq.heappop(heap)         # stale: that worker's finish has changed
-                continue
-            if f + size * floor > best[0] * slack:
-                break
-            seen.append(heapq.heappop(heap))
-            if i == exclude:
-                continue
-            t = self._time_at(vec, i, load[i] + size)
-            if (t, i) < best:
-                best = (t, i)
-        for entry in seen:
-            heapq.heappush(heap, entry)
-        return best
-
-    def _time_at(self, vec: tuple, i: int, samples: float) -> float:
-        spp = vec[3][i]
-        return float(samples * spp) if spp >= 0.0 else self._time_nonlinear(vec[0][i], float(samples))
-
     def _queued_samples(self, worker: int) -> int:
         total = self._qsum.get(worker)
         if total is None:
@@ -680,16 +640,11 @@ class LoadBalancer(Balancer):
             vec = self._vectors()
             workers = vec[0]
             loads = np.zeros(len(workers))
-            finish = np.zeros(len(workers))
-            heap = [(0.0, i) for i in range(len(workers))]
-            floor = self._marginal_floor(vec)
             for shard in order:
                 size = self.shard_sizes[shard]
-                t, i = self._earliest(heap, finish, loads, size, -1, floor, vec)
+                i = int(np.argmin(self._times_at(vec, loads + size)))
                 queues[workers[i]].append(shard)
                 loads[i] += size
-                finish[i] = t
-                heapq.heappush(heap, (t, i))
             return queues
         load = {w: 0 for w in self.workers}
         for shard in order:
@@ -712,30 +667,23 @@ class LoadBalancer(Balancer):
         if len(self.workers) < 2:
             return []
         # Vectors over self.workers: argmax/argmin take the first of equals, as max/min do.
-        # Heaps over self.workers' positions: the last finisher on top of one, the earliest
-        # on top of the other (ties: the lowest position, as max/min take the first).
         vec = self._vectors()
         workers = vec[0]
         load = vec[2].copy()
         finish = self._times_at(vec, load)
         before = float(finish.max())
-        late = [(-f, i) for i, f in enumerate(finish.tolist())]
-        early = [(f, i) for i, f in enumerate(finish.tolist())]
-        heapq.heapify(late)
-        heapq.heapify(early)
-        floor = self._marginal_floor(vec)
         moves: list[Move] = []
         for _ in range(sum(len(q) for q in self._queues.values())):
-            while -late[0][0] != finish[late[0][1]]:
-                heapq.heappop(late)         # stale
-            s = late[0][1]
+            s = int(np.argmax(finish))
             src = workers[s]
             if not self._queues[src]:
                 break                       # the last finisher has only committed work left
             shard = self._queues[src][-1]
             size = self.shard_sizes[shard]
-            dst_after, d = self._earliest(early, finish, load, size, s, floor, vec)
-            dst = workers[d]
+            after_dst = self._times_at(vec, load + size)
+            after_dst[s] = np.inf
+            d = int(np.argmin(after_dst))
+            dst, dst_after = workers[d], float(after_dst[d])
             if dst_after >= finish[s] - _EPS:
                 break                       # it would only move the late finish elsewhere
             self._queues[src].pop()
@@ -744,9 +692,6 @@ class LoadBalancer(Balancer):
             load[d] += size
             finish[s] = self._time_for(src, float(load[s]))
             finish[d] = dst_after
-            for i in (s, d):
-                heapq.heappush(late, (-finish[i], i))
-                heapq.heappush(early, (finish[i], i))
             moves.append(Move(shard, src, dst, "rebalance"))
         after = float(finish.max())
         if moves and before - after <= self.config.hysteresis * before + _EPS:
