@@ -158,6 +158,7 @@ class Engine:
         self.done = False
         self.sized_early = cfg.batch_policy != "proportional"
         self.running = 0          # workers computing (sync: the round is complete at 0)
+        self.pending_lost = 0     # hung or crashed workers not yet declared lost
         self.members: list[_Worker] = []
         self.round_batches: list[tuple] = []
         self.updates = 0
@@ -193,10 +194,13 @@ class Engine:
             elif kind == REBALANCE:
                 self._rebalance(t)
                 self._at(t + self.cfg.rebalance_interval, REBALANCE)
+                if not self.running and not self.pending_lost and not self.done:
+                    # as the server's stall check: nobody computes and nothing can change
+                    raise RuntimeError(f"simulation stalled in epoch {self.epoch}: every worker "
+                                       f"is idle but the epoch is not complete")
             else:
+                self.pending_lost -= 1
                 self._declare_lost(self.workers[rank], t)
-            if not heap and not self.done:
-                raise RuntimeError(f"simulation stalled in epoch {self.epoch}")
         return self._summary()
 
     def _begin_epoch(self, epoch: int, t: float) -> None:
@@ -407,6 +411,7 @@ class Engine:
     def _die(self, w: _Worker, t: float) -> None:
         """w hangs or crashes: the server notices after --worker-timeout of silence."""
         w.state = "dead"
+        self.pending_lost += 1
         self._at(max(t, w.fault_t) + self.cfg.worker_timeout, LOST, w.rank)
 
     def _declare_lost(self, w: _Worker, t: float) -> None:
