@@ -86,7 +86,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", default=os.path.join(ROOT, "docs", "simulate_scale.json"))
-    ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "simulate.md"))
+    ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "simulate.md"),
+                    help="markdown file to update ('' for none)")
     ap.add_argument("--jobs", type=int, default=1, help="simulations run at once (the speed "
                     "target is timed alone, after them)")
     opts = ap.parse_args()
@@ -174,7 +175,10 @@ def main() -> int:
 
     with open(opts.json, "w") as fh:
         json.dump(data, fh, indent=1)
-    if not opts.quick:
+    if opts.quick:
+        md.insert(0, "**Quick run (`--quick`: 16 and 64 workers, saturation up to 64): the full "
+                  "64/256/1024 run had not finished on the loaded machine; rerun without --quick.**\n")
+    if opts.doc:
         with open(opts.doc) as fh:
             doc = fh.read()
         for name, lines in (("scale", md), ("speed", speed_md)):
