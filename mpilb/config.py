@@ -136,6 +136,9 @@ OPTIONS: tuple[Option, ...] = (
            group="output"),
     Option("overwrite", bool, False, "replace an existing --log (and its checkpoint) instead "
            "of refusing to start", group="output"),
+    Option("servers", int, 1, "parameter stores: ranks 0..K-1 each hold a slice of the "
+           "parameters (rank 0 also coordinates); workers are ranks K..P-1",
+           check=_POSITIVE_INT, group="mode", metavar="K"),
 )
 
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}

@@ -21,7 +21,7 @@ SUMMARY_KEYS = (
     "train_s", "samples", "samples_per_s", "updates", "epochs_completed", "epoch_s",
     "utilization", "final_test_accuracy", "best_test_accuracy", "time_to_target_s",
     "staleness", "shard_moves", "bytes_moved", "lost_workers", "coverage", "server_cpu_s",
-    "per_worker",
+    "per_worker", "servers",
 )
 
 
@@ -45,7 +45,8 @@ def summarize(attrs: dict, cols: dict) -> dict:
     config = _json_attr(attrs, "config", {})
     up, wk, ev, sh, ep = (cols[g] for g in ("updates", "workers", "eval", "shards", "epochs"))
     world = int(attrs.get("world_size", 1))
-    workers = max(1, world - 1)
+    n_servers = int(config.get("servers", 1))   # ranks 0..K-1 hold parameters
+    workers = max(1, world - n_servers)
     batch = up["batch"].astype(np.int64)
     samples = int(batch.sum())
     updates_t = up["t"]
@@ -66,7 +67,7 @@ def summarize(attrs: dict, cols: dict) -> dict:
     per_worker = []
     ranks = sorted(set(int(w) for w in wk["worker"])) if wk["worker"].size else []
     if world > 1:
-        ranks = sorted(set(ranks) | set(range(1, world)))
+        ranks = sorted(set(ranks) | set(range(n_servers, world)))
     for r in ranks:
         m = wk["worker"] == r
         um = up["worker"] == r
@@ -108,8 +109,22 @@ def summarize(attrs: dict, cols: dict) -> dict:
                                {"expected": 0, "applied": 0, "duplicates": 0, "missing": 0}),
         "server_cpu_s": float(attrs.get("server_cpu_s", 0.0)),
         "per_worker": per_worker,
+        "servers": _servers(attrs, cols["servers"]),
     }
     return summary
+
+
+def _servers(attrs: dict, sv: dict) -> list[dict]:
+    """Per parameter store: its slice's floats and its counters summed over `servers/`."""
+    out = []
+    for entry in _json_attr(attrs, "servers", []):
+        m = sv["server"] == entry["rank"] if sv["server"].size else np.zeros(0, bool)
+        out.append({"rank": int(entry["rank"]), "params": int(entry["params"]),
+                    "updates": int(sv["updates"][m].astype(np.int64).sum()),
+                    "bytes_in": int(sv["bytes_in"][m].astype(np.int64).sum()),
+                    "bytes_out": int(sv["bytes_out"][m].astype(np.int64).sum()),
+                    "cpu_s": float(sv["cpu_s"][m].sum())})
+    return out
 
 
 def open_log(path: str) -> tuple[dict, dict]:
@@ -160,6 +175,11 @@ def format_summary(s: dict, path: str = "") -> str:
         lines.append("  epoch   seconds  utilization")
         for i, (t, u) in enumerate(zip(s["epoch_s"], s["utilization"])):
             lines.append(f"  {i:5d}  {t:8.2f}  {u:11.2f}")
+    if len(s.get("servers", [])) > 1:
+        lines.append("  store   params   updates  MB in  MB out  cpu_s")
+        for v in s["servers"]:
+            lines.append(f"  {v['rank']:5d}  {v['params']:7d}  {v['updates']:8d}  "
+                         f"{v['bytes_in'] / 1e6:5.1f}  {v['bytes_out'] / 1e6:6.1f}  {v['cpu_s']:5.2f}")
     if s["per_worker"]:
         lines.append("  rank   samples  compute_s   io_s  comm_s  idle_s  mean_batch")
         for w in s["per_worker"]:

@@ -13,6 +13,7 @@ buffers, one copy each way per step.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -24,7 +25,7 @@ from .backend import select_backend
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
 from .shards import ShardStore, placement
-from .training import PREEMPTED, config_model
+from .training import PREEMPTED, USR1_NOTICE, config_model
 from . import wire
 from .wire import Cmd
 
@@ -96,18 +97,21 @@ class Worker:
         self.step = 0
         self.backoff = C.Backoff()
         self.reply_wait = C.WaitEstimate()   # push -> reply, to wake up just in time
-        self.push_req = None
+        self.push_reqs: list = []
+        # --servers K: store s holds parameters [bounds[s], bounds[s+1]) (wire.cut_slices)
+        self.bounds = wire.cut_slices(self.n, cfg.servers, wire.layer_sizes(self.model))
+        self.pulls: Optional[list] = None   # receives of the next reply's slices, posted early
         # timings since the last push
         self.compute_s = self.comm_s = self.idle_s = 0.0
         self.io_reported = 0.0
         self.retry = False
-        self.preempt_sent = False
-        self.preempt_req = None
+        self.signals_sent: set = set()
+        self.preempt_reqs: list = []
         self.outgoing: list = []
         self.sample_shape = tuple(dataset.sample_shape)
         self.held = None
         if cfg.store == "local":
-            ranks = list(range(1, comm.Get_size()))
+            ranks = list(range(cfg.servers, comm.Get_size()))
             self.held = {s for s, hs in placement(len(dataset.shard_sizes), ranks, cfg.replicas).items()
                          if rank in hs}
 
@@ -133,9 +137,25 @@ class Worker:
             msg[1][:] = msg[0][:wire.HEADER_BYTES].get().view(np.float64)
 
     # ---------------------------------------------------------------- messages
+    def _post_pulls(self) -> None:
+        """Post the receives of every store's slice of the next reply's parameters."""
+        if self.pulls is None:
+            payload, b = self.recv_buf[2], self.bounds
+            self.pulls = [self.comm.Irecv(payload[b[s]:b[s + 1]], source=s, tag=wire.TAG_PARAMS)
+                          for s in range(len(b) - 1)]
+
+    def _finish_pulls(self) -> None:
+        """The slices follow a PARAMS header: wait for all of them (no spinning)."""
+        self.backoff.reset()
+        while not C.Request.Testall(self.pulls):
+            self._progress_outgoing()
+            self.backoff.sleep()
+        self.pulls = None
+
     def _wait_reply(self, counts_as_idle: bool) -> None:
         """Wait for the server's message (no spinning) and act on it."""
         t0 = time.perf_counter()
+        self._post_pulls()
         due, grace = (None, 0.0) if counts_as_idle else self.reply_wait.window(time.monotonic())
         hdr = self.recv_buf[1]
         while True:
@@ -146,6 +166,8 @@ class Worker:
                 break
             self._serve_orders(wire.decode_orders(hdr))   # rows another rank needs; the reply is still to come
         reply = wire.decode_reply(hdr)
+        if reply.cmd == Cmd.PARAMS:
+            self._finish_pulls()
         waited = time.perf_counter() - t0
         held = reply.held_s
         if counts_as_idle:
@@ -194,13 +216,19 @@ class Worker:
         self.io_reported = io_total
         self.comm_s = self.idle_s = 0.0
         t0 = time.perf_counter()
-        if self.push_req is not None:
-            C.complete(self.push_req)
+        for req in self.push_reqs:
+            C.complete(req)
         self._header_to_buffer(msg)
-        self.push_req = self.comm.Isend(buf, dest=0, tag=wire.TAG_PUSH)
+        b = self.bounds
+        # every store's slice at once; rank 0 gets the header with slice 0
+        self.push_reqs = [self.comm.Isend(msg[2][b[s]:b[s + 1]], dest=s, tag=wire.TAG_GRAD)
+                          for s in range(1, len(b) - 1)]
+        self.push_reqs.append(self.comm.Isend(buf[:wire.HEADER_BYTES + 4 * b[1]], dest=0,
+                                              tag=wire.TAG_PUSH))
         self.step += 1
         if not self.cfg.pipeline:
-            C.complete(self.push_req)   # the server has a receive posted: this is quick
+            for req in self.push_reqs:
+                C.complete(req)   # the stores have receives posted: this is quick
         self.comm_s += time.perf_counter() - t0   # reported with the next push
 
     def _serve_orders(self, orders) -> None:
@@ -219,9 +247,10 @@ class Worker:
 
     def _check_fault(self) -> None:
         self._progress_outgoing()
-        if PREEMPTED.is_set() and not self.preempt_sent:
-            self.preempt_req = C.notify_preempt(self.comm)   # rank 0 checkpoints, stops all
-            self.preempt_sent = True
+        for event, signum in ((PREEMPTED, signal.SIGTERM), (USR1_NOTICE, signal.SIGUSR1)):
+            if event.is_set() and signum not in self.signals_sent:   # rank 0 decides
+                self.preempt_reqs.append(C.notify_preempt(self.comm, signum))
+                self.signals_sent.add(signum)
         fault = self.injector.fault(time.monotonic())
         if fault == "crash":
             os._exit(17)
@@ -257,14 +286,18 @@ class Worker:
         except StopWorker:
             pass
         finally:
-            if self.push_req is not None:
-                C.wait(self.push_req, timeout=5.0)
+            for req in self.push_reqs:
+                C.wait(req, timeout=5.0)
+            for req in self.pulls or ():   # a reply that will not come (STOP)
+                req.Cancel()
+                C.wait(req, timeout=1.0)
             for reqs, _, _ in self.outgoing:   # rows other ranks still need
                 for req in reqs:
                     C.wait(req, timeout=30.0)
             self.store.close()
-            if self.preempt_req is not None and not self.preempt_req.Test():
-                self.preempt_req.Cancel()
+            for req in self.preempt_reqs:
+                if not req.Test():
+                    req.Cancel()
 
     def _loop(self) -> None:
         msg = self.push_bufs[0]

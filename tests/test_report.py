@@ -28,7 +28,7 @@ DESIGN_SUMMARY_KEYS = {
     "train_s", "samples", "samples_per_s", "updates", "epochs_completed", "epoch_s",
     "utilization", "final_test_accuracy", "best_test_accuracy", "time_to_target_s",
     "staleness", "shard_moves", "bytes_moved", "lost_workers", "coverage", "server_cpu_s",
-    "per_worker",
+    "per_worker", "servers",
 }
 PER_WORKER_KEYS = {"rank", "samples", "compute_s", "io_s", "comm_s", "idle_s", "mean_batch"}
 RUN_PLOTS = ("timeline.png", "rates.png", "batch.png", "staleness.png", "shards.png", "eval.png")

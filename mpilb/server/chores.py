@@ -8,13 +8,14 @@ flush and the progress line. Mixed into :class:`~mpilb.server.loop.ParameterServ
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from typing import Optional
 
 from .. import checkpoint
 from .. import comm as C
-from ..training import PREEMPTED
+from ..training import PREEMPTED, USR1_NOTICE
 
 FIRST_SIZES_STEPS = 16   # proportional batches are first sized after this many steps each
 
@@ -30,13 +31,23 @@ class Chores:
     """Timers and liveness of the parameter server (a mixin: it reads the server's state)."""
 
     CHORES_S = 0.002   # how often the main loop checks errors, lost workers and timers
+    UNWATCHED_S = 0.25  # a longer gap between chores: rank 0 was busy or stopped, not watching
 
     def _chores(self) -> None:
+        self._note_unwatched()
         err = C.poll_error(self.comm)
         if err is not None:
             raise WorkerFailed(*err)
-        if C.poll_preempt(self.comm):
-            PREEMPTED.set()
+        while (notice := C.poll_preempt(self.comm)) is not None:
+            src, signum = notice
+            if signum == signal.SIGUSR1:
+                self._usr1_from(src)
+            else:
+                PREEMPTED.set()
+        if USR1_NOTICE.is_set():
+            USR1_NOTICE.clear()
+            self._usr1_from(0)
+        self._judge_usr1()
         self._check_lost()
         self._check_stalled()
         self._timers()
@@ -117,6 +128,7 @@ class Chores:
     def _log_worker_rows(self) -> None:
         """One `workers/` row per worker with what it reported since the previous row."""
         t = self.now()
+        self.stores.log_rows(self.log, t)
         for w in self.peers.values():
             if w.lost:
                 continue
@@ -125,12 +137,35 @@ class Chores:
                             predicted_rate=self.balancer.predicted_rate(w.rank), **w.take_row())
 
     # ----------------------------------------------------------------- liveness
+    def _note_unwatched(self) -> None:
+        """Remember when rank 0 did not watch (a long checkpoint or evaluation, SIGSTOP):
+        that time does not count as the workers' silence (their pushes wait unread)."""
+        mono = time.monotonic()
+        last = getattr(self, "_last_watch", None)
+        gaps = self.__dict__.setdefault("_unwatched", [])
+        if last is not None and mono - last > self.UNWATCHED_S:
+            gaps.append((last, mono))
+        horizon = mono - 2 * self.cfg.worker_timeout
+        while gaps and gaps[0][1] < horizon:
+            gaps.pop(0)
+        self._last_watch = mono
+
+    def silence(self, w, mono: float) -> float:
+        """Seconds rank 0 watched for w's next message in vain since it last heard of it."""
+        watched = mono - w.last_seen
+        for start, end in getattr(self, "_unwatched", ()):
+            watched -= max(0.0, min(end, mono) - max(start, w.last_seen))
+        return watched
+
     def _check_lost(self) -> None:
         mono = time.monotonic()
         for w in self.present():
             if w.idle or w.held:
                 continue
-            if mono - w.last_seen > self.cfg.worker_timeout:
+            if self.silence(w, mono) > self.cfg.worker_timeout:
+                req = w.link.recv_req
+                if req is not None and req.Get_status():
+                    continue   # its push has arrived and waits to be read: not silent
                 self._declare_lost(w)
 
     def _check_stalled(self) -> None:
@@ -146,7 +181,14 @@ class Chores:
     def _declare_lost(self, w) -> None:
         print(f"mpilb: rank {w.rank} silent for {self.cfg.worker_timeout:g} s: declared lost; "
               f"its shards go to the other workers", file=sys.stderr, flush=True)
+        vote = getattr(self, "_usr1", None)
+        if vote is not None and w.rank in vote["expect"]:
+            self._usr1 = None
+            print(f"mpilb: the SIGUSR1 of {vote['t']:.1f} s came with the loss of rank {w.rank}: "
+                  f"taken as the launcher's notice of a failed rank (MPICH -disable-auto-cleanup), "
+                  f"not as a preemption", file=sys.stderr, flush=True)
         w.lose()
+        self.remote.lose(w.rank)   # every store stops listening to it
         self.lost.append(w.rank)
         self.balancer.remove_worker(w.rank)
         self.ledger.take_back(w.rank, lost=True)
@@ -163,12 +205,39 @@ class Chores:
             self._close_round()
         self._release_held()
 
+    # ----------------------------------------------------------------- SIGUSR1
+    def _usr1_from(self, rank: int) -> None:
+        """SIGUSR1 reached `rank` (0: this one). Slurm's `--signal` preemption and Hydra's
+        notice that a rank died look alike; a vote tells them apart: every worker present at
+        the signal must be heard from again (a push, or its own report of the signal) before
+        any of them is declared lost. Then no rank died and it is a preemption. An idle
+        worker that died is never heard from; it is timed, and lost, once it has work."""
+        vote = getattr(self, "_usr1", None)
+        if vote is None:
+            present = self.present()
+            vote = self._usr1 = {"t": self.now(), "expect": {w.rank for w in present},
+                                 "steps": {w.rank: w.step for w in present}, "heard": set()}
+        if rank:
+            vote["heard"].add(rank)
+
+    def _judge_usr1(self) -> None:
+        vote = getattr(self, "_usr1", None)
+        if vote is None or self.preempted:
+            return
+        for r in vote["expect"] - vote["heard"]:
+            if self.peers[r].step > vote["steps"][r]:
+                vote["heard"].add(r)
+        if vote["heard"] >= vote["expect"]:
+            self._usr1 = None
+            PREEMPTED.set()
+
     # ----------------------------------------------------------------- checkpoints, signals
     def _checkpoint(self) -> None:
         self.last_checkpoint = time.monotonic()
         if not self.cfg.checkpoint:
             return
         self.log.flush()   # the log holds everything up to the checkpoint: a resume continues it
+        self.checkpointed_at = self.version
         checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
                         params=self.params, optimizer=self.optimizer, version=self.version,
                         epoch=self.epoch, tracker=self.tracker, balancer=self.balancer,

@@ -37,6 +37,9 @@ class Epochs:
     def _begin_epoch(self, epoch: int, resume_counts=None) -> None:
         self.ledger.epoch = epoch
         order = epoch_order(self.cfg.seed, epoch, len(self.dataset.shard_sizes))
+        # An empty shard (allowed by the format) holds no work: handed out, it would be a
+        # task no push ever advances, and its worker would look silent.
+        order = [s for s in order if self.dataset.shard_sizes[s] > 0]
         if resume_counts is None:
             self.tracker.begin(epoch, self.now())
         else:   # an interrupted epoch: only what was not applied yet
