@@ -67,6 +67,10 @@ def main() -> None:
     ap.add_argument("--workers", default="64,256,1024")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json")
+    ap.add_argument("--before", help="JSON of the same script run on the code before the "
+                    "changes (shown beside, as a ratio)")
+    ap.add_argument("--doc", help="write the table between <!-- cost:begin --> and "
+                    "<!-- cost:end --> of this markdown file")
     opts = ap.parse_args()
     counts = [int(c) for c in opts.workers.split(",")]
     rows = []
@@ -88,6 +92,36 @@ def main() -> None:
     if opts.json:
         with open(opts.json, "w") as fh:
             json.dump(rows, fh, indent=1)
+    if opts.doc:
+        write_doc(opts.doc, rows, opts.before)
+
+
+def write_doc(path: str, rows: list[dict], before_path: str | None) -> None:
+    import re
+
+    before = {}
+    if before_path:
+        with open(before_path) as fh:
+            before = {(r["policy"], r["workers"], r["op"]): r for r in json.load(fh)}
+    md = ["| policy | workers | decision | median ms | spread ms | growth / W log W | before: median ms |",
+          "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        b = before.get((r["policy"], r["workers"], r["op"]))
+        md.append(f"| {r['policy']} | {r['workers']} | {r['op']} | {r['median_s'] * 1e3:.3f} | "
+                  f"{r['spread_s'] * 1e3:.3f} | {r['growth_vs_wlogw']:.2f} | "
+                  + (f"{b['median_s'] * 1e3:.3f} |" if b else "not measured |"))
+    md += ["", f"`python benchmarks/balancer_cost.py --doc docs/simulate.md` (median of the repeats; "
+           f"load average {os.getloadavg()[0]:.1f}: other jobs shared the 2 cores, so single "
+           f"figures are noisy). \"before\": the same script on the balancer as it was before "
+           f"these changes (commit 80d611f); \"not measured\": it had not finished after an hour."]
+    with open(path) as fh:
+        doc = fh.read()
+    block = "<!-- cost:begin -->\n" + "\n".join(md) + "\n<!-- cost:end -->"
+    doc, n = re.subn(r"<!-- cost:begin -->.*?<!-- cost:end -->", lambda _: block, doc, flags=re.S)
+    if n != 1:
+        sys.exit(f"{path}: no <!-- cost:begin --> ... <!-- cost:end --> block")
+    with open(path, "w") as fh:
+        fh.write(doc)
 
 
 if __name__ == "__main__":

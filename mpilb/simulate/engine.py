@@ -10,12 +10,12 @@ arrives. Epochs are strict, as in the server: an epoch ends when the tracker has
 of its samples applied, and the next one is planned at once; an idle worker waits for
 work (a rebalance, a part-way move, the next epoch).
 
-What the engine does as the server does (server.py): top-up to two tasks, part-way moves
-for idle workers, the first proportional sizing after 16 steps each, batch sizes revised at
-each rebalance and epoch start, sync rounds over the workers that are not idle, sit-out
-(a worker given batch 0 is benched: its tasks go back, it is probed again after
-``max(2 s, 4 intervals)`` with half an even batch and readmitted if that fits the
-round's step), lost workers (``hang``/``crash`` injections; their tasks go back).
+What the engine does as the server does (mpilb/server/): top-up to two tasks and part-way
+moves (the server's task ledger, :mod:`mpilb.server.tasks`), the first proportional sizing
+after 16 steps each, batch sizes revised at each rebalance and epoch start, sync rounds
+over the workers that are not idle, sit-out (the server's :class:`~mpilb.server.sitout.SitOut`
+on the simulated workers: lags per round, benching, probes), lost workers
+(``hang``/``crash`` injections; their tasks go back).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..balancer import BalancerConfig, build_balancer
-from ..training import epoch_order
+from ..server.sitout import SitOut
 from .cluster import Profile, Stores
 from .ledger import Ledger
 
 PUSH, REBALANCE, LOST = 0, 1, 2
-FIRST_SIZES_STEPS = 16   # as server.FIRST_SIZES_STEPS
-PROBE_S = 2.0            # as server.PROBE_S
+# as mpilb.server.chores.FIRST_SIZES_STEPS (chores is not pure: it imports MPI); a test
+# checks they agree
+FIRST_SIZES_STEPS = 16
 
 
 @dataclass
@@ -59,10 +60,24 @@ class SimConfig:
     inject: list = field(default_factory=list)   # parsed InjectRule objects
 
 
+class _Push:
+    """What sit-out reads of a worker's last push."""
+
+    __slots__ = ("lo", "hi", "compute_s")
+
+    def __init__(self, lo: int, hi: int, compute_s: float):
+        self.lo, self.hi, self.compute_s = lo, hi, compute_s
+
+
 class _Worker:
+    """A simulated worker, and the server's view of it (what :class:`SitOut` reads and sets:
+    ``benched``, ``bench``, ``unbench``, ``probing``, ``batch``, ``lags``, ``last_gap``,
+    ``last_push``)."""
+
     __slots__ = ("rank", "profile", "rules", "batch", "state", "reply_t", "n", "comp", "io",
                  "comm", "epoch_busy", "epoch_finish", "busy", "steps", "fault_t",
-                 "read_free", "ready", "rng", "benched_at", "probing", "samples")
+                 "read_free", "ready", "rng", "benched_at", "probing", "samples", "lags",
+                 "last_gap", "last_push")
 
     def __init__(self, rank: int, profile: Profile, rules, batch: int, seed: int):
         self.rank, self.profile, self.batch = rank, profile, batch
@@ -83,6 +98,20 @@ class _Worker:
             r.prob < 1.0 for r in self.rules) else None
         self.benched_at = 0.0
         self.probing = 0
+        self.lags: list = []
+        self.last_gap = None
+        self.last_push = None
+
+    @property
+    def benched(self) -> bool:
+        return self.state == "benched"
+
+    def bench(self, now: float) -> None:
+        self.state, self.probing, self.benched_at, self.batch = "benched", 0, now, 0
+        self.ready.clear()
+
+    def unbench(self, probe_batch: int) -> None:
+        self.state, self.probing, self.batch = "idle", 2, probe_batch
 
 
 class Engine:
@@ -94,10 +123,14 @@ class Engine:
         shard_sizes: samples per shard.
         replay: I/O comes from the profiles' per-sample traces (a replayed run) rather
             than from modelled shard reads.
+        order: ``order(seed, epoch, shards)``, each epoch's shard order (the server's
+            :func:`mpilb.training.epoch_order`; passed in, as that module reaches HDF5).
+        tracker: the coverage counter (a :class:`mpilb.training.EpochTracker`).
+        See :func:`mpilb.simulate.run.simulate`, which passes the server's own.
     """
 
     def __init__(self, cfg: SimConfig, profiles: list[Profile], shard_sizes: list[int],
-                 replay: bool = False):
+                 replay: bool = False, *, order, tracker):
         self.cfg = cfg
         self.replay = replay
         self.shard_sizes = [int(s) for s in shard_sizes]
@@ -108,8 +141,11 @@ class Engine:
                               and cfg.batch_policy == "proportional",
                               rebalance_interval=cfg.rebalance_interval)
         self.balancer = build_balancer(cfg.balancer, ranks, self.shard_sizes, bcfg)
-        self.ledger = Ledger(self.balancer, self.shard_sizes,
+        self.order = order
+        self.ledger = Ledger(self.balancer, tracker, self.shard_sizes, ranks,
                              part_way=cfg.balancer not in ("static", "round-robin"))
+        self.sitout = (SitOut(self.balancer, self.ledger.tasks_ledger, cfg.batch, cfg.min_batch,
+                              cfg.max_batch, cfg.rebalance_interval) if bcfg.sit_out else None)
         self.stores = Stores(cfg.params, cfg.servers, cfg.server_gbps, cfg.apply_s)
         self.workers = {r: _Worker(r, p, cfg.inject, cfg.batch, cfg.seed)
                         for r, p in zip(ranks, profiles)}
@@ -122,31 +158,27 @@ class Engine:
         self.done = False
         self.sized_early = cfg.batch_policy != "proportional"
         self.running = 0          # workers computing (sync: the round is complete at 0)
+        self.pending_lost = 0     # hung or crashed workers not yet declared lost
         self.members: list[_Worker] = []
         self.round_batches: list[tuple] = []
         self.updates = 0
-        self.moves = 0
         self.lost: list[int] = []
         self.epochs: list[dict] = []
-        self._alive: list[int] | None = None
 
     # ------------------------------------------------------------------ helpers
     def _at(self, t: float, kind: int, rank: int = 0) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, rank))
 
-    def _active(self) -> list[int]:
-        """Workers neither dead nor lost (the donors of part-way moves); cached."""
-        if self._alive is None:
-            self._alive = [r for r, w in self.workers.items() if w.state not in ("lost", "dead")]
-        return self._alive
-
     def _link(self, w: _Worker, t: float) -> float:
         p = w.profile
         return p.link[p.piece(t)] / 2.0
 
     def _count_moves(self) -> None:
-        self.moves += len(self.balancer.take_moves())
+        self.ledger.count_moves()
+
+    def _present(self) -> list[_Worker]:
+        return [w for w in self.workers.values() if w.state not in ("lost", "dead")]
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict:
@@ -162,15 +194,18 @@ class Engine:
             elif kind == REBALANCE:
                 self._rebalance(t)
                 self._at(t + self.cfg.rebalance_interval, REBALANCE)
+                if not self.running and not self.pending_lost and not self.done:
+                    # as the server's stall check: nobody computes and nothing can change
+                    raise RuntimeError(f"simulation stalled in epoch {self.epoch}: every worker "
+                                       f"is idle but the epoch is not complete")
             else:
+                self.pending_lost -= 1
                 self._declare_lost(self.workers[rank], t)
-            if not heap and not self.done:
-                raise RuntimeError(f"simulation stalled in epoch {self.epoch}")
         return self._summary()
 
     def _begin_epoch(self, epoch: int, t: float) -> None:
         self.epoch, self.t_epoch = epoch, t
-        order = epoch_order(self.cfg.seed, epoch, len(self.shard_sizes))
+        order = self.order(self.cfg.seed, epoch, len(self.shard_sizes))
         self.ledger.begin_epoch(epoch, order, t)
         self._update_batches(t)
         self._count_moves()
@@ -198,7 +233,7 @@ class Engine:
     # ------------------------------------------------------------------ steps
     def _start(self, w: _Worker, t: float) -> None:
         """w got a reply at ``t``: start its next step, or go idle with nothing to do."""
-        self.ledger.delivered(w.rank)
+        self.ledger.reply(w.rank, w.batch)
         tasks = self.ledger.tasks(w.rank)
         if not tasks or w.batch <= 0:
             w.state = "idle"
@@ -208,7 +243,6 @@ class Engine:
             return
         task = tasks[0]
         n = min(w.batch, task.remaining)
-        self.ledger.batch_sent[w.rank] = w.batch
         p = w.profile
         i = p.piece(t)
         io = n * p.io[i] if self.replay else self._read_wait(w, task, t)
@@ -269,15 +303,17 @@ class Engine:
         w.steps += 1
         w.samples += w.n
         w.busy += busy
-        self.balancer.observe(w.rank, t, w.n, busy, comm_s=w.comm, step_s=t - w.reply_t)
+        w.last_gap = t - w.reply_t
+        self.balancer.observe(w.rank, t, w.n, busy, comm_s=w.comm, step_s=w.last_gap)
         tasks = self.ledger.tasks(w.rank)
         task = tasks[0]
         lo, hi = task.pos, task.pos + w.n
+        w.last_push = _Push(lo, hi, w.comp)
         finished = self.ledger.advance(w.rank, hi)
         if finished is not None:
             w.epoch_finish = t
             w.ready.pop(id(finished), None)
-        if not self.sized_early and self._first_sizes_due():
+        if not self.sized_early and w.steps == FIRST_SIZES_STEPS and self._first_sizes_due():
             self._rebalance(t)
         if self.sync:
             self.stores.push(t)
@@ -295,7 +331,7 @@ class Engine:
             self._end_epoch(done)
             if self.done:
                 return
-        self.ledger.top_up(w.rank, self._active)
+        self.ledger.top_up(w.rank, w.batch)
         self._count_moves()
         reply = done + self._link(w, done)
         w.comm = reply - t + self._link(w, t)
@@ -309,13 +345,9 @@ class Engine:
         self.updates += len(members)
         for batch in batches:
             self.ledger.record(*batch)
-        for w in members:
-            if w.probing:
-                w.probing -= 1
-                if not w.probing:
-                    self._end_probe(w)
-            elif w.batch == 0 and w.state == "held":
-                self._bench(w, t)
+        if self.sitout is not None:
+            self.sitout.note_lags(members)
+            self.sitout.after_round(members, self._present(), t)
         if self.ledger.complete:
             self._end_epoch(done)
             if self.done:
@@ -323,7 +355,7 @@ class Engine:
         for w in members:
             if w.state != "held":
                 continue
-            self.ledger.top_up(w.rank, self._active)
+            self.ledger.top_up(w.rank, w.batch)
             reply = done + self._link(w, done)
             w.comm = 2 * self._link(w, t)
             w.epoch_busy += w.comm
@@ -332,15 +364,17 @@ class Engine:
 
     # ------------------------------------------------------------------ server chores
     def _first_sizes_due(self) -> bool:
+        """Proportional batches: sized as soon as every busy worker has taken 16 steps
+        (checked as each worker reaches them)."""
         busy = [w for w in self.workers.values() if w.state in ("run", "held")]
         if busy and all(w.steps >= FIRST_SIZES_STEPS for w in busy):
             self.sized_early = True
         return self.sized_early
 
     def _rebalance(self, t: float) -> None:
-        committed = {r: self.ledger.remaining(r) for r in self._active()}
-        if self.sync:
-            self._start_probes(t)
+        committed = {w.rank: self.ledger.remaining(w.rank) for w in self._present()}
+        if self.sitout is not None:
+            self.sitout.start_probes(self._present(), t)
         self.balancer.rebalance(t, committed)
         self._count_moves()
         self._wake_idle(t)
@@ -349,76 +383,44 @@ class Engine:
     def _wake_idle(self, t: float) -> None:
         for w in self.workers.values():
             if w.state == "idle":
-                self.ledger.top_up(w.rank, self._active)
+                self.ledger.top_up(w.rank, w.batch)
                 if self.ledger.tasks(w.rank):
                     self._start(w, t + self._link(w, t))
         self._count_moves()
 
     def _update_batches(self, t: float) -> None:
-        sizes = self.balancer.batch_sizes()
-        for w in self.workers.values():
-            if w.state in ("lost", "dead"):
-                continue
+        present = self._present()
+        slow = self.sitout.slow(present) if self.sitout is not None else set()
+        sizes = self.balancer.batch_sizes(frozenset(slow))
+        for w in present:
             w.batch = int(sizes.get(w.rank, self.cfg.batch))
-            self.ledger.batch[w.rank] = w.batch
             if w.probing:
-                w.batch = self._probe_batch()
-            if w.batch == 0 and w.state == "idle":
-                self._bench(w, t)
-
-    # ------------------------------------------------------------------ sitting out
-    def _probe_batch(self) -> int:
-        return min(max(self.cfg.min_batch, self.cfg.batch // 2), self.cfg.max_batch)
-
-    def _bench(self, w: _Worker, t: float) -> None:
-        if not [o for o in self.workers.values() if o is not w and o.state in ("run", "held", "idle")]:
-            return
-        w.state = "benched"
-        w.benched_at = t
-        w.batch = 0
-        self.balancer.bench(w.rank)
-        self._take_back(w)
-
-    def _start_probes(self, t: float) -> None:
-        wait = max(PROBE_S, 4 * self.cfg.rebalance_interval)
-        for w in self.workers.values():
-            if w.state == "benched" and t - w.benched_at >= wait:
-                w.state, w.probing = "idle", 2
-                w.batch = self._probe_batch()
-                self.balancer.unbench(w.rank)
-
-    def _end_probe(self, w: _Worker) -> None:
-        target = self.balancer.round_step
-        others = [o for o in self.workers.values() if o is not w and o.state in ("run", "held", "idle")]
-        fits = True
-        if target is not None and others and w.n >= self._probe_batch() / 2:
-            overhead = sum(self.balancer.step_model(o.rank)[0] for o in others) / len(others)
-            fits = w.comp * self._probe_batch() / w.n + overhead <= target
-        if fits:
-            self.balancer.forget(w.rank)
-        else:
-            self._bench(w, self.now)
+                w.batch = self.sitout.probe_batch()
+            elif w.rank in slow:
+                w.batch = 0
+            if w.batch == 0 and self.sitout is not None and not w.benched and w.state == "idle":
+                self.sitout.bench(w, present, t)   # nothing in flight: at once
+            w.lags.clear()
 
     # ------------------------------------------------------------------ lost workers
-    def _take_back(self, w: _Worker) -> None:
+    def _take_back(self, w: _Worker, lost: bool = False) -> None:
         w.ready.clear()
-        self.ledger.take_back(w.rank)
+        self.ledger.take_back(w.rank, lost=lost)
         self._count_moves()
 
     def _die(self, w: _Worker, t: float) -> None:
         """w hangs or crashes: the server notices after --worker-timeout of silence."""
         w.state = "dead"
-        self._alive = None
+        self.pending_lost += 1
         self._at(max(t, w.fault_t) + self.cfg.worker_timeout, LOST, w.rank)
 
     def _declare_lost(self, w: _Worker, t: float) -> None:
         w.state = "lost"
-        self._alive = None
         self.lost.append(w.rank)
         if all(o.state == "lost" for o in self.workers.values()):
             raise RuntimeError("every simulated worker was lost")
         self.balancer.remove_worker(w.rank)
-        self._take_back(w)
+        self._take_back(w, lost=True)
         self._wake_idle(t)
         if self.sync and self.members and self.running == 0:
             self._apply_round(t)
@@ -434,7 +436,7 @@ class Engine:
             "epoch_s": float(np.mean([e["epoch_s"] for e in ep])) if ep else None,
             "utilization": float(np.mean([e["utilization"] for e in ep])) if ep else None,
             "imbalance_s": float(np.mean([e["imbalance_s"] for e in ep])) if ep else None,
-            "moves": self.moves + self.ledger.splits,
+            "moves": self.ledger.moved,
             "updates_per_s": self.updates / total,
             "server_busy": min(1.0, self.stores.busy / total),
             "total_s": total,

@@ -78,7 +78,8 @@ def _counts(text: str | None, what: str, default: str) -> list[int]:
 def run_simulate(args) -> int:
     """Simulate every configuration the options span; print the table (or JSON)."""
     from ..balancer import BALANCERS, BATCH_POLICIES
-    from .engine import Engine, SimConfig
+    from .engine import SimConfig
+    from .run import run
 
     clusters, base = _clusters(args)
     balancers = _list(args.balancer, base.pop("balancer", DEFAULT_BALANCERS), "balancer", BALANCERS)
@@ -90,7 +91,7 @@ def run_simulate(args) -> int:
     for label, profiles, sizes, replay, extra in clusters:
         for bal, mode, pol, k in itertools.product(balancers, modes, policies, servers):
             cfg = SimConfig(balancer=bal, mode=mode, batch_policy=pol, servers=k, **base)
-            res = Engine(cfg, profiles, sizes, replay=replay).run()
+            res = run(cfg, profiles, sizes, replay)
             res.update(extra)
             results.append(res)
     if args.json:
