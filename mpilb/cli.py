@@ -123,6 +123,7 @@ def build_parser() -> Parser:
     rep.add_argument("--json", action="store_true", help="print the summary object")
     rep.add_argument("--plots", metavar="DIR", help="write PNG figures into DIR")
     rep.add_argument("--compare", action="store_true", help="put several runs side by side")
+    rep.add_argument("--csv", metavar="DIR", help="write one CSV file per log group into DIR")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="what", metavar="WHAT", parser_class=Parser)
@@ -178,7 +179,8 @@ def _dispatch(args) -> int:
     if args.command == "report":
         from .report import run_report
 
-        return run_report(args.logs, as_json=args.json, plots=args.plots, compare=args.compare)
+        return run_report(args.logs, as_json=args.json, plots=args.plots, compare=args.compare,
+                          csv=args.csv)
     if args.command == "bench":
         from .bench import bench_ps
 
