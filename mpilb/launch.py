@@ -24,7 +24,7 @@ def _validate(config_file, cli_values, world_size):
     cfg = build_config(file_values, cli_values, source=config_file or "")
     parse_injects(cfg.inject, world_size)
     data_dir = resolve_data(cfg)
-    dataset = verify_dataset(data_dir)
+    dataset = verify_dataset(data_dir, cached=True)   # files checked before are not re-hashed
     check_world(cfg, world_size, dataset)
     config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
     if cfg.device == "gpu" and world_size == 1:
