@@ -66,7 +66,7 @@ def train(config_file, cli_values: dict) -> int:
     role = None
     problem = None
     try:
-        dataset = open_dataset(data_dir, check_files=(rank == 0))
+        dataset = open_dataset(data_dir, check_files=False)   # rank 0 checked it just now
         hosts = C.hostnames(comm)
         run_attrs = {"config": json.dumps(dict(cfg.values, data=data_dir), sort_keys=True),
                      "mpi_library": C.library_version(), "world_size": size,
