@@ -29,12 +29,13 @@ from . import comm as C
 from .balancer import build_balancer
 from .comm import Cmd, Push, Reply
 from .corrections import build_correction
-from .progress import Progress
+from .progress import LogTap, Progress
 from .report import summarize_log
 from .runlog import RunLog
 from .serial import balancer_config, format_final
 from . import checkpoint
 from .shards import placement
+from .tensorboard import tap_for
 from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule, config_model,
                        config_optimizer, epoch_order)
 
@@ -140,10 +141,14 @@ class ParameterServer:
             self.params[:] = ck.params
             self.optimizer.load_state_dict(ck.optimizer)
             checkpoint.restore_balancer(self.balancer, ck.balancer)
-        self.log = RunLog(cfg.log, run_attrs,
-                          resume_at=self.resumed.train_s if self.resumed else None)
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
-                                 samples_per_epoch=self.tracker.total)
+                                 samples_per_epoch=self.tracker.total,
+                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds)
+        # the progress display and --tensorboard see every row of the run log
+        self.log = LogTap(RunLog(cfg.log, run_attrs,
+                                 resume_at=self.resumed.train_s if self.resumed else None),
+                          self.progress, tap_for(cfg))
+        self.eval_version = -1
         self.version = 0
         self.epoch = self.resumed.epoch if self.resumed else 0
         self.accuracy: Optional[float] = None
@@ -419,6 +424,7 @@ class ParameterServer:
         self.log.append("eval", t=self.now(), version=self.version, epoch=self.epoch,
                         test_loss=loss, test_accuracy=acc)
         self.last_eval = time.monotonic()
+        self.eval_version = self.version
 
     # ----------------------------------------------------------------- pushes
     def _on_push(self, w: WorkerState) -> None:
@@ -723,7 +729,8 @@ class ParameterServer:
             self._begin_stop()
         self.log.maybe_flush()
         rates = {w.rank: self.balancer.rate(w.rank) for w in self.active()}
-        self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy, rates)
+        self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy, rates,
+                             lost=self.lost)
 
     def _first_sizes_due(self) -> bool:
         """Proportional batches: size them as soon as every worker has taken a few steps,
@@ -836,10 +843,11 @@ class ParameterServer:
             self._post_recv(w)
         for w in self.workers.values():
             w.idle = True
-        if self.resumed is None:
+        ck = self.resumed
+        self.progress.begin(ck.epoch if ck else 0, int((ck.counts > 0).sum()) if ck else 0, self.now())
+        if ck is None:
             self._begin_epoch(0)
         else:
-            ck = self.resumed
             self.version = ck.version
             self.tracker.completed = [EpochStats(**e) for e in ck.completed]
             if ck.epoch >= self.cfg.epochs or self.stop.check(ck.epoch, self.now(), None):
@@ -880,6 +888,8 @@ class ParameterServer:
                 self._check_stalled()
                 self._timers()
         self.train_s = self.now()
+        if self.eval_version != self.version:   # every stop ends with the final metric
+            self._evaluate()
         self._log_worker_rows()
         C.drain(self.comm)
         for i, w in enumerate(order):
@@ -918,7 +928,6 @@ class ParameterServer:
         self.log.close("failed")
 
     def finish(self, status: str) -> dict:
-        self.progress.close()
         attrs = {
             "train_s": getattr(self, "train_s", self.now()),
             "wall_s": self.now(),
@@ -933,6 +942,7 @@ class ParameterServer:
         self.log.close(status, attrs)
         summary = summarize_log(self.cfg.log)
         self.log.write_summary(summary)
+        self.progress.close(summary)
         return summary
 
 
