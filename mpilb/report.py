@@ -289,17 +289,17 @@ def format_compare(paths: list[str], summaries: list[dict], configs: list[dict])
         ("bytes moved", lambda s: s["bytes_moved"]),
     ]
     names = [p.rsplit("/", 1)[-1] for p in paths]
+    table = [[str(fn(s)) for s in summaries] for _, fn in rows]
     differ = differing_settings(configs)
-    cells = [[str(c.get(k)) if not isinstance(c.get(k), list) else " ".join(c[k]) or "none"
-              for c in configs] for k in differ]
-    width = max(12, *(len(n) for n in names), *(len(v) for row in cells for v in row))
+    settings = [[setting_text(c, k).split("=", 1)[1] for c in configs] for k in differ]
+    width = max(12, *(len(v) for row in [names] + table + settings for v in row))
     out = ["".ljust(18) + "".join(n.rjust(width + 2) for n in names)]
-    for label, fn in rows:
-        out.append(label.ljust(18) + "".join(str(fn(s)).rjust(width + 2) for s in summaries))
+    for (label, _), cells in zip(rows, table):
+        out.append(label.ljust(18) + "".join(v.rjust(width + 2) for v in cells))
     if differ:
         out.append("settings that differ:")
-        for key, row in zip(differ, cells):
-            out.append(f"  {key}".ljust(18) + "".join(v.rjust(width + 2) for v in row))
+        for key, cells in zip(differ, settings):
+            out.append(f"  {key}".ljust(18) + "".join(v.rjust(width + 2) for v in cells))
     else:
         out.append("settings that differ: none (same configuration)")
     return "\n".join(out)

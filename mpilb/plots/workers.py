@@ -131,14 +131,51 @@ def _per_worker_steps(ax, run: _Run, column: str, holds: str, dashed: str = "",
     return ranks
 
 
+def epoch_shares(run: _Run) -> tuple[np.ndarray, np.ndarray, dict[int, np.ndarray]]:
+    """Each worker's share of the samples applied in each epoch.
+
+    Returns:
+        (epoch start times, epoch end times, {rank: share per epoch}); an epoch not
+        completed ends at its last update.
+    """
+    up, ep = run.cols["updates"], run.cols["epochs"]
+    epochs = sorted(set(up["epoch"].astype(int).tolist()))
+    starts, ends, shares = [], [], {r: [] for r in sorted(set(up["worker"].astype(int).tolist()))}
+    done = {int(e): (float(a), float(b)) for e, a, b in zip(ep["epoch"], ep["t_start"], ep["t_end"])}
+    for e in epochs:
+        m = up["epoch"] == e
+        total = float(up["batch"][m].sum())
+        a, b = done.get(e, (float(up["t"][m].min()), float(up["t"][m].max())))
+        starts.append(a)
+        ends.append(b)
+        for r in shares:
+            shares[r].append(float(up["batch"][m & (up["worker"] == r)].sum()) / total if total else 0.0)
+    return np.array(starts), np.array(ends), {r: np.array(v) for r, v in shares.items()}
+
+
 def rates_figure(run: _Run):
-    fig, (ax,) = _figure()
+    """Top: each worker's rate; bottom: its share of each epoch, which the balancer sets."""
+    fig, (ax, ax_share) = _figure(height=6.5, rows=2)
     wk = run.cols["workers"]
     same = wk["rate"].size and np.allclose(wk["rate"], wk["predicted_rate"])
     ax.set_title("Samples per second of each worker (solid: measured, dashed: predicted"
-                 + (", equal here" if same else "") + f")\n{run.subtitle}", fontsize=10)
-    ax.set_xlabel("time since training start (s)")
+                 + (", equal here" if same else "") + ")\nand its share of each epoch's samples"
+                 + f"\n{run.subtitle}", fontsize=10)
     ax.set_ylabel("samples/s (per busy second)")
+    ax_share.set_xlabel("time since training start (s)")
+    ax_share.set_ylabel("share of the epoch's samples")
+    starts, ends, shares = epoch_shares(run)
+    for r, share in shares.items():
+        if starts.size:
+            # each epoch's share as a flat segment over the epoch
+            x = np.ravel(np.column_stack([starts, ends]))
+            ax_share.plot(x, np.repeat(share, 2), color=_worker_colour(r, run.ranks), lw=1.8,
+                          label=f"rank {r}")
+    if shares and len(shares) > 1:
+        ax_share.axhline(1 / len(shares), color="0.5", ls="--", lw=1, label="even split")
+        ax_share.legend(fontsize=8, loc="best", ncol=2)
+    ax_share.set_ylim(0, 1)
+    ax_share.grid(alpha=0.3)
     ranks = _per_worker_steps(ax, run, "rate", "before", dashed="predicted_rate")
     if not ranks:
         _no_data(ax, "no rows in workers/ (the run stopped before its first report)")
@@ -156,7 +193,8 @@ def rates_figure(run: _Run):
                 bbox=dict(facecolor="white", edgecolor="none", alpha=0.8))
     else:
         ax.set_ylim(bottom=0)
-    _epoch_lines(ax, run)
+    for a in (ax, ax_share):
+        _epoch_lines(a, run, label=a is ax)
     ax.legend(fontsize=8, loc="best")
     ax.grid(alpha=0.3)
     return fig
