@@ -1,9 +1,9 @@
 """Live progress on rank 0: a tqdm bar on a terminal, a timestamped status line otherwise.
 
 Under ``mpiexec`` the launcher pipes every rank's stderr, so rank 0 almost never sees a
-terminal there: it then prints one line per ``--progress-interval`` seconds, the first one
-a second after the start (sooner for a shorter interval), and one last line when the run
-ends that agrees with the summary. The rate is computed over the samples applied by this
+terminal there: it then prints a line when training starts, one per ``--progress-interval``
+seconds, the first of them a second after the start (sooner for a shorter interval), and
+one last line when the run ends that agrees with the summary. The rate is computed over the samples applied by this
 process since it started, so a resumed run does not count its predecessor's samples.
 
 Progress learns the training loss and the test metric from the run-log rows it is shown
@@ -115,6 +115,10 @@ class Progress:
         self.train_t0 = train_s
         self.epoch = epoch
         self.done = self.start_done = epoch * self.per_epoch + epoch_samples
+        if self.enabled and not self._want_bar:
+            how = "resumed" if self.done else "started"
+            self._print(f"mpilb [{0.0:7.1f} s] epoch {min(epoch + 1, self.epochs)}/{self.epochs}, "
+                        f"{self.done}/{self.total} samples, training {how}")
         if self._want_bar and self.enabled:
             from tqdm import tqdm
 

@@ -35,6 +35,7 @@ def test_first_line_within_a_second_then_one_per_interval():
         clock.t += 0.1
         p.update(0, min(1000, 10 * step))
     got = lines(out)
+    assert got.pop(0) == "mpilb [    0.0 s] epoch 1/4, 0/4000 samples, training started"
     stamps = [float(re.match(r"mpilb \[\s*([\d.]+) s\]", ln).group(1)) for ln in got]
     assert stamps[0] == pytest.approx(FIRST_LINE_S, abs=0.11)
     assert [round(b - a) for a, b in zip(stamps, stamps[1:])] == [5, 5]
@@ -48,9 +49,10 @@ def test_rate_counts_only_this_process_after_a_resume():
     clock.t += 2.0
     p.update(2, 900)                      # 400 samples in 2 s here
     assert p.rate() == pytest.approx(200.0)
-    assert "200 samples/s" in lines(out)[0] and "2900/4000 samples" in lines(out)[0]
-    # ETA from this process's rate: 1100 samples left at 200/s
-    assert "ETA 6 s" in lines(out)[0]
+    start, line = lines(out)
+    assert start.endswith("epoch 3/4, 2500/4000 samples, training resumed")
+    assert "200 samples/s" in line and "2900/4000 samples" in line
+    assert "ETA 6 s" in line      # from this process's rate: 1100 samples left at 200/s
 
 
 def test_loss_metric_and_lost_workers_come_from_log_rows():
@@ -63,7 +65,7 @@ def test_loss_metric_and_lost_workers_come_from_log_rows():
     p.row("workers", {"worker": 2, "rate": 100.0})
     clock.t += 1.5
     p.update(0, 400, lost=[3])
-    line = lines(out)[0]
+    line = lines(out)[1]
     assert "loss 1.2500" in line                  # (10*2 + 30*1) / 40
     assert "accuracy 0.6250" in line
     assert "slowest rank 2 (100/s), fastest rank 1 (400/s)" in line
