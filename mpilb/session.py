@@ -1,0 +1,98 @@
+"""What a training run holds whoever drives it: the serial trainer and the parameter server.
+
+The model, its optimizer, the balancer, the epoch tracker, the evaluator, the stop rule, the
+checkpoint it resumes from, the run log and the progress line are set up the same way on one
+rank or on rank 0 of many; this module does it once, so neither driver imports the other.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from . import checkpoint
+from .balancer import BalancerConfig, build_balancer
+from .progress import LogTap, Progress
+from .report import summarize_log
+from .runlog import RunLog
+from .tensorboard import tap_for
+from .training import EpochTracker, Evaluator, StopRule, config_model, config_optimizer
+
+
+def balancer_config(cfg) -> BalancerConfig:
+    return BalancerConfig(batch=cfg.batch, batch_policy=cfg.batch_policy,
+                          min_batch=cfg.min_batch, max_batch=cfg.max_batch,
+                          sit_out=(bool(cfg.sit_out) and cfg.mode == "sync"
+                                   and cfg.batch_policy == "proportional"),
+                          rebalance_interval=cfg.rebalance_interval)
+
+
+def format_final(summary: dict) -> str:
+    """The last line of a run."""
+    acc = summary.get("final_test_accuracy")
+    acc_txt = "n/a" if acc is None else f"{acc:.4f}"
+    cov = summary["coverage"]
+    return (f"mpilb: {summary['status']}: {summary['epochs_completed']} epoch(s), "
+            f"{summary['samples']} samples in {summary['train_s']:.1f} s "
+            f"({summary['samples_per_s']:.0f} samples/s), test accuracy {acc_txt}, "
+            f"coverage {cov['applied']}/{cov['expected']} "
+            f"(duplicates {cov['duplicates']}, missing {cov['missing']})")
+
+
+class Session:
+    """The shared state of one run, built from its config.
+
+    Args:
+        cfg: the run's Config.
+        dataset: the opened dataset.
+        run_attrs: root attributes of the run log.
+        ranks: the workers the balancer plans for.
+        holders: shard -> ranks holding a copy (--store local), or None.
+        xp: array module of the optimizer state (numpy, or cupy for a serial GPU run).
+    """
+
+    def __init__(self, cfg, dataset, run_attrs: dict, ranks: list[int],
+                 holders: Optional[dict] = None, xp=np):
+        self.cfg = cfg
+        self.dataset = dataset
+        self.model = config_model(cfg, dataset)
+        self.params = self.model.init_params(cfg.seed)
+        self.optimizer = config_optimizer(cfg, self.model.num_params, xp=xp)
+        self.balancer = build_balancer(cfg.balancer, ranks, dataset.shard_sizes,
+                                       balancer_config(cfg), holders)
+        self.tracker = EpochTracker(dataset.shard_sizes)
+        test_x, test_y = dataset.load_test()
+        self.evaluator = Evaluator(self.model, test_x, test_y)
+        self.stop = StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy)
+        self.resumed: Optional[checkpoint.Checkpoint] = None
+        if cfg.resume:
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset)
+            self.params[:] = self.resumed.params
+            self.optimizer.load_state_dict(self.resumed.optimizer)
+            checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
+        self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
+                                 samples_per_epoch=self.tracker.total,
+                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds)
+        # the progress display and --tensorboard see every row of the run log
+        self.log = LogTap(RunLog(cfg.log, run_attrs,
+                                 resume_at=self.resumed.train_s if self.resumed else None),
+                          self.progress, tap_for(cfg))
+        self.accuracy: Optional[float] = None
+        self.eval_version = -1   # parameter version of the last evaluation
+
+    def evaluate(self, params: np.ndarray, t: float, version: int, epoch: int) -> None:
+        """Evaluate host parameters on the test set and log the row."""
+        loss, acc = self.evaluator(params)
+        self.accuracy = acc
+        self.eval_version = version
+        self.log.append("eval", t=t, version=version, epoch=epoch, test_loss=loss,
+                        test_accuracy=acc)
+
+    def close(self, status: str, attrs: dict) -> dict:
+        """Close the run log, write the summary, end the progress display on its figures."""
+        self.log.close(status, attrs)
+        summary = summarize_log(self.cfg.log)
+        self.log.write_summary(summary)
+        self.progress.close(summary)
+        return summary
