@@ -90,7 +90,7 @@ def finished_log(path, **kw) -> tuple[str, dict]:
     return str(path), expected
 
 
-def report(*args, timeout: float = 60) -> subprocess.CompletedProcess:
+def report(*args, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mpilb", "report", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=mpirun.env())
 
