@@ -54,6 +54,13 @@ class LogTap:
         return getattr(self._log, name)
 
 
+def tapped(log, *observers):
+    """`log` wrapped in a :class:`LogTap` for the observers that want rows (not None, not a
+    disabled display); `log` itself when none does, so an unobserved run pays nothing."""
+    wanted = [o for o in observers if o is not None and getattr(o, "enabled", True)]
+    return LogTap(log, *wanted) if wanted else log
+
+
 def _duration(seconds: float) -> str:
     seconds = max(0.0, seconds)
     if seconds < 60:

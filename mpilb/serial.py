@@ -18,7 +18,7 @@ from .balancer import build_balancer
 from .errors import MpilbError
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
-from .progress import LogTap, Progress
+from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
 from .session import balancer_config, format_final
@@ -60,9 +60,9 @@ class SerialTrainer:
                                  samples_per_epoch=self.tracker.total,
                                  interval=cfg.progress_interval, max_seconds=cfg.max_seconds)
         # the progress display and --tensorboard see every row of the run log
-        self.log = LogTap(RunLog(cfg.log, run_attrs,
-                                 resume_at=self.resumed.train_s if self.resumed else None),
-                          self.progress, tap_for(cfg))
+        self.log = tapped(RunLog(cfg.log, run_attrs,
+                                resume_at=self.resumed.train_s if self.resumed else None),
+                         self.progress, tap_for(cfg))
         self.eval_version = -1
         self.version = self.resumed.version if self.resumed else 0
         self.epoch = self.resumed.epoch if self.resumed else 0

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import checkpoint
 from .balancer import BalancerConfig, build_balancer
-from .progress import LogTap, Progress
+from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
 from .tensorboard import tap_for
@@ -75,9 +75,9 @@ class Session:
                                  samples_per_epoch=self.tracker.total,
                                  interval=cfg.progress_interval, max_seconds=cfg.max_seconds)
         # the progress display and --tensorboard see every row of the run log
-        self.log = LogTap(RunLog(cfg.log, run_attrs,
-                                 resume_at=self.resumed.train_s if self.resumed else None),
-                          self.progress, tap_for(cfg))
+        self.log = tapped(RunLog(cfg.log, run_attrs,
+                                resume_at=self.resumed.train_s if self.resumed else None),
+                         self.progress, tap_for(cfg))
         self.accuracy: Optional[float] = None
         self.eval_version = -1   # parameter version of the last evaluation
 

@@ -143,3 +143,12 @@ def test_log_tap_passes_rows_and_attributes():
     tap.close("finished")
     assert log.rows == [("updates", {"t": 0.1, "batch": 3})] and seen.rows == ["updates"]
     assert seen.closed and log.closed == "finished" and tap.path == "run.h5"
+
+
+def test_unobserved_log_is_not_wrapped():
+    from mpilb.progress import tapped
+
+    log = object()
+    assert tapped(log, None, Progress(False, 1, 1, bar=False)) is log
+    shown = Progress(True, 1, 1, stream=io.StringIO(), bar=False)
+    assert isinstance(tapped(log, shown), LogTap)
