@@ -33,6 +33,13 @@ if env_world_size() > 1:
     for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, "1")
 
+# A preemption signal (SIGTERM/SIGUSR1) while a training rank is still importing must not
+# kill it (exit 15, no checkpoint): note it now, `mpilb train` acts on it once running.
+if len(sys.argv) > 1 and sys.argv[1] == "train":
+    from .signals import catch_early
+
+    catch_early()
+
 import argparse  # noqa: E402
 
 from .errors import MpilbError, UsageError  # noqa: E402
@@ -144,6 +151,11 @@ def build_parser() -> Parser:
     ps.add_argument("--json", action="store_true")
 
     sub.add_parser("doctor", help="check the MPI, HDF5 and GPU setup")
+
+    from .simulate.main import add_arguments as simulate_arguments
+
+    simulate_arguments(sub.add_parser("simulate", help="replay a run or simulate a cluster "
+                                      "under other policies (no MPI)"))
     return parser
 
 
@@ -198,6 +210,10 @@ def _dispatch(args) -> int:
         from .doctor import doctor
 
         return doctor()
+    if args.command == "simulate":
+        from .simulate.main import run_simulate
+
+        return run_simulate(args)
     raise UsageError(f"unknown command {args.command}")
 
 

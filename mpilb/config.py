@@ -123,9 +123,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("seed", int, 0, "seed for initialisation, shuffles and injection",
            check=(lambda v: v >= 0, "an integer >= 0"), group="experiments"),
     # output and fault tolerance
-    Option("log", str, "mpilb-run.h5", "run log (HDF5) written by rank 0", group="output",
-           metavar="RUN.h5"),
-    Option("checkpoint", str, None, "checkpoint file (HDF5)", group="output", metavar="CKPT.h5"),
+    Option("log", str, None, "run log (HDF5) written by rank 0; default: a new runs/NNN.h5 "
+           "(the next free number) in the working directory", group="output", metavar="RUN.h5"),
+    Option("checkpoint", str, None, "checkpoint file (HDF5); default: the log's name with "
+           ".ckpt.h5 (runs/007.h5 -> runs/007.ckpt.h5)", group="output", metavar="CKPT.h5"),
     Option("checkpoint_interval", float, 60.0, "seconds between checkpoints",
            check=_POSITIVE, group="output", metavar="SECONDS"),
     Option("resume", bool, False, "continue from --checkpoint", group="output"),
@@ -138,6 +139,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("tensorboard", str, None, "also write TensorBoard scalars (loss, metric, rates, "
            "utilization, staleness) into DIR; needs `pip install 'mpilb[tensorboard]'`",
            group="output", metavar="DIR"),
+    Option("overwrite", bool, False, "replace an existing --log (and its checkpoint) instead "
+           "of refusing to start", group="output"),
 )
 
 # Options that do nothing given another option's value: (option, applies(cfg), the option
@@ -268,6 +271,11 @@ def load_toml(path: str) -> dict:
         raise UsageError(f"{path}: is a directory, expected a TOML config file") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not valid TOML: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                         f"at offset {exc.start}); save the file as UTF-8") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read the config file ({exc.strerror or exc})") from None
     out = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
@@ -352,8 +360,12 @@ def _warn(text: str) -> None:
 def _check_combinations(cfg: Config) -> None:
     if cfg.min_batch > cfg.max_batch:
         raise UsageError(f"--min-batch {cfg.min_batch} is larger than --max-batch {cfg.max_batch}")
-    if cfg.resume and not cfg.checkpoint:
-        raise UsageError("--resume needs --checkpoint CKPT.h5 (the checkpoint to continue from)")
+    if cfg.resume and not (cfg.checkpoint or cfg.log):
+        raise UsageError("--resume needs --log RUN.h5 (the run to continue; its checkpoint is "
+                         "RUN.ckpt.h5) or --checkpoint CKPT.h5")
+    if cfg.resume and cfg.overwrite:
+        raise UsageError("--resume continues the log and checkpoint that --overwrite would "
+                         "replace: give one of them")
     if cfg.pipeline and cfg.mode == "sync":
         raise UsageError("--pipeline 1 cannot be combined with --mode sync (a sync round waits for every gradient)")
     if cfg.log and Path(cfg.log).is_dir():

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import re
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -229,6 +230,9 @@ def _file_entry(entry, where: str, path: Path) -> tuple[str, int, str]:
 
 def _read_manifest(root: Path) -> Dataset:
     path = root / MANIFEST
+    if root.exists() and not root.is_dir():
+        raise DataError(f"{root}: is a file, not a dataset directory (a directory made by "
+                        f"`mpilb prepare`; for a .npz file use `mpilb prepare npz`)")
     if not root.is_dir():
         raise DataError(f"{root}: dataset directory does not exist")
     if not path.exists():
@@ -755,7 +759,7 @@ def prepare_npz(
         raise DataError(f"{path}: file not found")
     try:
         npz = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
     if not isinstance(npz, np.lib.npyio.NpzFile):
         raise DataError(f"{path}: not an .npz archive (a single array); save with np.savez(file, x=..., y=...)")
@@ -766,7 +770,7 @@ def prepare_npz(
                 raise DataError(f"{path}: no array '{key}' (keys in the file: {', '.join(keys) or 'none'}); use {opt}")
         try:
             x, y = npz[x_key], npz[y_key]
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
             raise DataError(f"{path}: cannot read arrays ({exc})") from exc
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]

@@ -33,6 +33,7 @@ straggler), so the estimators smooth it:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import numpy as np
@@ -164,6 +165,7 @@ class TrendRate:
         self.overhead: float | None = None     # seconds per sample outside compute + I/O
         self._last_t: float | None = None
         self._over = [0.0, 0.0]                 # overhead seconds, samples of the open bucket
+        self._slope: float | None = None        # slope() of the current points (cached)
 
     @property
     def value(self) -> float | None:
@@ -202,6 +204,7 @@ class TrendRate:
         if self.ewma.shifted:
             self._points.clear()
         self._points.append((t, self.ewma.last_input))
+        self._slope = None
         return self.ewma.value
 
     def _overhead_of(self, gap: float | None, samples: float, busy_s: float,
@@ -224,18 +227,25 @@ class TrendRate:
         standard errors of zero: jitter on a steady worker is not a trend, and
         extrapolating it would only move shards back and forth.
         """
+        if self._slope is None:
+            self._slope = self._fit_slope()
+        return self._slope
+
+    def _fit_slope(self) -> float:
+        # plain floats: at most `window` points, where numpy's per-call cost dominates
         n = len(self._points)
         if n < 3:
             return 0.0
-        ts = np.array([p[0] for p in self._points])
-        rates = np.array([p[1] for p in self._points])
-        dt = ts - ts.mean()
-        denom = float(dt @ dt)
+        t_mean = sum(p[0] for p in self._points) / n
+        r_mean = sum(p[1] for p in self._points) / n
+        dt = [p[0] - t_mean for p in self._points]
+        dr = [p[1] - r_mean for p in self._points]
+        denom = sum(d * d for d in dt)
         if denom <= 0:
             return 0.0
-        slope = float(dt @ (rates - rates.mean()) / denom)
-        residuals = rates - rates.mean() - slope * dt
-        stderr = float(np.sqrt(residuals @ residuals / (n - 2) / denom))
+        slope = sum(a * b for a, b in zip(dt, dr)) / denom
+        rss = sum((b - slope * a) ** 2 for a, b in zip(dt, dr))
+        stderr = math.sqrt(rss / (n - 2) / denom)
         return slope if abs(slope) > TREND_T * stderr else 0.0
 
     def forecast(self, now: float, horizon: float) -> float | None:
@@ -286,6 +296,7 @@ class TrendRate:
         self.ewma.load_state_dict(state["ewma"])
         self.window = state["window"]
         self._points = deque((tuple(p) for p in state["points"]), maxlen=self.window)
+        self._slope = None
         self.overhead = state.get("overhead")
         self._last_t = state.get("last_t")
         self._over = list(state.get("over", [0.0, 0.0]))

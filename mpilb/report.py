@@ -199,11 +199,18 @@ def summarize(attrs: dict, cols: dict) -> dict:
 
 def open_log(path: str) -> tuple[dict, dict]:
     try:
-        return read_columns(path)
+        attrs, cols = read_columns(path)
     except FileNotFoundError:
         raise UsageError(f"{path}: run log not found") from None
-    except OSError as exc:
-        raise UsageError(f"{path}: not a readable mpilb run log ({exc})") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path}: is a directory, not a run log") from None
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:   # damaged file
+        raise UsageError(f"{path}: not a readable mpilb run log ({type(exc).__name__}: {exc})") from None
+    if "status" not in attrs:
+        what = ("an mpilb checkpoint" if "model" in attrs and "format" in attrs else
+                "an HDF5 file without a run log's attributes (a dataset shard?)")
+        raise UsageError(f"{path}: not an mpilb run log: {what}")
+    return attrs, cols
 
 
 def summarize_log(path: str) -> dict:
@@ -315,7 +322,12 @@ def run_report(paths: list[str], as_json: bool = False, plots: Optional[str] = N
     if plots:
         from .plots import write_plots
 
-        for w in write_plots(paths, plots):
+        try:
+            written = write_plots(paths, plots)
+        except OSError as exc:   # a read-only directory, or a file where the directory goes
+            raise UsageError(f"--plots {plots}: cannot write the figures there "
+                             f"({exc.strerror or exc})") from None
+        for w in written:
             print(f"wrote {w}", file=note)
     if csv:
         for path, (_, cols) in zip(paths, logs):

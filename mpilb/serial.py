@@ -21,7 +21,7 @@ from .inject import Injector, parse_injects
 from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
-from .session import balancer_config, format_final
+from .session import balancer_config, files_line, format_final
 from .shards import ShardStore
 from .tensorboard import tap_for
 from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule, config_model,
@@ -42,7 +42,7 @@ class SerialTrainer:
         self.tracker = EpochTracker(dataset.shard_sizes)
         self.resumed: Optional[checkpoint.Checkpoint] = None
         if cfg.resume:
-            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset)
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed)
             host_params = self.resumed.params
             self.optimizer.load_state_dict(self.resumed.optimizer)
             checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
@@ -87,6 +87,9 @@ class SerialTrainer:
         if self.resumed is not None:
             first, counts = self.resumed.epoch, self.resumed.counts
             self.tracker.completed = [EpochStats(**e) for e in self.resumed.completed]
+            # restored now: a run that stops at once (fewer --epochs, --max-seconds spent)
+            # must checkpoint the interrupted epoch's counts, not zeros
+            self.tracker.begin(first, self.now(), counts)
         self.progress.begin(first, 0 if counts is None else int((counts > 0).sum()), self.now())
         for epoch in range(first, self.cfg.epochs):
             self._run_epoch(epoch, counts)
@@ -156,7 +159,7 @@ class SerialTrainer:
         self.tracker.record(batch.epoch, batch.shard, batch.lo, batch.hi)
         self.log.append("updates", t=self.now(), worker=0, version=self.version, staleness=0,
                         batch=b, loss=loss / b, lr_scale=lr_scale, epoch=batch.epoch,
-                        shard=batch.shard)
+                        shard=batch.shard, lo=batch.lo, hi=batch.hi)
         self.window_samples += b
         self.window_compute += compute_s
         self.epoch_busy += compute_s
@@ -244,4 +247,5 @@ def run_serial(trainer: SerialTrainer) -> int:
     finally:
         summary = trainer.finish(status)
     print(format_final(summary), flush=True)
+    print(files_line(trainer.cfg), flush=True)
     return 0

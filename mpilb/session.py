@@ -40,6 +40,11 @@ def format_final(summary: dict) -> str:
             f"(duplicates {cov['duplicates']}, missing {cov['missing']})")
 
 
+def files_line(cfg) -> str:
+    """The very last line of a run: where its log and its final parameters are."""
+    return f"mpilb: log {cfg.log}, checkpoint {cfg.checkpoint}"
+
+
 class Session:
     """The shared state of one run, built from its config.
 
@@ -67,7 +72,7 @@ class Session:
         self.stop = StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy)
         self.resumed: Optional[checkpoint.Checkpoint] = None
         if cfg.resume:
-            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset)
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed)
             self.params[:] = self.resumed.params
             self.optimizer.load_state_dict(self.resumed.optimizer)
             checkpoint.restore_balancer(self.balancer, self.resumed.balancer)

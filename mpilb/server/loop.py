@@ -23,7 +23,7 @@ from typing import Optional
 from .. import comm as C
 from .. import wire
 from ..corrections import build_correction
-from ..session import Session, format_final
+from ..session import Session, files_line, format_final
 from ..shards import placement
 from ..training import EpochStats
 from ..wire import Cmd
@@ -194,7 +194,7 @@ class ParameterServer(Epochs, Chores):
             self.tracker.record(u.epoch, u.shard, u.lo, u.hi)
             self.log.append("updates", t=t, worker=u.rank, version=self.version, staleness=u.staleness,
                             batch=u.batch, loss=u.loss / max(1, u.batch), lr_scale=lr_scale,
-                            epoch=u.epoch, shard=u.shard)
+                            epoch=u.epoch, shard=u.shard, lo=u.lo, hi=u.hi)
 
     def _advance(self, w: Peer, hi: int) -> None:
         if self.ledger.advance(w.rank, hi):
@@ -275,6 +275,9 @@ class ParameterServer(Epochs, Chores):
         self.store.version = ck.version
         self.tracker.completed = [EpochStats(**e) for e in ck.completed]
         if ck.epoch >= self.cfg.epochs or self.stop.check(ck.epoch, self.now(), None):
+            # nothing to do, but the interrupted epoch's counts must survive the checkpoint
+            # this run ends with (they were zeroed, and a later resume's coverage lied)
+            self.tracker.begin(ck.epoch, self.now(), ck.counts)
             self.stop.reason = self.stop.reason or "epochs"
             self._begin_stop()
         else:
@@ -362,9 +365,12 @@ def serve(server: ParameterServer) -> int:
         raise
     summary = server.finish(status)
     print(format_final(summary), flush=True)
+    print(files_line(server.cfg), flush=True)
     if server.lost:
-        # A lost (hung) rank never exits by itself and would keep the job alive.
+        # A lost (hung) rank never exits by itself and would keep the job alive. A preempted
+        # run stopped as asked (checkpoint written): exit 0, so that a requeue follows.
+        code = 0 if status == "preempted" else 3
         sys.stdout.flush()
-        C.abort(3)
-        os._exit(3)
+        C.abort(code)
+        os._exit(code)
     return 0
