@@ -89,7 +89,7 @@ def _mpi() -> str:
     try:
         from mpi4py import MPI
 
-        return MPI.Get_library_version().strip().splitlines()[0].strip()
+        return " ".join(MPI.Get_library_version().strip().splitlines()[0].split())
     except Exception as e:   # noqa: BLE001 (report what is there)
         return f"unavailable ({type(e).__name__})"
 

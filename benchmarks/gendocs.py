@@ -30,19 +30,19 @@ import _results  # noqa: E402
 
 REPO = _results.REPO
 RESULTS_DIR = _results.RESULTS_DIR
-DOCS = ["docs/benchmarks.md", "docs/balancing.md", "docs/data.md"]
+DOCS = ["docs/benchmarks.md", "docs/balancing.md", "docs/data.md", "docs/scaling.md"]
 BLOCK = re.compile(r"(<!-- BEGIN generated: ([\w.-]+) -->\n)(.*?)(<!-- END generated -->)", re.S)
 
 
 class GenError(Exception):
-    """A block names a result file that is missing, or that a --quick run wrote."""
+    """A block names a result file that a --quick run wrote."""
 
 
-def load(name: str, results_dir: str = RESULTS_DIR) -> dict:
+def load(name: str, results_dir: str = RESULTS_DIR) -> dict | None:
+    """The result file's contents; None when there is none yet."""
     path = os.path.join(results_dir, f"{name}.json")
     if not os.path.exists(path):
-        raise GenError(f"{os.path.relpath(path, REPO)}: no such result file; run the benchmark "
-                       f"that writes it")
+        return None
     with open(path) as f:
         res = json.load(f)
     if res.get("quick"):
@@ -65,12 +65,15 @@ def _result(r: str | None) -> str:
 def machine_line(m: dict) -> str:
     mem = f", {m['memory_gib']:g} GiB" if m.get("memory_gib") else ""
     return (f"{m['cpu']}, {m['cores']} cores{mem}, {m['system']}; BLAS {m['blas']} (threads: "
-            f"{m['blas_threads']}); MPI {m['mpi']}; Python {m['python']}, numpy {m['numpy']}, "
+            f"{m['blas_threads']}); MPI {' '.join(m['mpi'].split())}; Python {m['python']}, numpy {m['numpy']}, "
             f"h5py {m['h5py']}, mpi4py {m['mpi4py']}")
 
 
-def render(res: dict) -> str:
-    """The markdown between one block's markers."""
+def render(res: dict | None, name: str = "") -> str:
+    """The markdown between one block's markers (a note when there is no result file)."""
+    if res is None:
+        return (f"*No result file yet (`benchmarks/results/{name}.json`): run the benchmark "
+                f"above, then `python benchmarks/gendocs.py`. No figures are shown until then.*\n")
     m = res["machine"]
     argv = " ".join(res["argv"])
     misses = sum(1 for g in res["groups"] for f in g["figures"] if f["result"] == "MISS")
@@ -83,7 +86,7 @@ def render(res: dict) -> str:
         "",
         f"Machine: {machine_line(m)}. {m['notes'][0].upper()}{m['notes'][1:]}.",
         "",
-        "Each figure: median over the repeats, (min–max) in brackets.",
+        "Each figure: the median over the repeats, and (min–max) where there was more than one.",
     ]
     for g in res["groups"]:
         lines += ["", f"**{g['title']}**" + (f": `{g['command']}`" if g["command"] else ""), ""]
@@ -106,7 +109,8 @@ def render(res: dict) -> str:
 def regenerate(text: str, results_dir: str = RESULTS_DIR) -> str:
     """``text`` with every generated block rendered from its result file."""
     def sub(match: re.Match) -> str:
-        return match.group(1) + render(load(match.group(2), results_dir)) + match.group(4)
+        name = match.group(2)
+        return match.group(1) + render(load(name, results_dir), name) + match.group(4)
 
     return BLOCK.sub(sub, text)
 

@@ -105,7 +105,7 @@ class BalancerConfig:
 
 @dataclass(frozen=True)
 class Move:
-    """One shard moved from ``src``'s queue to ``dst``'s (reason: rebalance, steal, lost)."""
+    """One shard moved from ``src``'s queue to ``dst``'s (reason: rebalance, steal, lost, probe)."""
 
     shard: int
     src: int
@@ -151,6 +151,7 @@ class Balancer:
         self._requeued: set[int] = set()    # shards of a lost worker, maybe partly done
         self._moves: list[Move] = []
         self.benched: set[int] = set()      # sitting sync rounds out: no shards, no batch
+        self._probed: dict[int, float] = {}        # when each silent worker was last probed
         self.round_step: float | None = None   # step time the last proportional sizes aim at
         # Caches that keep a decision at 10^3 workers cheap (docs/simulate.md, "cost"):
         # each worker's projected seconds per sample (dropped when its estimate changes),
@@ -202,6 +203,11 @@ class Balancer:
         rounds it slows (the server's sit-out check) rather than here.
         """
         return self._step_over.get(worker) or 0.0, 1.0 / self._planning_rate(worker)
+
+    def rate_known(self, worker: int) -> bool:
+        """True once ``worker`` has a rate estimate of its own."""
+        est = self._rates.get(worker)
+        return est is not None and est.value is not None
 
     def _estimates_changed(self, worker: int | None = None) -> None:
         """A worker's estimates changed (None: any may have): drop what was derived."""
@@ -451,6 +457,19 @@ class Balancer:
         self._touch(worker)
         self._committed[worker] = 0
 
+    def seed_rate(self, worker: int, samples: float, busy_s: float) -> None:
+        """Start ``worker``'s estimates afresh from one measurement (a readmitted worker's
+        probe step): it is planned and sized at that rate at once, not at the others' mean
+        until 50 ms of busy time have filled a bucket."""
+        self.forget(worker)
+        est = self._rates.get(worker)
+        if est is not None and samples > 0 and busy_s > 0:
+            bucket = est.ewma.bucket_s
+            est.ewma.bucket_s = 0.0      # this one measurement is the first bucket
+            est.update(self.now, samples, busy_s)
+            est.ewma.bucket_s = bucket
+            self._estimates_changed(worker)
+
     def forget(self, worker: int) -> None:
         """Drop ``worker``'s rate and per-step overhead (it changed speed, e.g. back from
         the bench): until it reports again it is planned at the others' mean rate."""
@@ -666,6 +685,42 @@ class LoadBalancer(Balancer):
         super().rebalance(t, committed)
         if len(self.workers) < 2:
             return []
+        moves = self._moves_by_rate()
+        self._moves.extend(moves)
+        probes = self._probe_silent(t)
+        self._moves.extend(probes)
+        return moves + probes
+
+    def _probe_silent(self, t: float) -> list[Move]:
+        """A worker left without work while others still have shards queued (projected too
+        slow for even one, e.g. a slow reader) sends no reports, so its rate would never
+        recover when it speeds up. At a rebalance it gets one queued shard (a probe: the
+        smallest at the tail of the last finisher's queue), at most one per interval; its
+        old estimate is then replaced by what the probe measures. A worker idle for any
+        other reason would have stolen that shard already."""
+        wait = self.config.rebalance_interval
+        moves = []
+        for w in self.workers:
+            if self._queues[w] or self._committed.get(w, 0) > 0:
+                continue
+            if t - self._probed.get(w, -wait) < wait or not self.rate_known(w):
+                continue
+            donors = [v for v in self.workers if v != w and self._queues[v]]
+            if not donors:
+                break
+            src = max(donors, key=self._finish)
+            shard = min(self._queues[src][-3:], key=lambda s: self.shard_sizes[s])
+            self._queues[src].remove(shard)
+            self._queues[w].append(shard)
+            self._touch(src)
+            self._touch(w)
+            self._probed[w] = t
+            self._rates[w].ewma.mark_stale()
+            moves.append(Move(shard, src, w, "probe"))
+        return moves
+
+    def _moves_by_rate(self) -> list[Move]:
+        """The rebalance proper (see the class docstring); moves not yet recorded."""
         # Vectors over self.workers: argmax/argmin take the first of equals, as max/min do.
         vec = self._vectors()
         workers = vec[0]
@@ -702,7 +757,6 @@ class LoadBalancer(Balancer):
         for move in moves:
             self._touch(move.src)
             self._touch(move.dst)
-        self._moves.extend(moves)
         return moves
 
     def _steal(self, worker):

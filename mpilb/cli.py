@@ -148,6 +148,7 @@ def build_parser() -> Parser:
     ps.add_argument("--seconds", type=float, default=2.0, help="length of each timed phase")
     ps.add_argument("--repeats", type=int, default=3, help="alternations of the two loops")
     ps.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam"))
+    ps.add_argument("--servers", type=int, default=1, help="parameter stores (ranks 0..K-1)")
     ps.add_argument("--json", action="store_true")
 
     sub.add_parser("doctor", help="check the MPI, HDF5 and GPU setup")
@@ -205,7 +206,7 @@ def _dispatch(args) -> int:
         from .bench import bench_ps
 
         return bench_ps(params=args.params, seconds=args.seconds, optimizer=args.optimizer,
-                        as_json=args.json, repeats=args.repeats)
+                        as_json=args.json, repeats=args.repeats, servers=args.servers)
     if args.command == "doctor":
         from .doctor import doctor
 

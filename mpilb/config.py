@@ -109,6 +109,10 @@ OPTIONS: tuple[Option, ...] = (
            "reads only shards placed on it", ("shared", "local"), group="balancing"),
     Option("replicas", int, 1, "local store: copies of each shard", check=_POSITIVE_INT,
            group="balancing", metavar="R"),
+    Option("cache_mb", float, 0.0, "keep shards in memory after their first read when all "
+           "those a rank may read fit in this many MB (0: off); injected slow reads then slow "
+           "the first read of each shard only", check=_NON_NEGATIVE, group="balancing",
+           metavar="MB"),
     # stopping and evaluation
     Option("epochs", int, 5, "epochs to train", check=_POSITIVE_INT, group="stopping"),
     Option("max_seconds", float, None, "stop after this many seconds of training",
@@ -141,6 +145,9 @@ OPTIONS: tuple[Option, ...] = (
            group="output", metavar="DIR"),
     Option("overwrite", bool, False, "replace an existing --log (and its checkpoint) instead "
            "of refusing to start", group="output"),
+    Option("servers", int, 1, "parameter stores: ranks 0..K-1 each hold a slice of the "
+           "parameters (rank 0 also coordinates); workers are ranks K..P-1",
+           check=_POSITIVE_INT, group="mode", metavar="K"),
 )
 
 # Options that do nothing given another option's value: (option, applies(cfg), the option

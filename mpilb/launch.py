@@ -99,7 +99,9 @@ def _validate(config_file, cli_values, world_size, all_args):
     from .config import build_config, load_toml
     from .dataset import verify_dataset
     from .inject import parse_injects
-    from .training import check_paths, check_world, config_model, resolve_data
+    from .server.store import check_servers
+    from .paths import check_paths, resolve_data
+    from .training import check_world, config_model
 
     file_values = load_toml(config_file) if config_file else {}
     cfg = build_config(file_values, cli_values, source=config_file or "")
@@ -108,7 +110,8 @@ def _validate(config_file, cli_values, world_size, all_args):
     data_dir = resolve_data(cfg)
     dataset = verify_dataset(data_dir, cached=True)   # files checked before are not re-hashed
     check_world(cfg, world_size, dataset)
-    config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
+    model = config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
+    check_servers(cfg, world_size, model.num_params)
     check_paths(cfg, dataset, config_file)   # the log and checkpoint names, once decided
     if cfg.device == "gpu" and world_size == 1:
         from .backend import select_backend
@@ -147,6 +150,10 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
             from .server import ParameterServer
 
             return ParameterServer(cfg, dataset, comm, run_attrs)
+        if rank < cfg.servers:
+            from .server.store import StoreRank
+
+            return StoreRank(cfg, dataset, comm, rank)
         from .worker import Worker
 
         return Worker(cfg, dataset, comm, rank)
@@ -160,7 +167,7 @@ def train(config_file, cli_values: dict) -> int:
     from . import comm as C
 
     comm, rank, size = C.world()
-    _install_signal_handlers()   # a preemption during start-up stops the run once it starts
+    _install_signal_handlers(size)   # a preemption during start-up stops the run once it starts
     try:
         cfg, role = _start(comm, rank, size, config_file, cli_values)
     except JobStop as stop:
@@ -183,10 +190,15 @@ def train(config_file, cli_values: dict) -> int:
             code = 0
         # Leave together: under Hydra, after a forwarded SIGTERM, a rank that is still
         # finalising when another exits can be killed, turning a clean stop into exit 9.
-        C.wait(comm.Ibarrier(), timeout=30.0)
+        together_at_end = C.wait(comm.Ibarrier(), timeout=30.0)
         if rank == 0:
             C.drain(comm)   # control messages sent before the barrier (preemption notices)
         _ignore_stop_signals()
+        if not together_at_end:
+            # a rank never arrived (it died, e.g. under -disable-auto-cleanup): MPI_Finalize
+            # would wait for it forever; the log and checkpoint are written, so end here
+            sys.stdout.flush()
+            C.abort(code)
         return code
     except SystemExit:
         raise
@@ -195,12 +207,22 @@ def train(config_file, cli_values: dict) -> int:
         return 1
 
 
-def _install_signal_handlers() -> None:
-    """SIGTERM/SIGUSR1 (Slurm preemption, time limit, `scancel --signal`): checkpoint and stop."""
-    from . import signals
-    from .training import PREEMPTED
+def _install_signal_handlers(size: int) -> None:
+    """SIGTERM/SIGUSR1 (Slurm preemption, time limit, `scancel --signal`): checkpoint and stop.
+    In a multi-rank job SIGUSR1 is only a notice until rank 0 has ruled out a failed rank
+    (see training.USR1_NOTICE)."""
+    import signal
 
-    signals.install(lambda signum: PREEMPTED.set())
+    from . import signals
+    from .training import PREEMPTED, USR1_NOTICE
+
+    def on_signal(signum):
+        if signum == signal.SIGUSR1 and size > 1:
+            USR1_NOTICE.set()
+        else:
+            PREEMPTED.set()
+
+    signals.install(on_signal)
 
 
 def _ignore_stop_signals() -> None:

@@ -159,10 +159,20 @@ class Optimizer:
                 g = s
             yield (p, g) + views
 
-    def step(self, params, grad, lr_scale: float = 1.0) -> None:
-        """Update ``params`` in place from ``grad`` with learning rate ``lr * lr_scale``."""
+    def step(self, params, grad, lr_scale: float = 1.0, out=None) -> None:
+        """Update ``params`` in place from ``grad`` with learning rate ``lr * lr_scale``;
+        with ``out`` (another vector of the same length), write the result there and leave
+        ``params`` as it was (the server steps into a free buffer while a send reads the
+        current one)."""
         self.steps += 1
-        self._update(params, grad, self.lr * lr_scale)
+        if out is None or out is params:
+            self._update(params, grad, self.lr * lr_scale)
+        else:
+            self._update_into(params, grad, self.lr * lr_scale, out)
+
+    def _update_into(self, params, grad, lr: float, out) -> None:
+        out[...] = params
+        self._update(out, grad, lr)
 
     def _update(self, params, grad, lr: float) -> None:
         raise NotImplementedError
@@ -208,6 +218,21 @@ class SGD(Optimizer):
                 p *= shrink
             xp.multiply(grad[lo:hi], lr, out=s)
             p -= s
+
+    def _update_into(self, params, grad, lr, out):
+        # the same arithmetic as _update, out of place (no copy of params first), block by
+        # block; without weight decay p - lr*g == (-lr)*g + p exactly (IEEE), no scratch
+        xp = self.xp
+        shrink = 1.0 - lr * self.weight_decay
+        for lo, hi, (s,) in self._spans:
+            o = out[lo:hi]
+            if self.weight_decay:
+                xp.multiply(params[lo:hi], shrink, out=o)
+                xp.multiply(grad[lo:hi], lr, out=s)
+                o -= s
+            else:
+                xp.multiply(grad[lo:hi], -lr, out=o)
+                o += params[lo:hi]
 
 
 @register_optimizer("momentum")

@@ -74,6 +74,8 @@ class EwmaRate:
         self.last_input: float | None = None
         self.shifted = False  # did the last update reset the estimate (a level shift)?
         self.closed = False   # did the last update close a bucket (change the estimate)?
+        self.buckets = 0      # buckets closed so far
+        self.stale = False    # the next bucket replaces the estimate (see mark_stale)
         self._recent: deque[float] = deque(maxlen=3)
         self._bucket = [0.0, 0.0]   # samples, busy seconds of the open bucket
 
@@ -105,9 +107,17 @@ class EwmaRate:
         rate = self._bucket[0] / self._bucket[1]
         self._bucket = [0.0, 0.0]
         self.closed = True
+        self.buckets += 1
         guarded = self._guard(rate)
         self.last_input = guarded
-        if self.value is None:
+        if self.stale:   # a worker back after a long silence: what it does now counts
+            self.stale = False
+            self._recent.clear()
+            self._recent.append(rate)
+            self.value = guarded = rate
+            self.shifted = True
+            self.buckets = 1      # and the next few are averaged evenly with it
+        elif self.value is None:
             self.value = guarded
         elif len(self._recent) == 3 and (
                 min(self._recent) > SHIFT_FACTOR * self.value
@@ -115,13 +125,25 @@ class EwmaRate:
             self.value = guarded
             self.shifted = True
         else:
-            self.value = (1.0 - self.alpha) * self.value + self.alpha * guarded
+            # The first 1/alpha buckets are averaged evenly (a bias-corrected EWMA): the
+            # first estimate comes from a worker's first steps, and the next few refine it at
+            # once instead of moving it by alpha each (a run's first plans are made on these).
+            weight = max(self.alpha, 1.0 / self.buckets)
+            self.value = (1.0 - weight) * self.value + weight * guarded
         return self.value
+
+    def mark_stale(self) -> None:
+        """The estimate is old (the worker got no work for a while): keep it until the
+        next bucket closes, then replace it by that bucket's rate."""
+        if self.value is not None:
+            self.stale = True
+            self._bucket = [0.0, 0.0]
 
     def state_dict(self) -> dict:
         """JSON-serialisable state."""
         return {"alpha": self.alpha, "bucket_s": self.bucket_s, "value": self.value,
-                "count": self.count, "recent": list(self._recent), "bucket": list(self._bucket)}
+                "count": self.count, "recent": list(self._recent), "bucket": list(self._bucket),
+                "buckets": self.buckets}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output."""
@@ -131,6 +153,7 @@ class EwmaRate:
         self.count = state["count"]
         self._recent = deque(state["recent"], maxlen=3)
         self._bucket = list(state.get("bucket", [0.0, 0.0]))
+        self.buckets = state.get("buckets", self.count)
 
 
 class TrendRate:

@@ -51,7 +51,8 @@ def _json_attr(attrs: dict, key: str, default):
 def run_config(attrs: dict) -> dict:
     """The run's configuration (root attribute `config`), with `workers` added."""
     config = dict(_json_attr(attrs, "config", {}))
-    config["workers"] = max(1, int(attrs.get("world_size", 1)) - 1)
+    # ranks 0..K-1 hold parameters (--servers K), the others work
+    config["workers"] = max(1, int(attrs.get("world_size", 1)) - int(config.get("servers") or 1))
     return config
 
 
@@ -121,10 +122,10 @@ def _time_to_target(config: dict, name: str, ev: dict, metric: np.ndarray) -> Op
     return None
 
 
-def _per_worker(world: int, up: dict, wk: dict) -> list[dict]:
+def _per_worker(world: int, up: dict, wk: dict, n_servers: int = 1) -> list[dict]:
     ranks = sorted(set(int(w) for w in wk["worker"])) if wk["worker"].size else []
     if world > 1:
-        ranks = sorted(set(ranks) | set(range(1, world)))
+        ranks = sorted(set(ranks) | set(range(n_servers, world)))
     out = []
     for r in ranks:
         m = wk["worker"] == r
@@ -140,12 +141,6 @@ def _per_worker(world: int, up: dict, wk: dict) -> list[dict]:
             "train_loss": final_loss(up["loss"][um], up["batch"][um]),
         })
     return out
-
-
-def _servers(attrs: dict) -> list[dict]:
-    """Per parameter-server totals, as rank 0 records them at the end (root `servers`)."""
-    servers = _json_attr(attrs, "servers", [])
-    return servers if isinstance(servers, list) else []
 
 
 def summarize(attrs: dict, cols: dict) -> dict:
@@ -192,9 +187,22 @@ def summarize(attrs: dict, cols: dict) -> dict:
         "coverage": _json_attr(attrs, "coverage",
                                {"expected": 0, "applied": 0, "duplicates": 0, "missing": 0}),
         "server_cpu_s": float(attrs.get("server_cpu_s", 0.0)),
-        "per_worker": _per_worker(world, up, wk),
-        "servers": _servers(attrs),
+        "per_worker": _per_worker(world, up, wk, int(config.get("servers") or 1)),
+        "servers": _servers(attrs, cols["servers"]),
     }
+
+
+def _servers(attrs: dict, sv: dict) -> list[dict]:
+    """Per parameter store: its slice's floats and its counters summed over `servers/`."""
+    out = []
+    for entry in _json_attr(attrs, "servers", []):
+        m = sv["server"] == entry["rank"] if sv["server"].size else np.zeros(0, bool)
+        out.append({"rank": int(entry["rank"]), "params": int(entry["params"]),
+                    "updates": int(sv["updates"][m].astype(np.int64).sum()),
+                    "bytes_in": int(sv["bytes_in"][m].astype(np.int64).sum()),
+                    "bytes_out": int(sv["bytes_out"][m].astype(np.int64).sum()),
+                    "cpu_s": float(sv["cpu_s"][m].sum())})
+    return out
 
 
 def open_log(path: str) -> tuple[dict, dict]:
@@ -253,6 +261,11 @@ def format_summary(s: dict, path: str = "") -> str:
         lines.append("  epoch   seconds  utilization")
         for i, (t, u) in enumerate(zip(s["epoch_s"], s["utilization"])):
             lines.append(f"  {i:5d}  {t:8.2f}  {u:11.2f}")
+    if len(s.get("servers", [])) > 1:
+        lines.append("  store   params   updates  MB in  MB out  cpu_s")
+        for v in s["servers"]:
+            lines.append(f"  {v['rank']:5d}  {v['params']:7d}  {v['updates']:8d}  "
+                         f"{v['bytes_in'] / 1e6:5.1f}  {v['bytes_out'] / 1e6:6.1f}  {v['cpu_s']:5.2f}")
     if s["per_worker"]:
         lines.append("  rank   samples  compute_s   io_s  comm_s  idle_s  mean_batch  train_loss")
         for w in s["per_worker"]:

@@ -35,6 +35,8 @@ SCHEMA: dict[str, dict[str, str]] = {
                "bytes": "i8"},
     "epochs": {"epoch": "i4", "t_start": "f8", "t_end": "f8", "samples": "i8",
                "utilization": "f8", "imbalance_s": "f8"},
+    "servers": {"t": "f8", "server": "i4", "updates": "i8", "bytes_in": "i8", "bytes_out": "i8",
+                "apply_s": "f8", "cpu_s": "f8"},
 }
 
 SHARD_EVENTS = ("assign", "move", "start", "done", "reassign")
@@ -46,7 +48,7 @@ class RunLog:
 
     Args:
         path: file to create (replaced if it exists: the caller decides whether it may be,
-            see `training.check_paths`); refused while another run holds its lock.
+            see `paths.check_paths`); refused while another run holds its lock.
         attrs: root attributes to write at creation (config, world_size, ...).
         flush_interval: seconds between flushes to disk.
         resume_at: when resuming from a checkpoint taken at this many training seconds,

@@ -50,7 +50,8 @@ class SerialTrainer:
         self.injector = Injector(parse_injects(cfg.inject, 1), 0, cfg.seed)
         inj = self.injector
         self.store = ShardStore(dataset, seed=cfg.seed,
-                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s))
+                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
+                                cache_mb=cfg.cache_mb)
         self.feed = ShardFeed(self.store, self.backend)
         self.step = GradientStep(self.model, self.backend, self.injector)
         test_x, test_y = dataset.load_test()

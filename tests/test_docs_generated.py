@@ -2,8 +2,9 @@
 
 benchmarks/gendocs.py renders docs/benchmarks.md, balancing.md and data.md's generated
 blocks from benchmarks/results/*.json; these tests fail when a doc was edited by hand
-between the markers, a result file changed without regenerating, a file is missing or was
-written by a --quick run, or a file's own verdicts do not follow from its figures.
+between the markers, a result file changed without regenerating, a file was written by a
+--quick run, or a file's own verdicts do not follow from its figures. (A block whose result
+file does not exist yet says so and shows no figures.)
 """
 
 import glob
@@ -36,7 +37,6 @@ def test_every_result_file_appears_in_the_docs():
     used = {b for doc in gendocs.DOCS for b in gendocs.blocks((ROOT / doc).read_text())}
     names = {Path(p).stem for p in RESULT_FILES}
     assert names <= used, f"result files no doc shows: {sorted(names - used)}"
-    assert used <= names, f"blocks without a result file: {sorted(used - names)}"
 
 
 @pytest.mark.parametrize("path", RESULT_FILES, ids=lambda p: Path(p).stem)
@@ -52,7 +52,9 @@ def test_result_file_is_complete_and_consistent(path):
         assert g["figures"], g["title"]
         for f in g["figures"]:
             vals = [v for v in f["values"] if v is not None]
-            assert f["repeats"] == len(f["values"]) >= 1 and f["command"], f["id"]
+            # a figure over all the runs above (coverage) has no command of its own
+            assert f["repeats"] == len(f["values"]) >= 1, f["id"]
+            assert f["command"] or not g["command"], f["id"]
             if len(vals) == len(f["values"]):
                 assert f["min"] <= f["median"] <= f["max"], f["id"]
                 assert f["min"] == min(vals) and f["max"] == max(vals), f["id"]
@@ -93,15 +95,17 @@ def test_render_shows_range_target_and_miss(tmp_path):
     assert gendocs.regenerate(out, str(tmp_path)) == out   # idempotent
 
 
-def test_quick_results_and_missing_files_are_refused(tmp_path):
+def test_quick_results_are_refused_and_missing_files_show_no_figures(tmp_path):
     r, _ = _result([1.0], "<= 2")
     r.quick, r.t0 = True, 0
     r.write(str(tmp_path / "demo.json"))
     doc = "<!-- BEGIN generated: demo -->\n<!-- END generated -->\n"
     with pytest.raises(gendocs.GenError, match="--quick"):
         gendocs.regenerate(doc, str(tmp_path))
-    with pytest.raises(gendocs.GenError, match="no such result file"):
-        gendocs.regenerate(doc.replace("demo", "other"), str(tmp_path))
+    # no result file yet: the block says so and shows no figures
+    empty = gendocs.regenerate(doc.replace("demo", "other"), str(tmp_path))
+    assert "No result file yet (`benchmarks/results/other.json`)" in empty
+    assert "|" not in empty
 
 
 def test_load_note_says_when_the_machine_was_busy():
@@ -125,5 +129,7 @@ def test_bench_ps_quick_writes_a_result_file(tmp_path):
     data = json.loads(out.read_text())
     assert data["quick"] and data["machine"]["cores"] == os.cpu_count()
     ratio = data["groups"][0]["figures"][0]
-    assert ratio["id"] == "adam.ratio" and ratio["target"] == ">= 0.5" and ratio["median"] > 0
+    # (on a loaded machine a 0.3 s quick loop may apply no update: the ratio is then 0)
+    assert ratio["id"] == "adam.ratio" and ratio["target"] == ">= 0.5" and ratio["median"] >= 0
+    assert ratio["result"] in ("PASS", "MISS") and ratio["repeats"] == 1
     assert "| server updates/s ÷ bare loop updates/s |" in gendocs.render(data)

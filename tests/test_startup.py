@@ -152,3 +152,39 @@ def test_second_writer_of_a_log_is_refused(tmp_path):
     first.close("finished")
     first.write_summary({})   # releases the lock
     RunLog(str(tmp_path / "run.h5"), {}).close("finished")
+
+
+# ------------------------------------------------------------------ the wrapper itself (no MPI)
+
+class FakeComm:
+    """allgather as if the other ranks had reported `others`."""
+
+    def __init__(self, rank, others):
+        self.rank, self.others = rank, others
+
+    def allgather(self, mine):
+        out = list(self.others)
+        out.insert(self.rank, mine)
+        return out
+
+
+@pytest.mark.parametrize("exc,code", [(UsageError("bad"), 2), (RuntimeError("x"), 1),
+                                      (UnicodeDecodeError("utf-8", b"\xfc", 0, 1, "no"), 1),
+                                      (KeyboardInterrupt(), 130), (SystemExit(5), 1)])
+def test_together_turns_any_exception_into_one_verdict(exc, code):
+    from mpilb.launch import JobStop, together
+
+    def step():
+        raise exc
+
+    with pytest.raises(JobStop) as info:
+        together(FakeComm(0, [None, None]), 0, step)
+    assert info.value.code == code
+    # the other ranks, whose own step succeeded, stop with rank 0's verdict
+    released = []
+    with pytest.raises(JobStop) as other:
+        together(FakeComm(1, [(info.value.code, info.value.text), None]), 1, lambda: "role",
+                 on_fail=released.append)
+    assert (other.value.code, other.value.text) == (info.value.code, info.value.text)
+    assert released == ["role"]
+    assert together(FakeComm(0, [None]), 0, lambda: 42) == 42

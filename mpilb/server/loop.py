@@ -22,17 +22,17 @@ from typing import Optional
 
 from .. import comm as C
 from .. import wire
-from ..corrections import build_correction
 from ..session import Session, files_line, format_final
 from ..shards import placement
 from ..training import EpochStats
 from ..wire import Cmd
 from .chores import Chores, WorkerFailed
 from .epochs import Epochs
-from .modes import ParamStore, Update, build_rule
+from .modes import Update, build_rule
 from .outbox import Outbox
 from .peers import Link, Peer
 from .sitout import SitOut
+from .store import StoreGroup
 from .tasks import TaskLedger
 
 
@@ -44,7 +44,7 @@ class ParameterServer(Epochs, Chores):
         self.dataset = dataset
         self.comm = comm
         self.size = comm.Get_size()
-        self.ranks = list(range(1, self.size))
+        self.ranks = list(range(cfg.servers, self.size))   # ranks 0..K-1 hold parameters
         holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.replicas)
                    if cfg.store == "local" else None)
         self.session = s = Session(cfg, dataset, run_attrs, self.ranks, holders)
@@ -52,8 +52,8 @@ class ParameterServer(Epochs, Chores):
         self.tracker, self.evaluator, self.stop = s.tracker, s.evaluator, s.stop
         self.resumed, self.log, self.progress = s.resumed, s.log, s.progress
         self.n = self.model.num_params
-        self.store = ParamStore(s.params, s.optimizer, build_correction(cfg.correction, cfg.dc_lambda),
-                                cfg.batch)
+        self.stores = StoreGroup(cfg, s, comm)   # --servers K: rank 0's slice and the others
+        self.store, self.remote = self.stores.local, self.stores.remote
         self.ledger = TaskLedger(self.balancer, dataset.shard_sizes, self.ranks, holders=holders,
                                  row_nbytes=dataset.row_nbytes if holders is not None else 0,
                                  pipeline=bool(cfg.pipeline),
@@ -63,19 +63,21 @@ class ParameterServer(Epochs, Chores):
                          cfg.rebalance_interval) if self.balancer.config.sit_out else None)
         self.rule = build_rule(cfg.mode, self.store, lambda r: self.ledger.of[r].owed,
                                cfg.staleness_bound, sitout)
-        self.peers = {r: Peer(rank=r, batch=cfg.batch, link=Link.allocate(self.n, bool(cfg.pipeline)))
+        self.peers = {r: Peer(rank=r, batch=cfg.batch, link=Link.allocate(self.stores.n0, bool(cfg.pipeline)))
                       for r in self.ranks}
-        self.outbox = Outbox(comm, self.ledger)
+        self.outbox = Outbox(comm, self.ledger, self.remote)
         self.lost: list[int] = []
         self.rejected = 0
         self.sized_early = False
         self.preempted = False
+        self.checkpointed_at: Optional[int] = None   # version of the last checkpoint written
         self.backoff = C.Backoff()
 
     # ----------------------------------------------------------------- state
     @property
     def params(self):
-        return self.store.params
+        """The whole parameter vector (gathered from every store with --servers K > 1)."""
+        return self.stores.full_params()
 
     @property
     def version(self) -> int:
@@ -104,7 +106,7 @@ class ParameterServer(Epochs, Chores):
         """Send w the current parameters (or STOP) with its assignments and batch size."""
         w.last_seen = time.monotonic()   # its silence counts from now (--worker-timeout)
         w.awaiting = cmd != Cmd.STOP and not w.idle
-        self.outbox.reply(w, self.params, self.version, cmd, held_s)
+        self.outbox.reply(w, self.store, cmd, held_s)
         if cmd == Cmd.STOP:
             w.stop()
         elif w.idle and self.ledger.has_orders(w.rank):
@@ -121,6 +123,8 @@ class ParameterServer(Epochs, Chores):
     def _on_push(self, w: Peer) -> None:
         _, hdr, grad = w.link.recv
         push = wire.decode_push(hdr)
+        self.store.bytes_in += w.link.recv[0].nbytes
+        self.remote.pushed(w.rank)
         w.last_push = push
         now = self.now()
         mono = time.monotonic()
@@ -160,7 +164,8 @@ class ParameterServer(Epochs, Chores):
             return
         update = Update(w.rank, push.epoch, push.shard, push.lo, push.hi, push.batch, push.loss,
                         self.version - push.version)
-        then = w.link.params_then(push.version) if self.rule.needs_old_params else None
+        then = self.store.params_of(push.version) if self.rule.needs_old_params else None
+        self.remote.gradient(w.rank, update.batch, update.staleness, push.version, self.rule.rounds)
         applied = self.rule.push(w, update, grad, then)
         if applied is None:   # it joined a round that is not complete yet
             w.hold(time.monotonic())
@@ -229,6 +234,7 @@ class ParameterServer(Epochs, Chores):
 
     def _close_round(self) -> None:
         """Apply a complete sync round and release its members."""
+        self.remote.round(self.rule.batch)
         updates, lr_scale, ranks = self.rule.close_round()
         self._record(updates, lr_scale, self.now())
         members = [self.peers[r] for r in ranks]
@@ -267,12 +273,12 @@ class ParameterServer(Epochs, Chores):
             w.last_seen = self.t0
             self._post_recv(w)
             w.go_idle()
+        self.stores.start(self.resumed.version if self.resumed else 0)
         ck = self.resumed
         self.progress.begin(ck.epoch if ck else 0, int((ck.counts > 0).sum()) if ck else 0, self.now())
         if ck is None:
             self._begin_epoch(0)
             return
-        self.store.version = ck.version
         self.tracker.completed = [EpochStats(**e) for e in ck.completed]
         if ck.epoch >= self.cfg.epochs or self.stop.check(ck.epoch, self.now(), None):
             # nothing to do, but the interrupted epoch's counts must survive the checkpoint
@@ -295,6 +301,7 @@ class ParameterServer(Epochs, Chores):
                 for i in done:
                     w = order[i]
                     self._on_push(w)
+                    self.remote.settle(w.rank)   # a gradient not taken is dropped everywhere
                     if not (w.stopped or w.lost):
                         self._post_recv(w)
                         reqs[i] = w.link.recv_req
@@ -314,16 +321,21 @@ class ParameterServer(Epochs, Chores):
             self._evaluate()
         self._log_worker_rows()
         C.drain(self.comm)
+        deadline = time.monotonic() + 5.0   # replies and parameters (a lost worker's never complete)
+        for req in self.store.pending() + self.outbox.sending:
+            C.wait(req, timeout=max(0.0, deadline - time.monotonic()))
         for i, w in enumerate(order):
             if w.link.reply_req is not None and not w.lost:
                 C.wait(w.link.reply_req, timeout=5.0)
             if reqs[i] is not None and not reqs[i].Test():
                 reqs[i].Cancel()   # the receive preposted for a push that never came
                 C.wait(reqs[i], timeout=1.0)
+        # Every run ends with its final parameters in the checkpoint; a preemption that
+        # came while the run was already stopping did not write one.
+        if self.cfg.checkpoint and (not self.preempted or self.checkpointed_at != self.version):
+            self._checkpoint()
         if self.preempted:
             return "preempted"
-        if self.cfg.checkpoint:
-            self._checkpoint()
         return "degraded" if self.lost else "finished"
 
     def abandon(self) -> None:
@@ -331,7 +343,9 @@ class ParameterServer(Epochs, Chores):
         self.log.close("failed")
 
     def finish(self, status: str) -> dict:
+        servers = self.stores.end(self.log, self.now(), wait=status != "failed")
         attrs = {
+            "servers": json.dumps(servers),
             "train_s": getattr(self, "train_s", self.now()),
             "wall_s": self.now(),
             "server_cpu_s": time.process_time() - self.cpu0,
