@@ -20,6 +20,7 @@ setup(
         "mpi": ["mpich"],
         "gpu": ["cupy-cuda12x"],
         "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.0", "hypothesis>=6"],
+        "tensorboard": ["tensorboardX>=2.5"],
     },
     entry_points={"console_scripts": ["mpilb=mpilb.cli:main"]},
 )

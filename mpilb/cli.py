@@ -46,7 +46,12 @@ from .errors import MpilbError, UsageError  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of printing from every rank."""
+    """argparse that raises UsageError instead of printing from every rank, and whose
+    --help shows every option's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         if message.startswith("unrecognized arguments:"):
@@ -66,7 +71,12 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("config_file", nargs="?", metavar="CONFIG.toml",
                    help="TOML file with the same keys as the options")
     for opt in OPTIONS:
-        kw = dict(dest=opt.name, default=argparse.SUPPRESS, help=opt.help)
+        # defaults are not argparse's (a config file may set the value): shown in the help
+        shown = "none" if opt.default is None or opt.default == [] else opt.default
+        if opt.type is bool:
+            shown = opt.flag if opt.default else "--no-" + opt.flag[2:]
+        text = opt.help if "default" in opt.help else f"{opt.help} (default: {shown})"
+        kw = dict(dest=opt.name, default=argparse.SUPPRESS, help=text.replace("%", "%%"))
         if opt.type is bool:
             p.add_argument(opt.flag, action=argparse.BooleanOptionalAction, **kw)
             continue
@@ -93,9 +103,9 @@ def build_parser() -> Parser:
     psub.required = True
 
     def common(p):
-        p.add_argument("--shards", type=int, default=8)
-        p.add_argument("--test-fraction", type=float, default=0.2)
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--shards", type=int, default=8, help="number of training shard files")
+        p.add_argument("--test-fraction", type=float, default=0.2, help="share of samples kept for test.h5")
+        p.add_argument("--seed", type=int, default=0, help="seed of the shuffle (and of generated data)")
 
     d = psub.add_parser("digits", help="scikit-learn's bundled 8x8 digits")
     d.add_argument("out")
@@ -105,7 +115,7 @@ def build_parser() -> Parser:
     s.add_argument("--samples", type=int, required=True)
     s.add_argument("--features", type=int, required=True)
     s.add_argument("--classes", type=int, required=True)
-    s.add_argument("--noise", type=float, default=0.0)
+    s.add_argument("--noise", type=float, default=0.0, help="share of labels replaced at random")
     common(s)
     n = psub.add_parser("npz", help="arrays from a NumPy .npz file")
     n.add_argument("file")
@@ -128,6 +138,7 @@ def build_parser() -> Parser:
     rep.add_argument("--json", action="store_true", help="print the summary object")
     rep.add_argument("--plots", metavar="DIR", help="write PNG figures into DIR")
     rep.add_argument("--compare", action="store_true", help="put several runs side by side")
+    rep.add_argument("--csv", metavar="DIR", help="write one CSV file per log group into DIR")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="what", metavar="WHAT", parser_class=Parser)
@@ -189,7 +200,8 @@ def _dispatch(args) -> int:
     if args.command == "report":
         from .report import run_report
 
-        return run_report(args.logs, as_json=args.json, plots=args.plots, compare=args.compare)
+        return run_report(args.logs, as_json=args.json, plots=args.plots, compare=args.compare,
+                          csv=args.csv)
     if args.command == "bench":
         from .bench import bench_ps
 

@@ -138,11 +138,38 @@ OPTIONS: tuple[Option, ...] = (
            check=_POSITIVE, group="output", metavar="SECONDS"),
     Option("progress", bool, True, "live progress on rank 0 (--no-progress silences it)",
            group="output"),
+    Option("progress_interval", float, 5.0, "seconds between progress lines when stderr is not "
+           "a terminal (the first comes within 1 s)", check=_POSITIVE, group="output", metavar="S"),
+    Option("tensorboard", str, None, "also write TensorBoard scalars (loss, metric, rates, "
+           "utilization, staleness) into DIR; needs `pip install 'mpilb[tensorboard]'`",
+           group="output", metavar="DIR"),
     Option("overwrite", bool, False, "replace an existing --log (and its checkpoint) instead "
            "of refusing to start", group="output"),
     Option("servers", int, 1, "parameter stores: ranks 0..K-1 each hold a slice of the "
            "parameters (rank 0 also coordinates); workers are ranks K..P-1",
            check=_POSITIVE_INT, group="mode", metavar="K"),
+)
+
+# Options that do nothing given another option's value: (option, applies(cfg), the option
+# that decides, why). Set on the command line, such an option is an error naming both; set
+# in a config file (often shared by several runs), it is a warning (docs/configuration.md).
+NO_EFFECT: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
+    ("hidden", lambda c: c.model == "mlp", "model", "only the mlp has hidden layers"),
+    ("momentum", lambda c: c.optimizer == "momentum", "optimizer",
+     "only the momentum optimizer uses it"),
+    ("nesterov", lambda c: c.optimizer == "momentum", "optimizer",
+     "only the momentum optimizer uses it"),
+    ("staleness_bound", lambda c: c.mode == "ssp", "mode", "only --mode ssp bounds staleness"),
+    ("dc_lambda", lambda c: c.correction == "dc", "correction", "only --correction dc uses it"),
+    ("min_batch", lambda c: c.batch_policy == "proportional", "batch_policy",
+     "a fixed batch is --batch"),
+    ("max_batch", lambda c: c.batch_policy == "proportional", "batch_policy",
+     "a fixed batch is --batch"),
+    ("sit_out", lambda c: c.mode == "sync" and c.batch_policy == "proportional", "mode",
+     "only sync rounds with --batch-policy proportional sit workers out"),
+    ("replicas", lambda c: c.store == "local", "store", "a shared store reads every shard"),
+    ("cuda_aware", lambda c: c.device != "cpu", "device", "CPU workers send host memory"),
+    ("progress_interval", lambda c: c.progress, "progress", "no progress is shown"),
 )
 
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
@@ -296,22 +323,56 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
     cfg = Config(values)
     parse_hidden(values["hidden"])
     _check_combinations(cfg)
+    for warning in _check_no_effect(cfg, file_values or {}, cli_values or {}, source):
+        _warn(warning)
     return cfg
+
+
+def _show(name: str, value: Any, source: str) -> str:
+    if source:
+        return f"{name} = {json.dumps(value)}"
+    if value is True or value is False:
+        return ("--" if value else "--no-") + name.replace("_", "-")
+    return f"{OPTION_BY_NAME[name].flag} {value}"
+
+
+def _check_no_effect(cfg: Config, file_values: dict, cli_values: dict, source: str) -> list[str]:
+    """UsageError for an option set on the command line that has no effect (see NO_EFFECT);
+    the warnings for such options set in the config file."""
+    warnings = []
+    for name, applies, other, why in NO_EFFECT:
+        if applies(cfg) or (name not in cli_values and name not in file_values):
+            continue
+        decided_on_cli = other in cli_values or other not in file_values
+        if name in cli_values:
+            raise UsageError(f"{_show(name, cfg.values[name], '')} has no effect with "
+                             f"{_show(other, cfg.values[other], '' if decided_on_cli else source)}"
+                             f" ({why}); drop it or change {OPTION_BY_NAME[other].flag}")
+        warnings.append(f"{source}: {_show(name, cfg.values[name], source)} has no effect with "
+                        f"{_show(other, cfg.values[other], '' if decided_on_cli else source)} "
+                        f"({why}); ignored")
+    return warnings
+
+
+def _warn(text: str) -> None:
+    """A warning, from rank 0 only (every rank builds the configuration)."""
+    import sys
+
+    rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+                 if os.environ.get(v, "").strip().isdigit()), "0")
+    if int(rank) == 0:
+        print(f"mpilb: warning: {text}", file=sys.stderr, flush=True)
 
 
 def _check_combinations(cfg: Config) -> None:
     if cfg.min_batch > cfg.max_batch:
         raise UsageError(f"--min-batch {cfg.min_batch} is larger than --max-batch {cfg.max_batch}")
-    if cfg.batch_policy == "fixed" and not (cfg.min_batch <= cfg.batch <= cfg.max_batch):
-        raise UsageError(f"--batch {cfg.batch} lies outside --min-batch {cfg.min_batch} .. --max-batch {cfg.max_batch}")
     if cfg.resume and not (cfg.checkpoint or cfg.log):
         raise UsageError("--resume needs --log RUN.h5 (the run to continue; its checkpoint is "
                          "RUN.ckpt.h5) or --checkpoint CKPT.h5")
     if cfg.resume and cfg.overwrite:
         raise UsageError("--resume continues the log and checkpoint that --overwrite would "
                          "replace: give one of them")
-    if cfg.replicas > 1 and cfg.store != "local":
-        raise UsageError("--replicas only applies to --store local")
     if cfg.pipeline and cfg.mode == "sync":
         raise UsageError("--pipeline 1 cannot be combined with --mode sync (a sync round waits for every gradient)")
     if cfg.log and Path(cfg.log).is_dir():
@@ -342,6 +403,18 @@ def reference_markdown() -> str:
             default = "—" if o.default is None else f"`{o.default}`"
             lines.append(f"| `{o.flag}` | {o.type.__name__} | {default} | {allowed} | {o.help} |")
         lines.append("")
+    lines += ["## Options that have no effect", "",
+              "An option that does nothing given another option's value is refused when it is",
+              "given on the command line, with a message naming both, e.g. `--hidden 999 has no",
+              "effect with --model cnn (only the mlp has hidden layers)`: the run would not be the",
+              "one asked for. Set in a config file, it is a warning (`mpilb: warning: run.toml:",
+              "hidden = ... has no effect with ...; ignored`) and the run goes on: one file is",
+              "often shared by runs that differ in a command-line option (`--model`, `--mode`),",
+              "and a key that serves some of them should not stop the others.", "",
+              "| option | depends on | why |", "| --- | --- | --- |"]
+    for name, _, other, why in NO_EFFECT:
+        lines.append(f"| `{OPTION_BY_NAME[name].flag}` | `{OPTION_BY_NAME[other].flag}` | {why} |")
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -108,7 +108,7 @@ def _validate(config_file, cli_values, world_size, all_args):
     _same_options(all_args[0], all_args)
     parse_injects(cfg.inject, world_size)
     data_dir = resolve_data(cfg)
-    dataset = verify_dataset(data_dir)
+    dataset = verify_dataset(data_dir, cached=True)   # files checked before are not re-hashed
     check_world(cfg, world_size, dataset)
     model = config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
     check_servers(cfg, world_size, model.num_params)
@@ -138,7 +138,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     def make_role():
         from .dataset import open_dataset
 
-        dataset = open_dataset(data_dir, check_files=(rank == 0))
+        dataset = open_dataset(data_dir, check_files=False)   # rank 0 checked it just now
         run_attrs = {"config": json.dumps(dict(cfg.values, data=data_dir), sort_keys=True),
                      "mpi_library": mpi_library, "world_size": size,
                      "hostnames": json.dumps(hosts)}

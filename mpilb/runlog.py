@@ -224,13 +224,24 @@ def open_for_reading(path: str) -> h5py.File:
 
 
 def read_columns(path: str) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
-    """Open a run log: (root attributes, {group: {column: array}}). DataError-free: OSError passes up."""
+    """Open a run log: (root attributes, {group: {column: array}}). OSError passes up.
+
+    Every column of :data:`SCHEMA` is there (empty when the file lacks it), plus any other
+    1-D column the file holds (groups added by a newer mpilb). Event names are `str`.
+    A log still being written, or left by a killed run (which a plain ``h5py.File(path)``
+    refuses), opens too (:func:`open_for_reading`).
+    """
     with open_for_reading(path) as f:
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-        groups = {}
-        for group, columns in SCHEMA.items():
+        groups: dict[str, dict[str, np.ndarray]] = {}
+        names = list(SCHEMA) + sorted(g for g in f if g not in SCHEMA and g != "summary")
+        for group in names:
+            cols = dict.fromkeys(SCHEMA.get(group, ()))
+            if isinstance(f.get(group), h5py.Group):
+                cols.update(dict.fromkeys(c for c, d in f[group].items()
+                                          if isinstance(d, h5py.Dataset) and d.ndim == 1))
             groups[group] = {}
-            for col in columns:
+            for col in cols:
                 if group in f and col in f[group]:
                     arr = f[group][col][()]
                     if arr.dtype.kind == "S":
@@ -238,6 +249,69 @@ def read_columns(path: str) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
                     groups[group][col] = arr
                 else:
                     groups[group][col] = np.zeros(0)
+            present = [v.size for c, v in groups[group].items() if group in f and c in f[group]]
+            if present and min(present) != max(present):   # a kill in the middle of a flush
+                groups[group] = {c: v[:min(present)] for c, v in groups[group].items()}
         if "summary" in f and "json" in f["summary"].attrs:
             attrs["summary"] = json.loads(f["summary"].attrs["json"])
     return attrs, groups
+
+
+def read(path: str) -> dict:
+    """A run log as pandas DataFrames: {group: DataFrame}, one column per log column.
+
+    Each frame's ``.attrs`` holds the log's root attributes (``config`` and the
+    summary decoded from JSON). Works on a finished, a live or a killed run's log.
+
+    Example:
+        >>> import mpilb.runlog
+        >>> logs = mpilb.runlog.read("run.h5")
+        >>> logs["updates"].groupby("worker")["loss"].mean()
+
+    Raises:
+        ImportError: pandas is not installed (``pip install pandas``).
+    """
+    import pandas as pd
+
+    attrs, cols = read_columns(path)
+    meta = dict(attrs)
+    for key in ("config", "hostnames", "coverage", "lost_workers"):
+        if isinstance(meta.get(key), str):
+            try:
+                meta[key] = json.loads(meta[key])
+            except ValueError:
+                pass
+    frames = {}
+    for group, columns in cols.items():
+        frame = pd.DataFrame({c: v for c, v in columns.items()})
+        frame.attrs = dict(meta)
+        frames[group] = frame
+    return frames
+
+
+def write_csv(cols: dict[str, dict[str, np.ndarray]], out_dir) -> list[str]:
+    """Write one CSV per log group (`updates.csv`, ...) into `out_dir` (created if missing).
+
+    A header line with the column names, then one line per row; floats are written in full
+    precision (``repr``), events as text. Returns the paths written.
+    """
+    import csv
+
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--csv {out_dir}: cannot create the directory ({exc.strerror})") from None
+    written = []
+    for group, columns in cols.items():
+        path = out / f"{group}.csv"
+        lists = [np.asarray(v).tolist() for v in columns.values()]
+        try:
+            with open(path, "w", newline="", encoding="utf-8") as fh:
+                w = csv.writer(fh)
+                w.writerow(list(columns))
+                w.writerows(zip(*lists))
+        except OSError as exc:
+            raise UsageError(f"--csv {out_dir}: cannot write {path.name} ({exc.strerror})") from None
+        written.append(str(path))
+    return written

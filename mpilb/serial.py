@@ -18,11 +18,12 @@ from .balancer import build_balancer
 from .errors import MpilbError
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
-from .progress import Progress
+from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
 from .session import balancer_config, files_line, format_final
 from .shards import ShardStore
+from .tensorboard import tap_for
 from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule, config_model,
                        config_optimizer, epoch_order)
 
@@ -56,10 +57,14 @@ class SerialTrainer:
         test_x, test_y = dataset.load_test()
         self.evaluator = Evaluator(self.model, test_x, test_y)
         self.stop = StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy)
-        self.log = RunLog(cfg.log, run_attrs,
-                          resume_at=self.resumed.train_s if self.resumed else None)
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
-                                 samples_per_epoch=self.tracker.total)
+                                 samples_per_epoch=self.tracker.total,
+                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds)
+        # the progress display and --tensorboard see every row of the run log
+        self.log = tapped(RunLog(cfg.log, run_attrs,
+                                resume_at=self.resumed.train_s if self.resumed else None),
+                         self.progress, tap_for(cfg))
+        self.eval_version = -1
         self.version = self.resumed.version if self.resumed else 0
         self.epoch = self.resumed.epoch if self.resumed else 0
         self.accuracy: Optional[float] = None
@@ -86,6 +91,7 @@ class SerialTrainer:
             # restored now: a run that stops at once (fewer --epochs, --max-seconds spent)
             # must checkpoint the interrupted epoch's counts, not zeros
             self.tracker.begin(first, self.now(), counts)
+        self.progress.begin(first, 0 if counts is None else int((counts > 0).sum()), self.now())
         for epoch in range(first, self.cfg.epochs):
             self._run_epoch(epoch, counts)
             counts = None
@@ -93,6 +99,8 @@ class SerialTrainer:
                 break
         self.train_s = self.now()
         self._report_window()
+        if self.eval_version != self.version:   # every stop ends with the final metric
+            self._evaluate()
         if PREEMPTED.is_set():
             return "preempted"
         self._checkpoint()
@@ -205,6 +213,7 @@ class SerialTrainer:
         self.log.append("eval", t=self.now(), version=self.version, epoch=self.epoch,
                         test_loss=loss, test_accuracy=acc)
         self.last_eval = time.monotonic()
+        self.eval_version = self.version
 
     def _checkpoint(self) -> None:
         self.last_checkpoint = time.monotonic()
@@ -217,7 +226,6 @@ class SerialTrainer:
                         balancer=self.balancer, train_s=self.now())
 
     def finish(self, status: str) -> dict:
-        self.progress.close()
         self.store.close()
         self.log.close(status, {"train_s": getattr(self, "train_s", self.now()),
                                 "wall_s": self.now(),
@@ -228,6 +236,7 @@ class SerialTrainer:
                                 "eval_s": self.evaluator.seconds})
         summary = summarize_log(self.cfg.log)
         self.log.write_summary(summary)
+        self.progress.close(summary)
         return summary
 
 

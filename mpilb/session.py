@@ -13,9 +13,10 @@ import numpy as np
 
 from . import checkpoint
 from .balancer import BalancerConfig, build_balancer
-from .progress import Progress
+from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
+from .tensorboard import tap_for
 from .training import EpochTracker, Evaluator, StopRule, config_model, config_optimizer
 
 
@@ -75,23 +76,28 @@ class Session:
             self.params[:] = self.resumed.params
             self.optimizer.load_state_dict(self.resumed.optimizer)
             checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
-        self.log = RunLog(cfg.log, run_attrs,
-                          resume_at=self.resumed.train_s if self.resumed else None)
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
-                                 samples_per_epoch=self.tracker.total)
+                                 samples_per_epoch=self.tracker.total,
+                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds)
+        # the progress display and --tensorboard see every row of the run log
+        self.log = tapped(RunLog(cfg.log, run_attrs,
+                                resume_at=self.resumed.train_s if self.resumed else None),
+                         self.progress, tap_for(cfg))
         self.accuracy: Optional[float] = None
+        self.eval_version = -1   # parameter version of the last evaluation
 
     def evaluate(self, params: np.ndarray, t: float, version: int, epoch: int) -> None:
         """Evaluate host parameters on the test set and log the row."""
         loss, acc = self.evaluator(params)
         self.accuracy = acc
+        self.eval_version = version
         self.log.append("eval", t=t, version=version, epoch=epoch, test_loss=loss,
                         test_accuracy=acc)
 
     def close(self, status: str, attrs: dict) -> dict:
-        """Close the progress line and the run log; write and return the summary."""
-        self.progress.close()
+        """Close the run log, write the summary, end the progress display on its figures."""
         self.log.close(status, attrs)
         summary = summarize_log(self.cfg.log)
         self.log.write_summary(summary)
+        self.progress.close(summary)
         return summary

@@ -86,7 +86,8 @@ class Chores:
             self._begin_stop()
         self.log.maybe_flush()
         rates = {w.rank: self.balancer.rate(w.rank) for w in self.present()}
-        self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy, rates)
+        self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy, rates,
+                             lost=self.lost)
 
     def _first_sizes_due(self) -> bool:
         """Proportional batches: size them as soon as every worker has taken a few steps,

@@ -274,10 +274,11 @@ class ParameterServer(Epochs, Chores):
             self._post_recv(w)
             w.go_idle()
         self.stores.start(self.resumed.version if self.resumed else 0)
-        if self.resumed is None:
+        ck = self.resumed
+        self.progress.begin(ck.epoch if ck else 0, int((ck.counts > 0).sum()) if ck else 0, self.now())
+        if ck is None:
             self._begin_epoch(0)
             return
-        ck = self.resumed
         self.tracker.completed = [EpochStats(**e) for e in ck.completed]
         if ck.epoch >= self.cfg.epochs or self.stop.check(ck.epoch, self.now(), None):
             # nothing to do, but the interrupted epoch's counts must survive the checkpoint
@@ -316,6 +317,8 @@ class ParameterServer(Epochs, Chores):
                 next_chores = mono + self.CHORES_S
                 self._chores()
         self.train_s = self.now()
+        if self.session.eval_version != self.version:   # every stop ends with the final metric
+            self._evaluate()
         self._log_worker_rows()
         C.drain(self.comm)
         deadline = time.monotonic() + 5.0   # replies and parameters (a lost worker's never complete)
