@@ -109,7 +109,9 @@ def assert_degraded_exact(tmp_path, data, epochs):
 @pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
 def test_crashed_worker_is_survived(synth_dir, tmp_path, launcher):
     timeout = 3
-    args = train(synth_dir, tmp_path, "--epochs", 4, "--inject", "2:crash@1.5",
+    # the crash comes early and the run is long enough on a quiet machine too (4 epochs took
+    # 0.7 s there, so a crash at 1.5 s came after the end)
+    args = train(synth_dir, tmp_path, "--epochs", 12, "--inject", "2:crash@0.3",
                  "--worker-timeout", timeout)
     base = [sys.executable, "-m", "mpilb", *args]
     if launcher == "mpiexec":
@@ -123,7 +125,7 @@ def test_crashed_worker_is_survived(synth_dir, tmp_path, launcher):
     code, out, err = finish(proc, timeout=120)
     assert code == 3, (code, out, err)
     assert "declared lost" in err and "notice of a failed rank" in err, err
-    assert_degraded_exact(tmp_path, synth_dir, 4)
+    assert_degraded_exact(tmp_path, synth_dir, 12)
     # no hang in finalize: the end came within --worker-timeout + 10 s of the last epoch
     import h5py
     with h5py.File(tmp_path / "run.h5", "r") as f:
