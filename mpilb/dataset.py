@@ -1,7 +1,8 @@
 """Datasets on disk: HDF5 shards plus a JSON manifest (DESIGN.md, "Dataset format").
 
 A dataset is a directory holding ``manifest.json``, ``shard-00000.h5`` ... and ``test.h5``.
-Every HDF5 file has ``x`` (float32, chunked along samples) and ``y`` (int64 labels).
+Every HDF5 file has ``x`` (float32, chunked along samples) and ``y``: int64 class labels,
+or float32 targets (one per sample or a vector of ``target_shape``) for regression.
 This module opens and validates datasets (:func:`open_dataset`, :func:`verify_dataset`) and
 describes them (:func:`dataset_info`); :mod:`mpilb.prepare` writes them and :mod:`mpilb.shards`
 reads shards during training.
@@ -27,7 +28,8 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TEST_FILE = "test.h5"
 X_DTYPE = "float32"
-Y_DTYPE = "int64"
+Y_DTYPE = "int64"          # class labels (num_classes >= 2)
+TARGET_DTYPE = "float32"   # regression targets (num_classes 0), shape () or (k,) per sample
 
 # Block size for streamed checksums and for chunk-wise content checks.
 HASH_BLOCK = 4 << 20
@@ -65,6 +67,19 @@ class Dataset:
     label_dtype: str = Y_DTYPE
     created: str = ""
     generator: dict = field(default_factory=dict)
+    target_shape: tuple[int, ...] = ()
+    # shards held out for validation (--validation-fraction); not part of ``shards``
+    validation: list[ShardInfo] = field(default_factory=list)
+
+    @property
+    def regression(self) -> bool:
+        """Float targets (``num_classes`` 0) rather than class labels."""
+        return self.num_classes == 0
+
+    @property
+    def num_targets(self) -> int:
+        """Outputs a model needs: the classes, or the length of a target vector."""
+        return self.num_classes if self.num_classes else int(np.prod(self.target_shape, dtype=np.int64))
 
     @property
     def total_samples(self) -> int:
@@ -84,8 +99,9 @@ class Dataset:
 
     @property
     def row_nbytes(self) -> int:
-        """Bytes of one sample: its float32 features plus its int64 label."""
-        return int(np.prod(self.sample_shape, dtype=np.int64)) * 4 + 8
+        """Bytes of one sample: its float32 features plus its label or target."""
+        y_bytes = 4 * self.num_targets if self.regression else 8
+        return int(np.prod(self.sample_shape, dtype=np.int64)) * 4 + y_bytes
 
     def shard_path(self, i: int) -> Path:
         """Path of shard ``i``'s HDF5 file."""
@@ -104,15 +120,20 @@ class Dataset:
 
         Returns:
             ``(x, y)``: float32 features of shape ``(test_samples, *sample_shape)`` and
-            int64 labels.
+            int64 labels or float32 targets.
 
         Raises:
             DataError: the file is missing, unreadable, or has a wrong shape, dtype,
                 out-of-range label or non-finite feature.
         """
-        path = self.test_path
+        return self.load_file(self.test_file, self.test_samples)
+
+    def load_file(self, name: str, samples: int) -> tuple[np.ndarray, np.ndarray]:
+        """Read one whole file of the dataset (the test set, a validation shard), validated."""
+        path = self.root / name
         with open_h5(path) as f:
-            x_ds, y_ds = check_h5_layout(f, path, self.test_samples, self.sample_shape)
+            x_ds, y_ds = check_h5_layout(f, path, samples, self.sample_shape,
+                                         self.label_dtype, self.target_shape)
             try:
                 x, y = x_ds[...], y_ds[...]
             except (OSError, RuntimeError) as exc:
@@ -139,7 +160,8 @@ def open_h5(path: Path) -> h5py.File:
         raise DataError(f"{path}: not a readable HDF5 file (truncated?): {exc}") from exc
 
 
-def check_h5_layout(f: h5py.File, path: Path, samples: int, sample_shape: tuple[int, ...]):
+def check_h5_layout(f: h5py.File, path: Path, samples: int, sample_shape: tuple[int, ...],
+                    label_dtype: str = Y_DTYPE, target_shape: tuple[int, ...] = ()):
     """Check that an open file has ``x``/``y`` of the expected shapes and dtypes.
 
     Returns:
@@ -151,19 +173,26 @@ def check_h5_layout(f: h5py.File, path: Path, samples: int, sample_shape: tuple[
     x, y = f["x"], f["y"]
     if x.dtype != np.dtype(X_DTYPE):
         raise DataError(f"{path}: x has dtype {x.dtype}, expected {X_DTYPE}")
-    if y.dtype != np.dtype(Y_DTYPE):
-        raise DataError(f"{path}: y has dtype {y.dtype}, expected {Y_DTYPE}")
+    if y.dtype != np.dtype(label_dtype):
+        raise DataError(f"{path}: y has dtype {y.dtype}, expected {label_dtype}")
     want_x = (samples, *sample_shape)
     if tuple(x.shape) != want_x:
         raise DataError(f"{path}: x has shape {tuple(x.shape)}, manifest says {want_x}")
-    if tuple(y.shape) != (samples,):
-        raise DataError(f"{path}: y has shape {tuple(y.shape)}, manifest says {(samples,)}")
+    if tuple(y.shape) != (samples, *target_shape):
+        raise DataError(f"{path}: y has shape {tuple(y.shape)}, manifest says {(samples, *target_shape)}")
     return x, y
 
 
 def check_values(path: Path, x: np.ndarray, y: np.ndarray, num_classes: int, first_row: int = 0) -> None:
-    """Raise DataError if a label is outside ``[0, num_classes)`` or a feature is not finite."""
-    if y.size:
+    """Raise DataError if a label is outside ``[0, num_classes)`` or a feature is not finite.
+
+    ``num_classes`` 0 means float targets: they must be finite.
+    """
+    if y.size and num_classes == 0:
+        if not np.isfinite(y).all():
+            bad = int(np.flatnonzero(~np.isfinite(y.reshape(len(y), -1)).all(axis=1))[0])
+            raise DataError(f"{path}: non-finite target (NaN or Inf) at row {first_row + bad}")
+    elif y.size:
         lo, hi = int(y.min()), int(y.max())
         if lo < 0 or hi >= num_classes:
             bad = int(np.flatnonzero((y < 0) | (y >= num_classes))[0])
@@ -247,10 +276,18 @@ def _read_manifest(root: Path) -> Dataset:
     if dtype != X_DTYPE:
         raise DataError(f"{path}: key 'dtype' is {dtype!r}, only {X_DTYPE!r} is supported")
     label_dtype = manifest.get("label_dtype", Y_DTYPE)
-    if label_dtype != Y_DTYPE:
-        raise DataError(f"{path}: key 'label_dtype' is {label_dtype!r}, only {Y_DTYPE!r} is supported")
+    if label_dtype not in (Y_DTYPE, TARGET_DTYPE):
+        raise DataError(f"{path}: key 'label_dtype' is {label_dtype!r}, expected {Y_DTYPE!r} "
+                        f"(class labels) or {TARGET_DTYPE!r} (regression targets)")
     num_classes = _require(manifest, "num_classes", int, path)
-    if num_classes < 1:
+    target_shape = manifest.get("target_shape", [])
+    if label_dtype == TARGET_DTYPE:
+        if num_classes != 0:
+            raise DataError(f"{path}: float32 targets need 'num_classes' 0, got {num_classes}")
+        if not (isinstance(target_shape, list) and len(target_shape) <= 1 and all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 1 for d in target_shape)):
+            raise DataError(f"{path}: key 'target_shape' must be [] or [k] with k >= 1")
+    elif num_classes < 1:
         raise DataError(f"{path}: key 'num_classes' must be >= 1, got {num_classes}")
 
     entries = _require(manifest, "shards", list, path)
@@ -277,6 +314,7 @@ def _read_manifest(root: Path) -> Dataset:
         format_version=version,
         test_sha256=test_sha,
         label_dtype=label_dtype,
+        target_shape=tuple(target_shape) if label_dtype == TARGET_DTYPE else (),
         created=str(manifest.get("created", "")),
         generator=manifest.get("generator", {}) if isinstance(manifest.get("generator"), dict) else {},
     )
@@ -309,7 +347,7 @@ def open_dataset(root, check_files: bool = True) -> Dataset:
         for name, samples, _ in _all_files(ds):
             path = ds.root / name
             with open_h5(path) as f:
-                check_h5_layout(f, path, samples, ds.sample_shape)
+                check_h5_layout(f, path, samples, ds.sample_shape, ds.label_dtype, ds.target_shape)
     return ds
 
 
@@ -372,7 +410,8 @@ def dataset_info(root) -> str:
         f"generator:      {gen_text}",
         f"created:        {ds.created or 'unknown'}",
         f"sample shape:   {ds.sample_shape} {ds.dtype}, labels {ds.label_dtype}",
-        f"classes:        {ds.num_classes}",
+        (f"classes:        {ds.num_classes}" if not ds.regression else
+         f"targets:        float32, shape {ds.target_shape} per sample (regression)"),
         f"shards:         {len(ds.shards)} ({ds.shards[0].file} .. {ds.shards[-1].file})",
         f"train samples:  {ds.total_samples} (per shard min {min(sizes)}, max {max(sizes)}, "
         f"mean {ds.total_samples / len(sizes):.1f})",
@@ -386,16 +425,18 @@ def dataset_info(root) -> str:
 
 # --------------------------------------------------------------------------- writers (moved)
 
-# The ``prepare_*`` writers live in :mod:`mpilb.prepare`; these names stay importable from
-# here (``from mpilb.dataset import prepare_digits``). Imported lazily: prepare imports us.
-_MOVED_TO_PREPARE = ("shard_file_name", "split_sizes", "write_dataset", "array_chunks",
-                     "prepare_digits", "prepare_synthetic", "prepare_npz", "Teacher",
-                     "make_teacher", "synthetic_chunks")
+# The ``prepare_*`` writers live in :mod:`mpilb.prepare` and :mod:`mpilb.ingest`; these names
+# stay importable from here (``from mpilb.dataset import prepare_digits``). Imported lazily:
+# those modules import this one.
+_MOVED = {name: "prepare" for name in (
+    "shard_file_name", "split_sizes", "write_dataset", "array_chunks", "prepare_digits",
+    "prepare_synthetic", "Teacher", "make_teacher", "synthetic_chunks")}
+_MOVED.update({name: "ingest" for name in ("prepare_npz", "prepare_hdf5", "prepare_csv")})
 
 
 def __getattr__(name: str):
-    if name in _MOVED_TO_PREPARE:
-        from . import prepare
+    if name in _MOVED:
+        import importlib
 
-        return getattr(prepare, name)
+        return getattr(importlib.import_module(f"{__package__}.{_MOVED[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

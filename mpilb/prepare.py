@@ -17,8 +17,8 @@ from typing import Iterable, Iterator
 import h5py
 import numpy as np
 
-from .dataset import (_SHARD_RE, MANIFEST, TEST_FILE, FORMAT_VERSION, X_DTYPE, Y_DTYPE, Dataset,
-                      check_values, open_dataset, sha256_file)
+from .dataset import (_SHARD_RE, MANIFEST, TARGET_DTYPE, TEST_FILE, FORMAT_VERSION, X_DTYPE,
+                      Y_DTYPE, Dataset, check_values, open_dataset, sha256_file)
 from .errors import DataError, UsageError
 
 # Rows generated (or copied) per step when writing: large enough to amortise HDF5 calls,
@@ -26,6 +26,8 @@ from .errors import DataError, UsageError
 GEN_CHUNK = 65536
 # Target HDF5 chunk size along samples: ~1 MiB of x rows per chunk.
 CHUNK_BYTES = 1 << 20
+# Largest number of units the shuffle permutes (see :func:`array_chunks`): 512 KiB of indices.
+MAX_BLOCKS = 65536
 
 def shard_file_name(i: int) -> str:
     return f"shard-{i:05d}.h5"
@@ -75,13 +77,19 @@ def _validate_split(samples: int, shards: int, test_fraction: float) -> tuple[in
     return n_test, split_sizes(n_train, shards)
 
 
-def _create_xy(f: h5py.File, n: int, sample_shape: tuple[int, ...]):
+def _create_xy(f: h5py.File, n: int, sample_shape: tuple[int, ...], y_dtype: str = Y_DTYPE,
+               target_shape: tuple[int, ...] = ()):
+    """``x`` and ``y`` chunked along samples, each chunk with a Fletcher-32 checksum that
+    HDF5 verifies on every read (a flipped bit is an error, not a wrong sample)."""
     row_bytes = int(np.prod(sample_shape, dtype=np.int64)) * 4
     rows = max(1, min(n, CHUNK_BYTES // row_bytes))
-    chunks_x = (rows, *sample_shape) if n else None
-    chunks_y = (rows,) if n else None
-    x = f.create_dataset("x", (n, *sample_shape), dtype=X_DTYPE, chunks=chunks_x, track_times=False)
-    y = f.create_dataset("y", (n,), dtype=Y_DTYPE, chunks=chunks_y, track_times=False)
+    # a chunked layout needs at least one row; an empty file gets a 1-row chunk
+    x = f.create_dataset("x", (n, *sample_shape), dtype=X_DTYPE, chunks=(rows, *sample_shape),
+                         maxshape=(None, *sample_shape) if not n else None,
+                         fletcher32=True, track_times=False)
+    y = f.create_dataset("y", (n, *target_shape), dtype=y_dtype, chunks=(rows, *target_shape),
+                         maxshape=(None, *target_shape) if not n else None,
+                         fletcher32=True, track_times=False)
     return x, y
 
 
@@ -95,6 +103,7 @@ def write_dataset(
     test_fraction: float = 0.2,
     seed: int = 0,
     generator: dict | None = None,
+    target_shape: tuple[int, ...] | None = None,
 ) -> Dataset:
     """Write a dataset from a stream of sample blocks; the writer all ``prepare_*`` share.
 
@@ -107,14 +116,16 @@ def write_dataset(
     Args:
         out: output directory; created, or cleared if it holds an older mpilb dataset.
         chunks: ``(x, y)`` blocks with ``samples`` rows in total; x castable to float32
-            with rows of ``sample_shape``, y integer labels in ``[0, num_classes)``.
+            with rows of ``sample_shape``, y integer labels in ``[0, num_classes)`` or, for
+            regression, float targets of ``target_shape`` per row.
         samples: total rows the blocks deliver (train + test).
         sample_shape: shape of one sample.
-        num_classes: number of classes (labels are checked against it).
+        num_classes: number of classes (labels are checked against it); 0 for float targets.
         shards: number of shard files.
         test_fraction: fraction of samples for ``test.h5``.
         seed: recorded in the manifest (the source used it to shuffle).
         generator: provenance recorded in the manifest.
+        target_shape: regression only: ``()`` for one target per sample, ``(k,)`` for k.
 
     Returns:
         The written :class:`Dataset`, as :func:`open_dataset` reads it back.
@@ -125,7 +136,10 @@ def write_dataset(
     """
     out = Path(out)
     sample_shape = tuple(int(d) for d in sample_shape)
-    if num_classes < 2:
+    regression = num_classes == 0
+    target_shape = tuple(int(d) for d in (target_shape or ())) if regression else ()
+    y_dtype = TARGET_DTYPE if regression else Y_DTYPE
+    if not regression and num_classes < 2:
         raise UsageError(f"need at least 2 classes, got {num_classes}")
     n_test, sizes = _validate_split(samples, shards, test_fraction)
     _prepare_out_dir(out)
@@ -146,10 +160,12 @@ def write_dataset(
     try:
         for x, y in chunks:
             x = np.asarray(x, dtype=X_DTYPE)
-            y = np.asarray(y)
+            y = np.asarray(y, dtype=y_dtype) if regression else np.asarray(y)
             n = len(y)
             if x.shape != (n, *sample_shape):
                 raise DataError(f"{out}: block of shape {x.shape} does not match samples {(n, *sample_shape)}")
+            if y.shape != (n, *target_shape):
+                raise DataError(f"{out}: targets of shape {y.shape}, expected {(n, *target_shape)}")
             if pos + n > samples:
                 raise DataError(f"{out}: source delivered more than the {samples} samples announced")
             check_values(out, x, y, num_classes, first_row=pos)
@@ -162,7 +178,7 @@ def write_dataset(
                     k, filled = k + 1, 0
                     # Room for two chunks: a block boundary inside a chunk is merged in memory.
                     f = h5py.File(out / names[k], "w", rdcc_nbytes=2 * CHUNK_BYTES)
-                    target = _create_xy(f, counts[k], sample_shape)
+                    target = _create_xy(f, counts[k], sample_shape, y_dtype, target_shape)
                 take = min(n - i, counts[k] - filled)
                 target[0][filled : filled + take] = x[i : i + take]
                 target[1][filled : filled + take] = y[i : i + take]
@@ -178,7 +194,7 @@ def write_dataset(
             if k < len(counts) - 1:
                 k += 1
                 f = h5py.File(out / names[k], "w")
-                _create_xy(f, counts[k], sample_shape)
+                _create_xy(f, counts[k], sample_shape, y_dtype, target_shape)
     finally:
         if f is not None:
             f.close()
@@ -187,8 +203,9 @@ def write_dataset(
         "format_version": FORMAT_VERSION,
         "sample_shape": list(sample_shape),
         "dtype": X_DTYPE,
-        "label_dtype": Y_DTYPE,
+        "label_dtype": y_dtype,
         "num_classes": int(num_classes),
+        **({"target_shape": list(target_shape)} if regression else {}),
         "shards": entries[:-1],
         "test": entries[-1],
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -204,12 +221,32 @@ def write_dataset(
     return open_dataset(out, check_files=False)
 
 
-def array_chunks(x: np.ndarray, y: np.ndarray, seed: int, rows: int = GEN_CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yield in-memory arrays as shuffled ``(x, y)`` blocks (seeded), for :func:`write_dataset`."""
-    perm = np.random.default_rng([seed, 0xA77A]).permutation(len(y))
-    for lo in range(0, len(y), rows):
-        idx = perm[lo : lo + rows]
-        yield x[idx], y[idx]
+def array_chunks(x: np.ndarray, y: np.ndarray, seed: int, rows: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Yield arrays as shuffled ``(x, y)`` blocks (seeded), for :func:`write_dataset`.
+
+    ``x`` and ``y`` may be memory-mapped (``np.memmap``, ``np.load(mmap_mode="r")``): only
+    one block of rows is read at a time, and the shuffle's own memory is bounded too. Up to
+    :data:`MAX_BLOCKS` rows the order is a full random permutation; beyond, runs of
+    ``ceil(n / MAX_BLOCKS)`` consecutive rows move together and each block of output rows
+    is shuffled again, which mixes any sorted input (by class, by time) just as well.
+    """
+    rows = rows or GEN_CHUNK
+    n = len(y)
+    run = max(1, -(-n // MAX_BLOCKS))
+    rng = np.random.default_rng([seed, 0xA77A])
+    order = rng.permutation(-(-n // run))
+    per = max(1, rows // run)
+    for g in range(0, len(order), per):
+        if run == 1:
+            idx = order[g : g + per]
+        else:
+            idx = (order[g : g + per, None] * run + np.arange(run)).ravel()
+            idx = np.sort(idx[idx < n])            # sorted: sequential reads from the map
+        block_x, block_y = x[idx], y[idx]
+        if run > 1:
+            mix = rng.permutation(len(idx))
+            block_x, block_y = block_x[mix], block_y[mix]
+        yield block_x, block_y
 
 
 # --------------------------------------------------------------------------- prepare: digits
@@ -328,79 +365,4 @@ def prepare_synthetic(
         shards, test_fraction, seed,
         generator={"name": "synthetic", "samples": samples, "features": features, "classes": classes,
                    "noise": noise, "teacher": f"mlp {features}-{TEACHER_HIDDEN}tanh-{classes}"},
-    )
-
-
-# --------------------------------------------------------------------------- prepare: npz
-
-
-def _integer_labels(y: np.ndarray, path: Path, key: str) -> np.ndarray:
-    if y.dtype == bool:
-        return y.astype(np.int64)
-    if np.issubdtype(y.dtype, np.integer):
-        return y.astype(np.int64)
-    if np.issubdtype(y.dtype, np.floating):
-        # Float labels that hold whole numbers (3.0) are common in saved arrays; accept them.
-        if np.isfinite(y).all() and (y == np.round(y)).all():
-            return y.astype(np.int64)
-        raise DataError(f"{path}: labels '{key}' are not integers (dtype {y.dtype}, e.g. {y.flat[0]!r})")
-    raise DataError(f"{path}: labels '{key}' have non-numeric dtype {y.dtype}")
-
-
-def prepare_npz(
-    file, out, x_key: str = "x", y_key: str = "y", shards: int = 8, test_fraction: float = 0.2, seed: int = 0
-) -> Dataset:
-    """Write a dataset from a NumPy ``.npz`` file holding features and integer labels.
-
-    Features are cast to float32 and labels to int64; ``num_classes = max(y) + 1``.
-
-    Raises:
-        DataError: the file is missing or unreadable, a key is missing (the message lists
-            the keys the file has), lengths differ, labels are not integers or negative,
-            or features are not finite.
-    """
-    path = Path(file)
-    if not path.exists():
-        raise DataError(f"{path}: file not found")
-    try:
-        npz = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: not a readable .npz file ({exc})") from exc
-    if not isinstance(npz, np.lib.npyio.NpzFile):
-        raise DataError(f"{path}: not an .npz archive (a single array); save with np.savez(file, x=..., y=...)")
-    with npz:
-        keys = list(npz.files)
-        for key, opt in ((x_key, "--x-key"), (y_key, "--y-key")):
-            if key not in keys:
-                raise DataError(f"{path}: no array '{key}' (keys in the file: {', '.join(keys) or 'none'}); use {opt}")
-        try:
-            x, y = npz[x_key], npz[y_key]
-        except (OSError, ValueError) as exc:
-            raise DataError(f"{path}: cannot read arrays ({exc})") from exc
-    if y.ndim == 2 and y.shape[1] == 1:
-        y = y[:, 0]
-    if y.ndim != 1:
-        raise DataError(f"{path}: labels '{y_key}' must be 1-D, got shape {y.shape}")
-    if x.ndim == 0 or len(x) != len(y):
-        raise DataError(
-            f"{path}: '{x_key}' has {len(x) if x.ndim else 0} samples but '{y_key}' has {len(y)}; lengths must match"
-        )
-    if not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
-        raise DataError(f"{path}: features '{x_key}' have non-numeric dtype {x.dtype}")
-    if x.ndim == 1:
-        x = x[:, None]
-    y = _integer_labels(y, path, y_key)
-    if len(y) == 0:
-        raise DataError(f"{path}: the file holds no samples")
-    if y.min() < 0:
-        raise DataError(f"{path}: negative label {int(y.min())} in '{y_key}'; labels must be 0..C-1")
-    x = x.astype(np.float32, copy=False)
-    if not np.isfinite(x).all():
-        raise DataError(f"{path}: features '{x_key}' contain NaN or Inf")
-    num_classes = int(y.max()) + 1
-    if num_classes < 2:
-        raise DataError(f"{path}: labels '{y_key}' hold a single class (all 0); need at least 2")
-    return write_dataset(
-        out, array_chunks(x, y, seed), len(y), x.shape[1:], num_classes, shards, test_fraction, seed,
-        generator={"name": "npz", "source": str(path.resolve()), "x_key": x_key, "y_key": y_key},
     )

@@ -376,7 +376,13 @@ def test_npz_mismatched_lengths(tmp_path):
 def test_npz_non_integer_labels(tmp_path):
     path = save_npz(tmp_path, x=np.zeros((10, 2)), y=np.linspace(0, 1, 10))
     with pytest.raises(DataError, match=r"data\.npz: labels 'y' are not integers"):
-        D.prepare_npz(path, tmp_path / "out", shards=2)
+        D.prepare_npz(path, tmp_path / "out", shards=2, task="classify")
+
+
+def test_npz_float_targets_make_a_regression_dataset(tmp_path):
+    path = save_npz(tmp_path, x=np.zeros((10, 2)), y=np.linspace(0, 1, 10))
+    ds = D.verify_dataset(D.prepare_npz(path, tmp_path / "out", shards=2).root)
+    assert ds.num_classes == 0 and ds.label_dtype == "float32" and ds.target_shape == ()
 
 
 def test_npz_negative_labels(tmp_path):
