@@ -151,6 +151,14 @@ def build_parser() -> Parser:
     ps.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam"))
     ps.add_argument("--json", action="store_true")
 
+    exp = sub.add_parser("export", help="trained weights out of a checkpoint")
+    exp.add_argument("checkpoint", metavar="CKPT.h5")
+    exp.add_argument("out", metavar="OUT.pt|OUT.npz")
+    ev = sub.add_parser("evaluate", help="test metrics of a checkpoint")
+    ev.add_argument("checkpoint", metavar="CKPT.h5")
+    ev.add_argument("--data", required=True, metavar="DIR")
+    ev.add_argument("--json", action="store_true")
+
     sub.add_parser("doctor", help="check the MPI, HDF5 and GPU setup")
     return parser
 
@@ -201,6 +209,21 @@ def _dispatch(args) -> int:
 
         return bench_ps(params=args.params, seconds=args.seconds, optimizer=args.optimizer,
                         as_json=args.json, repeats=args.repeats)
+    if args.command == "export":
+        from .export import export
+
+        print(export(args.checkpoint, args.out))
+        return 0
+    if args.command == "evaluate":
+        import json
+
+        from .export import evaluate_checkpoint
+
+        result = evaluate_checkpoint(args.checkpoint, args.data)
+        print(json.dumps(result) if args.json else
+              f"{args.checkpoint} on {args.data}: " + ", ".join(
+                  f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
+        return 0
     if args.command == "doctor":
         from .doctor import doctor
 

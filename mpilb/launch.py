@@ -18,13 +18,13 @@ def _validate(config_file, cli_values, world_size):
     from .config import build_config, load_toml
     from .dataset import verify_dataset
     from .inject import parse_injects
-    from .training import check_world, config_model, resolve_data
+    from .training import check_world, config_model, hold_out_validation, resolve_data
 
     file_values = load_toml(config_file) if config_file else {}
     cfg = build_config(file_values, cli_values, source=config_file or "")
     parse_injects(cfg.inject, world_size)
     data_dir = resolve_data(cfg)
-    dataset = verify_dataset(data_dir)
+    dataset = hold_out_validation(cfg, verify_dataset(data_dir))
     check_world(cfg, world_size, dataset)
     config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
     if cfg.device == "gpu" and world_size == 1:
@@ -34,8 +34,17 @@ def _validate(config_file, cli_values, world_size):
     return cfg, data_dir
 
 
-def train(config_file, cli_values: dict) -> int:
-    """Entry point of `mpilb train` on every rank. Returns the exit code."""
+def _verdict_error(kind: str, message: str) -> MpilbError:
+    """The exception :func:`mpilb.train` raises where `mpilb train` prints and exits."""
+    return UsageError(message) if kind == "usage" else MpilbError(message)
+
+
+def train(config_file, cli_values: dict, raise_errors: bool = False, result: dict | None = None) -> int:
+    """Entry point of `mpilb train` on every rank. Returns the exit code.
+
+    With ``raise_errors`` (the Python API), a configuration or set-up error raises on every
+    rank instead of printing; ``result`` receives the run's config as ``result["cfg"]``.
+    """
     from . import comm as C
 
     comm, rank, size = C.world()
@@ -51,6 +60,8 @@ def train(config_file, cli_values: dict) -> int:
             verdict = ("error", str(exc))
     verdict = comm.bcast(verdict, root=0)
     if verdict[0] != "ok":
+        if raise_errors:
+            raise _verdict_error(*verdict)
         if rank == 0:
             print(f"mpilb: error: {verdict[1]}", file=sys.stderr, flush=True)
         return 2 if verdict[0] == "usage" else 1
@@ -60,13 +71,17 @@ def train(config_file, cli_values: dict) -> int:
         cfg = build_config(load_toml(config_file) if config_file else {}, cli_values)
         data_dir = verdict[1]
     from .dataset import open_dataset
+    from .training import hold_out_validation
+
+    if result is not None:
+        result["cfg"] = cfg
 
     # Set-up on every rank (backend, model, shard store, run log); a problem on any rank is
     # reported once, by rank 0, and every rank exits with the same code.
     role = None
     problem = None
     try:
-        dataset = open_dataset(data_dir, check_files=(rank == 0))
+        dataset = hold_out_validation(cfg, open_dataset(data_dir, check_files=(rank == 0)))
         hosts = C.hostnames(comm)
         run_attrs = {"config": json.dumps(dict(cfg.values, data=data_dir), sort_keys=True),
                      "mpi_library": C.library_version(), "world_size": size,
@@ -92,15 +107,19 @@ def train(config_file, cli_values: dict) -> int:
 
         problem = ("error", f"rank {rank}: {report_exception(exc, rank)}")
     if size == 1:
+        if problem and raise_errors:
+            raise _verdict_error(*problem)
         if problem:
             print(f"mpilb: error: {problem[1]}", file=sys.stderr, flush=True)
             return 2 if problem[0] == "usage" else 1
     problems = comm.allgather(problem)
     first = next((p for p in problems if p is not None), None)
     if first is not None:
+        if rank == 0 and role is not None:
+            role.abandon()
+        if raise_errors:
+            raise _verdict_error(*first)
         if rank == 0:
-            if role is not None:
-                role.abandon()
             print(f"mpilb: error: {first[1]}", file=sys.stderr, flush=True)
         return 2 if first[0] == "usage" else 1
     _install_signal_handlers()

@@ -19,7 +19,8 @@ from .runlog import read_columns
 SUMMARY_KEYS = (
     "status", "mode", "balancer", "batch_policy", "store", "correction", "workers", "wall_s",
     "train_s", "samples", "samples_per_s", "updates", "epochs_completed", "epoch_s",
-    "utilization", "final_test_accuracy", "best_test_accuracy", "time_to_target_s",
+    "utilization", "final_test_accuracy", "best_test_accuracy", "metric", "final_test_metric",
+    "best_test_metric", "time_to_target_s",
     "staleness", "shard_moves", "bytes_moved", "lost_workers", "coverage", "server_cpu_s",
     "per_worker",
 )
@@ -47,12 +48,20 @@ def summarize(attrs: dict, cols: dict) -> dict:
     train_s = float(attrs.get("train_s", updates_t.max() if updates_t.size else 0.0))
     wall_s = float(attrs.get("wall_s", train_s))
     acc = ev["test_accuracy"]
-    target = config.get("target_accuracy")
+    if acc.size and np.isnan(acc).all():
+        acc = np.zeros(0)             # not a classifier: no accuracy to report
+    metric = ev["test_metric"] if ev["test_metric"].size == ev["t"].size else acc
     time_to_target = None
-    if target is not None and acc.size:
-        hit = np.nonzero(acc >= target)[0]
-        if hit.size:
-            time_to_target = float(ev["t"][hit[0]])
+    # the metric --target-* decided on: validation's when one was held out
+    decided = ev["val_metric"] if (ev["val_metric"].size == ev["t"].size and ev["t"].size
+                                   and not np.isnan(ev["val_metric"]).all()) else metric
+    for target, values in ((config.get("target_accuracy"), acc),
+                           (config.get("target_metric"), decided)):
+        if target is not None and values.size:
+            hit = np.nonzero(values >= target)[0]
+            if hit.size:
+                t_hit = float(ev["t"][hit[0]])
+                time_to_target = t_hit if time_to_target is None else min(time_to_target, t_hit)
     st = up["staleness"].astype(np.float64)
     staleness = ({"mean": float(st.mean()), "p50": float(np.percentile(st, 50)),
                   "p99": float(np.percentile(st, 99)), "max": int(st.max())} if st.size else
@@ -93,6 +102,9 @@ def summarize(attrs: dict, cols: dict) -> dict:
         "utilization": [float(u) for u in ep["utilization"]],
         "final_test_accuracy": float(acc[-1]) if acc.size else None,
         "best_test_accuracy": float(acc.max()) if acc.size else None,
+        "metric": str(attrs.get("metric", "accuracy")),
+        "final_test_metric": float(metric[-1]) if metric.size else None,
+        "best_test_metric": float(np.nanmax(metric)) if metric.size and not np.isnan(metric).all() else None,
         "time_to_target_s": time_to_target,
         "staleness": staleness,
         "shard_moves": int(np.count_nonzero(events == "move")),
@@ -132,6 +144,11 @@ def format_summary(s: dict, path: str = "") -> str:
     lines.append(f"  {s['samples']} samples, {s['updates']} updates in {s['train_s']:.2f} s: "
                  f"{s['samples_per_s']:.0f} samples/s; server CPU {s['server_cpu_s']:.1f} s")
     fa, ba = s["final_test_accuracy"], s["best_test_accuracy"]
+    if fa is None and s.get("final_test_metric") is not None:
+        lines.append(f"  test {s['metric']}: final {s['final_test_metric']:.4f}, best "
+                     f"{s['best_test_metric']:.4f}"
+                     + (f", target reached at {s['time_to_target_s']:.1f} s"
+                        if s["time_to_target_s"] is not None else ""))
     if fa is not None:
         lines.append(f"  test accuracy: final {fa:.4f}, best {ba:.4f}"
                      + (f", target reached at {s['time_to_target_s']:.1f} s"

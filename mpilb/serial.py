@@ -22,8 +22,9 @@ from .progress import Progress
 from .report import summarize_log
 from .runlog import RunLog
 from .shards import ShardStore
-from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule, config_model,
-                       config_optimizer, epoch_order)
+from .schedules import build_schedule
+from .training import (PREEMPTED, EpochStats, EpochTracker, build_evaluator, build_stop_rule,
+                       config_model, config_optimizer, epoch_order)
 
 
 def balancer_config(cfg) -> BalancerConfig:
@@ -59,10 +60,11 @@ class SerialTrainer:
                                 io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s))
         self.feed = ShardFeed(self.store, self.backend)
         self.step = GradientStep(self.model, self.backend, self.injector)
-        test_x, test_y = dataset.load_test()
-        self.evaluator = Evaluator(self.model, test_x, test_y)
-        self.stop = StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy)
-        self.log = RunLog(cfg.log, run_attrs,
+        self.evaluator = build_evaluator(self.model, dataset)
+        self.stop = build_stop_rule(cfg)
+        self.schedule = build_schedule(cfg, self.tracker.total)
+        self.evaluation = None
+        self.log = RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
                           resume_at=self.resumed.train_s if self.resumed else None)
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
                                  samples_per_epoch=self.tracker.total)
@@ -149,7 +151,7 @@ class SerialTrainer:
             raise MpilbError(f"non-finite gradient for shard {batch.shard} [{batch.lo}, {batch.hi}) "
                              f"at update {self.version + 1}; lower --lr?")
         grad /= b
-        lr_scale = b / self.cfg.batch
+        lr_scale = b / self.cfg.batch * self.schedule(self.version, self.now())
         self.optimizer.step(self.params, grad, lr_scale)
         self.version += 1
         self.tracker.record(batch.epoch, batch.shard, batch.lo, batch.hi)
@@ -175,7 +177,7 @@ class SerialTrainer:
         if self.cfg.checkpoint and mono - self.last_checkpoint >= self.cfg.checkpoint_interval:
             self._checkpoint()
         self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy)
-        return self.stop.check(self.epoch, self.now(), self.accuracy) and self.stop.reason != "epochs"
+        return self.stop.check(self.epoch, self.now(), self.evaluation) and self.stop.reason != "epochs"
 
     def _report_window(self) -> None:
         io_new = self.feed.io_s - self.io_reported
@@ -200,13 +202,13 @@ class SerialTrainer:
                         imbalance_s=0.0)
         self._evaluate()
         self.progress.epoch_done(stats.epoch, self.accuracy)
-        self.stop.check(stats.epoch + 1, self.now(), self.accuracy)
+        self.stop.check(stats.epoch + 1, self.now(), self.evaluation)
 
     def _evaluate(self) -> None:
-        loss, acc = self.evaluator(self.backend.to_host(self.params))
-        self.accuracy = acc
+        ev = self.evaluator.evaluate(self.backend.to_host(self.params))
+        self.evaluation, self.accuracy = ev, ev.decides[1]
         self.log.append("eval", t=self.now(), version=self.version, epoch=self.epoch,
-                        test_loss=loss, test_accuracy=acc)
+                        **ev.columns())
         self.last_eval = time.monotonic()
 
     def _checkpoint(self) -> None:
@@ -247,7 +249,11 @@ def run_serial(trainer: SerialTrainer) -> int:
 
 def format_final(summary: dict) -> str:
     acc = summary.get("final_test_accuracy")
-    acc_txt = "n/a" if acc is None else f"{acc:.4f}"
+    metric, value = summary.get("metric", "accuracy"), summary.get("final_test_metric")
+    if acc is None and value is not None:
+        acc_txt = f"n/a, test {metric} {value:.4f}"
+    else:
+        acc_txt = "n/a" if acc is None else f"{acc:.4f}"
     cov = summary["coverage"]
     return (f"mpilb: {summary['status']}: {summary['epochs_completed']} epoch(s), "
             f"{summary['samples']} samples in {summary['train_s']:.1f} s "

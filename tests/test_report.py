@@ -27,6 +27,7 @@ DESIGN_SUMMARY_KEYS = {
     "status", "mode", "balancer", "batch_policy", "store", "correction", "workers", "wall_s",
     "train_s", "samples", "samples_per_s", "updates", "epochs_completed", "epoch_s",
     "utilization", "final_test_accuracy", "best_test_accuracy", "time_to_target_s",
+    "metric", "final_test_metric", "best_test_metric",
     "staleness", "shard_moves", "bytes_moved", "lost_workers", "coverage", "server_cpu_s",
     "per_worker",
 }
