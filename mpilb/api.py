@@ -21,7 +21,14 @@ def _model_spec(model) -> str:
     process under ``python:<name>`` (every rank runs the same script, so every rank does)."""
     if isinstance(model, str):
         return model
+    import inspect
+
     from .models.user import OBJECTS
+
+    module = getattr(model, "__module__", "") or ""
+    if ((inspect.isclass(model) or inspect.isfunction(model)) and module not in ("__main__", "")
+            and not module.startswith("mpilb_user_") and "<locals>" not in model.__qualname__):
+        return f"{module}:{model.__qualname__}"   # importable: checkpoints can name it
 
     name = getattr(model, "__qualname__", None) or type(model).__qualname__
     key = f"python:{name}"

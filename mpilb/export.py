@@ -114,10 +114,14 @@ def export(checkpoint, out, model=None) -> str:
                          "export it as OUT.npz")
     from .models import torch_adapter
 
-    if model is None and str(ckpt.config.get("model", "")).startswith("python:"):
-        state = {k: np.ascontiguousarray(v) for k, v in named_arrays(ckpt).items()}
-    else:
+    try:
         state = build_from_checkpoint(ckpt, model).state_dict(ckpt.params, ckpt.state)
+    except UsageError:
+        if model is not None:
+            raise
+        # the module cannot be rebuilt here (not importable): its parameters and buffers by
+        # name are the same state_dict, short of aliases of shared parameters
+        state = {k: np.ascontiguousarray(v) for k, v in named_arrays(ckpt).items()}
     torch_adapter.save_state_dict(state, out)
     return f"{out}: torch state_dict of {len(state)} tensors, {ckpt.params.size} parameters"
 
