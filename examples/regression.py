@@ -14,12 +14,15 @@ from torch import nn
 
 
 class Regressor(nn.Module):
-    """Flattened input -> ``hidden`` ReLU units -> ``num_targets`` outputs."""
+    """Flattened input -> ``hidden`` ReLU units -> ``num_targets`` outputs (``hidden=0``: a
+    linear model)."""
 
     def __init__(self, input_shape, num_targets: int = 1, hidden: int = 32):
         super().__init__()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), hidden), nn.ReLU(),
-                                 nn.Linear(hidden, num_targets))
+        features = math.prod(input_shape)
+        layers = [nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, num_targets)] if hidden \
+            else [nn.Linear(features, num_targets)]
+        self.net = nn.Sequential(nn.Flatten(), *layers)
 
     def forward(self, x):
         out = self.net(x)
