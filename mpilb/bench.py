@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import comm as C
-from .comm import Cmd, Push, PushKind, Reply
+from . import wire
+from .wire import Cmd
 from .errors import UsageError
 
 TAG_BARE = 21
@@ -93,37 +94,38 @@ def _bare_worker(comm, n: int) -> None:
 
 
 def _null_worker(comm, n: int) -> None:
-    """The worker protocol without computing: push zero-cost gradients of assigned ranges."""
-    push_buf, push_hdr, push_payload = C.new_message(n)
+    """The worker protocol without computing: push zero-cost gradients of the tasks assigned,
+    honouring their ends, cuts and drops (so coverage stays exact, as with real workers)."""
+    push_buf, push_hdr, push_payload = wire.new_message(n)
     push_payload[:] = 1e-3
-    recv_buf, recv_hdr, _ = C.new_message(n)
-    tasks = []
+    recv_buf, recv_hdr, _ = wire.new_message(n)
+    tasks: list[list[int]] = []   # [epoch, shard, pos, end]
     backoff = C.Backoff()
-    step = version = 0
+    step = 0
     while True:
-        C.recv_when_ready(comm, recv_buf, 0, C.TAG_REPLY, backoff)
-        if int(recv_hdr[Reply.CMD]) == Cmd.STOP:
+        C.recv_when_ready(comm, recv_buf, 0, wire.TAG_REPLY, backoff)
+        reply = wire.decode_reply(recv_hdr)
+        if reply.cmd == Cmd.STOP:
             return
-        version = int(recv_hdr[Reply.VERSION])
-        batch = int(recv_hdr[Reply.BATCH])
-        for i in range(int(recv_hdr[Reply.N_ASSIGN])):
-            e, s, start = (int(v) for v in recv_hdr[Reply.ASSIGN + 3 * i: Reply.ASSIGN + 3 * i + 3])
-            tasks.append([e, s, start])
+        if reply.cmd == Cmd.ORDERS:   # rows for another rank: only with --store local
+            continue
+        if reply.drop:
+            tasks.clear()
+        tasks.extend([t.epoch, t.shard, t.start, t.end] for t in reply.assigns)
+        if reply.cut is not None:
+            for t in tasks:
+                if (t[0], t[1]) == (reply.cut.epoch, reply.cut.shard):
+                    t[3] = min(t[3], reply.cut.end)
+        tasks = [t for t in tasks if t[2] < t[3]]
         if not tasks:
             continue
-        e, s, lo = tasks[0]
-        hi = min(lo + batch, _NULL_SHARD)
+        epoch, shard, lo, end = tasks[0]
+        hi = min(lo + max(1, reply.batch), end)
         tasks[0][2] = hi
-        if hi >= _NULL_SHARD:
-            tasks.pop(0)
-        push_hdr[:] = 0
-        push_hdr[Push.KIND] = PushKind.GRAD
-        push_hdr[Push.STEP] = step
-        push_hdr[Push.VERSION] = version
-        push_hdr[Push.EPOCH], push_hdr[Push.SHARD] = e, s
-        push_hdr[Push.LO], push_hdr[Push.HI], push_hdr[Push.BATCH] = lo, hi, hi - lo
-        push_hdr[Push.NEXT_SHARD] = -1
-        C.complete(comm.Isend(push_buf, dest=0, tag=C.TAG_PUSH))
+        wire.encode_push(push_hdr, step=step, version=reply.version, epoch=epoch, shard=shard,
+                         lo=lo, hi=hi, batch=hi - lo, loss=0.0, compute_s=0.0, io_s=0.0,
+                         comm_s=0.0, idle_s=0.0, nonfinite=False, t=0.0)
+        C.complete(comm.Isend(push_buf, dest=0, tag=wire.TAG_PUSH))
         step += 1
 
 

@@ -35,8 +35,6 @@ if env_world_size() > 1:
 
 import argparse  # noqa: E402
 
-import traceback  # noqa: E402
-
 from .errors import MpilbError, UsageError  # noqa: E402
 
 
@@ -257,13 +255,6 @@ def _prepare(args) -> int:
     print(f"{args.out}: {len(ds.shards)} shards, {ds.total_samples} training samples, "
           f"{ds.test_samples} test samples, shape {tuple(ds.sample_shape)}, {kind}")
     return 0
-
-
-def report_exception(exc: BaseException, rank: int) -> str:
-    """One line for an unexpected exception (the traceback with MPILB_DEBUG=1)."""
-    if os.environ.get("MPILB_DEBUG"):
-        traceback.print_exception(type(exc), exc, exc.__traceback__)
-    return f"{type(exc).__name__}: {exc}"
 
 
 if __name__ == "__main__":  # pragma: no cover

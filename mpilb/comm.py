@@ -1,9 +1,8 @@
 """Everything MPI: the only module that imports mpi4py.
 
-Messages between the server and a worker are single contiguous byte buffers: a fixed-size
-float64 header followed by a float32 payload (a gradient or the parameters), so a push or a
-pull is one buffer message and nothing is pickled in the hot path. Lowercase (pickle-based)
-mpi4py calls are only used for rare control messages: start-up checks, errors, shutdown.
+The messages themselves (header slots, tags, encoding) are in wire.py; this module moves
+them. Lowercase (pickle-based) mpi4py calls are only used for rare control messages:
+start-up checks, errors, shutdown.
 
 MPICH's blocking waits spin a core. On an oversubscribed node a spinning rank steals the CPU
 the workers need, so every wait here polls with :class:`Backoff` instead.
@@ -15,10 +14,10 @@ import os
 import socket
 import sys
 import time
-from enum import IntEnum
 from typing import Optional
 
-import numpy as np
+from .waiting import Backoff, WaitEstimate  # noqa: F401 - part of this module's API
+from .wire import TAG_ERROR, TAG_PREEMPT
 
 try:
     import mpi4py
@@ -28,162 +27,6 @@ try:
     from mpi4py import MPI
 except ImportError as exc:  # pragma: no cover - mpi4py is an install requirement
     raise ImportError("mpilb needs mpi4py: pip install mpi4py (and an MPI library, e.g. pip install mpich)") from exc
-
-HEADER_FIELDS = 48
-HEADER_BYTES = HEADER_FIELDS * 8
-
-# Tags. PUSH: worker -> server gradient; REPLY: server -> worker parameters or command;
-# ERROR: a worker's exception text (pickled, rare); SHARD: samples sent between workers.
-TAG_PUSH = 11
-TAG_REPLY = 12
-TAG_ERROR = 13
-TAG_SHARD_BASE = 1000   # shard rows between workers: tag and tag+1 (samples, labels)
-SHARD_TAGS = 10000      # transfer tags cycle through this many pairs
-TAG_PREEMPT = 15
-
-
-class Push(IntEnum):
-    """Header fields of a worker -> server push (float64 slots)."""
-
-    KIND = 0          # PushKind
-    STEP = 1          # worker's step counter (pushes so far)
-    VERSION = 2       # server version the gradient was computed on
-    EPOCH = 3
-    SHARD = 4
-    LO = 5            # sample positions [LO, HI) of the shard's permuted order
-    HI = 6
-    BATCH = 7
-    LOSS = 8          # loss summed over the batch
-    COMPUTE_S = 9     # since the previous push
-    IO_S = 10
-    COMM_S = 11
-    IDLE_S = 12
-    NEXT_SHARD = 13   # pipeline: the batch already being computed (-1 if none)
-    NEXT_LO = 14
-    NEXT_HI = 15
-    NEXT_EPOCH = 16
-    NONFINITE = 17    # 1 if the gradient holds NaN/Inf (payload not to be applied)
-    T = 18            # worker wall clock (seconds since training start)
-
-
-class PushKind(IntEnum):
-    GRAD = 1
-
-
-class Reply(IntEnum):
-    """Header fields of a server -> worker reply (float64 slots)."""
-
-    CMD = 0           # Cmd
-    VERSION = 1       # version of the parameters in the payload
-    BATCH = 2         # batch size to use from now on
-    HELD_S = 3        # seconds the server held this reply (ssp/sync wait): idle, not comm
-    RETRY = 4         # 1: the last gradient was rejected (non-finite); recompute the batch once
-    N_ASSIGN = 5      # tasks handed to the worker: epoch, shard, start, end, src, tag
-    ASSIGN = 6        # src -1: read from own store; else receive rows from rank src (tag)
-    N_ORDER = 18      # rows this worker must send: epoch, shard, start, end, dst, tag
-    ORDER = 19
-    TRUNC_EPOCH = 31  # stop the task on this shard at TRUNC_END (the rest went elsewhere)
-    TRUNC_SHARD = 32
-    TRUNC_END = 33
-    DROP = 34         # 1: forget every task held (the server took them back: sit rounds out)
-
-
-TASK_FIELDS = 6       # per assignment / per send order
-class Cmd(IntEnum):
-    PARAMS = 1        # payload holds parameters; carry on
-    STOP = 2          # finish: no payload
-    ORDERS = 3        # header only, not a reply: send these rows, then keep waiting
-
-
-MAX_ASSIGN = 2
-MAX_ORDER = 2
-
-
-class Backoff:
-    """Sleep between polls, growing from `start` to `cap` seconds; reset on progress.
-
-    A short first sleep keeps latency low when messages come fast; the cap bounds the
-    wake-ups per second (and so the CPU) when a rank waits a long time.
-
-    When the caller knows about when the awaited message is due (``reset(due, grace)``, a
-    ``time.monotonic()`` value), the sleeps are long until just before it, then every
-    `fine` seconds until `grace` seconds after it, and only then grow again. A rank that
-    waits for a round's reply or for the next push thus notices it within ~`fine` seconds
-    without polling all the time in between. A wrong estimate costs little: too early and
-    the rank polls finely for a while, too late and it sleeps through at most `fine` (the
-    first sleep never goes past ``due - fine``).
-    """
-
-    def __init__(self, start: float = 20e-6, cap: float = 1e-3, fine: float = 50e-6):
-        self.start = start
-        self.cap = cap
-        self.fine = fine
-        self.delay = start
-        self.due: Optional[float] = None
-        self.grace = 0.0
-
-    def reset(self, due: Optional[float] = None, grace: float = 0.0) -> None:
-        self.delay = self.start
-        self.due = due
-        self.grace = grace
-
-    def sleep(self) -> None:
-        if self.due is not None:
-            ahead = self.due - time.monotonic()
-            if ahead > self.fine:
-                time.sleep(min(ahead - self.fine, self.cap))
-                return
-            if ahead > -self.grace:
-                self.short()
-                return
-            self.due = None           # overdue: back off from the fine interval on
-            self.delay = max(self.delay, self.fine)
-        time.sleep(self.delay)
-        self.delay = min(self.cap, self.delay * 2)
-
-    @staticmethod
-    def short() -> None:
-        """The shortest sleep (the kernel's timer slack, ~50 us): a transfer is under way
-        and needs MPI progress soon, but another process may need this core."""
-        time.sleep(1e-6)
-
-
-class WaitEstimate:
-    """How long a recurring wait lasts when it is short: a low quantile, tracked by an
-    asymmetric EWMA that follows shorter waits quickly and longer ones slowly. As a
-    ``(due, grace)`` for :meth:`Backoff.reset`, fine polling starts a little before it.
-    """
-
-    def __init__(self, down: float = 0.5, up: float = 0.05, early: float = 0.8):
-        self.down = down
-        self.up = up
-        self.early = early
-        self.value: Optional[float] = None
-
-    def update(self, seconds: float) -> None:
-        if self.value is None:
-            self.value = seconds
-        else:
-            self.value += (self.down if seconds < self.value else self.up) * (seconds - self.value)
-
-    def window(self, start: float) -> tuple[Optional[float], float]:
-        """(due, grace) for a wait that began at ``start`` (``time.monotonic()``)."""
-        if self.value is None:
-            return None, 0.0
-        return start + self.early * self.value, 2.0 * self.value + 1e-3
-
-
-def new_message(payload_floats: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Allocate one message buffer and its header/payload views.
-
-    Returns:
-        (buf, header, payload): `buf` uint8 of HEADER_BYTES + 4*payload_floats bytes,
-        `header` float64 view of its first HEADER_FIELDS slots, `payload` float32 view of
-        the rest.
-    """
-    buf = np.zeros(HEADER_BYTES + 4 * payload_floats, dtype=np.uint8)
-    return buf, buf[:HEADER_BYTES].view(np.float64), buf[HEADER_BYTES:].view(np.float32)
-
 
 def wait(req: "MPI.Request", backoff: Optional[Backoff] = None, timeout: Optional[float] = None,
          on_poll=None) -> bool:

@@ -1,5 +1,8 @@
 """Exceptions that map to mpilb's exit codes (DESIGN.md: 2 usage/config/data, 1 other)."""
 
+import os
+import traceback
+
 
 class MpilbError(Exception):
     """Base class for errors mpilb reports as one clear line."""
@@ -18,3 +21,10 @@ class DataError(UsageError):
 
     The message names the offending file.
     """
+
+
+def report_exception(exc: BaseException, rank: int) -> str:
+    """One line for an unexpected exception (the traceback with MPILB_DEBUG=1)."""
+    if os.environ.get("MPILB_DEBUG"):
+        traceback.print_exception(type(exc), exc, exc.__traceback__)
+    return f"{type(exc).__name__}: {exc}"

@@ -11,7 +11,7 @@ import json
 import sys
 import time
 
-from .errors import MpilbError, UsageError
+from .errors import MpilbError, UsageError, report_exception
 
 
 def _validate(config_file, cli_values, world_size):
@@ -103,8 +103,6 @@ def train(config_file, cli_values: dict, raise_errors: bool = False, result: dic
     except MpilbError as exc:
         problem = ("error", f"rank {rank}: {exc}")
     except Exception as exc:  # noqa: BLE001 - reported once below
-        from .cli import report_exception
-
         problem = ("error", f"rank {rank}: {report_exception(exc, rank)}")
     if size == 1:
         if problem and raise_errors:
@@ -168,7 +166,6 @@ def _install_signal_handlers() -> None:
 def _fail(exc: BaseException, comm, rank: int, size: int) -> None:
     """End the job after an exception on this rank, with the message shown once."""
     from . import comm as C
-    from .cli import report_exception
 
     if isinstance(exc, KeyboardInterrupt):
         text = "interrupted"

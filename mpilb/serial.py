@@ -14,25 +14,18 @@ from typing import Optional
 
 from . import checkpoint
 from .backend import select_backend
-from .balancer import BalancerConfig, build_balancer
+from .balancer import build_balancer
 from .errors import MpilbError
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
 from .progress import Progress
 from .report import summarize_log
 from .runlog import RunLog
+from .session import balancer_config, format_final
 from .shards import ShardStore
 from .schedules import build_schedule
 from .training import (PREEMPTED, EpochStats, EpochTracker, build_evaluator, build_stop_rule,
                        config_model, config_optimizer, epoch_order)
-
-
-def balancer_config(cfg) -> BalancerConfig:
-    return BalancerConfig(batch=cfg.batch, batch_policy=cfg.batch_policy,
-                          min_batch=cfg.min_batch, max_batch=cfg.max_batch,
-                          sit_out=(bool(cfg.sit_out) and cfg.mode == "sync"
-                                   and cfg.batch_policy == "proportional"),
-                          rebalance_interval=cfg.rebalance_interval)
 
 
 class SerialTrainer:
@@ -245,18 +238,3 @@ def run_serial(trainer: SerialTrainer) -> int:
         summary = trainer.finish(status)
     print(format_final(summary), flush=True)
     return 0
-
-
-def format_final(summary: dict) -> str:
-    acc = summary.get("final_test_accuracy")
-    metric, value = summary.get("metric", "accuracy"), summary.get("final_test_metric")
-    if acc is None and value is not None:
-        acc_txt = f"n/a, test {metric} {value:.4f}"
-    else:
-        acc_txt = "n/a" if acc is None else f"{acc:.4f}"
-    cov = summary["coverage"]
-    return (f"mpilb: {summary['status']}: {summary['epochs_completed']} epoch(s), "
-            f"{summary['samples']} samples in {summary['train_s']:.1f} s "
-            f"({summary['samples_per_s']:.0f} samples/s), test accuracy {acc_txt}, "
-            f"coverage {cov['applied']}/{cov['expected']} "
-            f"(duplicates {cov['duplicates']}, missing {cov['missing']})")

@@ -1,6 +1,6 @@
 """A worker rank: compute gradients on assigned shards and push them to the server.
 
-The loop reads like the protocol (see server.py): push [header | gradient], wait for the
+The loop reads like the protocol (wire.py): push [header | gradient], wait for the
 reply [header | parameters], take the assignments it carries, repeat; with nothing to do,
 wait for the server's next message. With --pipeline 1 the next gradient is computed on the
 parameters at hand while the previous push is in flight.
@@ -22,10 +22,11 @@ import numpy as np
 from . import comm as C
 from .backend import select_backend
 from .batches import GradientStep, ShardFeed
-from .comm import Cmd, Push, PushKind, Reply
 from .inject import Injector, parse_injects
 from .shards import ShardStore, placement
 from .training import PREEMPTED, config_model
+from . import wire
+from .wire import Cmd
 
 
 class StopWorker(Exception):
@@ -46,9 +47,10 @@ class Computed:
 class RemoteRows:
     """Rows of a shard arriving from the rank that holds them (posted at assignment time)."""
 
-    def __init__(self, comm, src: int, tag: int, rows: int, sample_shape, backoff):
+    def __init__(self, comm, src: int, tag: int, rows: int, sample_shape, backoff,
+                 y_dtype="int64", target_shape=()):
         self.x = np.empty((rows, *sample_shape), dtype=np.float32)
-        self.y = np.empty(rows, dtype=np.int64)
+        self.y = np.empty((rows, *target_shape), dtype=y_dtype)   # labels or float targets
         self.reqs = [comm.Irecv(self.x, source=src, tag=tag), comm.Irecv(self.y, source=src, tag=tag + 1)]
         self.backoff = backoff
 
@@ -80,7 +82,9 @@ class Worker:
         self.cuda_aware = cfg.workers_cuda_aware and not self.on_cpu
         # Two push buffers so that with --pipeline 1 one can be in flight while the next
         # gradient is computed into the other.
-        self.push_bufs = [self._message() for _ in range(2 if cfg.pipeline else 1)]
+        # a push carries the gradient, then the model's state (e.g. BatchNorm statistics)
+        self.push_bufs = [self._message(self.n + self.model.num_state)
+                          for _ in range(2 if cfg.pipeline else 1)]
         self.recv_buf = self._message()
         # Where the message payload is already on the compute device (CPU, or CUDA-aware
         # GPU) and nothing reads the parameters while the next reply arrives (no
@@ -104,32 +108,34 @@ class Worker:
         self.preempt_req = None
         self.outgoing: list = []
         self.sample_shape = tuple(dataset.sample_shape)
+        self.y_dtype, self.target_shape = dataset.label_dtype, tuple(dataset.target_shape)
         self.held = None
         if cfg.store == "local":
             ranks = list(range(1, comm.Get_size()))
             self.held = {s for s, hs in placement(len(dataset.shard_sizes), ranks, cfg.replicas).items()
                          if rank in hs}
 
-    def _message(self):
+    def _message(self, floats: Optional[int] = None):
         """(buffer MPI sends/receives, host header, payload on the compute device or host)."""
+        floats = self.n if floats is None else floats
         if self.on_cpu:
-            return C.new_message(self.n)
-        nbytes = C.HEADER_BYTES + 4 * self.n
+            return wire.new_message(floats)
+        nbytes = wire.HEADER_BYTES + 4 * floats
         if self.cuda_aware:
             buf = self.backend.xp.zeros(nbytes, dtype=np.uint8)
-            return buf, np.zeros(C.HEADER_FIELDS, np.float64), buf[C.HEADER_BYTES:].view(np.float32)
+            return buf, wire.new_header(), buf[wire.HEADER_BYTES:].view(np.float32)
         buf = self.backend.empty_host(nbytes)
         buf[:] = 0
-        return buf, buf[:C.HEADER_BYTES].view(np.float64), buf[C.HEADER_BYTES:].view(np.float32)
+        return buf, wire.header_view(buf), buf[wire.HEADER_BYTES:].view(np.float32)
 
     def _header_to_buffer(self, msg) -> None:
         if self.cuda_aware:
-            msg[0][:C.HEADER_BYTES].set(msg[1].view(np.uint8))
+            msg[0][:wire.HEADER_BYTES].set(msg[1].view(np.uint8))
             self.backend.synchronize()
 
     def _header_from_buffer(self, msg) -> None:
         if self.cuda_aware:
-            msg[1][:] = msg[0][:C.HEADER_BYTES].get().view(np.float64)
+            msg[1][:] = msg[0][:wire.HEADER_BYTES].get().view(np.float64)
 
     # ---------------------------------------------------------------- messages
     def _wait_reply(self, counts_as_idle: bool) -> None:
@@ -138,14 +144,15 @@ class Worker:
         due, grace = (None, 0.0) if counts_as_idle else self.reply_wait.window(time.monotonic())
         hdr = self.recv_buf[1]
         while True:
-            C.recv_when_ready(self.comm, self.recv_buf[0], 0, C.TAG_REPLY, self.backoff,
+            C.recv_when_ready(self.comm, self.recv_buf[0], 0, wire.TAG_REPLY, self.backoff,
                               on_poll=self._check_fault, due=due, grace=grace)
             self._header_from_buffer(self.recv_buf)
-            if int(hdr[Reply.CMD]) != Cmd.ORDERS:
+            if wire.command(hdr) != Cmd.ORDERS:
                 break
-            self._serve_orders(hdr)   # rows another rank needs; the reply is still to come
+            self._serve_orders(wire.decode_orders(hdr))   # rows another rank needs; the reply is still to come
+        reply = wire.decode_reply(hdr)
         waited = time.perf_counter() - t0
-        held = float(hdr[Reply.HELD_S])
+        held = reply.held_s
         if counts_as_idle:
             self.idle_s += waited
         else:
@@ -154,27 +161,25 @@ class Worker:
             self.reply_wait.update(held)
             self.idle_s += min(held, waited)
             self.comm_s += max(0.0, waited - held)
-        if int(hdr[Reply.CMD]) == Cmd.STOP:
+        if reply.cmd == Cmd.STOP:
             raise StopWorker
-        self.version = int(hdr[Reply.VERSION])
-        self.batch = max(1, int(hdr[Reply.BATCH]))
-        self.retry = bool(hdr[Reply.RETRY])
-        if hdr[Reply.DROP]:
+        self.version = reply.version
+        self.batch = max(1, reply.batch)
+        self.retry = reply.retry
+        if reply.drop:
             self.feed.drop()
-        n = C.TASK_FIELDS
-        for i in range(int(hdr[Reply.N_ASSIGN])):
-            epoch, shard, start, end, src, tag = (int(v) for v in hdr[Reply.ASSIGN + n * i: Reply.ASSIGN + n * (i + 1)])
+        for epoch, shard, start, end, src, tag in reply.assigns:
             remote = None
             if src >= 0:
-                remote = RemoteRows(self.comm, src, tag, end - start, self.sample_shape, self.backoff)
+                remote = RemoteRows(self.comm, src, tag, end - start, self.sample_shape, self.backoff,
+                                    self.y_dtype, self.target_shape)
             elif self.held is not None and shard not in self.held:
                 raise RuntimeError(f"shard {shard} assigned for a local read, but this rank holds no copy")
             self.feed.assign(epoch, shard, start, end, remote)
-        if hdr[Reply.TRUNC_END] > 0 or hdr[Reply.TRUNC_SHARD] > 0:
+        if reply.cut is not None:
             # after the assignments: a cut may concern a task handed out in this very reply
-            self.feed.truncate(int(hdr[Reply.TRUNC_EPOCH]), int(hdr[Reply.TRUNC_SHARD]),
-                               int(hdr[Reply.TRUNC_END]))
-        self._serve_orders(hdr)
+            self.feed.truncate(*reply.cut)
+        self._serve_orders(reply.orders)
         payload = self.recv_buf[2]
         if self.params is not payload:
             if self.device_payload:
@@ -186,41 +191,26 @@ class Worker:
         buf, hdr, _ = msg
         batch = done.batch
         io_total = self.feed.io_s
-        hdr[:] = 0
-        hdr[Push.KIND] = PushKind.GRAD
-        hdr[Push.STEP] = self.step
-        hdr[Push.VERSION] = done.version
-        hdr[Push.EPOCH] = batch.epoch
-        hdr[Push.SHARD] = batch.shard
-        hdr[Push.LO] = batch.lo
-        hdr[Push.HI] = batch.hi
-        hdr[Push.BATCH] = batch.size
-        hdr[Push.LOSS] = done.loss
-        hdr[Push.COMPUTE_S] = done.compute_s
-        hdr[Push.IO_S] = io_total - self.io_reported
-        hdr[Push.COMM_S] = self.comm_s
-        hdr[Push.IDLE_S] = self.idle_s
-        hdr[Push.NONFINITE] = 1 if done.nonfinite else 0
-        hdr[Push.NEXT_SHARD] = -1
-        if next_range is not None:
-            hdr[Push.NEXT_EPOCH], hdr[Push.NEXT_SHARD], hdr[Push.NEXT_LO], hdr[Push.NEXT_HI] = next_range
-        hdr[Push.T] = time.monotonic() - self.t0
+        wire.encode_push(hdr, step=self.step, version=done.version, epoch=batch.epoch,
+                         shard=batch.shard, lo=batch.lo, hi=batch.hi, batch=batch.size,
+                         loss=done.loss, compute_s=done.compute_s,
+                         io_s=io_total - self.io_reported, comm_s=self.comm_s,
+                         idle_s=self.idle_s, nonfinite=done.nonfinite,
+                         t=time.monotonic() - self.t0, next_range=next_range)
         self.io_reported = io_total
         self.comm_s = self.idle_s = 0.0
         t0 = time.perf_counter()
         if self.push_req is not None:
             C.complete(self.push_req)
         self._header_to_buffer(msg)
-        self.push_req = self.comm.Isend(buf, dest=0, tag=C.TAG_PUSH)
+        self.push_req = self.comm.Isend(buf, dest=0, tag=wire.TAG_PUSH)
         self.step += 1
         if not self.cfg.pipeline:
             C.complete(self.push_req)   # the server has a receive posted: this is quick
         self.comm_s += time.perf_counter() - t0   # reported with the next push
 
-    def _serve_orders(self, hdr) -> None:
-        n = C.TASK_FIELDS
-        for i in range(int(hdr[Reply.N_ORDER])):
-            epoch, shard, start, end, dst, tag = (int(v) for v in hdr[Reply.ORDER + n * i: Reply.ORDER + n * (i + 1)])
+    def _serve_orders(self, orders) -> None:
+        for epoch, shard, start, end, dst, tag in orders:
             self._send_rows(epoch, shard, start, end, dst, tag)
 
     def _send_rows(self, epoch, shard, start, end, dst, tag) -> None:
@@ -248,7 +238,7 @@ class Worker:
     def _compute(self, batch, msg) -> Computed:
         """Gradient of `batch` into the payload of `msg` (staged through the host on a GPU)."""
         self._check_fault()
-        out = msg[2] if self.device_payload else None
+        out = msg[2][:self.n] if self.device_payload else None
         loss, grad, compute_s = self.step_fn(self.params, batch, out=out)
         # Push the mean gradient: the division and the finiteness check happen here, in
         # parallel on every worker, instead of on the server's hot path.
@@ -256,7 +246,10 @@ class Worker:
         xp = self.backend.xp
         nonfinite = not np.isfinite(loss) or not bool(xp.isfinite(grad).all())
         if not self.device_payload:
-            self.backend.to_host(grad, out=msg[2])   # stage through pinned host memory
+            self.backend.to_host(grad, out=msg[2][:self.n])   # stage through pinned host memory
+        if self.model.num_state:
+            state = self.model.get_state()   # host floats; the payload is host or device
+            msg[2][self.n:] = state if isinstance(msg[2], np.ndarray) else self.backend.asarray(state)
         self.backend.synchronize()   # MPI must not touch device memory still being written
         return Computed(batch, loss, compute_s, nonfinite, self.version)
 

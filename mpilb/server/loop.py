@@ -1,0 +1,372 @@
+"""The parameter server on rank 0: the protocol of DESIGN.md, one push at a time.
+
+Per worker w (messages in wire.py):
+  w -> server  PUSH    [header | gradient] the positions [lo, hi) of a shard it covered, timings
+  server -> w  REPLY   [header | params]   tasks, rows to send to others, a cut, batch size,
+                                           version
+  server -> w  ORDERS  [header]            rows to send, for a worker waiting on a reply
+A push is decoded, handed to the update rule (modes.py: apply now, or join a sync round),
+counted in the task ledger (tasks.py), and answered: at once, or held until the rule lets it
+go (ssp bound, sync round). A worker with nothing left in the epoch idles until the server
+sends it new tasks; STOP ends it. Between pushes the chores (chores.py) watch for errors,
+lost workers and timers: rebalancing, evaluation, checkpoints, the stop rules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+from .. import comm as C
+from .. import wire
+from ..corrections import build_correction
+from ..session import Session, format_final
+from ..shards import placement
+from ..training import EpochStats
+from ..wire import Cmd
+from .chores import Chores, WorkerFailed
+from .epochs import Epochs
+from .modes import ParamStore, Update, build_rule
+from .outbox import Outbox
+from .peers import Link, Peer
+from .sitout import SitOut
+from .tasks import TaskLedger
+
+
+class ParameterServer(Epochs, Chores):
+    """Rank 0 of a multi-rank run."""
+
+    def __init__(self, cfg, dataset, comm, run_attrs: dict):
+        self.cfg = cfg
+        self.dataset = dataset
+        self.comm = comm
+        self.size = comm.Get_size()
+        self.ranks = list(range(1, self.size))
+        holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.replicas)
+                   if cfg.store == "local" else None)
+        self.session = s = Session(cfg, dataset, run_attrs, self.ranks, holders)
+        self.model, self.optimizer, self.balancer = s.model, s.optimizer, s.balancer
+        self.tracker, self.evaluator, self.stop = s.tracker, s.evaluator, s.stop
+        self.resumed, self.log, self.progress = s.resumed, s.log, s.progress
+        self.n = self.model.num_params
+        self.store = ParamStore(s.params, s.optimizer, build_correction(cfg.correction, cfg.dc_lambda),
+                                cfg.batch, schedule=lambda version: s.schedule(version, self.now()))
+        self.ledger = TaskLedger(self.balancer, dataset.shard_sizes, self.ranks, holders=holders,
+                                 row_nbytes=dataset.row_nbytes if holders is not None else 0,
+                                 pipeline=bool(cfg.pipeline),
+                                 split=cfg.balancer not in ("static", "round-robin"))
+        self.ledger.epoch = self.resumed.epoch if self.resumed else 0
+        sitout = (SitOut(self.balancer, self.ledger, cfg.batch, cfg.min_batch, cfg.max_batch,
+                         cfg.rebalance_interval) if self.balancer.config.sit_out else None)
+        self.rule = build_rule(cfg.mode, self.store, lambda r: self.ledger.of[r].owed,
+                               cfg.staleness_bound, sitout)
+        # a push carries the gradient, then the model's state (e.g. BatchNorm statistics)
+        self.peers = {r: Peer(rank=r, batch=cfg.batch, link=Link.allocate(
+                          self.n, bool(cfg.pipeline), push_floats=self.n + self.model.num_state))
+                      for r in self.ranks}
+        self.outbox = Outbox(comm, self.ledger)
+        self.lost: list[int] = []
+        self.rejected = 0
+        self.sized_early = False
+        self.preempted = False
+        self.backoff = C.Backoff()
+
+    # ----------------------------------------------------------------- state
+    @property
+    def params(self):
+        return self.store.params
+
+    @property
+    def version(self) -> int:
+        return self.store.version
+
+    @property
+    def epoch(self) -> int:
+        return self.ledger.epoch
+
+    @property
+    def accuracy(self) -> Optional[float]:
+        return self.session.accuracy
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def present(self) -> list[Peer]:
+        """Workers still in the run (active or benched; not stopped, not lost)."""
+        return [p for p in self.peers.values() if p.present]
+
+    # ----------------------------------------------------------------- messages
+    def _post_recv(self, w: Peer) -> None:
+        w.link.recv_req = self.comm.Irecv(w.link.recv[0], source=w.rank, tag=wire.TAG_PUSH)
+
+    def _reply(self, w: Peer, cmd: Cmd = Cmd.PARAMS, held_s: float = 0.0) -> None:
+        """Send w the current parameters (or STOP) with its assignments and batch size."""
+        w.last_seen = time.monotonic()   # its silence counts from now (--worker-timeout)
+        w.awaiting = cmd != Cmd.STOP and not w.idle
+        self.outbox.reply(w, self.params, self.version, cmd, held_s)
+        if cmd == Cmd.STOP:
+            w.stop()
+        elif w.idle and self.ledger.has_orders(w.rank):
+            self.outbox.orders(w)
+
+    def _send_orders_to_waiting(self) -> None:
+        """Workers given send orders that wait for a message must be told now."""
+        for r in self.ledger.take_ordered():
+            w = self.peers[r]
+            if w.waits_for_message and self.ledger.has_orders(r):
+                self.outbox.orders(w)
+
+    # ----------------------------------------------------------------- pushes
+    def _on_push(self, w: Peer) -> None:
+        _, hdr, payload = w.link.recv
+        grad = payload[:self.n]
+        push = wire.decode_push(hdr)
+        w.last_push = push
+        now = self.now()
+        mono = time.monotonic()
+        w.last_gap = None
+        if w.awaiting:
+            w.last_gap = mono - w.last_seen
+            # The gap seen here includes how late this loop noticed the push; the worker's
+            # own busy time does not (waking later for having woken late would feed on itself).
+            w.push_gap.update(min(w.last_gap, push.compute_s + push.io_s))
+            w.awaiting = False
+        w.last_seen = mono
+        if w.lost:
+            return
+        busy = push.compute_s + push.io_s
+        w.compute_s += push.compute_s
+        w.io_s += push.io_s
+        w.comm_s += push.comm_s
+        w.idle_s += push.idle_s
+        w.epoch_busy += busy + push.comm_s
+        if self.stop.reason:
+            self._reply(w, Cmd.STOP)
+            return
+        if push.nonfinite:
+            self._reject(w, push)
+            return
+        w.retried = False
+        # Without pipelining, reply -> push is what the step cost whoever waits for it.
+        step_s = None if self.cfg.pipeline or w.last_gap is None else w.last_gap
+        self.balancer.observe(w.rank, now, push.hi - push.lo, busy, comm_s=push.comm_s, step_s=step_s)
+        self.ledger.note_next(w.rank, push.next_shard, push.next_hi)
+        w.samples += push.hi - push.lo
+        w.step += 1
+        if not self.ledger.matches(w.rank, push.epoch, push.shard):
+            # a batch from a shard this worker no longer holds (e.g. reassigned): drop it
+            self.tracker.stray += push.hi - push.lo
+            self._reply(w)
+            return
+        update = Update(w.rank, push.epoch, push.shard, push.lo, push.hi, push.batch, push.loss,
+                        self.version - push.version)
+        then = w.link.params_then(push.version) if self.rule.needs_old_params else None
+        if self.model.num_state:   # the server keeps the latest state pushed
+            self.model.set_state(payload[self.n:])
+        applied = self.rule.push(w, update, grad, then)
+        if applied is None:   # it joined a round that is not complete yet
+            w.hold(time.monotonic())
+            if self.ledger.has_orders(w.rank):   # rows others wait for must not wait for the round
+                self.outbox.orders(w)
+            self._advance(w, push.hi)
+            if self.rule.round_complete(self.present()):
+                self._close_round()
+            return
+        self._record(*applied, now)
+        self._advance(w, push.hi)
+        if self.tracker.complete:
+            self._end_epoch()
+        self._respond(w)
+
+    def _reject(self, w: Peer, push: wire.PushMsg) -> None:
+        """Workers send the mean gradient and check it is finite themselves (in parallel,
+        off the server's hot path); a non-finite one is recomputed once, then fatal."""
+        self.rejected += 1
+        where = f"shard {push.shard} [{push.lo}, {push.hi})"
+        print(f"mpilb: warning: rank {w.rank}: non-finite gradient for {where} rejected"
+              + ("" if w.retried else "; retrying the batch"), file=sys.stderr, flush=True)
+        if w.retried:  # the retry failed too: give up on this run
+            raise RuntimeError(f"rank {w.rank}: non-finite gradient for {where} twice "
+                               f"(also after a retry); lower --lr?")
+        w.retry = w.retried = True
+        self._reply(w)
+
+    def _record(self, updates: list[Update], lr_scale: float, t: float) -> None:
+        for u in updates:
+            self.tracker.record(u.epoch, u.shard, u.lo, u.hi)
+            self.log.append("updates", t=t, worker=u.rank, version=self.version, staleness=u.staleness,
+                            batch=u.batch, loss=u.loss / max(1, u.batch), lr_scale=lr_scale,
+                            epoch=u.epoch, shard=u.shard)
+
+    def _advance(self, w: Peer, hi: int) -> None:
+        if self.ledger.advance(w.rank, hi):
+            w.epoch_finish = self.now()
+        self._log_shards()
+
+    def _respond(self, w: Peer) -> None:
+        """Reply to w's push now, or hold it (ssp) until the slowest worker catches up."""
+        if w.stopped:
+            return
+        if self.stop.reason:
+            self._reply(w, Cmd.STOP)
+            return
+        self._top_up(w)
+        if self.rule.holds(w, self.present()):
+            w.hold(time.monotonic())
+            if self.ledger.has_orders(w.rank):   # rows others wait for must not wait
+                self.outbox.orders(w)
+            return
+        self._send_reply(w)
+
+    def _send_reply(self, w: Peer) -> None:
+        held_s = w.release(time.monotonic())
+        if not self.ledger.of[w.rank].owed:
+            w.go_idle()
+        self._reply(w, held_s=held_s)
+        self._release_held()
+
+    def _release_held(self) -> None:
+        for o in self.rule.releasable(self.present()):
+            self._send_reply(o)
+
+    def _close_round(self) -> None:
+        """Apply a complete sync round and release its members."""
+        updates, lr_scale, ranks = self.rule.close_round()
+        self._record(updates, lr_scale, self.now())
+        members = [self.peers[r] for r in ranks]
+        if self.rule.sitout is not None:
+            self.rule.sitout.note_lags(members)
+            self.rule.sitout.after_round(members, self.present(), time.monotonic())
+            self._log_shards()
+        if self.tracker.complete:
+            self._end_epoch()
+        for w in members:
+            if w.held and not w.stopped:
+                if self.stop.reason:
+                    self._reply(w, Cmd.STOP)
+                else:
+                    self._top_up(w)
+                    self._send_reply(w)
+
+    # ----------------------------------------------------------------- stop
+    def _begin_stop(self) -> None:
+        if not self.stop.reason:
+            self.stop.reason = "stopped"
+        for w in self.present():
+            if w.idle or w.held:
+                self._reply(w, Cmd.STOP)
+
+    def _all_stopped(self) -> bool:
+        return all(w.stopped or w.lost for w in self.peers.values())
+
+    # ----------------------------------------------------------------- main loop
+    def _start(self) -> None:
+        self.t0 = time.monotonic() - (self.resumed.train_s if self.resumed else 0.0)
+        self.cpu0 = time.process_time()
+        self.last_checkpoint = time.monotonic()
+        self.last_eval = self.last_rebalance = self.t0
+        for w in self.peers.values():
+            w.last_seen = self.t0
+            self._post_recv(w)
+            w.go_idle()
+        if self.resumed is None:
+            self._begin_epoch(0)
+            return
+        ck = self.resumed
+        self.store.version = ck.version
+        self.tracker.completed = [EpochStats(**e) for e in ck.completed]
+        if ck.epoch >= self.cfg.epochs or self.stop.check(ck.epoch, self.now(), None):
+            self.stop.reason = self.stop.reason or "epochs"
+            self._begin_stop()
+        else:
+            self._begin_epoch(ck.epoch, ck.counts)
+
+    def run(self) -> str:
+        """Serve until training ends. Returns the final status."""
+        self._start()
+        order = list(self.peers.values())
+        reqs = [w.link.recv_req for w in order]
+        next_chores = 0.0
+        while not (self.stop.reason and self._all_stopped()):
+            done = C.Request.Testsome(reqs)
+            if done:
+                for i in done:
+                    w = order[i]
+                    self._on_push(w)
+                    if not (w.stopped or w.lost):
+                        self._post_recv(w)
+                        reqs[i] = w.link.recv_req
+                self.backoff.reset(*self._next_push_due())
+            elif self.outbox.in_flight():
+                # While replies are still being transferred keep MPI progressing (yield the
+                # core, don't sleep); when nothing is under way, back off.
+                self.backoff.short()
+            else:
+                self.backoff.sleep()
+            mono = time.monotonic()
+            if mono >= next_chores:   # a few hundred times a second, not at every poll
+                next_chores = mono + self.CHORES_S
+                self._chores()
+        self.train_s = self.now()
+        self._log_worker_rows()
+        C.drain(self.comm)
+        for i, w in enumerate(order):
+            if w.link.reply_req is not None and not w.lost:
+                C.wait(w.link.reply_req, timeout=5.0)
+            if reqs[i] is not None and not reqs[i].Test():
+                reqs[i].Cancel()   # the receive preposted for a push that never came
+                C.wait(reqs[i], timeout=1.0)
+        if self.preempted:
+            return "preempted"
+        if self.cfg.checkpoint:
+            self._checkpoint()
+        return "degraded" if self.lost else "finished"
+
+    def abandon(self) -> None:
+        """Set-up failed elsewhere: close the run log as failed."""
+        self.log.close("failed")
+
+    def finish(self, status: str) -> dict:
+        attrs = {
+            "train_s": getattr(self, "train_s", self.now()),
+            "wall_s": self.now(),
+            "server_cpu_s": time.process_time() - self.cpu0,
+            "coverage": json.dumps(self.tracker.coverage()),
+            "lost_workers": json.dumps(self.lost),
+            "stop_reason": self.stop.reason,
+            "rejected_gradients": self.rejected,
+            "eval_s": self.evaluator.seconds,
+            "stray_samples": self.tracker.stray,
+        }
+        return self.session.close(status, attrs)
+
+
+def serve(server: ParameterServer) -> int:
+    """Run the server; returns the exit code (0 finished, 3 degraded)."""
+    try:
+        status = server.run()
+    except WorkerFailed as exc:
+        server.train_s = server.now()
+        try:
+            server.finish("failed")
+        finally:
+            print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
+            C.abort(1)
+            os._exit(1)
+    except BaseException:
+        try:
+            server.finish("failed")
+        except Exception:  # noqa: BLE001 - the original error matters more
+            pass
+        raise
+    summary = server.finish(status)
+    print(format_final(summary), flush=True)
+    if server.lost:
+        # A lost (hung) rank never exits by itself and would keep the job alive.
+        sys.stdout.flush()
+        C.abort(3)
+        os._exit(3)
+    return 0

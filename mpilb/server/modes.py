@@ -1,0 +1,204 @@
+"""Update rules (--mode): how a pushed gradient reaches the parameters, and when a reply waits.
+
+A rule owns a :class:`ParamStore` (a flat float32 vector, or a slice of one, with its
+optimizer, staleness correction and version) and decides, per push, whether the gradient is
+applied now (async, ssp) or joins a round (sync), and whether the worker's reply goes out now
+or is held (ssp: a worker more than --staleness-bound steps ahead of the slowest waits; sync:
+every member waits for the round). Rules are pure: peers are any objects with the
+:class:`~mpilb.server.peers.Peer` attributes they read, so unit tests drive them without MPI.
+
+    @register("ssp")
+    class StaleSynchronous(UpdateRule): ...
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, NamedTuple, Optional
+
+import numpy as np
+
+from ..errors import UsageError
+
+RULES: dict[str, type] = {}
+
+
+def register(name: str):
+    """Class decorator: make an :class:`UpdateRule` available as ``--mode name``."""
+    def deco(cls):
+        cls.name = name
+        RULES[name] = cls
+        return cls
+    return deco
+
+
+class Update(NamedTuple):
+    """One worker's gradient as applied: a row of the run log's `updates/`."""
+
+    rank: int
+    epoch: int
+    shard: int
+    lo: int
+    hi: int
+    batch: int
+    loss: float       # summed over the batch
+    staleness: int
+
+
+class ParamStore:
+    """A flat parameter vector (or a contiguous slice of one), its optimizer and version.
+
+    Args:
+        params: float32 vector, updated in place.
+        optimizer: an mpilb optimizer over `params`.
+        correction: a staleness correction (corrections.py).
+        nominal_batch: --batch; a gradient of batch b moves the parameters b/--batch as far
+            (the same learning rate per sample as serial runs: linear scaling rule).
+        schedule: version -> factor on the learning rate (--lr-schedule, --warmup), or None.
+    """
+
+    def __init__(self, params: np.ndarray, optimizer, correction, nominal_batch: int,
+                 schedule: Optional[Callable[[int], float]] = None):
+        self.params = params
+        self.optimizer = optimizer
+        self.correction = correction
+        self.nominal_batch = nominal_batch
+        self.schedule = schedule
+        self.version = 0
+
+    def apply(self, grad: np.ndarray, batch: int, staleness: int,
+              then: Optional[np.ndarray] = None) -> float:
+        """Apply one mean gradient; returns its learning-rate scale."""
+        lr_scale = batch / self.nominal_batch * self._scheduled()
+        lr_scale *= self.correction.apply(grad, staleness, self.params, then)
+        self.optimizer.step(self.params, grad, lr_scale)
+        self.version += 1
+        return lr_scale
+
+    def apply_sum(self, grad_sum: np.ndarray, batch: int) -> float:
+        """Apply a sum of gradients over `batch` samples as one mean (a sync round)."""
+        grad_sum /= max(1, batch)
+        lr_scale = batch / self.nominal_batch * self._scheduled()
+        self.optimizer.step(self.params, grad_sum, lr_scale)
+        self.version += 1
+        return lr_scale
+
+    def _scheduled(self) -> float:
+        return 1.0 if self.schedule is None else self.schedule(self.version)
+
+
+class UpdateRule:
+    """Base: apply each gradient on arrival and reply at once (async).
+
+    Args:
+        store: the parameters.
+        has_work: rank -> True while the worker holds tasks or is owed some.
+        staleness_bound: --staleness-bound (ssp).
+        sitout: the sync rule's sit-out policy (sitout.py), None elsewhere.
+    """
+
+    name = ""
+    needs_old_params = False
+
+    def __init__(self, store: ParamStore, has_work: Callable[[int], bool], staleness_bound: int = 0,
+                 sitout=None):
+        self.store = store
+        self.has_work = has_work
+        self.staleness_bound = staleness_bound
+        self.sitout = None
+        self.needs_old_params = store.correction.needs_old_params
+
+    def push(self, peer, update: Update, grad: np.ndarray,
+             then: Optional[np.ndarray] = None) -> Optional[tuple[list[Update], float]]:
+        """Take a worker's mean gradient. Returns ([updates applied], lr_scale), or None
+        when it joined a round that is not complete yet (the reply waits)."""
+        lr_scale = self.store.apply(grad, update.batch, update.staleness, then)
+        return [update], lr_scale
+
+    def holds(self, peer, peers: Iterable) -> bool:
+        """After its gradient was applied: must `peer`'s reply wait?"""
+        return False
+
+    def releasable(self, peers: Iterable) -> Iterable:
+        """Held peers whose replies may go now (after another reply went, or a loss), each
+        judged when it is reached."""
+        return ()
+
+    def round_complete(self, peers: Iterable) -> bool:
+        return False
+
+    def close_round(self) -> tuple[list[Update], float, list[int]]:
+        raise NotImplementedError
+
+
+@register("async")
+class Asynchronous(UpdateRule):
+    """Apply each gradient on arrival; never hold a reply."""
+
+
+@register("ssp")
+class StaleSynchronous(UpdateRule):
+    """Apply on arrival, but a worker more than --staleness-bound steps ahead of the slowest
+    busy worker waits until it catches up."""
+
+    def too_far_ahead(self, peer, peers: Iterable) -> bool:
+        others = [o.step for o in peers if o is not peer and not o.idle and self.has_work(o.rank)]
+        return bool(others) and peer.step - min(others) > self.staleness_bound
+
+    def holds(self, peer, peers) -> bool:
+        return self.too_far_ahead(peer, list(peers))
+
+    def releasable(self, peers):
+        # lazily: each reply sent may let the next one go (or have released it already)
+        peers = list(peers)
+        for o in peers:
+            if o.held and not self.too_far_ahead(o, peers):
+                yield o
+
+
+@register("sync")
+class Synchronous(UpdateRule):
+    """Rounds: wait for every busy worker, combine the gradients weighted by batch size,
+    apply once. Workers too slow for the rounds may sit them out (sitout.py)."""
+
+    def __init__(self, store, has_work, staleness_bound=0, sitout=None):
+        super().__init__(store, has_work, staleness_bound)
+        self.sitout = sitout
+        self.grad = np.zeros_like(store.params)
+        self.batch = 0
+        self.members: list[int] = []
+        self.updates: list[Update] = []
+
+    def push(self, peer, update, grad, then=None):
+        np.multiply(grad, update.batch, out=grad)      # back to the sum: rounds weight by batch
+        self.grad += grad
+        self.batch += update.batch
+        self.members.append(peer.rank)
+        self.updates.append(update)
+        return None
+
+    def holds(self, peer, peers) -> bool:
+        return False   # a member's reply waits for the round, not for the others' steps
+
+    def round_complete(self, peers) -> bool:
+        """Every busy worker still in the run has pushed (a lost one no longer counts)."""
+        if not self.members:
+            return False
+        expected = {p.rank for p in peers if not p.idle}
+        return expected <= set(self.members)
+
+    def close_round(self) -> tuple[list[Update], float, list[int]]:
+        """Apply the round. Returns (its updates, lr_scale, member ranks)."""
+        lr_scale = self.store.apply_sum(self.grad, self.batch)
+        updates, members = self.updates, self.members
+        self.grad[:] = 0
+        self.batch = 0
+        self.members, self.updates = [], []
+        return updates, lr_scale, members
+
+
+def build_rule(mode: str, store: ParamStore, has_work: Callable[[int], bool],
+               staleness_bound: int = 0, sitout=None) -> UpdateRule:
+    """The update rule registered as `mode`."""
+    if mode not in RULES:
+        raise UsageError(f"--mode {mode!r}: choose one of {', '.join(sorted(RULES))}")
+    return RULES[mode](store, has_work, staleness_bound, sitout)

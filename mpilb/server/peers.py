@@ -1,0 +1,185 @@
+"""The server's view of each worker: its link (buffers, requests) and an explicit state.
+
+A worker's state has two parts, changed only by the named methods below:
+
+- waiting: COMPUTING (it has work and parameters; a push is to come), IDLE (told it has
+  nothing to do; it waits for a message), HELD (it pushed; the reply is held by ssp or sync);
+- membership: ACTIVE, BENCHED (sits sync rounds out), STOPPED (told to stop), LOST (silent
+  past --worker-timeout).
+
+    IDLE --wake--> COMPUTING --hold--> HELD --release--> COMPUTING --go_idle--> IDLE
+    ACTIVE --bench--> BENCHED --unbench--> ACTIVE;  any --stop--> STOPPED;  any --lose--> LOST
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional
+
+from .. import wire
+from ..waiting import WaitEstimate
+
+
+class Waiting(Enum):
+    COMPUTING = "computing"
+    IDLE = "idle"
+    HELD = "held"
+
+
+class Membership(Enum):
+    ACTIVE = "active"
+    BENCHED = "benched"
+    STOPPED = "stopped"
+    LOST = "lost"
+
+
+@dataclass
+class Link:
+    """Message buffers and outstanding requests of one worker (MPI requests are opaque here)."""
+
+    recv: tuple                 # (buf, header, payload) of the next push
+    replies: list               # [[buf, header, payload, version]] x1, x2 pipelined
+    orders_msg: tuple           # header-only buffer for Cmd.ORDERS
+    reply_index: int = 0
+    reply_req: Optional[object] = None
+    recv_req: Optional[object] = None
+    orders_req: Optional[object] = None
+
+    @classmethod
+    def allocate(cls, n: int, pipelined: bool, push_floats: Optional[int] = None) -> "Link":
+        # pipelined workers compute on the previous reply while the next is sent: two slots;
+        # a push may carry more than the n parameters' gradient (the model's state after it)
+        return cls(recv=wire.new_message(n if push_floats is None else push_floats),
+                   replies=[list(wire.new_message(n)) + [-1] for _ in range(2 if pipelined else 1)],
+                   orders_msg=wire.new_message(0))
+
+    def next_reply_slot(self) -> list:
+        slot = self.replies[self.reply_index]
+        self.reply_index = (self.reply_index + 1) % len(self.replies)
+        return slot
+
+    def params_then(self, version: int):
+        """The parameters of `version` as last sent to this worker, if still in a slot."""
+        for slot in self.replies:
+            if slot[3] == version:
+                return slot[2]
+        return None
+
+
+@dataclass
+class Peer:
+    """One worker as rank 0 sees it."""
+
+    rank: int
+    link: Optional[Link] = None
+    batch: int = 0
+    waiting: Waiting = Waiting.IDLE
+    membership: Membership = Membership.ACTIVE
+    held_since: float = 0.0
+    benched_at: float = 0.0
+    probing: int = 0         # back from the bench for a try: pushes left until the verdict
+    lags: list = field(default_factory=list)   # its step minus the others' longest, per round
+    drop: bool = False       # the next reply tells it to forget its tasks
+    retry: bool = False      # ask the worker to recompute its last batch
+    retried: bool = False    # that batch was already retried once
+    step: int = 0
+    last_seen: float = 0.0
+    awaiting: bool = False   # sent work and parameters, its next push is to come
+    push_gap: WaitEstimate = field(default_factory=WaitEstimate)   # reply -> next push
+    last_gap: Optional[float] = None   # reply -> push of its last push (its step's cost)
+    last_push: Optional[wire.PushMsg] = None
+    # accumulators for the workers/ log (since the last row)
+    samples: int = 0
+    compute_s: float = 0.0
+    io_s: float = 0.0
+    comm_s: float = 0.0
+    idle_s: float = 0.0
+    # per epoch
+    epoch_busy: float = 0.0
+    epoch_finish: Optional[float] = None
+
+    # ----------------------------------------------------------------- reading
+    @property
+    def idle(self) -> bool:
+        return self.waiting is Waiting.IDLE
+
+    @property
+    def held(self) -> bool:
+        return self.waiting is Waiting.HELD
+
+    @property
+    def waits_for_message(self) -> bool:
+        """Idle or held: it reads only what the server sends (orders must go out now)."""
+        return self.waiting is not Waiting.COMPUTING
+
+    @property
+    def benched(self) -> bool:
+        return self.membership is Membership.BENCHED
+
+    @property
+    def stopped(self) -> bool:
+        return self.membership is Membership.STOPPED
+
+    @property
+    def lost(self) -> bool:
+        return self.membership is Membership.LOST
+
+    @property
+    def present(self) -> bool:
+        """Still in the run (active or benched): not stopped, not lost."""
+        return self.membership in (Membership.ACTIVE, Membership.BENCHED)
+
+    # ----------------------------------------------------------------- waiting
+    def wake(self) -> None:
+        """An idle worker was sent work."""
+        self.waiting = Waiting.COMPUTING
+
+    def hold(self, now: float) -> None:
+        """Its push was taken; the reply waits (ssp bound, sync round)."""
+        self.waiting = Waiting.HELD
+        self.held_since = now
+
+    def release(self, now: float) -> float:
+        """Its reply goes out now. Returns the seconds it was held (0 if it was not)."""
+        held_s = now - self.held_since if self.held else 0.0
+        self.waiting = Waiting.COMPUTING
+        return held_s
+
+    def go_idle(self) -> None:
+        """Told it has nothing to do: it waits for the server's next message."""
+        self.waiting = Waiting.IDLE
+
+    # ----------------------------------------------------------------- membership
+    def bench(self, now: float) -> None:
+        """Sits sync rounds out; its next reply tells it to drop its tasks."""
+        self.membership = Membership.BENCHED
+        self.probing = 0
+        self.benched_at = now
+        self.batch = 0
+        self.drop = True
+
+    def unbench(self, probe_batch: int) -> None:
+        """Back for a try: two probing steps at `probe_batch` decide (see sitout.py)."""
+        self.membership = Membership.ACTIVE
+        self.probing = 2   # two steps: the first after a long idle wait runs cold
+        self.batch = probe_batch
+
+    def stop(self) -> None:
+        self.membership = Membership.STOPPED
+
+    def lose(self) -> None:
+        self.membership = Membership.LOST
+
+    # ----------------------------------------------------------------- accounting
+    def take_row(self) -> dict:
+        """Its `workers/` counters since the last row (and reset them)."""
+        row = dict(samples=self.samples, compute_s=self.compute_s, io_s=self.io_s,
+                   comm_s=self.comm_s, idle_s=self.idle_s)
+        self.samples, self.compute_s, self.io_s, self.comm_s, self.idle_s = 0, 0.0, 0.0, 0.0, 0.0
+        return row
+
+
+def present(peers) -> list[Peer]:
+    """The workers still in the run (the old `active()`)."""
+    return [p for p in peers if p.present]

@@ -1,0 +1,99 @@
+"""What a training run holds whoever drives it: the serial trainer and the parameter server.
+
+The model, its optimizer, the balancer, the epoch tracker, the evaluator, the stop rule, the
+checkpoint it resumes from, the run log and the progress line are set up the same way on one
+rank or on rank 0 of many; this module does it once, so neither driver imports the other.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from . import checkpoint
+from .balancer import BalancerConfig, build_balancer
+from .progress import Progress
+from .report import summarize_log
+from .runlog import RunLog
+from .schedules import build_schedule
+from .training import (EpochTracker, Evaluation, build_evaluator, build_stop_rule, config_model,
+                       config_optimizer)
+
+
+def balancer_config(cfg) -> BalancerConfig:
+    return BalancerConfig(batch=cfg.batch, batch_policy=cfg.batch_policy,
+                          min_batch=cfg.min_batch, max_batch=cfg.max_batch,
+                          sit_out=(bool(cfg.sit_out) and cfg.mode == "sync"
+                                   and cfg.batch_policy == "proportional"),
+                          rebalance_interval=cfg.rebalance_interval)
+
+
+def format_final(summary: dict) -> str:
+    """The last line of a run."""
+    acc = summary.get("final_test_accuracy")
+    metric, value = summary.get("metric", "accuracy"), summary.get("final_test_metric")
+    if acc is None and value is not None:
+        acc_txt = f"n/a, test {metric} {value:.4f}"
+    else:
+        acc_txt = "n/a" if acc is None else f"{acc:.4f}"
+    cov = summary["coverage"]
+    return (f"mpilb: {summary['status']}: {summary['epochs_completed']} epoch(s), "
+            f"{summary['samples']} samples in {summary['train_s']:.1f} s "
+            f"({summary['samples_per_s']:.0f} samples/s), test accuracy {acc_txt}, "
+            f"coverage {cov['applied']}/{cov['expected']} "
+            f"(duplicates {cov['duplicates']}, missing {cov['missing']})")
+
+
+class Session:
+    """The shared state of one run, built from its config.
+
+    Args:
+        cfg: the run's Config.
+        dataset: the opened dataset.
+        run_attrs: root attributes of the run log.
+        ranks: the workers the balancer plans for.
+        holders: shard -> ranks holding a copy (--store local), or None.
+        xp: array module of the optimizer state (numpy, or cupy for a serial GPU run).
+    """
+
+    def __init__(self, cfg, dataset, run_attrs: dict, ranks: list[int],
+                 holders: Optional[dict] = None, xp=np):
+        self.cfg = cfg
+        self.dataset = dataset
+        self.model = config_model(cfg, dataset)
+        self.params = self.model.init_params(cfg.seed)
+        self.optimizer = config_optimizer(cfg, self.model.num_params, xp=xp)
+        self.balancer = build_balancer(cfg.balancer, ranks, dataset.shard_sizes,
+                                       balancer_config(cfg), holders)
+        self.tracker = EpochTracker(dataset.shard_sizes)
+        self.evaluator = build_evaluator(self.model, dataset)
+        self.stop = build_stop_rule(cfg)
+        # the factor on --lr at each update (--lr-schedule, --warmup): schedules.py
+        self.schedule = build_schedule(cfg, self.tracker.total, len(ranks))
+        self.resumed: Optional[checkpoint.Checkpoint] = None
+        if cfg.resume:
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset)
+            self.params[:] = self.resumed.params
+            self.optimizer.load_state_dict(self.resumed.optimizer)
+            checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
+        self.log = RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
+                          resume_at=self.resumed.train_s if self.resumed else None)
+        self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
+                                 samples_per_epoch=self.tracker.total)
+        self.accuracy: Optional[float] = None   # the headline metric, for the progress line
+        self.evaluation: Optional[Evaluation] = None   # what --target-* decide on
+
+    def evaluate(self, params: np.ndarray, t: float, version: int, epoch: int) -> None:
+        """Evaluate host parameters on the test (and validation) set and log the row."""
+        ev = self.evaluator.evaluate(params)
+        self.evaluation, self.accuracy = ev, ev.decides[1]
+        self.log.append("eval", t=t, version=version, epoch=epoch, **ev.columns())
+
+    def close(self, status: str, attrs: dict) -> dict:
+        """Close the progress line and the run log; write and return the summary."""
+        self.progress.close()
+        self.log.close(status, attrs)
+        summary = summarize_log(self.cfg.log)
+        self.log.write_summary(summary)
+        return summary

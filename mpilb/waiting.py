@@ -1,0 +1,84 @@
+"""Waiting without spinning: a backoff schedule and an estimate of recurring waits (pure).
+
+MPICH's blocking waits spin a core. On an oversubscribed node a spinning rank steals the CPU
+the workers need, so every wait polls with :class:`Backoff` instead (comm.py uses it).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+
+class Backoff:
+    """Sleep between polls, growing from `start` to `cap` seconds; reset on progress.
+
+    A short first sleep keeps latency low when messages come fast; the cap bounds the
+    wake-ups per second (and so the CPU) when a rank waits a long time.
+
+    When the caller knows about when the awaited message is due (``reset(due, grace)``, a
+    ``time.monotonic()`` value), the sleeps are long until just before it, then every
+    `fine` seconds until `grace` seconds after it, and only then grow again. A rank that
+    waits for a round's reply or for the next push thus notices it within ~`fine` seconds
+    without polling all the time in between. A wrong estimate costs little: too early and
+    the rank polls finely for a while, too late and it sleeps through at most `fine` (the
+    first sleep never goes past ``due - fine``).
+    """
+
+    def __init__(self, start: float = 20e-6, cap: float = 1e-3, fine: float = 50e-6):
+        self.start = start
+        self.cap = cap
+        self.fine = fine
+        self.delay = start
+        self.due: Optional[float] = None
+        self.grace = 0.0
+
+    def reset(self, due: Optional[float] = None, grace: float = 0.0) -> None:
+        self.delay = self.start
+        self.due = due
+        self.grace = grace
+
+    def sleep(self) -> None:
+        if self.due is not None:
+            ahead = self.due - time.monotonic()
+            if ahead > self.fine:
+                time.sleep(min(ahead - self.fine, self.cap))
+                return
+            if ahead > -self.grace:
+                self.short()
+                return
+            self.due = None           # overdue: back off from the fine interval on
+            self.delay = max(self.delay, self.fine)
+        time.sleep(self.delay)
+        self.delay = min(self.cap, self.delay * 2)
+
+    @staticmethod
+    def short() -> None:
+        """The shortest sleep (the kernel's timer slack, ~50 us): a transfer is under way
+        and needs MPI progress soon, but another process may need this core."""
+        time.sleep(1e-6)
+
+
+class WaitEstimate:
+    """How long a recurring wait lasts when it is short: a low quantile, tracked by an
+    asymmetric EWMA that follows shorter waits quickly and longer ones slowly. As a
+    ``(due, grace)`` for :meth:`Backoff.reset`, fine polling starts a little before it.
+    """
+
+    def __init__(self, down: float = 0.5, up: float = 0.05, early: float = 0.8):
+        self.down = down
+        self.up = up
+        self.early = early
+        self.value: Optional[float] = None
+
+    def update(self, seconds: float) -> None:
+        if self.value is None:
+            self.value = seconds
+        else:
+            self.value += (self.down if seconds < self.value else self.up) * (seconds - self.value)
+
+    def window(self, start: float) -> tuple[Optional[float], float]:
+        """(due, grace) for a wait that began at ``start`` (``time.monotonic()``)."""
+        if self.value is None:
+            return None, 0.0
+        return start + self.early * self.value, 2.0 * self.value + 1e-3
