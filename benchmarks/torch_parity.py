@@ -44,6 +44,9 @@ def serial_torch(data, seed: int, epochs: int, lr: float, batch: int) -> float:
     import torch
     from torch_cnn import Net
 
+    # one thread, as on an mpilb worker rank (and spinning OpenMP threads on a shared
+    # machine make torch many times slower)
+    torch.set_num_threads(1)
     x, y, xt, yt = (torch.from_numpy(a) for a in data)
     torch.manual_seed(seed)
     net = Net()

@@ -66,10 +66,17 @@ class Schedule:
         return factor
 
 
-def build_schedule(cfg, samples_per_epoch: int, workers: int = 1) -> Schedule:
-    """The run's schedule from the config: an update is one worker's batch (async, ssp) or
-    one round of every worker's batch (sync)."""
-    per_update = cfg.batch * (workers if cfg.mode == "sync" else 1)
-    updates_per_epoch = math.ceil(samples_per_epoch / max(1, per_update))
+def build_schedule(cfg, shard_sizes, workers: int = 1) -> Schedule:
+    """The run's schedule from the config: an update is one worker's batch (async, ssp: each
+    shard ends with a smaller one) or one round of every worker's batch (sync).
+
+    Args:
+        shard_sizes: samples per shard (a list), or samples per epoch (an int).
+    """
+    sizes = [shard_sizes] if isinstance(shard_sizes, int) else list(shard_sizes)
+    if cfg.mode == "sync":
+        updates_per_epoch = math.ceil(sum(sizes) / max(1, cfg.batch * workers))
+    else:
+        updates_per_epoch = sum(math.ceil(s / cfg.batch) for s in sizes)
     steps, seconds = parse_warmup(cfg.warmup)
     return Schedule(cfg.lr_schedule, cfg.epochs * updates_per_epoch, steps, seconds)

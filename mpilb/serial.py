@@ -55,7 +55,7 @@ class SerialTrainer:
         self.step = GradientStep(self.model, self.backend, self.injector)
         self.evaluator = build_evaluator(self.model, dataset)
         self.stop = build_stop_rule(cfg)
-        self.schedule = build_schedule(cfg, self.tracker.total)
+        self.schedule = build_schedule(cfg, dataset.shard_sizes)
         self.evaluation = None
         self.log = RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
                           resume_at=self.resumed.train_s if self.resumed else None)

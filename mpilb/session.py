@@ -70,7 +70,7 @@ class Session:
         self.evaluator = build_evaluator(self.model, dataset)
         self.stop = build_stop_rule(cfg)
         # the factor on --lr at each update (--lr-schedule, --warmup): schedules.py
-        self.schedule = build_schedule(cfg, self.tracker.total, len(ranks))
+        self.schedule = build_schedule(cfg, dataset.shard_sizes, len(ranks))
         self.resumed: Optional[checkpoint.Checkpoint] = None
         if cfg.resume:
             self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset)

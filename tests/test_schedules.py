@@ -29,6 +29,7 @@ def test_warmup_in_updates_and_in_seconds():
 def test_build_schedule_counts_updates_per_mode():
     cfg = build_config({}, {"epochs": 3, "batch": 10, "lr_schedule": "cosine", "warmup": "5"})
     assert build_schedule(cfg, 1000, workers=4).total_updates == 300
+    assert build_schedule(cfg, [15, 15], workers=4).total_updates == 3 * 4   # 10 + 5 per shard
     sync = build_config({}, {"epochs": 3, "batch": 10, "mode": "sync"})
     assert build_schedule(sync, 1000, workers=4).total_updates == math.ceil(1000 / 40) * 3
 

@@ -151,3 +151,23 @@ def test_numpy_user_model_regression_and_resume_refuses_another_model(tmp_path, 
                      "--log", tmp_path / "b.h5", "--checkpoint", ckpt, "--resume",
                      PYTHONPATH=f"{EXAMPLES}:{Path(__file__).resolve().parent.parent}")
     assert res.returncode == 2 and "holds a different model" in one_error_line(res)
+
+
+def test_numpy_user_model_on_path_trains_checkpoints_and_resumes_on_fewer_ranks(tmp_path, digits_dir):
+    """`mymodels:Linear` from PYTHONPATH under mpiexec -n 4, then --resume on 3 ranks: the
+    coverage of all epochs is exact and the run log says which metric it reports."""
+    from mpilb.report import summarize_log
+
+    env = {"PYTHONPATH": f"{Path(__file__).resolve().parent.parent}:{EXAMPLES}"}
+    ckpt, log = tmp_path / "c.h5", tmp_path / "run.h5"
+    common = ["train", "--data", digits_dir, "--model", "mymodels:Linear", "--lr", "0.3",
+              "--checkpoint", ckpt, "--log", log, "--no-progress"]
+    res = mpirun.run(4, *common, "--epochs", "2", timeout=120, **env)
+    assert res.returncode == 0, res.stderr
+    res = mpirun.run(3, *common, "--epochs", "4", "--resume", timeout=120, **env)
+    assert res.returncode == 0, res.stderr
+    s = summarize_log(str(log))
+    cov = s["coverage"]
+    assert s["epochs_completed"] == 4 and cov["expected"] == 4 * 1438
+    assert cov["applied"] == cov["expected"] and cov["duplicates"] == 0 and cov["missing"] == 0
+    assert s["metric"] == "accuracy" and s["final_test_metric"] == s["final_test_accuracy"] > 0.85
