@@ -23,8 +23,6 @@ statistics in a torch module); the server keeps the latest.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 
@@ -63,18 +61,6 @@ class Model:
 
     def set_state(self, flat) -> None:
         """Take over state written by :meth:`get_state` (on another rank)."""
-
-    def named_arrays(self, params) -> dict[str, np.ndarray]:
-        """The flat host vector cut into the arrays of :meth:`layout` (views, no copies)."""
-        params = np.asarray(params)
-        out, pos = {}, 0
-        for name, shape in self.layout():
-            n = math.prod(shape)
-            out[name] = params[pos:pos + n].reshape(shape)
-            pos += n
-        if pos != params.size:
-            raise ValueError(f"layout covers {pos} of {params.size} parameters")
-        return out
 
 
 # --------------------------------------------------------------------------- metrics

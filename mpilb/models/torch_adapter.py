@@ -16,6 +16,7 @@ travel with each push and the server keeps the latest for evaluation and checkpo
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 import torch
@@ -64,6 +65,11 @@ class TorchModel(Model):
                  where: str = "module"):
         self.module = module.float()
         self.where = where
+        # several ranks share a node's cores: the launcher's OMP_NUM_THREADS (1 per rank in a
+        # multi-rank job) holds for torch even when torch was imported before it was set
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0 and torch.get_num_threads() != int(threads):
+            torch.set_num_threads(int(threads))
         self.num_classes = int(num_classes)
         self.target_shape = tuple(target_shape)
         self.input_shape = tuple(input_shape) if input_shape is not None else None
