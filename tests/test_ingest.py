@@ -99,3 +99,13 @@ def test_csv_classes_regression_and_feature_selection(tmp_path):
 def test_csv_errors_name_line_and_column(tmp_path, text, kwargs, message):
     with pytest.raises(DataError, match=r"d\.csv: " + message):
         ingest.prepare_csv(write_csv(tmp_path, text), tmp_path / "out", **kwargs)
+
+
+def test_csv_error_from_the_command_line_is_one_line_exit_2(tmp_path):
+    import mpirun
+
+    path = write_csv(tmp_path, "a,b,y\n1,2,0\n3,x,1\n")
+    res = mpirun.run(0, "prepare", "csv", path, tmp_path / "out", "--target", "y")
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.returncode == 2 and len(lines) == 1
+    assert "d.csv: line 3, column 'b': 'x' is not a number" in lines[0]

@@ -171,3 +171,18 @@ def test_numpy_user_model_on_path_trains_checkpoints_and_resumes_on_fewer_ranks(
     assert s["epochs_completed"] == 4 and cov["expected"] == 4 * 1438
     assert cov["applied"] == cov["expected"] and cov["duplicates"] == 0 and cov["missing"] == 0
     assert s["metric"] == "accuracy" and s["final_test_metric"] == s["final_test_accuracy"] > 0.85
+
+
+def test_constructor_error_under_mpiexec_is_one_line_from_rank_0(tmp_path, digits_dir):
+    src = write(tmp_path, "net.py", """
+        import mpilb
+
+        class Net(mpilb.Model):
+            def __init__(self, num_classes):
+                raise ValueError(f"cannot make {num_classes} outputs")
+        """)
+    res = mpirun.run(3, "train", "--data", digits_dir, "--model", f"{src}:Net",
+                     "--log", tmp_path / "r.h5", timeout=120)
+    assert res.returncode == 2, res.stderr
+    line = one_error_line(res)
+    assert "net.py:Net() raised ValueError: cannot make 10 outputs" in line
