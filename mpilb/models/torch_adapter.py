@@ -118,8 +118,7 @@ class TorchModel(Model):
         flat_g = self._bind(params, out)
         flat_g.zero_()
         self.module.train()
-        xt, yt = self._batch(x, y)
-        loss = self._loss(self.module(xt), yt)
+        loss = self._loss(self.module(self._features(x)), self._targets(y))
         loss.backward()
         return float(loss.detach()), out
 
@@ -133,10 +132,9 @@ class TorchModel(Model):
             with torch.no_grad():
                 outputs = []
                 for lo in range(0, n, batch_size):
-                    xt, _ = self._batch(x[lo:lo + batch_size], None)
-                    outputs.append(self.module(xt))
+                    outputs.append(self.module(self._features(x[lo:lo + batch_size])))
                 output = torch.cat(outputs)
-                _, yt = self._batch(x[:0], y)
+                yt = self._targets(y)
                 loss = float(self._loss(output, yt)) / n
                 if self._user_metrics:
                     result = {k: float(v) for k, v in self.module.metrics(output, yt).items()}
@@ -199,19 +197,18 @@ class TorchModel(Model):
             self._bound = key
         return gt
 
-    def _batch(self, x, y):
+    def _features(self, x):
+        """Samples as a float32 tensor on the module's device (no copy when they are)."""
         xt = _tensor(x)
         if xt.dtype != torch.float32:
             xt = xt.float()
-        if self._device is not None and xt.device != self._device:
-            xt = xt.to(self._device)
-        if y is None:
-            return xt, None
+        return xt if self._device is None or xt.device == self._device else xt.to(self._device)
+
+    def _targets(self, y):
+        """Labels as int64, targets as float32, on the module's device."""
         yt = _tensor(y)
         yt = yt.long() if self.num_classes else yt.float()
-        if self._device is not None and yt.device != self._device:
-            yt = yt.to(self._device)
-        return xt, yt
+        return yt if self._device is None or yt.device == self._device else yt.to(self._device)
 
     def _loss(self, output, y):
         if self._user_loss:
