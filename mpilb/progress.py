@@ -29,6 +29,7 @@ class Progress:
         self._bar = None
         self._done = 0
         self.accuracy: Optional[float] = None
+        self.metric = "accuracy"   # the model's metric, which `accuracy` holds
         if enabled and hasattr(self.stream, "isatty") and self.stream.isatty():
             from tqdm import tqdm
 
@@ -50,7 +51,7 @@ class Progress:
                 self._done = done
                 post = {"epoch": epoch}
                 if self.accuracy is not None:
-                    post["acc"] = f"{self.accuracy:.3f}"
+                    post["acc" if self.metric == "accuracy" else self.metric] = f"{self.accuracy:.3f}"
                 self._bar.set_postfix(post, refresh=False)
             return
         if now - self._last_line < self.line_interval:
@@ -59,7 +60,7 @@ class Progress:
         rate = done / max(1e-9, now - self.t0)
         parts = [f"epoch {epoch}", f"{done}/{self.total} samples", f"{rate:.0f} samples/s"]
         if self.accuracy is not None:
-            parts.append(f"accuracy {self.accuracy:.4f}")
+            parts.append(f"{self.metric} {self.accuracy:.4f}")
         if workers:
             slow = min(workers, key=workers.get)
             fast = max(workers, key=workers.get)

@@ -61,6 +61,7 @@ class SerialTrainer:
                           resume_at=self.resumed.train_s if self.resumed else None)
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
                                  samples_per_epoch=self.tracker.total)
+        self.progress.metric = self.model.metric
         self.version = self.resumed.version if self.resumed else 0
         self.epoch = self.resumed.epoch if self.resumed else 0
         self.accuracy: Optional[float] = None

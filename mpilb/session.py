@@ -81,6 +81,7 @@ class Session:
                           resume_at=self.resumed.train_s if self.resumed else None)
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
                                  samples_per_epoch=self.tracker.total)
+        self.progress.metric = self.model.metric
         self.accuracy: Optional[float] = None   # the headline metric, for the progress line
         self.evaluation: Optional[Evaluation] = None   # what --target-* decide on
 
