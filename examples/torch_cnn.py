@@ -13,13 +13,19 @@ from torch import nn
 
 
 class Net(nn.Module):
-    """conv3x3(16) - ReLU - maxpool2 - conv3x3(32) - ReLU - maxpool2 - linear."""
+    """conv3x3(16) - BatchNorm - ReLU - maxpool2 - conv3x3(32) - BatchNorm - ReLU - maxpool2 -
+    linear.
+
+    The BatchNorm layers' running statistics are buffers: mpilb sends them with every push,
+    the server keeps the latest, and evaluation and the checkpoint use them.
+    """
 
     def __init__(self, num_classes: int = 10, channels: int = 16):
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(1, channels, 3, padding=1), nn.BatchNorm2d(channels), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.BatchNorm2d(2 * channels), nn.ReLU(),
+            nn.MaxPool2d(2),
         )
         self.classifier = nn.Linear(2 * channels * 2 * 2, num_classes)
 

@@ -64,7 +64,7 @@ def test_torch_script_under_mpiexec_export_reproduces_accuracy(tmp_path, digits_
                           digits_dir, "2"], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path, env=mpirun.env())
     assert res.returncode == 0, res.stderr
-    assert res.stdout.count("coverage {'expected'") == 1 and "Net 6090 parameters" in res.stdout
+    assert res.stdout.count("coverage {'expected'") == 1 and "Net 6186 parameters" in res.stdout
     with h5py.File(tmp_path / "api.h5", "r") as f:
         logged = json.loads(f["summary"].attrs["json"])["final_test_accuracy"]
     res = mpirun.run(0, "export", tmp_path / "api.ckpt.h5", tmp_path / "net.pt",

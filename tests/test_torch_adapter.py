@@ -138,4 +138,6 @@ def test_example_cnn_builds_from_file_with_seed():
     np.testing.assert_array_equal(a.init_params(3), b.init_params(3))
     assert not np.array_equal(a.init_params(3), c.init_params(4))
     assert a.signature()["model"] == "torch:Net"
-    assert [n for n, _ in a.layout()][:2] == ["features.0.weight", "features.0.bias"]
+    assert [n for n, _ in a.layout()][:4] == ["features.0.weight", "features.0.bias",
+                                              "features.1.weight", "features.1.bias"]
+    assert a.num_state == 2 * 8 + 1 + 2 * 16 + 1   # BatchNorm means, variances, counts
