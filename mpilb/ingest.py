@@ -25,7 +25,7 @@ import numpy as np
 
 from .dataset import Dataset
 from .errors import DataError, UsageError
-from .prepare import GEN_CHUNK, array_chunks, write_dataset
+from .prepare import GEN_CHUNK, array_chunks, release_pages, write_dataset
 
 TASKS = ("auto", "classify", "regress")
 
@@ -57,6 +57,7 @@ def _scan(path, x, y, x_key: str, y_key: str, task: str):
     lo, hi = np.inf, -np.inf
     for start in range(0, len(y), GEN_CHUNK):
         xb, yb = np.asarray(x[start:start + GEN_CHUNK]), np.asarray(y[start:start + GEN_CHUNK])
+        release_pages(x, y)
         if not np.isfinite(xb.astype(np.float32, copy=False)).all():
             raise DataError(f"{path}: features '{x_key}' contain NaN or Inf")
         if not np.isfinite(yb).all():
@@ -111,7 +112,8 @@ def _stage_copy(src, dest: Path, dtype=None) -> np.ndarray:
     arr = np.lib.format.open_memmap(dest, mode="w+", dtype=dtype or src.dtype, shape=src.shape)
     for lo in range(0, len(src), GEN_CHUNK):
         arr[lo:lo + GEN_CHUNK] = src[lo:lo + GEN_CHUNK]
-    arr.flush()
+        arr.flush()
+        release_pages(src, arr)
     return np.load(dest, mmap_mode="r")
 
 
@@ -144,7 +146,8 @@ def _npz_member(path: Path, zf: zipfile.ZipFile, key: str, stage: Path) -> np.nd
         for lo in range(0, flat.size, step):
             n = min(step, flat.size - lo)
             flat[lo:lo + n] = np.frombuffer(fh.read(n * dtype.itemsize), dtype=dtype, count=n)
-        arr.flush()
+            arr.flush()
+            release_pages(arr)
         return np.load(dest, mmap_mode="r")
 
 
@@ -235,6 +238,9 @@ def prepare_hdf5(files, out, x_key: str, y_key: str, shards: int = 8, test_fract
                         ys[pos + lo:pos + hi] = y[lo:hi]
                     except (OSError, RuntimeError) as exc:
                         raise DataError(f"{path}: cannot read rows {lo}-{hi} ({exc})") from exc
+                    xs.flush()
+                    ys.flush()
+                    release_pages(xs, ys)
                 pos += len(x)
             xs.flush()
             ys.flush()

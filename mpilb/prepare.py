@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,6 +222,53 @@ def write_dataset(
     return open_dataset(out, check_files=False)
 
 
+def release_pages(*arrays) -> None:
+    """Drop the pages of memory-mapped arrays from this process's resident memory.
+
+    They stay in the OS page cache (a shared file mapping loses nothing), but reading a large
+    input through a map no longer grows the process: without this, every page touched counts
+    in its resident set until the map is closed.
+    """
+    for a in arrays:
+        m = getattr(a, "_mmap", None)
+        if m is not None and hasattr(m, "madvise"):
+            try:
+                m.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):   # closed, or a platform without it
+                pass
+
+
+def take_rows(a, idx: np.ndarray) -> np.ndarray:
+    """``a[idx]``; for a memory-mapped array, read with ``preadv`` from its file instead.
+
+    Gathering scattered rows through a map faults in the pages around every row (the
+    kernel's fault-around), so one shuffled block would map most of a large file into this
+    process; reading the runs of consecutive rows into a fresh array touches only those.
+    """
+    m = getattr(a, "_mmap", None)
+    if m is None or not a.flags.c_contiguous or not hasattr(os, "preadv") or len(idx) == 0:
+        return a[idx]
+    row = a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64))
+    start = a.offset - a.offset % mmap.ALLOCATIONGRANULARITY    # where the map begins
+    data_at = a.ctypes.data - np.frombuffer(m, dtype=np.uint8).ctypes.data + start
+    order = np.argsort(idx, kind="stable")
+    wanted = idx[order]
+    out = np.empty((len(idx), *a.shape[1:]), dtype=a.dtype)
+    flat = out.reshape(len(idx), -1).view(np.uint8) if out.size else out
+    cuts = np.flatnonzero(np.diff(wanted) != 1) + 1
+    fd = os.open(a.filename, os.O_RDONLY)
+    try:
+        for lo, hi in zip(np.concatenate(([0], cuts)), np.concatenate((cuts, [len(wanted)]))):
+            view = memoryview(flat[lo:hi]).cast("B")
+            if os.preadv(fd, [view], int(data_at + int(wanted[lo]) * row)) != len(view):
+                raise DataError(f"{a.filename}: short read (file truncated?)")
+    finally:
+        os.close(fd)
+    result = np.empty_like(out)
+    result[order] = out          # back into the order asked for
+    return result
+
+
 def array_chunks(x: np.ndarray, y: np.ndarray, seed: int, rows: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
     """Yield arrays as shuffled ``(x, y)`` blocks (seeded), for :func:`write_dataset`.
 
@@ -242,7 +290,8 @@ def array_chunks(x: np.ndarray, y: np.ndarray, seed: int, rows: int | None = Non
         else:
             idx = (order[g : g + per, None] * run + np.arange(run)).ravel()
             idx = np.sort(idx[idx < n])            # sorted: sequential reads from the map
-        block_x, block_y = x[idx], y[idx]
+        block_x, block_y = take_rows(x, idx), take_rows(y, idx)
+        release_pages(x, y)
         if run > 1:
             mix = rng.permutation(len(idx))
             block_x, block_y = block_x[mix], block_y[mix]

@@ -109,3 +109,13 @@ def test_csv_error_from_the_command_line_is_one_line_exit_2(tmp_path):
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert res.returncode == 2 and len(lines) == 1
     assert "d.csv: line 3, column 'b': 'x' is not a number" in lines[0]
+
+
+def test_take_rows_reads_a_mapped_array_like_fancy_indexing(tmp_path):
+    a = np.arange(5000 * 6, dtype=np.float32).reshape(5000, 6)
+    np.save(tmp_path / "a.npy", a)
+    m = np.load(tmp_path / "a.npy", mmap_mode="r")
+    idx = np.random.default_rng(0).permutation(5000)[:700]
+    for view in (m, m[7:], m[:, 2], m[:, 2][:, None]):
+        np.testing.assert_array_equal(prepare.take_rows(view, idx[idx < len(view)]),
+                                      np.asarray(view)[idx[idx < len(view)]])
