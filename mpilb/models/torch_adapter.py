@@ -1,9 +1,11 @@
 """A ``torch.nn.Module`` as an :class:`mpilb.Model`. The only module of mpilb that imports torch.
 
 The module's parameters become views of the flat vector the engine hands in (the worker's
-message buffer or its device copy), and their ``.grad`` views of the flat gradient buffer,
-so a step copies nothing: autograd accumulates straight into the buffer the push sends. On
-a GPU rank the flat buffers are CuPy arrays shared with torch through DLPack, no copy.
+message buffer or its device copy), so a pull copies nothing; the gradients autograd
+computes are written with one ``torch.cat`` straight into the flat buffer the push sends
+(the one copy any engine makes to send them; accumulating into ``.grad`` views instead costs
+a zeroing and an addition more per step). On a GPU rank the flat buffers are CuPy arrays
+shared with torch through DLPack, no copy.
 
 Loss: the module's own ``loss(output, y)`` when it has one (a mean over the batch, as torch's
 losses are by default; the adapter multiplies by the batch size), else cross entropy for
@@ -88,7 +90,7 @@ class TorchModel(Model):
         self._user_metrics = callable(getattr(module, "metrics", None))
         self._initial = torch.cat([p.detach().reshape(-1).cpu() for _, p in self._named]).numpy().copy()
         self._grad = None      # our own gradient buffer (xp array) when no `out` is given
-        self._bound = (None, None)
+        self._bound = None
         self._device = None
         if self.input_shape is not None:
             self._check_forward()
@@ -116,10 +118,15 @@ class TorchModel(Model):
                 self._grad = xp.zeros(self.num_params, dtype=np.float32)
             out = self._grad
         flat_g = self._bind(params, out)
-        flat_g.zero_()
         self.module.train()
         loss = self._loss(self.module(self._features(x)), self._targets(y))
-        loss.backward()
+        trainable = [p for _, p in self._named if p.requires_grad]
+        grads = iter(torch.autograd.grad(loss, trainable, allow_unused=True))
+        pieces = []
+        for _, p in self._named:
+            g = next(grads) if p.requires_grad else None
+            pieces.append(torch.zeros(p.numel(), device=flat_g.device) if g is None else g.reshape(-1))
+        torch.cat(pieces, out=flat_g)
         return float(loss.detach()), out
 
     def evaluate(self, params, x, y, batch_size: int = 1024) -> dict:
@@ -175,8 +182,8 @@ class TorchModel(Model):
 
     # ------------------------------------------------------------------ internals
     def _bind(self, params, grad):
-        """Make every parameter a view of ``params`` (and its .grad of ``grad``); cheap when
-        the same buffers come back, as they do step after step."""
+        """Make every parameter a view of ``params`` (rebinding only when another buffer
+        comes in, which step after step it does not); returns ``grad`` as a tensor."""
         pt = _tensor(params)
         if pt.dtype != torch.float32 or pt.shape != (self.num_params,):
             raise MpilbError(f"{self.where}: expected a flat float32 vector of {self.num_params} "
@@ -184,18 +191,14 @@ class TorchModel(Model):
         if pt.device != self._device:
             self.module.to(pt.device)   # buffers follow the parameters onto the GPU
             self._device = pt.device
-        gt = _tensor(grad) if grad is not None else None
-        key = (pt.data_ptr(), None if gt is None else gt.data_ptr())
-        if key != self._bound:
+        if pt.data_ptr() != self._bound:
             pos = 0
             for (_, p), (_, shape) in zip(self._named, self._shapes):
                 k = math.prod(shape)
                 p.data = pt[pos:pos + k].view(shape)
-                # autograd accumulates into an existing .grad in place: into our buffer
-                p.grad = None if gt is None else gt[pos:pos + k].view(shape)
                 pos += k
-            self._bound = key
-        return gt
+            self._bound = pt.data_ptr()
+        return _tensor(grad) if grad is not None else None
 
     def _features(self, x):
         """Samples as a float32 tensor on the module's device (no copy when they are)."""
