@@ -25,9 +25,11 @@ import numpy as np
 
 from .dataset import Dataset
 from .errors import DataError, UsageError
-from .prepare import GEN_CHUNK, array_chunks, release_pages, write_dataset
+from .prepare import array_chunks, block_rows, release_pages, write_dataset
 
 TASKS = ("auto", "classify", "regress")
+# CSV rows parsed per block: Python's strings cost ~50x the numbers they hold
+CSV_BLOCK_ROWS = 1024
 
 
 # --------------------------------------------------------------------------- shared
@@ -55,8 +57,9 @@ def _scan(path, x, y, x_key: str, y_key: str, task: str):
     if not classify and y.ndim > 2:
         raise DataError(f"{path}: targets '{y_key}' must be one value or one vector per sample, got shape {y.shape}")
     lo, hi = np.inf, -np.inf
-    for start in range(0, len(y), GEN_CHUNK):
-        xb, yb = np.asarray(x[start:start + GEN_CHUNK]), np.asarray(y[start:start + GEN_CHUNK])
+    step = block_rows(x, y)
+    for start in range(0, len(y), step):
+        xb, yb = np.asarray(x[start:start + step]), np.asarray(y[start:start + step])
         release_pages(x, y)
         if not np.isfinite(xb.astype(np.float32, copy=False)).all():
             raise DataError(f"{path}: features '{x_key}' contain NaN or Inf")
@@ -110,8 +113,9 @@ def _staging(out):
 def _stage_copy(src, dest: Path, dtype=None) -> np.ndarray:
     """Copy an array-like (h5py dataset, zip member array) into a mapped ``.npy``, by blocks."""
     arr = np.lib.format.open_memmap(dest, mode="w+", dtype=dtype or src.dtype, shape=src.shape)
-    for lo in range(0, len(src), GEN_CHUNK):
-        arr[lo:lo + GEN_CHUNK] = src[lo:lo + GEN_CHUNK]
+    step = block_rows(src, arr)
+    for lo in range(0, len(src), step):
+        arr[lo:lo + step] = src[lo:lo + step]
         arr.flush()
         release_pages(src, arr)
     return np.load(dest, mmap_mode="r")
@@ -231,8 +235,9 @@ def prepare_hdf5(files, out, x_key: str, y_key: str, shards: int = 8, test_fract
             pos = 0
             for path, f in zip(files, opened):
                 x, y = f[x_key], f[y_key]
-                for lo in range(0, len(x), GEN_CHUNK):
-                    hi = min(len(x), lo + GEN_CHUNK)
+                step = block_rows(xs, ys)
+                for lo in range(0, len(x), step):
+                    hi = min(len(x), lo + step)
                     try:
                         xs[pos + lo:pos + hi] = x[lo:hi]
                         ys[pos + lo:pos + hi] = y[lo:hi]
@@ -337,7 +342,7 @@ def prepare_csv(file, out, target: str, features: str | None = None, shards: int
                     raise DataError(f"{path}: line {reader.line_num}: {len(row)} cells, the "
                                     f"header has {len(header)}")
                 block.append(row)
-                if len(block) == 4096:
+                if len(block) == CSV_BLOCK_ROWS:
                     integral &= flush(block, line)
                     n, line, block = n + len(block), reader.line_num + 1, []
             if block:

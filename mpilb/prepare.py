@@ -27,6 +27,9 @@ from .errors import DataError, UsageError
 GEN_CHUNK = 65536
 # Target HDF5 chunk size along samples: ~1 MiB of x rows per chunk.
 CHUNK_BYTES = 1 << 20
+# Rows per shuffled block of a user's arrays: about this many bytes (a few copies of a block
+# are alive at once), at most GEN_CHUNK rows.
+BLOCK_BYTES = 4 << 20
 # Largest number of units the shuffle permutes (see :func:`array_chunks`): 512 KiB of indices.
 MAX_BLOCKS = 65536
 
@@ -238,6 +241,12 @@ def release_pages(*arrays) -> None:
                 pass
 
 
+def block_rows(*arrays) -> int:
+    """Rows per block for arrays read together: about BLOCK_BYTES, at most GEN_CHUNK."""
+    row_bytes = sum(a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64)) for a in arrays)
+    return max(1, min(GEN_CHUNK, BLOCK_BYTES // max(1, row_bytes)))
+
+
 def take_rows(a, idx: np.ndarray) -> np.ndarray:
     """``a[idx]``; for a memory-mapped array, read with ``preadv`` from its file instead.
 
@@ -278,8 +287,8 @@ def array_chunks(x: np.ndarray, y: np.ndarray, seed: int, rows: int | None = Non
     ``ceil(n / MAX_BLOCKS)`` consecutive rows move together and each block of output rows
     is shuffled again, which mixes any sorted input (by class, by time) just as well.
     """
-    rows = rows or GEN_CHUNK
     n = len(y)
+    rows = rows or block_rows(x, y)
     run = max(1, -(-n // MAX_BLOCKS))
     rng = np.random.default_rng([seed, 0xA77A])
     order = rng.permutation(-(-n // run))

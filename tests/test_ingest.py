@@ -40,8 +40,7 @@ def test_npz_regression_targets_kept_and_shards_checksummed(tmp_path, save):
 
 def test_npz_streams_with_flat_memory(tmp_path, monkeypatch):
     """Peak traced memory writing an 8x larger npz stays about the same (one block)."""
-    monkeypatch.setattr(prepare, "GEN_CHUNK", 4096)
-    monkeypatch.setattr(ingest, "GEN_CHUNK", 4096)
+    monkeypatch.setattr(prepare, "BLOCK_BYTES", 4096 * 32 * 4)
     peaks = []
     for rows in (40_000, 320_000):
         path = tmp_path / f"{rows}.npz"
