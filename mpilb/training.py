@@ -225,7 +225,7 @@ def build_evaluator(model, dataset) -> Evaluator:
     """The test set, and the held-out validation shards if any (:func:`hold_out_validation`)."""
     test_x, test_y = dataset.load_test()
     validation = None
-    if dataset.validation:
+    if getattr(dataset, "validation", None):   # (stand-ins such as bench's have none)
         parts = [dataset.load_file(s.file, s.samples) for s in dataset.validation]
         validation = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
     return Evaluator(model, test_x, test_y, validation)
@@ -257,7 +257,7 @@ def config_model(cfg: Config, dataset):
     from .models import build_model, parse_model_args
 
     return build_model(cfg.model, tuple(dataset.sample_shape), dataset.num_classes,
-                       cfg.hidden_sizes, target_shape=tuple(dataset.target_shape),
+                       cfg.hidden_sizes, target_shape=tuple(getattr(dataset, "target_shape", ())),
                        model_args=parse_model_args(cfg.model_arg), seed=cfg.seed)
 
 
