@@ -18,9 +18,11 @@ __version__ = "0.1.0"
 
 from .errors import DataError, MpilbError, UsageError  # noqa: E402
 
-# Imported on first use: `import mpilb` (and the `mpilb` command) must not import numpy
+# Imported on first use, by name (so that no module importing the package reaches MPI, the
+# CLI or numpy through it): `import mpilb` and the `mpilb` command must not import numpy
 # before the command has set the BLAS thread count for a multi-rank job.
-_LAZY = {"Model": "models.base", "r2_score": "models.base", "get_array_module": "backend"}
+_LAZY = {"Model": "models.base", "r2_score": "models.base", "get_array_module": "backend",
+         "train": "api", "load": "api"}
 
 
 def __getattr__(name: str):
@@ -29,20 +31,6 @@ def __getattr__(name: str):
 
         return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def train(model=None, data=None, **options):
-    """Train as ``mpilb train`` does, from Python; see :func:`mpilb.api.train`."""
-    from .api import train as _train
-
-    return _train(model=model, data=data, **options)
-
-
-def load(checkpoint, model=None):
-    """A trained model from a checkpoint; see :func:`mpilb.api.load`."""
-    from .api import load as _load
-
-    return _load(checkpoint, model=model)
 
 
 __all__ = ["DataError", "Model", "MpilbError", "UsageError", "__version__", "get_array_module",
