@@ -21,6 +21,7 @@ setup(
         "gpu": ["cupy-cuda12x"],
         "torch": ["torch>=2.0"],
         "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.0", "hypothesis>=6"],
+        "tensorboard": ["tensorboardX>=2.5"],
     },
     entry_points={"console_scripts": ["mpilb=mpilb.cli:main"]},
 )

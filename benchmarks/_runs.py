@@ -40,7 +40,10 @@ class Run:
 
     @property
     def command(self) -> str:
-        return "mpiexec -n 4 mpilb train " + " ".join(self.args + ["--log", os.path.basename(self.log)])
+        """The run's command line, with the dataset and the log by their base names."""
+        args = [os.path.basename(a) if prev == "--data" else a
+                for prev, a in zip([""] + self.args, self.args)]
+        return "mpiexec -n 4 mpilb train " + " ".join(args + ["--log", os.path.basename(self.log)])
 
     def mean_epoch(self) -> float:
         return float(np.mean(self.summary["epoch_s"]))

@@ -1,6 +1,9 @@
 """The shard stores' "Must show" scenarios (issue 5), measured in one run.
 
-    python benchmarks/stores.py [--dir DIR] [--repeats 5] [--epochs 5] [--json OUT]
+    python benchmarks/stores.py [--dir DIR] [--repeats 5] [--epochs 5] [--quick] [--out FILE]
+
+Writes every figure, per repeat, to benchmarks/results/stores.json (``--out``), from which
+``python benchmarks/gendocs.py`` renders the tables of docs/data.md.
 
 One server and three workers (``mpiexec -n 4``), async, train ``mlp --hidden 128 --batch
 128`` on a synthetic dataset (96000 x 256, 10 classes, 48 shards by default, of which 80 %
@@ -44,7 +47,10 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
 import _runs  # noqa: E402  (the shared run plumbing beside this script)
+
+NAME = "stores"
 
 WORKERS = _runs.WORKERS
 MODEL = ["--model", "mlp", "--hidden", "128", "--batch", "128"]
@@ -190,25 +196,56 @@ def figures(bench: Bench, runs: dict[str, list[Run]]) -> dict:
     return rows
 
 
-def verdicts(rows: dict, runs: list[Run], dataset_bytes: int) -> list[tuple[str, bool, str]]:
-    out = []
-    r = rows["a-load"]["x_static"]
-    out.append(("(a) shared, readbw: load mean epoch <= 0.5 x static", r <= 0.5, f"{r:.2f}"))
-    r = rows["a-load"]["x_noinj"]
-    out.append(("(a) shared, readbw: load <= 1.4 x load with no injection", r <= 1.4, f"{r:.2f}"))
-    r = rows["b-load"]["x_static"]
-    out.append(("(b) local, compute=4: load mean epoch <= 0.65 x static", r <= 0.65, f"{r:.2f}"))
-    lo = rows["b-load"]["min_bytes_moved"]
-    out.append(("(b) local, compute=4: bytes_moved > 0 (every repeat)", lo > 0, f"min {lo:,}"))
-    big = rows["b-load"]["max_epoch_bytes"]
-    out.append(("(b) bytes moved in any one epoch <= dataset size", big <= dataset_bytes,
-                f"max {big:,} of {dataset_bytes:,} ({big / dataset_bytes:.0%})"))
-    r = rows["c-load"]["x_noinj"]
-    out.append(("(c) local x2, readbw: load <= 1.4 x load with no injection", r <= 1.4, f"{r:.2f}"))
-    bad = [x.label for x in runs if not x.coverage_exact()]
-    out.append(("(d) coverage exact in every run", not bad,
-                f"{len(runs) - len(bad)}/{len(runs)} runs" + (f"; inexact: {bad}" if bad else "")))
-    return out
+def record(res, bench: Bench, runs: dict[str, list[Run]]) -> None:
+    """Every figure of the tables, per repeat, with the targets (the issue's "Must show")."""
+    o, n = bench.opts, bench.dataset_bytes
+
+    def ratios(num: str, den: str) -> list[float]:
+        return [a.mean_epoch() / b.mean_epoch() for a, b in zip(runs[num], runs[den])]
+
+    def command(key: str) -> str:
+        return runs[key][0].command
+
+    g = res.group(f"(a) `--store shared --inject {SLOW_READ}`, {o.epochs} epochs",
+                  command("a-load").replace("--balancer load", "--balancer POLICY"))
+    res.figure(g, "a.x_static", "load: mean epoch time ÷ static", ratios("a-load", "a-static"),
+               unit="x", target="<= 0.5")
+    res.figure(g, "a.x_noinj", "load: mean epoch time ÷ load with no injection",
+               ratios("a-load", "a-load-noinj"), unit="x", target="<= 1.4")
+    res.figure(g, "a.static_x_noinj", "static: mean epoch time ÷ load with no injection",
+               ratios("a-static", "a-load-noinj"), unit="x")
+    res.figure(g, "a.share", "load: rank 2's share of the samples",
+               [x.share(SLOW_READ_RANK) for x in runs["a-load"]], digits=3)
+    res.figure(g, "a.rate_ratio", "load: rank 2's logged rate ÷ the others'",
+               [x.rate_ratio(SLOW_READ_RANK) for x in runs["a-load"]], digits=3)
+    g = res.group(f"(b) `--store local --inject {SLOW_COMPUTE}`, {o.epochs} epochs",
+                  command("b-load").replace("--balancer load", "--balancer POLICY"))
+    res.figure(g, "b.x_static", "load: mean epoch time ÷ static", ratios("b-load", "b-static"),
+               unit="x", target="<= 0.65")
+    res.figure(g, "b.shared_x_static", "load on `--store shared` (no bytes to move) ÷ static",
+               ratios("b-load-shared", "b-static"), unit="x")
+    res.figure(g, "b.bytes_moved_mb", "load: MB of shard rows sent between workers, whole run "
+               "(> 0 in every run)", [x.summary["bytes_moved"] / 1e6 for x in runs["b-load"]],
+               unit="MB", digits=1, target=">= 0.001", decide="all")
+    res.figure(g, "b.max_epoch_fraction", f"load: the most bytes moved in one epoch ÷ the "
+               f"dataset's {n / 1e6:.1f} MB", [max(x.bytes_per_epoch() or [0]) / n
+                                                 for x in runs["b-load"]],
+               digits=3, target="<= 1.0", decide="all")
+    res.figure(g, "b.share", "load: rank 3's share of the samples",
+               [x.share(SLOW_COMPUTE_RANK) for x in runs["b-load"]], digits=3)
+    g = res.group(f"(c) `--store local --replicas 2 --inject {SLOW_READ}`, {o.epochs} epochs",
+                  command("c-load").replace("--balancer load", "--balancer POLICY"))
+    res.figure(g, "c.x_noinj", "load: mean epoch time ÷ load with no injection",
+               ratios("c-load", "c-load-noinj"), unit="x", target="<= 1.4")
+    res.figure(g, "c.static_x_noinj", "static: mean epoch time ÷ load with no injection",
+               ratios("c-static", "c-load-noinj"), unit="x")
+    res.figure(g, "c.others_io_s", "load: the other workers' waited read time, s (summed)",
+               [x.others_io(SLOW_READ_RANK) for x in runs["c-load"]], unit="s")
+    g = res.group("(d) coverage in every run above", "")
+    res.figure(g, "d.coverage", f"runs with exact coverage (applied = expected, 0 duplicates, "
+               f"0 missing; 1 = exact), of {len(bench.runs)}",
+               [float(x.coverage_exact()) for x in bench.runs], digits=0, target=">= 1",
+               decide="all")
 
 
 def print_tables(bench: Bench, rows: dict, checks) -> None:
@@ -266,8 +303,12 @@ def main(argv=None) -> int:
     _runs.add_dataset_args(ap, os.path.join(tempfile.gettempdir(), "mpilb-stores"))
     ap.add_argument("--repeats", type=int, default=5, help="repeats of every configuration")
     ap.add_argument("--epochs", type=int, default=5, help="epochs per run")
-    ap.add_argument("--json", help="also write every figure to this JSON file")
+    ap.add_argument("--json", help="also write the script's own tables to this JSON file")
+    _results.add_output_args(ap, NAME)
     opts = ap.parse_args(argv)
+    if opts.quick:   # the plumbing only: a small dataset, one repeat, two epochs
+        opts.samples, opts.shards, opts.repeats, opts.epochs = 12000, 12, 1, 2
+        opts.dir = opts.dir + "-quick"
 
     os.makedirs(opts.dir, exist_ok=True)
     import mpilb
@@ -275,11 +316,13 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
     print(f"1-minute load average before: {load_before:.1f} on {os.cpu_count()} CPUs")
     bench = Bench(opts)
+    res = _results.Results(NAME, "Shard stores", opts)
     bench.prepare()
     t0 = time.perf_counter()
     runs = bench.measure()
     rows = figures(bench, runs)
-    checks = verdicts(rows, bench.runs, bench.dataset_bytes)
+    record(res, bench, runs)
+    checks = res.checks()
     print_tables(bench, rows, checks)
     loads = [r.loadavg for r in bench.runs]
     elapsed = time.perf_counter() - t0
@@ -294,7 +337,8 @@ def main(argv=None) -> int:
                        "checks": [{"target": n, "met": ok, "value": v} for n, ok, v in checks],
                        "elapsed_s": elapsed, "load_before": load_before, "loads": loads,
                        "options": vars(opts)}, f, indent=1, default=str)
-    return 0 if all(ok for _, ok, _ in checks) else 1
+    res.write(_results.out_path(opts, NAME))
+    return 0 if res.all_met() else 1
 
 
 if __name__ == "__main__":

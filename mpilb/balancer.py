@@ -29,6 +29,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+import numpy as np
+
 from .errors import MpilbError, UsageError
 from .rates import TrendRate
 
@@ -37,6 +39,8 @@ BATCH_POLICIES: dict[str, Callable[["Balancer"], dict[int, int]]] = {}
 
 # Gains smaller than this many seconds are rounding, not improvement.
 _EPS = 1e-9
+# A worker's projected time is not linear in its samples (a forecast slowdown).
+_NONLINEAR = -1.0
 
 
 def register(name: str):
@@ -101,7 +105,7 @@ class BalancerConfig:
 
 @dataclass(frozen=True)
 class Move:
-    """One shard moved from ``src``'s queue to ``dst``'s (reason: rebalance, steal, lost)."""
+    """One shard moved from ``src``'s queue to ``dst``'s (reason: rebalance, steal, lost, probe)."""
 
     shard: int
     src: int
@@ -147,7 +151,19 @@ class Balancer:
         self._requeued: set[int] = set()    # shards of a lost worker, maybe partly done
         self._moves: list[Move] = []
         self.benched: set[int] = set()      # sitting sync rounds out: no shards, no batch
+        self._probed: dict[int, float] = {}        # when each silent worker was last probed
         self.round_step: float | None = None   # step time the last proportional sizes aim at
+        # Caches that keep a decision at 10^3 workers cheap (docs/simulate.md, "cost"):
+        # each worker's projected seconds per sample (dropped when its estimate changes),
+        # the mean rate and overhead that stand in for workers without estimates, and
+        # each queue's samples (dropped whenever the queue changes).
+        self._spp: dict[int, float] = {}
+        self._spp_fallback: set[int] = set()
+        self._means: tuple | None = None
+        self._qsum: dict[int, int] = {}
+        # The same per worker as vectors over self.workers (refreshed where touched).
+        self._vec: tuple | None = None      # (workers, position, load, seconds/sample, queued?)
+        self._dirty: set[int] = set()
 
     # -- rates ------------------------------------------------------------------------------
     def _new_estimator(self) -> TrendRate:
@@ -165,13 +181,17 @@ class Balancer:
         """
         self.now = max(self.now, t)
         if worker in self._rates:
-            self._rates[worker].update(t, samples, busy_s, comm_s)
+            est = self._rates[worker]
+            est.update(t, samples, busy_s, comm_s)
+            if est.ewma.closed:
+                self._estimates_changed(worker)
             if step_s is not None:
                 over = max(0.0, step_s - busy_s)
                 old = self._step_over.get(worker)
                 self._step_over[worker] = over if old is None else old + STEP_ALPHA * (over - old)
         if worker in self._committed:
             self._committed[worker] = max(0, self._committed[worker] - int(samples))
+            self._dirty.add(worker)
 
     def step_model(self, worker: int) -> tuple[float, float]:
         """(a, c): ``worker``'s step at batch b is expected to take ``a + c * b`` seconds.
@@ -184,13 +204,79 @@ class Balancer:
         """
         return self._step_over.get(worker) or 0.0, 1.0 / self._planning_rate(worker)
 
+    def rate_known(self, worker: int) -> bool:
+        """True once ``worker`` has a rate estimate of its own."""
+        est = self._rates.get(worker)
+        return est is not None and est.value is not None
+
+    def _estimates_changed(self, worker: int | None = None) -> None:
+        """A worker's estimates changed (None: any may have): drop what was derived."""
+        if worker is None:
+            self._spp.clear()
+            self._spp_fallback.clear()
+            self._vec = None
+        else:
+            self._spp.pop(worker, None)
+            self._dirty.add(worker)
+        self._means = None
+        for w in self._spp_fallback:
+            self._spp.pop(w, None)
+            self._dirty.add(w)
+        self._spp_fallback.clear()
+
+    def _touch(self, worker: int) -> None:
+        """``worker``'s queue or committed samples changed."""
+        self._qsum.pop(worker, None)
+        self._dirty.add(worker)
+
+    def _vectors(self) -> tuple:
+        """(workers, position of each, load, seconds per sample, has a queue), as arrays over
+        ``self.workers``, brought up to date for the workers touched since the last call."""
+        vec = self._vec
+        if vec is None or vec[0] != self.workers:
+            workers = list(self.workers)
+            pos = {w: i for i, w in enumerate(workers)}
+            load = np.array([self._load(w) for w in workers], dtype=float)
+            spp = np.array([self._seconds_per_sample(w) for w in workers], dtype=float)
+            queued = np.array([bool(self._queues.get(w)) for w in workers])
+            self._vec = vec = (workers, pos, load, spp, queued)
+        else:
+            _, pos, load, spp, queued = vec
+            for w in self._dirty:
+                i = pos.get(w)
+                if i is not None:
+                    load[i] = self._load(w)
+                    spp[i] = self._seconds_per_sample(w)
+                    queued[i] = bool(self._queues.get(w))
+        self._dirty.clear()
+        return vec
+
+    def _times_at(self, vec: tuple, samples: np.ndarray) -> np.ndarray:
+        """``_time_for`` of every worker of ``vec`` for its entry of ``samples``."""
+        workers, _, _, spp, _ = vec
+        out = samples * spp
+        for i in np.flatnonzero(spp < 0.0):
+            out[i] = self._time_nonlinear(workers[i], float(samples[i]))
+        return out
+
+    def _mean_estimates(self) -> tuple[float, float]:
+        """(mean rate, mean overhead) over the workers that have them (1.0 and 0 if none)."""
+        if self._means is None:
+            rates = [e.value for e in self._rates.values() if e.value is not None]
+            overs = [e.overhead for e in self._rates.values() if e.overhead is not None]
+            self._means = (sum(rates) / len(rates) if rates else 1.0,
+                           sum(overs) / len(overs) if overs else 0.0)
+        return self._means
+
     def has_rates(self) -> bool:
         """True once any worker has reported."""
         return any(est.value is not None for est in self._rates.values())
 
     def _fallback_rate(self, worker: int) -> float:
-        known = [est.value for w, est in self._rates.items()
-                 if w != worker and est.value is not None]
+        est = self._rates.get(worker)
+        if est is None or est.value is None:   # the mean over all is the others' mean
+            return self._mean_estimates()[0]
+        known = [e.value for w, e in self._rates.items() if w != worker and e.value is not None]
         return sum(known) / len(known) if known else 1.0
 
     def rate(self, worker: int) -> float:
@@ -210,8 +296,8 @@ class Balancer:
         est = self._rates.get(worker)
         if est is not None and est.overhead is not None:
             return est.overhead
-        known = [e.overhead for w, e in self._rates.items() if w != worker and e.overhead is not None]
-        return sum(known) / len(known) if known else 0.0
+        # no estimate of its own: the mean over all the others' (cached)
+        return self._mean_estimates()[1]
 
     def effective_rate(self, worker: int) -> float:
         """Samples per wall-clock second, communication included: what to split work by."""
@@ -226,7 +312,10 @@ class Balancer:
         self.epoch = epoch
         self._committed = {w: 0 for w in self.workers}
         self._requeued = set()
+        self._vec = None
         self._queues = self._build_queues(list(order))
+        self._qsum.clear()
+        self._vec = None
         return {w: list(q) for w, q in self._queues.items()}
 
     def _build_queues(self, order: list[int]) -> dict[int, list[int]]:
@@ -255,6 +344,7 @@ class Balancer:
             return None
         queue = self._queues[worker]
         shard = queue.pop(0) if queue else self._steal(worker)
+        self._touch(worker)
         if shard is not None:
             self._commit(worker, shard)
         return shard
@@ -264,6 +354,7 @@ class Balancer:
         resumed from a checkpoint or taken over from a lost worker): not committed work."""
         if worker in self._committed:
             self._committed[worker] = max(0, self._committed[worker] - int(samples))
+            self._dirty.add(worker)
 
     def _commit(self, worker: int, shard: int) -> None:
         # A requeued shard may be partly done already: counting none of it errs on the side
@@ -272,16 +363,38 @@ class Balancer:
             self._requeued.discard(shard)
         else:
             self._committed[worker] = self._committed.get(worker, 0) + self.shard_sizes[shard]
+            self._dirty.add(worker)
 
     def _steal(self, worker: int) -> int | None:
         return None
 
     def _time_for(self, worker: int, samples: float) -> float:
         """Projected wall-clock seconds for ``worker`` to do ``samples`` more samples."""
-        return samples * (1.0 / self._planning_rate(worker) + self.overhead(worker))
+        spp = self._seconds_per_sample(worker)
+        return samples * spp if spp >= 0.0 else self._time_nonlinear(worker, samples)
+
+    def _seconds_per_sample(self, worker: int) -> float:
+        """``_time_for(worker, n) / n`` when that is the same for every n (cached), else
+        ``_NONLINEAR``."""
+        spp = self._spp.get(worker)
+        if spp is None:
+            spp = self._spp[worker] = self._linear_cost(worker)
+            est = self._rates.get(worker)
+            if est is None or est.value is None or est.overhead is None:
+                self._spp_fallback.add(worker)   # depends on the others' means
+        return spp
+
+    def _linear_cost(self, worker: int) -> float:
+        return 1.0 / self._planning_rate(worker) + self.overhead(worker)
+
+    def _time_nonlinear(self, worker: int, samples: float) -> float:
+        raise NotImplementedError
 
     def _queued_samples(self, worker: int) -> int:
-        return sum(self.shard_sizes[s] for s in self._queues.get(worker, ()))
+        total = self._qsum.get(worker)
+        if total is None:
+            total = self._qsum[worker] = sum(self.shard_sizes[s] for s in self._queues.get(worker, ()))
+        return total
 
     def _finish(self, worker: int) -> float:
         """Projected seconds until ``worker`` has done its committed and queued samples."""
@@ -291,7 +404,8 @@ class Balancer:
         return self._committed.get(worker, 0) + self._queued_samples(worker)
 
     def _least_loaded(self, size: int) -> int:
-        return min(self.workers, key=lambda w: self._time_for(w, self._load(w) + size))
+        vec = self._vectors()
+        return vec[0][int(np.argmin(self._times_at(vec, vec[2] + size)))]
 
     def rebalance(self, t: float, committed: dict[int, int]) -> list[Move]:
         """Move unstarted shards if that helps; ``committed[w]`` = samples w still must do.
@@ -300,6 +414,7 @@ class Balancer:
         """
         self.now = max(self.now, t)
         self._committed = {w: int(committed.get(w, 0)) for w in self.workers}
+        self._vec = None
         return []
 
     def requeue(self, shards: list[int]) -> None:
@@ -313,6 +428,7 @@ class Balancer:
             raise MpilbError(f"no workers left to take shard {shard}")
         dst = self._least_loaded(self.shard_sizes[shard])
         self._queues[dst].append(shard)
+        self._touch(dst)
         return dst
 
     def bench(self, worker: int) -> list[Move]:
@@ -323,7 +439,9 @@ class Balancer:
         self.workers.remove(worker)
         self.benched.add(worker)
         orphans = self._queues.pop(worker, [])
+        self._touch(worker)
         self._committed.pop(worker, None)
+        self._vec = None
         moves = [Move(shard, worker, self._place(shard), "rebalance") for shard in orphans]
         self._moves.extend(moves)
         return moves
@@ -336,7 +454,21 @@ class Balancer:
         self.benched.discard(worker)
         self.workers.append(worker)
         self._queues[worker] = []
+        self._touch(worker)
         self._committed[worker] = 0
+
+    def seed_rate(self, worker: int, samples: float, busy_s: float) -> None:
+        """Start ``worker``'s estimates afresh from one measurement (a readmitted worker's
+        probe step): it is planned and sized at that rate at once, not at the others' mean
+        until 50 ms of busy time have filled a bucket."""
+        self.forget(worker)
+        est = self._rates.get(worker)
+        if est is not None and samples > 0 and busy_s > 0:
+            bucket = est.ewma.bucket_s
+            est.ewma.bucket_s = 0.0      # this one measurement is the first bucket
+            est.update(self.now, samples, busy_s)
+            est.ewma.bucket_s = bucket
+            self._estimates_changed(worker)
 
     def forget(self, worker: int) -> None:
         """Drop ``worker``'s rate and per-step overhead (it changed speed, e.g. back from
@@ -344,6 +476,7 @@ class Balancer:
         self._step_over[worker] = None
         if worker in self._rates:
             self._rates[worker] = self._new_estimator()
+        self._estimates_changed(worker)
 
     def remove_worker(self, worker: int) -> list[Move]:
         """Drop a lost worker; its queued shards go to the others (moves with reason "lost")."""
@@ -352,7 +485,9 @@ class Balancer:
             return []
         self.workers.remove(worker)
         orphans = self._queues.pop(worker, [])
+        self._touch(worker)
         self._rates.pop(worker, None)
+        self._estimates_changed(worker)
         self._committed.pop(worker, None)
         moves = [Move(shard, worker, self._place(shard), "lost") for shard in orphans]
         self._moves.extend(moves)
@@ -405,6 +540,9 @@ class Balancer:
             est.load_state_dict(est_state)
             self._rates[int(w)] = est
         self._moves = [Move(**m) for m in state["moves"]]
+        self._qsum.clear()
+        self._estimates_changed()
+        self._vec = None
 
 
 @register("static")
@@ -510,11 +648,23 @@ class LoadBalancer(Balancer):
     def _sooner_elsewhere(self, worker: int, shard: int) -> bool:
         size = self.shard_sizes[shard]
         mine = self._time_for(worker, self._committed.get(worker, 0) + size)
-        return any(self._time_for(v, self._load(v) + size) < mine - _EPS
-                   for v in self.workers if v != worker)
+        vec = self._vectors()
+        others = self._times_at(vec, vec[2] + size)
+        others[vec[1][worker]] = np.inf
+        return bool((others < mine - _EPS).any())
 
     def _build_queues(self, order):
         queues = {w: [] for w in self.workers}
+        if self.holders is None:   # every worker is a home: one vector op per shard
+            vec = self._vectors()
+            workers = vec[0]
+            loads = np.zeros(len(workers))
+            for shard in order:
+                size = self.shard_sizes[shard]
+                i = int(np.argmin(self._times_at(vec, loads + size)))
+                queues[workers[i]].append(shard)
+                loads[i] += size
+            return queues
         load = {w: 0 for w in self.workers}
         for shard in order:
             size = self.shard_sizes[shard]
@@ -525,6 +675,8 @@ class LoadBalancer(Balancer):
             # Holders first; then send shards elsewhere only where that ends the epoch
             # sooner by more than the hysteresis (rebalance's rule).
             self._queues = queues
+            self._qsum.clear()
+            self._vec = None
             self.rebalance(self.now, {})
             queues = self._queues
         return queues
@@ -533,42 +685,89 @@ class LoadBalancer(Balancer):
         super().rebalance(t, committed)
         if len(self.workers) < 2:
             return []
-        load = {w: self._load(w) for w in self.workers}
-        finish = {w: self._time_for(w, load[w]) for w in self.workers}
-        before = max(finish.values())
+        moves = self._moves_by_rate()
+        self._moves.extend(moves)
+        probes = self._probe_silent(t)
+        self._moves.extend(probes)
+        return moves + probes
+
+    def _probe_silent(self, t: float) -> list[Move]:
+        """A worker left without work while others still have shards queued (projected too
+        slow for even one, e.g. a slow reader) sends no reports, so its rate would never
+        recover when it speeds up. At a rebalance it gets one queued shard (a probe: the
+        smallest at the tail of the last finisher's queue), at most one per interval; its
+        old estimate is then replaced by what the probe measures. A worker idle for any
+        other reason would have stolen that shard already."""
+        wait = self.config.rebalance_interval
+        moves = []
+        for w in self.workers:
+            if self._queues[w] or self._committed.get(w, 0) > 0:
+                continue
+            if t - self._probed.get(w, -wait) < wait or not self.rate_known(w):
+                continue
+            donors = [v for v in self.workers if v != w and self._queues[v]]
+            if not donors:
+                break
+            src = max(donors, key=self._finish)
+            shard = min(self._queues[src][-3:], key=lambda s: self.shard_sizes[s])
+            self._queues[src].remove(shard)
+            self._queues[w].append(shard)
+            self._touch(src)
+            self._touch(w)
+            self._probed[w] = t
+            self._rates[w].ewma.mark_stale()
+            moves.append(Move(shard, src, w, "probe"))
+        return moves
+
+    def _moves_by_rate(self) -> list[Move]:
+        """The rebalance proper (see the class docstring); moves not yet recorded."""
+        # Vectors over self.workers: argmax/argmin take the first of equals, as max/min do.
+        vec = self._vectors()
+        workers = vec[0]
+        load = vec[2].copy()
+        finish = self._times_at(vec, load)
+        before = float(finish.max())
         moves: list[Move] = []
         for _ in range(sum(len(q) for q in self._queues.values())):
-            src = max(self.workers, key=lambda w: finish[w])
+            s = int(np.argmax(finish))
+            src = workers[s]
             if not self._queues[src]:
                 break                       # the last finisher has only committed work left
             shard = self._queues[src][-1]
             size = self.shard_sizes[shard]
-            dst = min((w for w in self.workers if w != src),
-                      key=lambda w: self._time_for(w, load[w] + size))
-            dst_after = self._time_for(dst, load[dst] + size)
-            if dst_after >= finish[src] - _EPS:
+            after_dst = self._times_at(vec, load + size)
+            after_dst[s] = np.inf
+            d = int(np.argmin(after_dst))
+            dst, dst_after = workers[d], float(after_dst[d])
+            if dst_after >= finish[s] - _EPS:
                 break                       # it would only move the late finish elsewhere
             self._queues[src].pop()
             self._queues[dst].append(shard)
-            load[src] -= size
-            load[dst] += size
-            finish[src] = self._time_for(src, load[src])
-            finish[dst] = dst_after
+            load[s] -= size
+            load[d] += size
+            finish[s] = self._time_for(src, float(load[s]))
+            finish[d] = dst_after
             moves.append(Move(shard, src, dst, "rebalance"))
-        after = max(finish.values())
+        after = float(finish.max())
         if moves and before - after <= self.config.hysteresis * before + _EPS:
             for move in reversed(moves):    # not worth it: undo, newest first
                 self._queues[move.dst].pop()
                 self._queues[move.src].append(move.shard)
             moves = []
-        self._moves.extend(moves)
+        for move in moves:
+            self._touch(move.src)
+            self._touch(move.dst)
         return moves
 
     def _steal(self, worker):
-        victims = [w for w in self.workers if w != worker and self._queues[w]]
-        if not victims:
+        vec = self._vectors()
+        workers, pos, load, _, queued = vec
+        finish = self._times_at(vec, load)
+        finish[~queued] = -np.inf
+        finish[pos[worker]] = -np.inf
+        if not np.isfinite(finish).any():
             return None
-        victim = max(victims, key=self._finish)
+        victim = workers[int(np.argmax(finish))]
         shard = self._queues[victim][-1]
         size = self.shard_sizes[shard]
         before = self._finish(victim)
@@ -577,6 +776,7 @@ class LoadBalancer(Balancer):
         if max(thief_after, victim_after) >= before - _EPS:
             return None
         self._queues[victim].pop()
+        self._touch(victim)
         self._moves.append(Move(shard, victim, worker, "steal"))
         return shard
 
@@ -596,13 +796,20 @@ class PredictiveBalancer(LoadBalancer):
         forecast = est.forecast(self.now, self.config.rebalance_interval) if est else None
         return forecast if forecast is not None else self.rate(worker)
 
-    def _time_for(self, worker, samples):
+    def _linear_cost(self, worker):
         # A worker that is slowing down keeps slowing while it works through its queue:
         # integrate the trend over the whole job rather than assume the next interval's rate.
         est = self._rates.get(worker)
-        if est is None or est.value is None or samples <= 0:
-            return super()._time_for(worker, max(samples, 0))
-        return est.time_for(samples, self.now) + samples * self.overhead(worker)
+        if est is None or est.value is None:
+            return super()._linear_cost(worker)
+        if est.slope() < 0.0:
+            return _NONLINEAR
+        return 1.0 / est.value + self.overhead(worker)   # a flat or rising trend: its EWMA
+
+    def _time_nonlinear(self, worker, samples):
+        if samples <= 0:
+            return 0.0
+        return self._rates[worker].time_for(samples, self.now) + samples * self.overhead(worker)
 
 
 @register_batch_policy("fixed")

@@ -93,20 +93,34 @@ def _bare_worker(comm, n: int) -> None:
         C.recv_when_ready(comm, w, 0, TAG_BARE, backoff)
 
 
-def _null_worker(comm, n: int) -> None:
+def _null_worker(comm, n: int, bounds: list) -> None:
     """The worker protocol without computing: push zero-cost gradients of the tasks assigned,
-    honouring their ends, cuts and drops (so coverage stays exact, as with real workers)."""
+    honouring their ends, cuts and drops (so coverage stays exact, as with real workers).
+    Slices go to their stores (`bounds`, --servers) as real workers send them."""
     push_buf, push_hdr, push_payload = wire.new_message(n)
     push_payload[:] = 1e-3
-    recv_buf, recv_hdr, _ = wire.new_message(n)
+    recv_buf, recv_hdr, recv_params = wire.new_message(n)
     tasks: list[list[int]] = []   # [epoch, shard, pos, end]
     backoff = C.Backoff()
     step = 0
+    pulls = None
+    stores = range(len(bounds) - 1)
     while True:
-        C.recv_when_ready(comm, recv_buf, 0, wire.TAG_REPLY, backoff)
+        if pulls is None:
+            pulls = [comm.Irecv(recv_params[bounds[s]:bounds[s + 1]], source=s, tag=wire.TAG_PARAMS)
+                     for s in stores]
+        C.recv_when_ready(comm, recv_buf[:wire.HEADER_BYTES], 0, wire.TAG_REPLY, backoff)
         reply = wire.decode_reply(recv_hdr)
         if reply.cmd == Cmd.STOP:
+            for req in pulls:
+                req.Cancel()
+                C.wait(req, timeout=1.0)
             return
+        if reply.cmd == Cmd.PARAMS:
+            backoff.reset()
+            while not C.Request.Testall(pulls):
+                backoff.sleep()
+            pulls = None
         if reply.cmd == Cmd.ORDERS:   # rows for another rank: only with --store local
             continue
         if reply.drop:
@@ -125,37 +139,61 @@ def _null_worker(comm, n: int) -> None:
         wire.encode_push(push_hdr, step=step, version=reply.version, epoch=epoch, shard=shard,
                          lo=lo, hi=hi, batch=hi - lo, loss=0.0, compute_s=0.0, io_s=0.0,
                          comm_s=0.0, idle_s=0.0, nonfinite=False, t=0.0)
-        C.complete(comm.Isend(push_buf, dest=0, tag=wire.TAG_PUSH))
+        reqs = [comm.Isend(push_payload[bounds[s]:bounds[s + 1]], dest=s, tag=wire.TAG_GRAD)
+                for s in stores if s > 0]
+        reqs.append(comm.Isend(push_buf[:wire.HEADER_BYTES + 4 * bounds[1]], dest=0, tag=wire.TAG_PUSH))
+        for req in reqs:
+            C.complete(req)
         step += 1
 
 
 _NULL_SHARD = 1_000_000
 
 
-def _real_server(comm, n: int, seconds: float, optimizer: str, lr: float) -> float:
+def _bench_config(n: int, seconds: float, optimizer: str, lr: float, servers: int, log: str):
     from .config import build_config
-    from .server import ParameterServer
 
-    workers = comm.Get_size() - 1
-    features = max(1, n // 10 - 1)
-    dataset = _BenchDataset(features, [_NULL_SHARD] * (2 * workers + 2))
+    return build_config({}, {"model": "softmax", "optimizer": optimizer, "lr": lr,
+                             "epochs": 1, "max_seconds": seconds, "eval_interval": 1e9,
+                             "rebalance_interval": 1.0, "progress": False, "servers": servers,
+                             "log": log, "data": "<bench>"})
+
+
+def _bench_dataset(n: int, workers: int) -> _BenchDataset:
+    return _BenchDataset(max(1, n // 10 - 1), [_NULL_SHARD] * (2 * workers + 2))
+
+
+def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, servers: int) -> dict:
+    """One timed run of the real server (rank 0), its stores and null workers (every rank).
+    Rank 0 returns {updates_per_s, server_cpu_s, train_s, updates, servers: [...]}."""
+    from .server.store import StoreRank, store_bounds
+    from .training import config_model
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dataset = _bench_dataset(n, size - servers)
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = build_config({}, {"model": "softmax", "optimizer": optimizer, "lr": lr,
-                                "epochs": 1, "max_seconds": seconds, "eval_interval": 1e9,
-                                "rebalance_interval": 1.0, "progress": False,
-                                "log": os.path.join(tmp, "bench.h5"), "data": "<bench>"})
-        server = ParameterServer(cfg, dataset, comm, {"config": cfg.to_json(), "world_size": comm.Get_size()})
+        cfg = _bench_config(n, seconds, optimizer, lr, servers, os.path.join(tmp, "bench.h5"))
+        if rank >= servers:
+            _null_worker(comm, n, store_bounds(cfg, config_model(cfg, dataset)))
+            return {}
+        if rank > 0:
+            StoreRank(cfg, dataset, comm, rank).run()
+            return {}
+        from .server import ParameterServer
+
+        server = ParameterServer(cfg, dataset, comm, {"config": cfg.to_json(), "world_size": size})
         server.run()
-        updates = server.version
-        train_s = server.train_s
-        server.finish("finished")
-    return updates / train_s
+        updates, train_s = server.version, server.train_s
+        summary = server.finish("finished")
+    return {"updates_per_s": updates / train_s, "updates": updates, "train_s": train_s,
+            "server_cpu_s": summary["server_cpu_s"], "servers": summary["servers"]}
 
 
 def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sgd",
-             as_json: bool = False, repeats: int = 3) -> int:
+             as_json: bool = False, repeats: int = 3, servers: int = 1) -> int:
     """Run both loops on every rank, alternating `repeats` times; rank 0 prints medians
-    (the ratio is the median of the per-pair ratios)."""
+    (the ratio is the median of the per-pair ratios). With `servers` K > 1 the real server
+    has K parameter stores (ranks 0..K-1); the bare loop stays one server, P-1 workers."""
     comm, rank, size = C.world()
     if size < 2:
         if rank == 0:
@@ -163,10 +201,15 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
         return 2
     if params < 10 or seconds <= 0 or repeats < 1:
         raise UsageError("bench ps: --params must be >= 10, --seconds > 0 and --repeats >= 1")
+    if servers < 1 or servers >= size:
+        raise UsageError(f"bench ps: --servers {servers} must be >= 1 and leave a worker "
+                         f"(this job has {size} ranks)")
+    if servers > params:
+        raise UsageError(f"bench ps: --servers {servers} exceeds --params {params}")
     lr = 1e-6
     # Use the server's actual parameter count (softmax: 10*(features+1)) for both loops.
     n = (max(1, params // 10 - 1)) * 10 + 10
-    baselines, rates = [], []
+    baselines, rates, runs = [], [], []
     for _ in range(repeats):   # alternate, so both loops see the same machine load
         C.wait(comm.Ibarrier())
         if rank == 0:
@@ -174,28 +217,32 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
         else:
             _bare_worker(comm, n)
         C.wait(comm.Ibarrier())
+        run = _real_run(comm, n, seconds, optimizer, lr, servers)
         if rank == 0:
-            rates.append(_real_server(comm, n, seconds, optimizer, lr))
-        else:
-            _null_worker(comm, n)
+            runs.append(run)
+            rates.append(run["updates_per_s"])
     C.wait(comm.Ibarrier())
     if rank != 0:
         return 0
     rate, baseline = statistics.median(rates), statistics.median(baselines)
     result = {
         "params": n,
-        "workers": size - 1,
+        "workers": size - servers,
         "optimizer": optimizer,
         "updates_per_s": rate,
         "gb_per_s": rate * n * 4 * 2 / 1e9,
         "baseline_updates_per_s": baseline,
         "ratio": statistics.median(r / b for r, b in zip(rates, baselines)),
+        "ratios": [r / b for r, b in zip(rates, baselines)],
         "repeats": repeats,
+        "servers": servers,
+        "runs": runs,   # per repeat: updates/s, rank 0's CPU seconds, per-store counters
     }
     if as_json:
         print(json.dumps(result))
     else:
-        print(f"parameter server, {n} float32 params, {size - 1} workers, {optimizer}: "
+        print(f"parameter server ({servers} store{'s' if servers > 1 else ''}), {n} float32 "
+              f"params, {size - servers} workers, {optimizer}: "
               f"{rate:.0f} updates/s ({result['gb_per_s']:.2f} GB/s in+out); bare loop "
               f"{baseline:.0f} updates/s; ratio {result['ratio']:.2f} (medians of {repeats})")
     sys.stdout.flush()

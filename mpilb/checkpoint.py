@@ -19,15 +19,26 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 
 import h5py
 import numpy as np
 
 from . import __version__
-from .errors import UsageError
+from .errors import MpilbError, UsageError
 
 FORMAT = 1
+
+# How positions of an epoch map to samples: the shard order and each shard's permutation are
+# drawn from these seeds (training.epoch_order, shards.ShardStore.permutation). A checkpoint
+# taken part-way through an epoch is only meaningful under the same plan.
+PLAN_SCHEME = "order=default_rng([seed,epoch,0x5EED]);rows=default_rng([seed,epoch,shard])"
+
+
+def plan_signature(seed: int, dataset) -> dict:
+    """What decides which sample a position of an epoch is (see PLAN_SCHEME)."""
+    return {"scheme": PLAN_SCHEME, "seed": int(seed), "shard_sizes": list(dataset.shard_sizes)}
 
 
 def model_signature(model) -> dict:
@@ -55,6 +66,13 @@ class Checkpoint:
     balancer: dict
     train_s: float
     config: dict
+    plan: dict = None             # plan_signature the epoch's positions were counted under
+    path: str = ""
+
+    @property
+    def mid_epoch(self) -> bool:
+        """True when part of `epoch` was applied (its positions must keep their meaning)."""
+        return bool(np.any(self.counts))
 
 
 def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epoch: int,
@@ -62,6 +80,7 @@ def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epo
     """Write a checkpoint atomically (tmp file, flush, fsync, rename)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    remove_stale_temps(path)
     try:
         with h5py.File(tmp, "w", locking=False) as f:
             f.attrs["format"] = FORMAT
@@ -77,6 +96,7 @@ def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epo
             f.attrs["epoch"] = int(epoch)
             f.attrs["train_s"] = float(train_s)
             f.attrs["seed"] = int(cfg.seed)
+            f.attrs["plan"] = json.dumps(plan_signature(cfg.seed, dataset))
             f.create_dataset("params", data=np.asarray(params, dtype=np.float32))
             state = model.get_state()   # e.g. BatchNorm statistics: the latest pushed
             if state is not None:
@@ -100,16 +120,59 @@ def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epo
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:
+        # a full disk shows as OSError, or as RuntimeError when h5py closes the file
         tmp.unlink(missing_ok=True)
-        raise UsageError(f"--checkpoint {path}: cannot write the checkpoint ({exc})") from None
+        free = _free_bytes(path.parent)
+        raise MpilbError(f"--checkpoint {path}: cannot write the checkpoint ({exc}; "
+                         f"{free / 1e6:.1f} MB free there); the previous checkpoint is intact") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
-def load(path: str, model, dataset) -> Checkpoint:
-    """Read a checkpoint and check it belongs to this model and dataset.
+def _free_bytes(directory: Path) -> float:
+    try:
+        st = os.statvfs(directory)
+        return float(st.f_bavail * st.f_frsize)
+    except OSError:
+        return float("nan")
+
+
+def remove_stale_temps(path) -> list[str]:
+    """Delete temporary files a killed writer left beside `path` (`.NAME.tmpPID` of a process
+    that no longer exists); returns what was removed."""
+    path = Path(path)
+    removed = []
+    for tmp in path.parent.glob(f".{path.name}.tmp*"):
+        pid = tmp.name.rsplit(".tmp", 1)[-1]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        try:
+            tmp.unlink()
+            removed.append(str(tmp))
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def load(path: str, model, dataset, seed: Optional[int] = None) -> Checkpoint:
+    """Read a checkpoint and check it belongs to this model and dataset (and, given the
+    run's `seed`, that the interrupted epoch keeps its plan: see `check_plan`).
 
     Raises:
-        UsageError: missing or unreadable file, or a model/dataset mismatch (named).
+        UsageError: missing, unreadable or damaged file (JSON, non-finite values), a
+            model/dataset mismatch, or a plan that would change the epoch's samples (named).
     """
     p = Path(path)
     if not p.exists():
@@ -144,7 +207,7 @@ def load(path: str, model, dataset) -> Checkpoint:
                         for k, v in f["optimizer"].attrs.items()})
             if "state" in f:
                 model.set_state(f["state"][()])
-            return Checkpoint(
+            ck = Checkpoint(
                 params=f["params"][()],
                 optimizer=opt,
                 version=int(f.attrs["version"]),
@@ -154,9 +217,56 @@ def load(path: str, model, dataset) -> Checkpoint:
                 balancer=json.loads(f.attrs["balancer"]),
                 train_s=float(f.attrs["train_s"]),
                 config=json.loads(f.attrs["config"]),
+                plan=json.loads(f.attrs["plan"]) if "plan" in f.attrs else None,
+                path=str(path),
             )
         except KeyError as exc:
             raise UsageError(f"--resume: {path} is not an mpilb checkpoint (missing {exc})") from None
+        except (ValueError, TypeError, OSError) as exc:   # damaged JSON or data
+            raise UsageError(f"--resume: {path} is damaged ({type(exc).__name__}: {exc}); "
+                             f"resume from another checkpoint or start a new run") from None
+    _check_values(ck)
+    if seed is not None:
+        check_plan(ck, seed, dataset)
+    return ck
+
+
+def _check_values(ck: Checkpoint) -> None:
+    """A checkpoint that would poison the run (NaN/Inf parameters, impossible counts)."""
+    path = ck.path
+    bad = np.flatnonzero(~np.isfinite(ck.params))
+    if bad.size:
+        raise UsageError(f"--resume: {path} holds {bad.size} non-finite parameter value(s) "
+                         f"(first at index {bad[0]}): resume from an earlier checkpoint")
+    for key, value in ck.optimizer.items():
+        if isinstance(value, np.ndarray) and value.dtype.kind == "f" and not np.isfinite(value).all():
+            raise UsageError(f"--resume: {path} holds non-finite optimizer state {key!r}: "
+                             f"resume from an earlier checkpoint")
+    if ck.epoch < 0 or ck.version < 0 or not np.isfinite(ck.train_s):
+        raise UsageError(f"--resume: {path} is damaged (epoch {ck.epoch}, version {ck.version})")
+
+
+def check_plan(ck: Checkpoint, seed: int, dataset) -> None:
+    """Refuse a resume that would give the interrupted epoch's positions other samples.
+
+    Positions applied before the checkpoint are counted in the shard-permuted order of the
+    plan it was written under; the rest of the epoch must be drawn from the same order, or
+    some samples would be applied twice and others never while the counts said "exact".
+    At an epoch boundary nothing is pending and any seed is fine from the next epoch on.
+    """
+    if not ck.mid_epoch:
+        return
+    want = plan_signature(seed, dataset)
+    saved = ck.plan or {"scheme": PLAN_SCHEME, "seed": int(ck.config.get("seed", -1)),
+                        "shard_sizes": want["shard_sizes"]}
+    if saved != want:
+        differ = [k for k in want if saved.get(k) != want[k]]
+        what = (f"--seed {saved.get('seed')}" if differ == ["seed"]
+                else "another sample plan (" + ", ".join(differ) + ")")
+        raise UsageError(f"--resume: {ck.path} stopped part-way through epoch {ck.epoch}, written "
+                         f"with {what}; this run would map the epoch's remaining positions to "
+                         f"other samples: resume with --seed {saved.get('seed')} (a new seed may "
+                         f"be given at an epoch boundary)")
 
 
 def resume_plan(order: list[int], counts: np.ndarray, offsets: np.ndarray,

@@ -33,13 +33,25 @@ if env_world_size() > 1:
     for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(_var, "1")
 
+# A preemption signal (SIGTERM/SIGUSR1) while a training rank is still importing must not
+# kill it (exit 15, no checkpoint): note it now, `mpilb train` acts on it once running.
+if len(sys.argv) > 1 and sys.argv[1] == "train":
+    from .signals import catch_early
+
+    catch_early()
+
 import argparse  # noqa: E402
 
 from .errors import MpilbError, UsageError  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of printing from every rank."""
+    """argparse that raises UsageError instead of printing from every rank, and whose
+    --help shows every option's default."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message):
         if message.startswith("unrecognized arguments:"):
@@ -59,7 +71,12 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("config_file", nargs="?", metavar="CONFIG.toml",
                    help="TOML file with the same keys as the options")
     for opt in OPTIONS:
-        kw = dict(dest=opt.name, default=argparse.SUPPRESS, help=opt.help)
+        # defaults are not argparse's (a config file may set the value): shown in the help
+        shown = "none" if opt.default is None or opt.default == [] else opt.default
+        if opt.type is bool:
+            shown = opt.flag if opt.default else "--no-" + opt.flag[2:]
+        text = opt.help if "default" in opt.help else f"{opt.help} (default: {shown})"
+        kw = dict(dest=opt.name, default=argparse.SUPPRESS, help=text.replace("%", "%%"))
         if opt.type is bool:
             p.add_argument(opt.flag, action=argparse.BooleanOptionalAction, **kw)
             continue
@@ -86,9 +103,9 @@ def build_parser() -> Parser:
     psub.required = True
 
     def common(p):
-        p.add_argument("--shards", type=int, default=8)
-        p.add_argument("--test-fraction", type=float, default=0.2)
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--shards", type=int, default=8, help="number of training shard files")
+        p.add_argument("--test-fraction", type=float, default=0.2, help="share of samples kept for test.h5")
+        p.add_argument("--seed", type=int, default=0, help="seed of the shuffle (and of generated data)")
 
     d = psub.add_parser("digits", help="scikit-learn's bundled 8x8 digits")
     d.add_argument("out")
@@ -98,7 +115,7 @@ def build_parser() -> Parser:
     s.add_argument("--samples", type=int, required=True)
     s.add_argument("--features", type=int, required=True)
     s.add_argument("--classes", type=int, required=True)
-    s.add_argument("--noise", type=float, default=0.0)
+    s.add_argument("--noise", type=float, default=0.0, help="share of labels replaced at random")
     common(s)
     n = psub.add_parser("npz", help="arrays from a NumPy .npz file")
     n.add_argument("file")
@@ -138,6 +155,7 @@ def build_parser() -> Parser:
     rep.add_argument("--json", action="store_true", help="print the summary object")
     rep.add_argument("--plots", metavar="DIR", help="write PNG figures into DIR")
     rep.add_argument("--compare", action="store_true", help="put several runs side by side")
+    rep.add_argument("--csv", metavar="DIR", help="write one CSV file per log group into DIR")
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="what", metavar="WHAT", parser_class=Parser)
@@ -147,6 +165,7 @@ def build_parser() -> Parser:
     ps.add_argument("--seconds", type=float, default=2.0, help="length of each timed phase")
     ps.add_argument("--repeats", type=int, default=3, help="alternations of the two loops")
     ps.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam"))
+    ps.add_argument("--servers", type=int, default=1, help="parameter stores (ranks 0..K-1)")
     ps.add_argument("--json", action="store_true")
 
     exp = sub.add_parser("export", help="trained weights out of a checkpoint")
@@ -158,6 +177,11 @@ def build_parser() -> Parser:
     ev.add_argument("--json", action="store_true")
 
     sub.add_parser("doctor", help="check the MPI, HDF5 and GPU setup")
+
+    from .simulate.main import add_arguments as simulate_arguments
+
+    simulate_arguments(sub.add_parser("simulate", help="replay a run or simulate a cluster "
+                                      "under other policies (no MPI)"))
     return parser
 
 
@@ -201,12 +225,13 @@ def _dispatch(args) -> int:
     if args.command == "report":
         from .report import run_report
 
-        return run_report(args.logs, as_json=args.json, plots=args.plots, compare=args.compare)
+        return run_report(args.logs, as_json=args.json, plots=args.plots, compare=args.compare,
+                          csv=args.csv)
     if args.command == "bench":
         from .bench import bench_ps
 
         return bench_ps(params=args.params, seconds=args.seconds, optimizer=args.optimizer,
-                        as_json=args.json, repeats=args.repeats)
+                        as_json=args.json, repeats=args.repeats, servers=args.servers)
     if args.command == "export":
         from .export import export
 
@@ -226,6 +251,10 @@ def _dispatch(args) -> int:
         from .doctor import doctor
 
         return doctor()
+    if args.command == "simulate":
+        from .simulate.main import run_simulate
+
+        return run_simulate(args)
     raise UsageError(f"unknown command {args.command}")
 
 

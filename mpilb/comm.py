@@ -174,9 +174,9 @@ def poll_error(comm) -> Optional[tuple[int, str]]:
     return None
 
 
-def notify_preempt(comm):
-    """Tell rank 0 this rank received a preemption signal (rare, small). Returns the request."""
-    return comm.isend(comm.Get_rank(), dest=0, tag=TAG_PREEMPT)
+def notify_preempt(comm, signum: int = 15):
+    """Tell rank 0 this rank received signal `signum` (rare, small). Returns the request."""
+    return comm.isend(int(signum), dest=0, tag=TAG_PREEMPT)
 
 
 def drain(comm) -> None:
@@ -187,13 +187,13 @@ def drain(comm) -> None:
             comm.recv(source=status.Get_source(), tag=tag)
 
 
-def poll_preempt(comm) -> bool:
-    """True if some worker reported a preemption signal."""
+def poll_preempt(comm) -> Optional[tuple[int, int]]:
+    """(rank, signal number) of a worker's signal report, if one is waiting."""
     status = MPI.Status()
     if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_PREEMPT, status=status):
-        comm.recv(source=status.Get_source(), tag=TAG_PREEMPT)
-        return True
-    return False
+        src = status.Get_source()
+        return src, int(comm.recv(source=src, tag=TAG_PREEMPT))
+    return None
 
 
 Request = MPI.Request

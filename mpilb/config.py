@@ -113,6 +113,10 @@ OPTIONS: tuple[Option, ...] = (
            "reads only shards placed on it", ("shared", "local"), group="balancing"),
     Option("replicas", int, 1, "local store: copies of each shard", check=_POSITIVE_INT,
            group="balancing", metavar="R"),
+    Option("cache_mb", float, 0.0, "keep shards in memory after their first read when all "
+           "those a rank may read fit in this many MB (0: off); injected slow reads then slow "
+           "the first read of each shard only", check=_NON_NEGATIVE, group="balancing",
+           metavar="MB"),
     # stopping and evaluation
     Option("epochs", int, 5, "epochs to train", check=_POSITIVE_INT, group="stopping"),
     Option("max_seconds", float, None, "stop after this many seconds of training",
@@ -127,9 +131,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("seed", int, 0, "seed for initialisation, shuffles and injection",
            check=(lambda v: v >= 0, "an integer >= 0"), group="experiments"),
     # output and fault tolerance
-    Option("log", str, "mpilb-run.h5", "run log (HDF5) written by rank 0", group="output",
-           metavar="RUN.h5"),
-    Option("checkpoint", str, None, "checkpoint file (HDF5)", group="output", metavar="CKPT.h5"),
+    Option("log", str, None, "run log (HDF5) written by rank 0; default: a new runs/NNN.h5 "
+           "(the next free number) in the working directory", group="output", metavar="RUN.h5"),
+    Option("checkpoint", str, None, "checkpoint file (HDF5); default: the log's name with "
+           ".ckpt.h5 (runs/007.h5 -> runs/007.ckpt.h5)", group="output", metavar="CKPT.h5"),
     Option("checkpoint_interval", float, 60.0, "seconds between checkpoints",
            check=_POSITIVE, group="output", metavar="SECONDS"),
     Option("resume", bool, False, "continue from --checkpoint", group="output"),
@@ -152,6 +157,38 @@ OPTIONS: tuple[Option, ...] = (
            "used to decide", check=_UNIT, group="stopping", metavar="F"),
     Option("target_metric", float, None, "stop once the model's metric (accuracy, r2, ...) "
            "reaches this", group="stopping", metavar="V"),
+    Option("progress_interval", float, 5.0, "seconds between progress lines when stderr is not "
+           "a terminal (the first comes within 1 s)", check=_POSITIVE, group="output", metavar="S"),
+    Option("tensorboard", str, None, "also write TensorBoard scalars (loss, metric, rates, "
+           "utilization, staleness) into DIR; needs `pip install 'mpilb[tensorboard]'`",
+           group="output", metavar="DIR"),
+    Option("overwrite", bool, False, "replace an existing --log (and its checkpoint) instead "
+           "of refusing to start", group="output"),
+    Option("servers", int, 1, "parameter stores: ranks 0..K-1 each hold a slice of the "
+           "parameters (rank 0 also coordinates); workers are ranks K..P-1",
+           check=_POSITIVE_INT, group="mode", metavar="K"),
+)
+
+# Options that do nothing given another option's value: (option, applies(cfg), the option
+# that decides, why). Set on the command line, such an option is an error naming both; set
+# in a config file (often shared by several runs), it is a warning (docs/configuration.md).
+NO_EFFECT: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
+    ("hidden", lambda c: c.model == "mlp", "model", "only the mlp has hidden layers"),
+    ("momentum", lambda c: c.optimizer == "momentum", "optimizer",
+     "only the momentum optimizer uses it"),
+    ("nesterov", lambda c: c.optimizer == "momentum", "optimizer",
+     "only the momentum optimizer uses it"),
+    ("staleness_bound", lambda c: c.mode == "ssp", "mode", "only --mode ssp bounds staleness"),
+    ("dc_lambda", lambda c: c.correction == "dc", "correction", "only --correction dc uses it"),
+    ("min_batch", lambda c: c.batch_policy == "proportional", "batch_policy",
+     "a fixed batch is --batch"),
+    ("max_batch", lambda c: c.batch_policy == "proportional", "batch_policy",
+     "a fixed batch is --batch"),
+    ("sit_out", lambda c: c.mode == "sync" and c.batch_policy == "proportional", "mode",
+     "only sync rounds with --batch-policy proportional sit workers out"),
+    ("replicas", lambda c: c.store == "local", "store", "a shared store reads every shard"),
+    ("cuda_aware", lambda c: c.device != "cpu", "device", "CPU workers send host memory"),
+    ("progress_interval", lambda c: c.progress, "progress", "no progress is shown"),
 )
 
 
@@ -269,6 +306,11 @@ def load_toml(path: str) -> dict:
         raise UsageError(f"{path}: is a directory, expected a TOML config file") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path}: not valid TOML: not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                         f"at offset {exc.start}); save the file as UTF-8") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read the config file ({exc.strerror or exc})") from None
     out = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
@@ -315,18 +357,56 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
     cfg = Config(values)
     parse_hidden(values["hidden"])
     _check_combinations(cfg)
+    for warning in _check_no_effect(cfg, file_values or {}, cli_values or {}, source):
+        _warn(warning)
     return cfg
+
+
+def _show(name: str, value: Any, source: str) -> str:
+    if source:
+        return f"{name} = {json.dumps(value)}"
+    if value is True or value is False:
+        return ("--" if value else "--no-") + name.replace("_", "-")
+    return f"{OPTION_BY_NAME[name].flag} {value}"
+
+
+def _check_no_effect(cfg: Config, file_values: dict, cli_values: dict, source: str) -> list[str]:
+    """UsageError for an option set on the command line that has no effect (see NO_EFFECT);
+    the warnings for such options set in the config file."""
+    warnings = []
+    for name, applies, other, why in NO_EFFECT:
+        if applies(cfg) or (name not in cli_values and name not in file_values):
+            continue
+        decided_on_cli = other in cli_values or other not in file_values
+        if name in cli_values:
+            raise UsageError(f"{_show(name, cfg.values[name], '')} has no effect with "
+                             f"{_show(other, cfg.values[other], '' if decided_on_cli else source)}"
+                             f" ({why}); drop it or change {OPTION_BY_NAME[other].flag}")
+        warnings.append(f"{source}: {_show(name, cfg.values[name], source)} has no effect with "
+                        f"{_show(other, cfg.values[other], '' if decided_on_cli else source)} "
+                        f"({why}); ignored")
+    return warnings
+
+
+def _warn(text: str) -> None:
+    """A warning, from rank 0 only (every rank builds the configuration)."""
+    import sys
+
+    rank = next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+                 if os.environ.get(v, "").strip().isdigit()), "0")
+    if int(rank) == 0:
+        print(f"mpilb: warning: {text}", file=sys.stderr, flush=True)
 
 
 def _check_combinations(cfg: Config) -> None:
     if cfg.min_batch > cfg.max_batch:
         raise UsageError(f"--min-batch {cfg.min_batch} is larger than --max-batch {cfg.max_batch}")
-    if cfg.batch_policy == "fixed" and not (cfg.min_batch <= cfg.batch <= cfg.max_batch):
-        raise UsageError(f"--batch {cfg.batch} lies outside --min-batch {cfg.min_batch} .. --max-batch {cfg.max_batch}")
-    if cfg.resume and not cfg.checkpoint:
-        raise UsageError("--resume needs --checkpoint CKPT.h5 (the checkpoint to continue from)")
-    if cfg.replicas > 1 and cfg.store != "local":
-        raise UsageError("--replicas only applies to --store local")
+    if cfg.resume and not (cfg.checkpoint or cfg.log):
+        raise UsageError("--resume needs --log RUN.h5 (the run to continue; its checkpoint is "
+                         "RUN.ckpt.h5) or --checkpoint CKPT.h5")
+    if cfg.resume and cfg.overwrite:
+        raise UsageError("--resume continues the log and checkpoint that --overwrite would "
+                         "replace: give one of them")
     if cfg.pipeline and cfg.mode == "sync":
         raise UsageError("--pipeline 1 cannot be combined with --mode sync (a sync round waits for every gradient)")
     if cfg.log and Path(cfg.log).is_dir():
@@ -357,6 +437,18 @@ def reference_markdown() -> str:
             default = "—" if o.default is None else f"`{o.default}`"
             lines.append(f"| `{o.flag}` | {o.type.__name__} | {default} | {allowed} | {o.help} |")
         lines.append("")
+    lines += ["## Options that have no effect", "",
+              "An option that does nothing given another option's value is refused when it is",
+              "given on the command line, with a message naming both, e.g. `--hidden 999 has no",
+              "effect with --model cnn (only the mlp has hidden layers)`: the run would not be the",
+              "one asked for. Set in a config file, it is a warning (`mpilb: warning: run.toml:",
+              "hidden = ... has no effect with ...; ignored`) and the run goes on: one file is",
+              "often shared by runs that differ in a command-line option (`--model`, `--mode`),",
+              "and a key that serves some of them should not stop the others.", "",
+              "| option | depends on | why |", "| --- | --- | --- |"]
+    for name, _, other, why in NO_EFFECT:
+        lines.append(f"| `{OPTION_BY_NAME[name].flag}` | `{OPTION_BY_NAME[other].flag}` | {why} |")
+    lines.append("")
     return "\n".join(lines)
 
 

@@ -250,6 +250,9 @@ def _file_entry(entry, where: str, path: Path) -> tuple[str, int, str]:
 
 def _read_manifest(root: Path) -> Dataset:
     path = root / MANIFEST
+    if root.exists() and not root.is_dir():
+        raise DataError(f"{root}: is a file, not a dataset directory (a directory made by "
+                        f"`mpilb prepare`; for a .npz file use `mpilb prepare npz`)")
     if not root.is_dir():
         raise DataError(f"{root}: dataset directory does not exist")
     if not path.exists():
@@ -351,11 +354,17 @@ def open_dataset(root, check_files: bool = True) -> Dataset:
     return ds
 
 
-def verify_dataset(root) -> Dataset:
+def verify_dataset(root, cached: bool = False) -> Dataset:
     """Fully verify a dataset: manifest, layout, checksums, labels and feature values.
 
     Files are hashed in blocks and read chunk by chunk, so memory stays small whatever
-    the dataset's size.
+    the dataset's size. Every file that passes is recorded (:mod:`mpilb.verified`).
+
+    Args:
+        root: the dataset directory.
+        cached: skip every check of the files recorded as passed that have not changed
+            since (same path, size, mtime and inode). `mpilb train` starts with this;
+            `mpilb data verify` checks everything.
 
     Returns:
         The :class:`Dataset` when everything checks out.
@@ -364,26 +373,43 @@ def verify_dataset(root) -> Dataset:
         DataError: naming the first bad file and its problem, e.g.
             ``shard-00003.h5: checksum mismatch (manifest sha256 ab12..., file cd34...)``.
     """
-    ds = open_dataset(root, check_files=True)
+    from .verified import VerifiedFiles
+
+    ds = open_dataset(root, check_files=False)
+    records = VerifiedFiles(ds.root)
     rows = max(1, CHECK_BYTES // ds.row_nbytes)
-    for name, samples, sha in _all_files(ds):
-        path = ds.root / name
-        actual = sha256_file(path)
-        if actual != sha:
-            raise DataError(
-                f"{path}: checksum mismatch (manifest sha256 {sha[:12]}..., file {actual[:12]}...); "
-                "the file was modified or damaged, re-run `mpilb prepare`"
-            )
-        with open_h5(path) as f:
-            x_ds, y_ds = f["x"], f["y"]
-            for lo in range(0, samples, rows):
-                hi = min(samples, lo + rows)
-                try:
-                    x, y = x_ds[lo:hi], y_ds[lo:hi]
-                except (OSError, RuntimeError) as exc:
-                    raise DataError(f"{path}: cannot read rows {lo}-{hi} ({exc}); truncated?") from exc
-                check_values(path, x, y, ds.num_classes, first_row=lo)
+    try:
+        for name, samples, sha in _all_files(ds):
+            path = ds.root / name
+            if cached and records.trusted(path, sha):
+                continue   # unchanged since it passed: layout, checksum and values
+            records.begin(path)
+            with open_h5(path) as f:
+                check_h5_layout(f, path, samples, ds.sample_shape)
+            _check_file(ds, path, samples, sha, rows)
+            records.passed(path, sha)
+    finally:
+        records.save()   # what passed stays recorded, even when a later file fails
     return ds
+
+
+def _check_file(ds: Dataset, path: Path, samples: int, sha: str, rows: int) -> None:
+    """Checksum, then labels and feature values, of one file; DataError naming it."""
+    actual = sha256_file(path)
+    if actual != sha:
+        raise DataError(
+            f"{path}: checksum mismatch (manifest sha256 {sha[:12]}..., file {actual[:12]}...); "
+            "the file was modified or damaged, re-run `mpilb prepare`"
+        )
+    with open_h5(path) as f:
+        x_ds, y_ds = f["x"], f["y"]
+        for lo in range(0, samples, rows):
+            hi = min(samples, lo + rows)
+            try:
+                x, y = x_ds[lo:hi], y_ds[lo:hi]
+            except (OSError, RuntimeError) as exc:
+                raise DataError(f"{path}: cannot read rows {lo}-{hi} ({exc}); truncated?") from exc
+            check_values(path, x, y, ds.num_classes, first_row=lo)
 
 
 def _human_bytes(n: float) -> str:

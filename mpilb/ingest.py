@@ -169,7 +169,7 @@ def prepare_npz(file, out, x_key: str = "x", y_key: str = "y", shards: int = 8,
         raise DataError(f"{path}: file not found")
     try:
         zf = zipfile.ZipFile(path)
-    except (OSError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise DataError(f"{path}: not a readable .npz archive ({exc}); save with "
                         "np.savez(file, x=..., y=...)") from exc
     with zf, _staging(out) as stage:

@@ -33,6 +33,7 @@ straggler), so the estimators smooth it:
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import numpy as np
@@ -73,6 +74,8 @@ class EwmaRate:
         self.last_input: float | None = None
         self.shifted = False  # did the last update reset the estimate (a level shift)?
         self.closed = False   # did the last update close a bucket (change the estimate)?
+        self.buckets = 0      # buckets closed so far
+        self.stale = False    # the next bucket replaces the estimate (see mark_stale)
         self._recent: deque[float] = deque(maxlen=3)
         self._bucket = [0.0, 0.0]   # samples, busy seconds of the open bucket
 
@@ -104,9 +107,17 @@ class EwmaRate:
         rate = self._bucket[0] / self._bucket[1]
         self._bucket = [0.0, 0.0]
         self.closed = True
+        self.buckets += 1
         guarded = self._guard(rate)
         self.last_input = guarded
-        if self.value is None:
+        if self.stale:   # a worker back after a long silence: what it does now counts
+            self.stale = False
+            self._recent.clear()
+            self._recent.append(rate)
+            self.value = guarded = rate
+            self.shifted = True
+            self.buckets = 1      # and the next few are averaged evenly with it
+        elif self.value is None:
             self.value = guarded
         elif len(self._recent) == 3 and (
                 min(self._recent) > SHIFT_FACTOR * self.value
@@ -114,13 +125,25 @@ class EwmaRate:
             self.value = guarded
             self.shifted = True
         else:
-            self.value = (1.0 - self.alpha) * self.value + self.alpha * guarded
+            # The first 1/alpha buckets are averaged evenly (a bias-corrected EWMA): the
+            # first estimate comes from a worker's first steps, and the next few refine it at
+            # once instead of moving it by alpha each (a run's first plans are made on these).
+            weight = max(self.alpha, 1.0 / self.buckets)
+            self.value = (1.0 - weight) * self.value + weight * guarded
         return self.value
+
+    def mark_stale(self) -> None:
+        """The estimate is old (the worker got no work for a while): keep it until the
+        next bucket closes, then replace it by that bucket's rate."""
+        if self.value is not None:
+            self.stale = True
+            self._bucket = [0.0, 0.0]
 
     def state_dict(self) -> dict:
         """JSON-serialisable state."""
         return {"alpha": self.alpha, "bucket_s": self.bucket_s, "value": self.value,
-                "count": self.count, "recent": list(self._recent), "bucket": list(self._bucket)}
+                "count": self.count, "recent": list(self._recent), "bucket": list(self._bucket),
+                "buckets": self.buckets}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output."""
@@ -130,6 +153,7 @@ class EwmaRate:
         self.count = state["count"]
         self._recent = deque(state["recent"], maxlen=3)
         self._bucket = list(state.get("bucket", [0.0, 0.0]))
+        self.buckets = state.get("buckets", self.count)
 
 
 class TrendRate:
@@ -164,6 +188,7 @@ class TrendRate:
         self.overhead: float | None = None     # seconds per sample outside compute + I/O
         self._last_t: float | None = None
         self._over = [0.0, 0.0]                 # overhead seconds, samples of the open bucket
+        self._slope: float | None = None        # slope() of the current points (cached)
 
     @property
     def value(self) -> float | None:
@@ -202,6 +227,7 @@ class TrendRate:
         if self.ewma.shifted:
             self._points.clear()
         self._points.append((t, self.ewma.last_input))
+        self._slope = None
         return self.ewma.value
 
     def _overhead_of(self, gap: float | None, samples: float, busy_s: float,
@@ -224,18 +250,25 @@ class TrendRate:
         standard errors of zero: jitter on a steady worker is not a trend, and
         extrapolating it would only move shards back and forth.
         """
+        if self._slope is None:
+            self._slope = self._fit_slope()
+        return self._slope
+
+    def _fit_slope(self) -> float:
+        # plain floats: at most `window` points, where numpy's per-call cost dominates
         n = len(self._points)
         if n < 3:
             return 0.0
-        ts = np.array([p[0] for p in self._points])
-        rates = np.array([p[1] for p in self._points])
-        dt = ts - ts.mean()
-        denom = float(dt @ dt)
+        t_mean = sum(p[0] for p in self._points) / n
+        r_mean = sum(p[1] for p in self._points) / n
+        dt = [p[0] - t_mean for p in self._points]
+        dr = [p[1] - r_mean for p in self._points]
+        denom = sum(d * d for d in dt)
         if denom <= 0:
             return 0.0
-        slope = float(dt @ (rates - rates.mean()) / denom)
-        residuals = rates - rates.mean() - slope * dt
-        stderr = float(np.sqrt(residuals @ residuals / (n - 2) / denom))
+        slope = sum(a * b for a, b in zip(dt, dr)) / denom
+        rss = sum((b - slope * a) ** 2 for a, b in zip(dt, dr))
+        stderr = math.sqrt(rss / (n - 2) / denom)
         return slope if abs(slope) > TREND_T * stderr else 0.0
 
     def forecast(self, now: float, horizon: float) -> float | None:
@@ -286,6 +319,7 @@ class TrendRate:
         self.ewma.load_state_dict(state["ewma"])
         self.window = state["window"]
         self._points = deque((tuple(p) for p in state["points"]), maxlen=self.window)
+        self._slope = None
         self.overhead = state.get("overhead")
         self._last_t = state.get("last_t")
         self._over = list(state.get("over", [0.0, 0.0]))

@@ -1,4 +1,4 @@
-"""`mpilb report`: the summary of a run log, as text or JSON, plots, and run comparison.
+"""`mpilb report`: the summary of a run log, as text or JSON, plots, CSV and run comparison.
 
 The summary is computed from the log's columns and a few root attributes, so the same
 function serves a finished run (its summary is stored in the log) and a killed one (whose
@@ -9,72 +9,128 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
 from .errors import UsageError
-from .runlog import read_columns
+from .runlog import read_columns, write_csv
 
 SUMMARY_KEYS = (
     "status", "mode", "balancer", "batch_policy", "store", "correction", "workers", "wall_s",
     "train_s", "samples", "samples_per_s", "updates", "epochs_completed", "epoch_s",
     "utilization", "final_test_accuracy", "best_test_accuracy", "metric", "final_test_metric",
-    "best_test_metric", "time_to_target_s",
-    "staleness", "shard_moves", "bytes_moved", "lost_workers", "coverage", "server_cpu_s",
-    "per_worker",
+    "best_test_metric", "final_train_loss", "time_to_target_s", "staleness", "shard_moves",
+    "bytes_moved", "lost_workers", "coverage", "server_cpu_s", "per_worker", "servers",
 )
+
+# The training loss reported for a run (or a worker) is the sample-weighted mean of the
+# per-sample loss over its last LOSS_WINDOW of updates (at least one update): a single
+# batch's loss is too noisy to compare runs by.
+LOSS_WINDOW = 0.05
+# Metrics where lower is better (the best value is the minimum).
+LOWER_IS_BETTER = ("loss", "mse", "mae", "rmse")
+# Settings that never change what a run computes: left out of "settings that differ".
+NOT_SETTINGS = ("log", "checkpoint", "progress", "progress_interval", "tensorboard",
+                "overwrite", "resume")
 
 
 def _json_attr(attrs: dict, key: str, default):
     value = attrs.get(key)
     if value is None:
         return default
+    if not isinstance(value, str):
+        return value
     try:
         return json.loads(value)
     except (TypeError, ValueError):
         return default
 
 
-def summarize(attrs: dict, cols: dict) -> dict:
-    """Build DESIGN.md's summary object from a log's root attributes and columns."""
-    config = _json_attr(attrs, "config", {})
-    up, wk, ev, sh, ep = (cols[g] for g in ("updates", "workers", "eval", "shards", "epochs"))
-    world = int(attrs.get("world_size", 1))
-    workers = max(1, world - 1)
-    batch = up["batch"].astype(np.int64)
-    samples = int(batch.sum())
-    updates_t = up["t"]
-    train_s = float(attrs.get("train_s", updates_t.max() if updates_t.size else 0.0))
-    wall_s = float(attrs.get("wall_s", train_s))
-    acc = ev["test_accuracy"]
-    if acc.size and np.isnan(acc).all():
-        acc = np.zeros(0)             # not a classifier: no accuracy to report
-    metric = ev["test_metric"] if ev["test_metric"].size == ev["t"].size else acc
-    time_to_target = None
-    # the metric --target-* decided on: validation's when one was held out
-    decided = ev["val_metric"] if (ev["val_metric"].size == ev["t"].size and ev["t"].size
-                                   and not np.isnan(ev["val_metric"]).all()) else metric
-    for target, values in ((config.get("target_accuracy"), acc),
-                           (config.get("target_metric"), decided)):
-        if target is not None and values.size:
-            hit = np.nonzero(values >= target)[0]
-            if hit.size:
-                t_hit = float(ev["t"][hit[0]])
-                time_to_target = t_hit if time_to_target is None else min(time_to_target, t_hit)
-    st = up["staleness"].astype(np.float64)
-    staleness = ({"mean": float(st.mean()), "p50": float(np.percentile(st, 50)),
-                  "p99": float(np.percentile(st, 99)), "max": int(st.max())} if st.size else
-                 {"mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0})
-    events = sh["event"]
-    per_worker = []
+def run_config(attrs: dict) -> dict:
+    """The run's configuration (root attribute `config`), with `workers` added."""
+    config = dict(_json_attr(attrs, "config", {}))
+    # ranks 0..K-1 hold parameters (--servers K), the others work
+    config["workers"] = max(1, int(attrs.get("world_size", 1)) - int(config.get("servers") or 1))
+    return config
+
+
+def loss_window(n: int) -> int:
+    """Updates averaged into a reported training loss, out of `n`."""
+    return max(1, int(np.ceil(n * LOSS_WINDOW)))
+
+
+def smoothed_loss(loss: np.ndarray, batch: np.ndarray, window: Optional[int] = None) -> np.ndarray:
+    """Sample-weighted rolling mean of per-sample losses over `window` updates.
+
+    Element i averages updates max(0, i-window+1)..i, each weighted by its batch; non-finite
+    losses are skipped. `window` defaults to :func:`loss_window` of the series' length.
+
+    Returns:
+        An array as long as `loss` (NaN where the window holds no finite loss).
+    """
+    loss = np.asarray(loss, dtype=np.float64)
+    if loss.size == 0:
+        return np.zeros(0)
+    w = np.asarray(batch, dtype=np.float64) * np.isfinite(loss)
+    window = window or loss_window(loss.size)
+    csum = np.concatenate([[0.0], np.cumsum(np.where(w > 0, loss * w, 0.0))])
+    cw = np.concatenate([[0.0], np.cumsum(w)])
+    hi = np.arange(1, loss.size + 1)
+    lo = np.maximum(0, hi - window)
+    weight = cw[hi] - cw[lo]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(weight > 0, (csum[hi] - csum[lo]) / np.where(weight > 0, weight, 1), np.nan)
+
+
+def final_loss(loss: np.ndarray, batch: np.ndarray) -> Optional[float]:
+    """The reported training loss: the last value of :func:`smoothed_loss` (None if none)."""
+    s = smoothed_loss(loss, batch)
+    return float(s[-1]) if s.size and np.isfinite(s[-1]) else None
+
+
+def metric_columns(attrs: dict, ev: dict) -> tuple[str, np.ndarray]:
+    """(metric name, its column in eval/): `test_metric` when logged, else test accuracy."""
+    name = str(attrs.get("metric") or "accuracy")
+    col = ev.get("test_metric")
+    if col is None or col.size != ev["t"].size:
+        col = ev["test_accuracy"]
+    return name, np.asarray(col, dtype=np.float64)
+
+
+def _best(values: np.ndarray, name: str) -> Optional[float]:
+    v = values[np.isfinite(values)]
+    if not v.size:
+        return None
+    return float(v.min() if name in LOWER_IS_BETTER else v.max())
+
+
+def _last(values: np.ndarray) -> Optional[float]:
+    return float(values[-1]) if values.size and np.isfinite(values[-1]) else None
+
+
+def _time_to_target(config: dict, name: str, ev: dict, metric: np.ndarray) -> Optional[float]:
+    acc_target, metric_target = config.get("target_accuracy"), config.get("target_metric")
+    for target, values in ((acc_target, ev["test_accuracy"]), (metric_target, metric)):
+        if target is None or not values.size:
+            continue
+        lower = values is metric and name in LOWER_IS_BETTER
+        hit = np.nonzero(values <= target if lower else values >= target)[0]
+        if hit.size:
+            return float(ev["t"][hit[0]])
+    return None
+
+
+def _per_worker(world: int, up: dict, wk: dict, n_servers: int = 1) -> list[dict]:
     ranks = sorted(set(int(w) for w in wk["worker"])) if wk["worker"].size else []
     if world > 1:
-        ranks = sorted(set(ranks) | set(range(1, world)))
+        ranks = sorted(set(ranks) | set(range(n_servers, world)))
+    out = []
     for r in ranks:
         m = wk["worker"] == r
         um = up["worker"] == r
-        per_worker.append({
+        out.append({
             "rank": r,
             "samples": int(up["batch"][um].astype(np.int64).sum()),
             "compute_s": float(wk["compute_s"][m].sum()),
@@ -82,16 +138,33 @@ def summarize(attrs: dict, cols: dict) -> dict:
             "comm_s": float(wk["comm_s"][m].sum()),
             "idle_s": float(wk["idle_s"][m].sum()),
             "mean_batch": float(up["batch"][um].mean()) if um.any() else 0.0,
+            "train_loss": final_loss(up["loss"][um], up["batch"][um]),
         })
-    status = attrs.get("status", "running")
-    summary = {
-        "status": status,
+    return out
+
+
+def summarize(attrs: dict, cols: dict) -> dict:
+    """Build DESIGN.md's summary object from a log's root attributes and columns."""
+    config = run_config(attrs)
+    up, wk, ev, sh, ep = (cols[g] for g in ("updates", "workers", "eval", "shards", "epochs"))
+    world = int(attrs.get("world_size", 1))
+    samples = int(up["batch"].astype(np.int64).sum())
+    train_s = float(attrs.get("train_s", up["t"].max() if up["t"].size else 0.0))
+    wall_s = float(attrs.get("wall_s", train_s))
+    acc = np.asarray(ev["test_accuracy"], dtype=np.float64)
+    name, metric = metric_columns(attrs, ev)
+    st = up["staleness"].astype(np.float64)
+    staleness = ({"mean": float(st.mean()), "p50": float(np.percentile(st, 50)),
+                  "p99": float(np.percentile(st, 99)), "max": int(st.max())} if st.size else
+                 {"mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0})
+    return {
+        "status": attrs.get("status", "running"),
         "mode": config.get("mode"),
         "balancer": config.get("balancer"),
         "batch_policy": config.get("batch_policy"),
         "store": config.get("store"),
         "correction": config.get("correction"),
-        "workers": workers,
+        "workers": config["workers"],
         "wall_s": wall_s,
         "train_s": train_s,
         "samples": samples,
@@ -100,36 +173,61 @@ def summarize(attrs: dict, cols: dict) -> dict:
         "epochs_completed": int(ep["epoch"].size),
         "epoch_s": [float(b - a) for a, b in zip(ep["t_start"], ep["t_end"])],
         "utilization": [float(u) for u in ep["utilization"]],
-        "final_test_accuracy": float(acc[-1]) if acc.size else None,
-        "best_test_accuracy": float(acc.max()) if acc.size else None,
-        "metric": str(attrs.get("metric", "accuracy")),
-        "final_test_metric": float(metric[-1]) if metric.size else None,
-        "best_test_metric": float(np.nanmax(metric)) if metric.size and not np.isnan(metric).all() else None,
-        "time_to_target_s": time_to_target,
+        "final_test_accuracy": _last(acc),
+        "best_test_accuracy": _best(acc, "accuracy"),
+        "metric": name,
+        "final_test_metric": _last(metric),
+        "best_test_metric": _best(metric, name),
+        "final_train_loss": final_loss(up["loss"], up["batch"]),
+        "time_to_target_s": _time_to_target(config, name, ev, metric),
         "staleness": staleness,
-        "shard_moves": int(np.count_nonzero(events == "move")),
+        "shard_moves": int(np.count_nonzero(sh["event"] == "move")),
         "bytes_moved": int(sh["bytes"].astype(np.int64).sum()),
         "lost_workers": _json_attr(attrs, "lost_workers", []),
         "coverage": _json_attr(attrs, "coverage",
                                {"expected": 0, "applied": 0, "duplicates": 0, "missing": 0}),
         "server_cpu_s": float(attrs.get("server_cpu_s", 0.0)),
-        "per_worker": per_worker,
+        "per_worker": _per_worker(world, up, wk, int(config.get("servers") or 1)),
+        "servers": _servers(attrs, cols["servers"]),
     }
-    return summary
+
+
+def _servers(attrs: dict, sv: dict) -> list[dict]:
+    """Per parameter store: its slice's floats and its counters summed over `servers/`."""
+    out = []
+    for entry in _json_attr(attrs, "servers", []):
+        m = sv["server"] == entry["rank"] if sv["server"].size else np.zeros(0, bool)
+        out.append({"rank": int(entry["rank"]), "params": int(entry["params"]),
+                    "updates": int(sv["updates"][m].astype(np.int64).sum()),
+                    "bytes_in": int(sv["bytes_in"][m].astype(np.int64).sum()),
+                    "bytes_out": int(sv["bytes_out"][m].astype(np.int64).sum()),
+                    "cpu_s": float(sv["cpu_s"][m].sum())})
+    return out
 
 
 def open_log(path: str) -> tuple[dict, dict]:
     try:
-        return read_columns(path)
+        attrs, cols = read_columns(path)
     except FileNotFoundError:
         raise UsageError(f"{path}: run log not found") from None
-    except OSError as exc:
-        raise UsageError(f"{path}: not a readable mpilb run log ({exc})") from None
+    except IsADirectoryError:
+        raise UsageError(f"{path}: is a directory, not a run log") from None
+    except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:   # damaged file
+        raise UsageError(f"{path}: not a readable mpilb run log ({type(exc).__name__}: {exc})") from None
+    if "status" not in attrs:
+        what = ("an mpilb checkpoint" if "model" in attrs and "format" in attrs else
+                "an HDF5 file without a run log's attributes (a dataset shard?)")
+        raise UsageError(f"{path}: not an mpilb run log: {what}")
+    return attrs, cols
 
 
 def summarize_log(path: str) -> dict:
     attrs, cols = open_log(path)
     return summarize(attrs, cols)
+
+
+def _num(value, fmt: str = ".4f") -> str:
+    return "n/a" if value is None else format(value, fmt)
 
 
 def format_summary(s: dict, path: str = "") -> str:
@@ -143,16 +241,15 @@ def format_summary(s: dict, path: str = "") -> str:
                  f"store {s['store']}, correction {s['correction']}, workers {s['workers']}")
     lines.append(f"  {s['samples']} samples, {s['updates']} updates in {s['train_s']:.2f} s: "
                  f"{s['samples_per_s']:.0f} samples/s; server CPU {s['server_cpu_s']:.1f} s")
-    fa, ba = s["final_test_accuracy"], s["best_test_accuracy"]
-    if fa is None and s.get("final_test_metric") is not None:
-        lines.append(f"  test {s['metric']}: final {s['final_test_metric']:.4f}, best "
-                     f"{s['best_test_metric']:.4f}"
+    lines.append(f"  train loss {_num(s['final_train_loss'])} (mean per sample over the last "
+                 f"{LOSS_WINDOW:.0%} of updates)")
+    fm, bm = s["final_test_metric"], s["best_test_metric"]
+    if fm is not None:
+        lines.append(f"  test {s['metric']}: final {fm:.4f}, best {bm:.4f}"
                      + (f", target reached at {s['time_to_target_s']:.1f} s"
                         if s["time_to_target_s"] is not None else ""))
-    if fa is not None:
-        lines.append(f"  test accuracy: final {fa:.4f}, best {ba:.4f}"
-                     + (f", target reached at {s['time_to_target_s']:.1f} s"
-                        if s["time_to_target_s"] is not None else ""))
+    else:
+        lines.append(f"  test {s['metric']}: n/a (no evaluation in the log)")
     st = s["staleness"]
     lines.append(f"  staleness: mean {st['mean']:.2f}, p50 {st['p50']:.0f}, p99 {st['p99']:.0f}, max {st['max']}")
     cov = s["coverage"]
@@ -164,17 +261,35 @@ def format_summary(s: dict, path: str = "") -> str:
         lines.append("  epoch   seconds  utilization")
         for i, (t, u) in enumerate(zip(s["epoch_s"], s["utilization"])):
             lines.append(f"  {i:5d}  {t:8.2f}  {u:11.2f}")
+    if len(s.get("servers", [])) > 1:
+        lines.append("  store   params   updates  MB in  MB out  cpu_s")
+        for v in s["servers"]:
+            lines.append(f"  {v['rank']:5d}  {v['params']:7d}  {v['updates']:8d}  "
+                         f"{v['bytes_in'] / 1e6:5.1f}  {v['bytes_out'] / 1e6:6.1f}  {v['cpu_s']:5.2f}")
     if s["per_worker"]:
-        lines.append("  rank   samples  compute_s   io_s  comm_s  idle_s  mean_batch")
+        lines.append("  rank   samples  compute_s   io_s  comm_s  idle_s  mean_batch  train_loss")
         for w in s["per_worker"]:
             lines.append(f"  {w['rank']:4d}  {w['samples']:8d}  {w['compute_s']:9.2f}  "
                          f"{w['io_s']:5.2f}  {w['comm_s']:6.2f}  {w['idle_s']:6.2f}  "
-                         f"{w['mean_batch']:10.1f}")
+                         f"{w['mean_batch']:10.1f}  {_num(w['train_loss']):>10}")
     return "\n".join(lines)
 
 
-def format_compare(paths: list[str], summaries: list[dict]) -> str:
-    """Runs side by side, one column per run."""
+def differing_settings(configs: list[dict]) -> list[str]:
+    """Configuration keys whose values are not the same in every run, in a stable order."""
+    keys = sorted(set().union(*configs) - set(NOT_SETTINGS)) if configs else []
+    return [k for k in keys if len({json.dumps(c.get(k), sort_keys=True) for c in configs}) > 1]
+
+
+def setting_text(config: dict, key: str) -> str:
+    value = config.get(key)
+    if isinstance(value, list):
+        value = " ".join(map(str, value)) or "none"
+    return f"{key}={value}"
+
+
+def format_compare(paths: list[str], summaries: list[dict], configs: list[dict]) -> str:
+    """Runs side by side, one column per run, then the settings that differ between them."""
     rows = [
         ("status", lambda s: s["status"]),
         ("mode", lambda s: s["mode"]),
@@ -185,39 +300,58 @@ def format_compare(paths: list[str], summaries: list[dict]) -> str:
         ("samples/s", lambda s: f"{s['samples_per_s']:.0f}"),
         ("mean epoch s", lambda s: f"{np.mean(s['epoch_s']):.2f}" if s["epoch_s"] else "-"),
         ("mean utilization", lambda s: f"{np.mean(s['utilization']):.2f}" if s["utilization"] else "-"),
-        ("final accuracy", lambda s: "-" if s["final_test_accuracy"] is None else f"{s['final_test_accuracy']:.4f}"),
+        ("final train loss", lambda s: "-" if s["final_train_loss"] is None else f"{s['final_train_loss']:.4f}"),
+        ("final metric", lambda s: "-" if s["final_test_metric"] is None
+         else f"{s['metric']} {s['final_test_metric']:.4f}"),
         ("time to target s", lambda s: "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}"),
         ("staleness mean", lambda s: f"{s['staleness']['mean']:.2f}"),
         ("shard moves", lambda s: s["shard_moves"]),
         ("bytes moved", lambda s: s["bytes_moved"]),
     ]
     names = [p.rsplit("/", 1)[-1] for p in paths]
-    width = max(12, *(len(n) for n in names))
+    table = [[str(fn(s)) for s in summaries] for _, fn in rows]
+    differ = differing_settings(configs)
+    settings = [[setting_text(c, k).split("=", 1)[1] for c in configs] for k in differ]
+    width = max(12, *(len(v) for row in [names] + table + settings for v in row))
     out = ["".ljust(18) + "".join(n.rjust(width + 2) for n in names)]
-    for label, fn in rows:
-        out.append(label.ljust(18) + "".join(str(fn(s)).rjust(width + 2) for s in summaries))
+    for (label, _), cells in zip(rows, table):
+        out.append(label.ljust(18) + "".join(v.rjust(width + 2) for v in cells))
+    if differ:
+        out.append("settings that differ:")
+        for key, cells in zip(differ, settings):
+            out.append(f"  {key}".ljust(18) + "".join(v.rjust(width + 2) for v in cells))
+    else:
+        out.append("settings that differ: none (same configuration)")
     return "\n".join(out)
 
 
 def run_report(paths: list[str], as_json: bool = False, plots: Optional[str] = None,
-               compare: bool = False) -> int:
+               compare: bool = False, csv: Optional[str] = None) -> int:
     """Entry point of `mpilb report`."""
-    summaries = []
-    for p in paths:
-        attrs, cols = open_log(p)
-        summaries.append(summarize(attrs, cols))
+    logs = [open_log(p) for p in paths]
+    summaries = [summarize(attrs, cols) for attrs, cols in logs]
+    # with --json, stdout must stay one JSON document
+    note = sys.stderr if as_json else sys.stdout
     if plots:
         from .plots import write_plots
 
-        written = write_plots(paths, plots)
+        try:
+            written = write_plots(paths, plots)
+        except OSError as exc:   # a read-only directory, or a file where the directory goes
+            raise UsageError(f"--plots {plots}: cannot write the figures there "
+                             f"({exc.strerror or exc})") from None
         for w in written:
-            # with --json, stdout must stay one JSON document
-            print(f"wrote {w}", file=sys.stderr if as_json else sys.stdout)
+            print(f"wrote {w}", file=note)
+    if csv:
+        for path, (_, cols) in zip(paths, logs):
+            out = Path(csv) / Path(path).stem if len(paths) > 1 else Path(csv)
+            for w in write_csv(cols, out):
+                print(f"wrote {w}", file=note)
     if compare or len(paths) > 1:
         if as_json:
             print(json.dumps(dict(zip(paths, summaries)), indent=2))
         else:
-            print(format_compare(paths, summaries))
+            print(format_compare(paths, summaries, [run_config(a) for a, _ in logs]))
         return 0
     if as_json:
         print(json.dumps(summaries[0], indent=2))

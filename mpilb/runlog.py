@@ -25,7 +25,8 @@ from .errors import UsageError
 
 SCHEMA: dict[str, dict[str, str]] = {
     "updates": {"t": "f8", "worker": "i4", "version": "i8", "staleness": "i4", "batch": "i4",
-                "loss": "f4", "lr_scale": "f4", "epoch": "i4", "shard": "i4"},
+                "loss": "f4", "lr_scale": "f4", "epoch": "i4", "shard": "i4", "lo": "i4",
+                "hi": "i4"},
     "workers": {"t": "f8", "worker": "i4", "samples": "i8", "compute_s": "f8", "io_s": "f8",
                 "comm_s": "f8", "idle_s": "f8", "batch": "i4", "rate": "f8",
                 "predicted_rate": "f8"},
@@ -35,6 +36,8 @@ SCHEMA: dict[str, dict[str, str]] = {
                "bytes": "i8"},
     "epochs": {"epoch": "i4", "t_start": "f8", "t_end": "f8", "samples": "i8",
                "utilization": "f8", "imbalance_s": "f8"},
+    "servers": {"t": "f8", "server": "i4", "updates": "i8", "bytes_in": "i8", "bytes_out": "i8",
+                "apply_s": "f8", "cpu_s": "f8"},
 }
 
 SHARD_EVENTS = ("assign", "move", "start", "done", "reassign")
@@ -45,7 +48,8 @@ class RunLog:
     """Append-only HDF5 run log.
 
     Args:
-        path: file to create (replaced if it exists).
+        path: file to create (replaced if it exists: the caller decides whether it may be,
+            see `paths.check_paths`); refused while another run holds its lock.
         attrs: root attributes to write at creation (config, world_size, ...).
         flush_interval: seconds between flushes to disk.
         resume_at: when resuming from a checkpoint taken at this many training seconds,
@@ -62,10 +66,14 @@ class RunLog:
             raise UsageError(f"--log {self.path}: directory {parent} does not exist")
         if not os.access(parent, os.W_OK):
             raise UsageError(f"--log {self.path}: directory {parent} is not writable")
+        self._locks: list[int] = []
+        self._lock(self.path)   # before anything is read or written: one writer per log
         carried = self._carry_over(resume_at) if resume_at is not None else None
         # A resumed run's log is rebuilt beside the old one and renamed over it, so that a
         # kill during the rebuild leaves the old log intact.
         target = self.path if carried is None else f"{self.path}.resume{os.getpid()}"
+        if carried is not None:
+            self._lock(target)
         try:
             self._file = h5py.File(target, "w", libver="latest", locking=False)
         except OSError as exc:
@@ -89,6 +97,39 @@ class RunLog:
             f.flush()
             os.replace(target, self.path)
         self._start_swmr()
+
+    def _lock(self, path: str) -> None:
+        """Hold an exclusive lock on `path` (created if absent) until the summary is written
+        or this process ends: a second run naming the same log is refused at start-up
+        instead of both writing one file. HDF5's own locking is off (SWMR readers, parallel
+        file systems), so the lock is a separate flock on the file."""
+        import fcntl
+
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise UsageError(f"--log {path}: cannot create the run log ({exc.strerror})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            self.release()
+            raise UsageError(f"--log {path}: another mpilb run is writing this log now (it "
+                             f"holds its lock): wait for it to end or give another --log") from None
+        except OSError:   # a file system without locks: nothing to hold
+            pass
+        self._locks.append(fd)
+
+    def release(self) -> None:
+        """Let another run open this log (after the summary; also at process exit)."""
+        while self._locks:
+            os.close(self._locks.pop())
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def _carry_over(self, resume_at: float):
         """Rows of the log being resumed up to the checkpoint (later work is done again).
@@ -168,16 +209,40 @@ class RunLog:
         """Store the summary object (DESIGN.md: `summary` with attribute `json`)."""
         with h5py.File(self.path, "a", locking=False) as f:
             f.require_group("summary").attrs["json"] = json.dumps(summary)
+        self.release()
+
+
+def open_for_reading(path: str) -> h5py.File:
+    """Open a run log read-only. A log left by a killed run is still marked as open by its
+    SWMR writer and only opens as a SWMR reader; every other file is opened plainly first,
+    because a SWMR reader retries a damaged file's checksums for many minutes (a hang)."""
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        if "already open for write" not in str(exc):
+            raise
+    return h5py.File(path, "r", locking=False, swmr=True)
 
 
 def read_columns(path: str) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
-    """Open a run log: (root attributes, {group: {column: array}}). DataError-free: OSError passes up."""
-    with h5py.File(path, "r", locking=False, swmr=True) as f:
+    """Open a run log: (root attributes, {group: {column: array}}). OSError passes up.
+
+    Every column of :data:`SCHEMA` is there (empty when the file lacks it), plus any other
+    1-D column the file holds (groups added by a newer mpilb). Event names are `str`.
+    A log still being written, or left by a killed run (which a plain ``h5py.File(path)``
+    refuses), opens too (:func:`open_for_reading`).
+    """
+    with open_for_reading(path) as f:
         attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()}
-        groups = {}
-        for group, columns in SCHEMA.items():
+        groups: dict[str, dict[str, np.ndarray]] = {}
+        names = list(SCHEMA) + sorted(g for g in f if g not in SCHEMA and g != "summary")
+        for group in names:
+            cols = dict.fromkeys(SCHEMA.get(group, ()))
+            if isinstance(f.get(group), h5py.Group):
+                cols.update(dict.fromkeys(c for c, d in f[group].items()
+                                          if isinstance(d, h5py.Dataset) and d.ndim == 1))
             groups[group] = {}
-            for col in columns:
+            for col in cols:
                 if group in f and col in f[group]:
                     arr = f[group][col][()]
                     if arr.dtype.kind == "S":
@@ -185,6 +250,69 @@ def read_columns(path: str) -> tuple[dict, dict[str, dict[str, np.ndarray]]]:
                     groups[group][col] = arr
                 else:
                     groups[group][col] = np.zeros(0)
+            present = [v.size for c, v in groups[group].items() if group in f and c in f[group]]
+            if present and min(present) != max(present):   # a kill in the middle of a flush
+                groups[group] = {c: v[:min(present)] for c, v in groups[group].items()}
         if "summary" in f and "json" in f["summary"].attrs:
             attrs["summary"] = json.loads(f["summary"].attrs["json"])
     return attrs, groups
+
+
+def read(path: str) -> dict:
+    """A run log as pandas DataFrames: {group: DataFrame}, one column per log column.
+
+    Each frame's ``.attrs`` holds the log's root attributes (``config`` and the
+    summary decoded from JSON). Works on a finished, a live or a killed run's log.
+
+    Example:
+        >>> import mpilb.runlog
+        >>> logs = mpilb.runlog.read("run.h5")
+        >>> logs["updates"].groupby("worker")["loss"].mean()
+
+    Raises:
+        ImportError: pandas is not installed (``pip install pandas``).
+    """
+    import pandas as pd
+
+    attrs, cols = read_columns(path)
+    meta = dict(attrs)
+    for key in ("config", "hostnames", "coverage", "lost_workers"):
+        if isinstance(meta.get(key), str):
+            try:
+                meta[key] = json.loads(meta[key])
+            except ValueError:
+                pass
+    frames = {}
+    for group, columns in cols.items():
+        frame = pd.DataFrame({c: v for c, v in columns.items()})
+        frame.attrs = dict(meta)
+        frames[group] = frame
+    return frames
+
+
+def write_csv(cols: dict[str, dict[str, np.ndarray]], out_dir) -> list[str]:
+    """Write one CSV per log group (`updates.csv`, ...) into `out_dir` (created if missing).
+
+    A header line with the column names, then one line per row; floats are written in full
+    precision (``repr``), events as text. Returns the paths written.
+    """
+    import csv
+
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--csv {out_dir}: cannot create the directory ({exc.strerror})") from None
+    written = []
+    for group, columns in cols.items():
+        path = out / f"{group}.csv"
+        lists = [np.asarray(v).tolist() for v in columns.values()]
+        try:
+            with open(path, "w", newline="", encoding="utf-8") as fh:
+                w = csv.writer(fh)
+                w.writerow(list(columns))
+                w.writerows(zip(*lists))
+        except OSError as exc:
+            raise UsageError(f"--csv {out_dir}: cannot write {path.name} ({exc.strerror})") from None
+        written.append(str(path))
+    return written

@@ -18,12 +18,13 @@ from .balancer import build_balancer
 from .errors import MpilbError
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
-from .progress import Progress
+from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
-from .session import balancer_config, format_final
+from .session import balancer_config, files_line, format_final
 from .shards import ShardStore
 from .schedules import build_schedule
+from .tensorboard import tap_for
 from .training import (PREEMPTED, EpochStats, EpochTracker, build_evaluator, build_stop_rule,
                        config_model, config_optimizer, epoch_order)
 
@@ -42,7 +43,7 @@ class SerialTrainer:
         self.tracker = EpochTracker(dataset.shard_sizes)
         self.resumed: Optional[checkpoint.Checkpoint] = None
         if cfg.resume:
-            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset)
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed)
             host_params = self.resumed.params
             self.optimizer.load_state_dict(self.resumed.optimizer)
             checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
@@ -50,18 +51,23 @@ class SerialTrainer:
         self.injector = Injector(parse_injects(cfg.inject, 1), 0, cfg.seed)
         inj = self.injector
         self.store = ShardStore(dataset, seed=cfg.seed,
-                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s))
+                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
+                                cache_mb=cfg.cache_mb)
         self.feed = ShardFeed(self.store, self.backend)
         self.step = GradientStep(self.model, self.backend, self.injector)
         self.evaluator = build_evaluator(self.model, dataset)
         self.stop = build_stop_rule(cfg)
         self.schedule = build_schedule(cfg, dataset.shard_sizes)
         self.evaluation = None
-        self.log = RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
-                          resume_at=self.resumed.train_s if self.resumed else None)
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
-                                 samples_per_epoch=self.tracker.total)
-        self.progress.metric = self.model.metric
+                                 samples_per_epoch=self.tracker.total,
+                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds,
+                                 metric=self.model.metric)
+        # the progress display and --tensorboard see every row of the run log
+        self.log = tapped(RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
+                                resume_at=self.resumed.train_s if self.resumed else None),
+                         self.progress, tap_for(cfg))
+        self.eval_version = -1
         self.version = self.resumed.version if self.resumed else 0
         self.epoch = self.resumed.epoch if self.resumed else 0
         self.accuracy: Optional[float] = None
@@ -85,6 +91,10 @@ class SerialTrainer:
         if self.resumed is not None:
             first, counts = self.resumed.epoch, self.resumed.counts
             self.tracker.completed = [EpochStats(**e) for e in self.resumed.completed]
+            # restored now: a run that stops at once (fewer --epochs, --max-seconds spent)
+            # must checkpoint the interrupted epoch's counts, not zeros
+            self.tracker.begin(first, self.now(), counts)
+        self.progress.begin(first, 0 if counts is None else int((counts > 0).sum()), self.now())
         for epoch in range(first, self.cfg.epochs):
             self._run_epoch(epoch, counts)
             counts = None
@@ -92,6 +102,8 @@ class SerialTrainer:
                 break
         self.train_s = self.now()
         self._report_window()
+        if self.eval_version != self.version:   # every stop ends with the final metric
+            self._evaluate()
         if PREEMPTED.is_set():
             return "preempted"
         self._checkpoint()
@@ -151,7 +163,7 @@ class SerialTrainer:
         self.tracker.record(batch.epoch, batch.shard, batch.lo, batch.hi)
         self.log.append("updates", t=self.now(), worker=0, version=self.version, staleness=0,
                         batch=b, loss=loss / b, lr_scale=lr_scale, epoch=batch.epoch,
-                        shard=batch.shard)
+                        shard=batch.shard, lo=batch.lo, hi=batch.hi)
         self.window_samples += b
         self.window_compute += compute_s
         self.epoch_busy += compute_s
@@ -204,6 +216,7 @@ class SerialTrainer:
         self.log.append("eval", t=self.now(), version=self.version, epoch=self.epoch,
                         **ev.columns())
         self.last_eval = time.monotonic()
+        self.eval_version = self.version
 
     def _checkpoint(self) -> None:
         self.last_checkpoint = time.monotonic()
@@ -216,7 +229,6 @@ class SerialTrainer:
                         balancer=self.balancer, train_s=self.now())
 
     def finish(self, status: str) -> dict:
-        self.progress.close()
         self.store.close()
         self.log.close(status, {"train_s": getattr(self, "train_s", self.now()),
                                 "wall_s": self.now(),
@@ -227,6 +239,7 @@ class SerialTrainer:
                                 "eval_s": self.evaluator.seconds})
         summary = summarize_log(self.cfg.log)
         self.log.write_summary(summary)
+        self.progress.close(summary)
         return summary
 
 
@@ -238,4 +251,5 @@ def run_serial(trainer: SerialTrainer) -> int:
     finally:
         summary = trainer.finish(status)
     print(format_final(summary), flush=True)
+    print(files_line(trainer.cfg), flush=True)
     return 0

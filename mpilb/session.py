@@ -13,10 +13,11 @@ import numpy as np
 
 from . import checkpoint
 from .balancer import BalancerConfig, build_balancer
-from .progress import Progress
+from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
 from .schedules import build_schedule
+from .tensorboard import tap_for
 from .training import (EpochTracker, Evaluation, build_evaluator, build_stop_rule, config_model,
                        config_optimizer)
 
@@ -43,6 +44,11 @@ def format_final(summary: dict) -> str:
             f"({summary['samples_per_s']:.0f} samples/s), test accuracy {acc_txt}, "
             f"coverage {cov['applied']}/{cov['expected']} "
             f"(duplicates {cov['duplicates']}, missing {cov['missing']})")
+
+
+def files_line(cfg) -> str:
+    """The very last line of a run: where its log and its final parameters are."""
+    return f"mpilb: log {cfg.log}, checkpoint {cfg.checkpoint}"
 
 
 class Session:
@@ -73,28 +79,33 @@ class Session:
         self.schedule = build_schedule(cfg, dataset.shard_sizes, len(ranks))
         self.resumed: Optional[checkpoint.Checkpoint] = None
         if cfg.resume:
-            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset)
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed)
             self.params[:] = self.resumed.params
             self.optimizer.load_state_dict(self.resumed.optimizer)
             checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
-        self.log = RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
-                          resume_at=self.resumed.train_s if self.resumed else None)
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
-                                 samples_per_epoch=self.tracker.total)
-        self.progress.metric = self.model.metric
+                                 samples_per_epoch=self.tracker.total,
+                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds,
+                                 metric=self.model.metric)
+        # the progress display and --tensorboard see every row of the run log
+        self.log = tapped(RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
+                                resume_at=self.resumed.train_s if self.resumed else None),
+                         self.progress, tap_for(cfg))
         self.accuracy: Optional[float] = None   # the headline metric, for the progress line
         self.evaluation: Optional[Evaluation] = None   # what --target-* decide on
+        self.eval_version = -1   # parameter version of the last evaluation
 
     def evaluate(self, params: np.ndarray, t: float, version: int, epoch: int) -> None:
         """Evaluate host parameters on the test (and validation) set and log the row."""
         ev = self.evaluator.evaluate(params)
         self.evaluation, self.accuracy = ev, ev.decides[1]
+        self.eval_version = version
         self.log.append("eval", t=t, version=version, epoch=epoch, **ev.columns())
 
     def close(self, status: str, attrs: dict) -> dict:
-        """Close the progress line and the run log; write and return the summary."""
-        self.progress.close()
+        """Close the run log, write the summary, end the progress display on its figures."""
         self.log.close(status, attrs)
         summary = summarize_log(self.cfg.log)
         self.log.write_summary(summary)
+        self.progress.close(summary)
         return summary

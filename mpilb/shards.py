@@ -10,6 +10,12 @@ reproduce exactly which samples a batch held.
 One background thread prefetches the next shard while the worker computes on the
 current one; :meth:`ShardStore.get` reports only the time the caller actually waited,
 because read time hidden behind compute costs nothing.
+
+With ``cache_mb`` (``--cache-mb``), when every shard the rank may read fits in that many
+MB, each shard's rows are kept in memory after their first read, and later epochs permute
+them without touching storage. Injected slow storage (``io=F``, ``readbw=MBPS``) slows
+reads from storage, as it says; a shard served from the cache is not read, so it costs
+no injected time either: with the cache, a slow reader is slow in the first epoch only.
 """
 
 from __future__ import annotations
@@ -56,10 +62,19 @@ class ShardStore:
         io_delay: optional ``callable(nbytes, elapsed_s) -> seconds`` of extra sleep after
             each read; the fault injector simulates slow storage through it.
         cache_size: how many :class:`ShardData` to keep, so a repeated ``get`` is free.
+        cache_mb: keep every shard's rows in memory after the first read when the shards
+            this rank may read (``shards``, default all) fit in this many MB (0: never).
+        shards: the shards this rank may read (a node-local store's copies).
     """
 
-    def __init__(self, dataset: Dataset, seed: int = 0, io_delay: Optional[IoDelay] = None, cache_size: int = 2):
+    def __init__(self, dataset: Dataset, seed: int = 0, io_delay: Optional[IoDelay] = None,
+                 cache_size: int = 2, cache_mb: float = 0.0, shards=None):
         self.dataset = dataset
+        mine = range(len(dataset.shards)) if shards is None else shards
+        need = sum(dataset.shard_nbytes(s) for s in mine)
+        # shard -> (x, y) in file order, or None: no room for all of them (an LRU of shards
+        # that do not all fit would evict each one before its next epoch comes round)
+        self._rows: Optional[dict] = {} if cache_mb > 0 and need <= cache_mb * 2**20 else None
         self.seed = int(seed)
         self.io_delay = io_delay
         self.cache_size = max(1, int(cache_size))
@@ -127,6 +142,12 @@ class ShardStore:
         hi = n if hi is None else hi
         if not 0 <= lo <= hi <= n:
             raise IndexError(f"rows [{lo}, {hi}) out of range for shard {shard} with {n} samples")
+        whole = self._rows is not None and lo == 0 and hi == n
+        if whole:
+            with self._lock:
+                rows = self._rows.get(shard)
+            if rows is not None:
+                return rows   # read before, validated then; callers do not write into it
         dx, dy = self._datasets(shard)
         path = self.dataset.shard_path(shard)
         t0 = time.perf_counter()
@@ -144,7 +165,15 @@ class ShardStore:
         with self._lock:
             self._read_s += elapsed
         check_values(path, x, y, self.dataset.num_classes, first_row=lo)
+        if whole:
+            with self._lock:
+                self._rows[shard] = (x, y)
         return x, y
+
+    @property
+    def caching(self) -> bool:
+        """True when shards stay in memory after their first read (see ``cache_mb``)."""
+        return self._rows is not None
 
     # ------------------------------------------------------------------ epochs and positions
 
@@ -231,6 +260,8 @@ class ShardStore:
             self._files.clear()
             self._pending.clear()
             self._cache.clear()
+            if self._rows is not None:
+                self._rows.clear()
 
     def __enter__(self) -> "ShardStore":
         return self
@@ -248,3 +279,10 @@ def placement(num_shards: int, workers: list[int], replicas: int = 1) -> dict[in
     w = len(workers)
     r = min(max(1, replicas), w)
     return {s: [workers[(s + k) % w] for k in range(r)] for s in range(num_shards)}
+
+
+def holders_of(shard: int, num_shards: int, workers: list[int], replicas: int) -> list[int]:
+    """The ranks holding `shard` (the same map as :func:`placement`, for one shard)."""
+    w = len(workers)
+    r = min(max(1, replicas), w)
+    return [workers[(shard + k) % w] for k in range(r)]

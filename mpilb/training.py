@@ -14,39 +14,16 @@ from typing import Optional
 
 import numpy as np
 
-from .config import Config, default_cache_dir
+from .config import Config
 from .errors import MpilbError, UsageError
 
-# Set by the SIGTERM/SIGUSR1 handler (any rank); the training loops poll it.
+# Set by the SIGTERM handler (any rank; SIGUSR1 too in a one-rank run): checkpoint and stop.
 PREEMPTED = threading.Event()
-
-DEFAULT_DATASET = dict(samples=24000, features=64, classes=10, shards=12, noise=0.0,
-                       test_fraction=0.2, seed=0)
-
-
-def default_dataset_dir() -> str:
-    """The built-in dataset, generated once into $MPILB_CACHE (used when --data is not given)."""
-    from .dataset import open_dataset, prepare_synthetic
-
-    root = default_cache_dir() / "default-synthetic-v1"
-    try:
-        open_dataset(root)
-        return str(root)
-    except Exception:  # noqa: BLE001 - absent or half-written: (re)generate it
-        pass
-    import shutil
-
-    if root.exists():
-        shutil.rmtree(root)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    tmp = root.with_name(root.name + f".tmp{time.time_ns()}")
-    prepare_synthetic(tmp, **DEFAULT_DATASET)
-    try:
-        tmp.rename(root)
-    except OSError:  # another process won the race
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(root)
-
+# Set by SIGUSR1 on a rank of a multi-rank job. Slurm's `--signal=USR1` means preemption, but
+# MPICH's Hydra under `-disable-auto-cleanup` sends the same signal to the survivors when a
+# rank dies; rank 0 tells them apart (server/chores.py): a preemption only when every worker
+# present at the signal reports it too, none of them dying first.
+USR1_NOTICE = threading.Event()
 
 def epoch_order(seed: int, epoch: int, num_shards: int) -> list[int]:
     """The epoch's shard order, shuffled from the seed."""
@@ -268,35 +245,10 @@ def config_optimizer(cfg: Config, num_params: int, xp=np):
                            nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, xp=xp)
 
 
-def resolve_data(cfg: Config) -> str:
-    if cfg.data:
-        return cfg.data
-    return default_dataset_dir()
-
-
 def check_world(cfg: Config, world_size: int, dataset) -> None:
     """Combinations that depend on the job size or the data."""
-    workers = max(1, world_size - 1)
+    workers = max(1, world_size - cfg.servers)
     if cfg.store == "local" and cfg.replicas > workers:
         raise UsageError(f"--replicas {cfg.replicas} exceeds the {workers} worker rank(s) of this job")
-    if cfg.checkpoint:
-        check_writable_dir(cfg.checkpoint, "--checkpoint")
-    if cfg.log:
-        check_writable_dir(cfg.log, "--log")
-
-
-def check_writable_dir(path: str, option: str) -> None:
-    """Fail at start-up, not an hour in, when a file cannot be written where asked."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    parent = Path(path).resolve().parent
-    if not parent.is_dir():
-        raise UsageError(f"{option} {path}: directory {parent} does not exist")
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".mpilb-probe-", dir=parent)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as exc:
-        raise UsageError(f"{option} {path}: cannot write in {parent} ({exc.strerror})") from None
+    if cfg.model == "cnn" and len(dataset.sample_shape) not in (1, 3):
+        raise UsageError(f"--model cnn needs image-shaped samples (C,H,W); {dataset.root} has shape {tuple(dataset.sample_shape)}")

@@ -8,9 +8,15 @@ the server, the worker and the benchmark all use it, and tests pin its encoding 
 
 Messages, per worker w (DESIGN.md):
   w -> server  PUSH    [header | gradient]  positions [lo, hi) of a shard it covered, timings
-  server -> w  REPLY   [header | params]    version, batch size, tasks, send orders, a cut
+  server -> w  REPLY   [header] + PARAMS    version, batch size, tasks, send orders, a cut;
+                                            then the parameters, one message per store
   server -> w  ORDERS  [header]             rows to send, for a worker waiting on a reply
   server -> w  STOP    [header]             finish
+
+With --servers K, ranks 0..K-1 each hold a contiguous slice of the parameters (`slices`):
+a push goes to rank 0 as [header | slice 0] and to store s > 0 as its slice (TAG_GRAD);
+each store sends its slice of the reply (TAG_PARAMS) when rank 0 tells it to (TAG_CTRL,
+`encode_ctrl`). With K = 1 a push is [header | gradient] as it always was.
 """
 
 from __future__ import annotations
@@ -28,9 +34,24 @@ HEADER_BYTES = HEADER_FIELDS * 8
 TAG_PUSH = 11
 TAG_REPLY = 12
 TAG_ERROR = 13
+TAG_PARAMS = 14    # store -> worker: its slice of the parameters, after a PARAMS reply header
 TAG_PREEMPT = 15
+TAG_GRAD = 16      # worker -> store s > 0: its slice of the gradient
+TAG_CTRL = 17      # rank 0 -> store s > 0: what to do next (Op)
+TAG_GATHER = 18    # store s > 0 <-> rank 0: a slice and its optimizer state (gather, load)
+TAG_STATS = 19     # store s > 0 -> rank 0: its counters (STATS_FIELDS)
 TAG_SHARD_BASE = 1000   # shard rows between workers: tag and tag+1 (samples, labels)
 SHARD_TAGS = 10000      # transfer tags cycle through this many pairs
+# Rows sent again by another holder when the first was lost: a range of their own above the
+# ordinary transfers (below 32767, the least MPI_TAG_UB a library may have).
+RESOURCE_TAG_BASE = TAG_SHARD_BASE + 2 * SHARD_TAGS
+
+
+def resource_tag(tag: int) -> int:
+    """The tag another holder sends rows with when the one ordered with `tag` was lost."""
+    if tag >= RESOURCE_TAG_BASE:
+        return tag   # already re-sourced: each holder still has its own (source, tag) pair
+    return RESOURCE_TAG_BASE + (tag - TAG_SHARD_BASE) % SHARD_TAGS
 
 
 class Push(IntEnum):
@@ -88,6 +109,94 @@ class Cmd(IntEnum):
 TASK_FIELDS = 6       # per assignment / per send order
 MAX_ASSIGN = 2
 MAX_ORDER = 2
+
+
+class Op(IntEnum):
+    """Commands of rank 0 to a store s > 0 (a CTRL message), carried out in order."""
+
+    APPLY = 1         # apply worker RANK's gradient slice (BATCH, STALENESS, VERSION it used)
+    ADD = 2           # add it to the sync round (weighted by BATCH)
+    DISCARD = 3       # take it and drop it (stray, rejected, or the run is stopping)
+    ROUND = 4         # apply the round's sum over BATCH samples
+    REPLY = 5         # send worker RANK the current slice (TAG_PARAMS)
+    LOSE = 6          # worker RANK is lost: stop listening to it
+    GATHER = 7        # send rank 0 the slice (and with BATCH 1 the optimizer state)
+    STATS = 8         # send rank 0 the counters (updates, bytes in/out, apply_s, cpu_s)
+    END = 9           # the run is over: send the counters and finish
+    LOAD = 10         # receive the slice and the optimizer state from rank 0 (resume)
+
+
+class Ctrl(IntEnum):
+    OP = 0
+    RANK = 1
+    BATCH = 2
+    STALENESS = 3
+    VERSION = 4
+    LR = 5            # rank 0's schedule factor for APPLY and ROUND, stored as factor - 1
+
+
+CTRL_FIELDS = 8
+STATS_FIELDS = 6      # updates, bytes_in, bytes_out, apply_s, cpu_s, version
+
+
+class CtrlMsg(NamedTuple):
+    op: Op
+    rank: int
+    batch: int
+    staleness: int
+    version: int
+    lr: float = 1.0
+
+
+def encode_ctrl(buf: np.ndarray, op: Op, rank: int = -1, batch: int = 0, staleness: int = 0,
+                version: int = 0, lr: float = 1.0) -> None:
+    """Write a CTRL message into `buf` (float64, CTRL_FIELDS). `lr` is stored as lr - 1, so
+    a message without a schedule is byte-identical to one from before the slot existed."""
+    buf[:] = 0
+    buf[Ctrl.OP], buf[Ctrl.RANK], buf[Ctrl.BATCH] = op, rank, batch
+    buf[Ctrl.STALENESS], buf[Ctrl.VERSION] = staleness, version
+    buf[Ctrl.LR] = lr - 1.0
+
+
+def decode_ctrl(buf: np.ndarray) -> CtrlMsg:
+    v = buf[:Ctrl.LR + 1].tolist()
+    return CtrlMsg(Op(int(v[Ctrl.OP])), int(v[Ctrl.RANK]), int(v[Ctrl.BATCH]),
+                   int(v[Ctrl.STALENESS]), int(v[Ctrl.VERSION]), 1.0 + v[Ctrl.LR])
+
+
+def layer_sizes(model) -> list[int]:
+    """Floats per parameter array of `model`, from its layout ((name, shape) pairs; an
+    attribute or a method), [] when it has none."""
+    layout = getattr(model, "layout", ())
+    if callable(layout):
+        layout = layout()
+    return [int(np.prod(shape)) for _, shape in layout]
+
+
+def cut_slices(n: int, k: int, layer_sizes: Sequence[int] = (), tolerance: float = 0.05) -> list[int]:
+    """Bounds [0, b1, ..., n] of k contiguous slices of an n-float vector, as even as can be.
+
+    A cut moves to the nearest layer boundary (from `layer_sizes`, which sum to n) when that
+    keeps every slice within `tolerance` of n/k floats; otherwise it stays at the even point.
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"{k} slices of {n} parameters")
+    edges = np.cumsum([0, *layer_sizes]).tolist() if sum(layer_sizes) == n else [0, n]
+    ideal = n / k
+    even = [round(i * n / k) for i in range(k + 1)]
+    bounds = list(even)
+    for i in range(1, k):
+        near = min(edges, key=lambda e: abs(e - even[i]))
+        if abs(near - even[i]) <= tolerance * ideal:
+            bounds[i] = near
+    limit = max((1 + tolerance) * ideal, max(b - a for a, b in zip(even, even[1:])))
+    while bounds != even:   # a slice grown past the tolerance by two moved ends: put them back
+        over = [i for i in range(k) if bounds[i + 1] - bounds[i] > limit or bounds[i + 1] <= bounds[i]]
+        if not over:
+            break
+        for i in over:
+            bounds[i], bounds[i + 1] = even[i], even[i + 1]
+    return bounds
 
 
 class TaskMsg(NamedTuple):

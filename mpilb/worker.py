@@ -13,6 +13,7 @@ buffers, one copy each way per step.
 from __future__ import annotations
 
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -23,10 +24,10 @@ from . import comm as C
 from .backend import select_backend
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
-from .shards import ShardStore, placement
-from .training import PREEMPTED, config_model
+from .shards import ShardStore, holders_of, placement
+from .training import PREEMPTED, USR1_NOTICE, config_model
 from . import wire
-from .wire import Cmd
+from .wire import Cmd, resource_tag
 
 
 class StopWorker(Exception):
@@ -45,21 +46,42 @@ class Computed:
 
 
 class RemoteRows:
-    """Rows of a shard arriving from the rank that holds them (posted at assignment time)."""
+    """Rows of a shard arriving from a rank that holds them (posted at assignment time).
 
-    def __init__(self, comm, src: int, tag: int, rows: int, sample_shape, backoff,
-                 y_dtype="int64", target_shape=()):
-        self.x = np.empty((rows, *sample_shape), dtype=np.float32)
-        self.y = np.empty((rows, *target_shape), dtype=y_dtype)   # labels or float targets
-        self.reqs = [comm.Irecv(self.x, source=src, tag=tag), comm.Irecv(self.y, source=src, tag=tag + 1)]
+    `sources`: (rank, tag) pairs, the ordered sender first. With --replicas 2 or more the
+    other holders of the shard are listed too (with the re-source tag): if the sender is
+    lost before the rows arrive, the server orders another holder to send them, and the
+    first complete copy is used; receives still posted for the others are cancelled (kept
+    in `leftover` until MPI has let go of their buffers).
+    """
+
+    def __init__(self, comm, sources: list[tuple[int, int]], rows: int, sample_shape, backoff,
+                 on_poll=None, y_dtype="int64", target_shape=()):
+        self.copies = []
+        for src, tag in sources:
+            x = np.empty((rows, *sample_shape), dtype=np.float32)
+            y = np.empty((rows, *target_shape), dtype=y_dtype)   # labels or float targets
+            self.copies.append(([comm.Irecv(x, source=src, tag=tag),
+                                 comm.Irecv(y, source=src, tag=tag + 1)], x, y))
         self.backoff = backoff
+        self.on_poll = on_poll    # between polls: rows other ranks wait for from this one
+        self.leftover: list = []
 
     def wait(self):
         t0 = time.perf_counter()
         self.backoff.reset()
-        while not C.Request.Testall(self.reqs):
+        while True:
+            for i, (reqs, x, y) in enumerate(self.copies):
+                if C.Request.Testall(reqs):
+                    for other in self.copies[:i] + self.copies[i + 1:]:
+                        for req in other[0]:
+                            req.Cancel()
+                        self.leftover.append(other)
+                    self.copies = []
+                    return x, y, time.perf_counter() - t0
+            if self.on_poll is not None:
+                self.on_poll()
             self.backoff.sleep()
-        return self.x, self.y, time.perf_counter() - t0
 
 
 class Worker:
@@ -72,8 +94,14 @@ class Worker:
         self.n = self.model.num_params
         self.injector = Injector(parse_injects(cfg.inject, comm.Get_size()), rank, cfg.seed)
         inj = self.injector
+        self.held = None
+        if cfg.store == "local":
+            ranks = list(range(cfg.servers, comm.Get_size()))
+            self.held = {s for s, hs in placement(len(dataset.shard_sizes), ranks, cfg.replicas).items()
+                         if rank in hs}
         self.store = ShardStore(dataset, seed=cfg.seed,
-                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s))
+                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
+                                cache_mb=cfg.cache_mb, shards=self.held)
         self.feed = ShardFeed(self.store, self.backend)
         self.step_fn = GradientStep(self.model, self.backend, self.injector)
         self.on_cpu = self.backend.name == "cpu"
@@ -99,21 +127,21 @@ class Worker:
         self.step = 0
         self.backoff = C.Backoff()
         self.reply_wait = C.WaitEstimate()   # push -> reply, to wake up just in time
-        self.push_req = None
+        self.push_reqs: list = []
+        # --servers K: store s holds parameters [bounds[s], bounds[s+1]) (wire.cut_slices)
+        self.bounds = wire.cut_slices(self.n, cfg.servers, wire.layer_sizes(self.model))
+        self.pulls: Optional[list] = None   # receives of the next reply's slices, posted early
         # timings since the last push
         self.compute_s = self.comm_s = self.idle_s = 0.0
         self.io_reported = 0.0
         self.retry = False
-        self.preempt_sent = False
-        self.preempt_req = None
+        self.signals_sent: set = set()
+        self.preempt_reqs: list = []
         self.outgoing: list = []
+        self.remotes: list[RemoteRows] = []   # receives of rows not yet complete or let go
+        self.shard_sizes = list(dataset.shard_sizes)
         self.sample_shape = tuple(dataset.sample_shape)
         self.y_dtype, self.target_shape = dataset.label_dtype, tuple(dataset.target_shape)
-        self.held = None
-        if cfg.store == "local":
-            ranks = list(range(1, comm.Get_size()))
-            self.held = {s for s, hs in placement(len(dataset.shard_sizes), ranks, cfg.replicas).items()
-                         if rank in hs}
 
     def _message(self, floats: Optional[int] = None):
         """(buffer MPI sends/receives, host header, payload on the compute device or host)."""
@@ -138,9 +166,25 @@ class Worker:
             msg[1][:] = msg[0][:wire.HEADER_BYTES].get().view(np.float64)
 
     # ---------------------------------------------------------------- messages
+    def _post_pulls(self) -> None:
+        """Post the receives of every store's slice of the next reply's parameters."""
+        if self.pulls is None:
+            payload, b = self.recv_buf[2], self.bounds
+            self.pulls = [self.comm.Irecv(payload[b[s]:b[s + 1]], source=s, tag=wire.TAG_PARAMS)
+                          for s in range(len(b) - 1)]
+
+    def _finish_pulls(self) -> None:
+        """The slices follow a PARAMS header: wait for all of them (no spinning)."""
+        self.backoff.reset()
+        while not C.Request.Testall(self.pulls):
+            self._progress_outgoing()
+            self.backoff.sleep()
+        self.pulls = None
+
     def _wait_reply(self, counts_as_idle: bool) -> None:
         """Wait for the server's message (no spinning) and act on it."""
         t0 = time.perf_counter()
+        self._post_pulls()
         due, grace = (None, 0.0) if counts_as_idle else self.reply_wait.window(time.monotonic())
         hdr = self.recv_buf[1]
         while True:
@@ -151,6 +195,8 @@ class Worker:
                 break
             self._serve_orders(wire.decode_orders(hdr))   # rows another rank needs; the reply is still to come
         reply = wire.decode_reply(hdr)
+        if reply.cmd == Cmd.PARAMS:
+            self._finish_pulls()
         waited = time.perf_counter() - t0
         held = reply.held_s
         if counts_as_idle:
@@ -171,8 +217,10 @@ class Worker:
         for epoch, shard, start, end, src, tag in reply.assigns:
             remote = None
             if src >= 0:
-                remote = RemoteRows(self.comm, src, tag, end - start, self.sample_shape, self.backoff,
+                remote = RemoteRows(self.comm, self._sources(shard, src, tag), end - start,
+                                    self.sample_shape, self.backoff, self._orders_while_blocked,
                                     self.y_dtype, self.target_shape)
+                self.remotes.append(remote)
             elif self.held is not None and shard not in self.held:
                 raise RuntimeError(f"shard {shard} assigned for a local read, but this rank holds no copy")
             self.feed.assign(epoch, shard, start, end, remote)
@@ -200,13 +248,23 @@ class Worker:
         self.io_reported = io_total
         self.comm_s = self.idle_s = 0.0
         t0 = time.perf_counter()
-        if self.push_req is not None:
-            C.complete(self.push_req)
+        for req in self.push_reqs:
+            C.complete(req)
         self._header_to_buffer(msg)
-        self.push_req = self.comm.Isend(buf, dest=0, tag=wire.TAG_PUSH)
+        b = self.bounds
+        # every store's slice at once; rank 0 gets the header with slice 0
+        self.push_reqs = [self.comm.Isend(msg[2][b[s]:b[s + 1]], dest=s, tag=wire.TAG_GRAD)
+                          for s in range(1, len(b) - 1)]
+        # (with one store, followed by the model's state: the server keeps the latest)
+        state = self.model.num_state if len(b) == 2 else 0
+        self.push_reqs.append(self.comm.Isend(buf[:wire.HEADER_BYTES + 4 * (b[1] + state)],
+                                              dest=0, tag=wire.TAG_PUSH))
         self.step += 1
-        if not self.cfg.pipeline:
-            C.complete(self.push_req)   # the server has a receive posted: this is quick
+        # Complete the push now, pipelined or not: the receivers have receives posted, so
+        # this is quick, while a large message left in flight would only move once this rank
+        # calls MPI again (no progress during a compute), and the reply would wait for it.
+        for req in self.push_reqs:
+            C.complete(req)
         self.comm_s += time.perf_counter() - t0   # reported with the next push
 
     def _serve_orders(self, orders) -> None:
@@ -219,15 +277,51 @@ class Worker:
         reqs = [self.comm.Isend(x, dest=dst, tag=tag), self.comm.Isend(y, dest=dst, tag=tag + 1)]
         self.outgoing.append((reqs, x, y))   # the arrays live until the sends complete
 
+    def _orders_while_blocked(self) -> None:
+        """Waiting for rows: serve send orders the server sends meanwhile. Two workers
+        waiting for rows from each other (both re-sourced after a lost holder) would
+        otherwise wait for ever. Without pipelining no reply can be on its way now (this
+        rank has not pushed), so a message from rank 0 here is ORDERS (header only: the
+        parameters in the reply buffer are untouched)."""
+        self._check_fault()
+        if self.cfg.pipeline:
+            return   # a reply may be on its way: it must be read by _wait_reply
+        msg = self.comm.improbe(source=0, tag=wire.TAG_REPLY)
+        if msg is None:
+            return
+        C.complete(msg.Irecv(self.recv_buf[0]))
+        self._header_from_buffer(self.recv_buf)
+        hdr = self.recv_buf[1]
+        if wire.command(hdr) != Cmd.ORDERS:
+            raise RuntimeError(f"rank {self.rank}: message {wire.command(hdr)} from rank 0 while "
+                               f"waiting for shard rows (only ORDERS can come then)")
+        self._serve_orders(wire.decode_orders(hdr))
+
+    def _sources(self, shard: int, src: int, tag: int) -> list[tuple[int, int]]:
+        """Who may send a shard's rows: `src`, then (replicas) the other holders."""
+        sources = [(src, tag)]
+        if self.cfg.replicas > 1:
+            ranks = list(range(self.cfg.servers, self.comm.Get_size()))
+            alt = resource_tag(tag)
+            sources += [(h, alt) for h in holders_of(shard, len(self.shard_sizes), ranks,
+                                                     self.cfg.replicas)
+                        if h not in (src, self.rank)]
+        return sources
+
     def _progress_outgoing(self) -> None:
         if self.outgoing:
             self.outgoing = [o for o in self.outgoing if not C.Request.Testall(o[0])]
+        if self.remotes:
+            for r in self.remotes:
+                r.leftover = [c for c in r.leftover if not C.Request.Testall(c[0])]
+            self.remotes = [r for r in self.remotes if r.copies or r.leftover]
 
     def _check_fault(self) -> None:
         self._progress_outgoing()
-        if PREEMPTED.is_set() and not self.preempt_sent:
-            self.preempt_req = C.notify_preempt(self.comm)   # rank 0 checkpoints, stops all
-            self.preempt_sent = True
+        for event, signum in ((PREEMPTED, signal.SIGTERM), (USR1_NOTICE, signal.SIGUSR1)):
+            if event.is_set() and signum not in self.signals_sent:   # rank 0 decides
+                self.preempt_reqs.append(C.notify_preempt(self.comm, signum))
+                self.signals_sent.add(signum)
         fault = self.injector.fault(time.monotonic())
         if fault == "crash":
             os._exit(17)
@@ -266,14 +360,18 @@ class Worker:
         except StopWorker:
             pass
         finally:
-            if self.push_req is not None:
-                C.wait(self.push_req, timeout=5.0)
+            for req in self.push_reqs:
+                C.wait(req, timeout=5.0)
+            for req in self.pulls or ():   # a reply that will not come (STOP)
+                req.Cancel()
+                C.wait(req, timeout=1.0)
             for reqs, _, _ in self.outgoing:   # rows other ranks still need
                 for req in reqs:
                     C.wait(req, timeout=30.0)
             self.store.close()
-            if self.preempt_req is not None and not self.preempt_req.Test():
-                self.preempt_req.Cancel()
+            for req in self.preempt_reqs:
+                if not req.Test():
+                    req.Cancel()
 
     def _loop(self) -> None:
         msg = self.push_bufs[0]

@@ -238,7 +238,7 @@ def test_every_shard_done_exactly_once(name, sizes, hysteresis, seed, script):
     assert done == Counter(range(len(sizes)))
     assert all(not bal.queued(v) for v in bal.workers)
     for move in bal.take_moves():
-        assert move.reason in ("rebalance", "steal", "lost") and move.src != move.dst
+        assert move.reason in ("rebalance", "steal", "lost", "probe") and move.src != move.dst
 
 
 def _teach_times(bal, busy, gap, reports=50, t=0.0):

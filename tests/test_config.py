@@ -62,8 +62,9 @@ def test_bad_value_in_file_names_file_and_key(tmp_path):
 
 @pytest.mark.parametrize("values,message", [
     ({"min_batch": "64", "max_batch": "32"}, "--min-batch 64 is larger than --max-batch 32"),
-    ({"resume": True}, "--resume needs --checkpoint"),
-    ({"replicas": "2"}, "--replicas only applies to --store local"),
+    ({"resume": True}, "--resume needs --log RUN.h5"),
+    ({"resume": True, "log": "r.h5", "overwrite": True}, "--resume continues"),
+    ({"replicas": "2"}, "--replicas 2 has no effect with --store shared"),
     ({"pipeline": "1", "mode": "sync"}, "--pipeline 1 cannot be combined with --mode sync"),
 ])
 def test_bad_combinations(values, message):

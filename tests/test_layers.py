@@ -114,3 +114,16 @@ def test_only_wire_indexes_headers():
             continue
         text = path.read_text()
         assert "[Push." not in text and "[Reply." not in text, mod
+
+
+def test_importing_the_simulator_does_not_start_mpi():
+    """The static rules above read source; this checks what importing really loads (a
+    package __init__ that imported the loop once pulled mpi4py into the simulator)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mpilb.simulate, mpilb.server.tasks, mpilb.server.modes; "
+            "print('mpi4py' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

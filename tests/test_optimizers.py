@@ -148,3 +148,80 @@ def test_step_allocates_no_arrays(name, kw):
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak < 4096, peak  # a temporary would be 400 kB
+
+
+def _reference(name, p, grads, lr, wd, mu=0.9, nesterov=False, b1=0.9, b2=0.999, eps=1e-8):
+    """The textbook update in float64, written as plainly as possible (temporaries and all)."""
+    p = p.astype(np.float64)
+    m = np.zeros_like(p)
+    v = np.zeros_like(p)
+    for t, g in enumerate(grads, start=1):
+        g = g.astype(np.float64) + wd * p
+        if name == "sgd":
+            p = p - lr * g
+        elif name == "momentum":
+            m = mu * m + g
+            p = p - lr * (g + mu * m if nesterov else m)
+        else:
+            m = b1 * m + (1 - b1) * g
+            v = b2 * v + (1 - b2) * g * g
+            m_hat, v_hat = m / (1 - b1**t), v / (1 - b2**t)
+            p = p - lr * m_hat / (np.sqrt(v_hat) + eps)
+    return p, m, v
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("adam", {}), ("adam", {"weight_decay": 1e-2}), ("adam", {"beta1": 0.0, "beta2": 0.5}),
+    ("sgd", {}), ("sgd", {"weight_decay": 1e-2}),
+    ("momentum", {}), ("momentum", {"nesterov": True, "weight_decay": 1e-2}),
+])
+def test_blocked_float32_step_matches_a_float64_reference(name, kw):
+    """Several blocks and a short last one: the blocked step is the textbook update."""
+    from mpilb import optimizers
+
+    n = 2 * optimizers.BLOCK + 1234
+    rng = np.random.default_rng(1)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    grads = [rng.standard_normal(n).astype(np.float32) * s for s in (1.0, 0.1, 3.0, 1e-3, 0.5)]
+    opt = build_optimizer(name, n, lr=1e-2, **kw)
+    assert len(opt._spans) == 3
+    params = p0.copy()
+    for g in grads:
+        opt.step(params, g)
+    ref_kw = {k: v for k, v in kw.items() if k != "weight_decay"}
+    ref_kw = {{"beta1": "b1", "beta2": "b2"}.get(k, k): v for k, v in ref_kw.items()}
+    expected, m, v = _reference(name, p0, grads, 1e-2, kw.get("weight_decay", 0.0), **ref_kw)
+    # float32 rounding of a few steps of size ~lr around values ~1: well under 1e-5
+    np.testing.assert_allclose(params, expected, rtol=0, atol=2e-6)
+    assert np.abs(params - p0).max() > 1e-3   # and the parameters did move
+    state = opt.state_dict()   # checkpoints hold the textbook moments, however they are kept
+    if name == "adam":
+        close(state["exp_avg"], m)
+        close(state["exp_avg_sq"], v)
+    elif name == "momentum":
+        close(state["velocity"], m)
+
+
+def close(got, want):
+    """Equal to float32 rounding, relative to the vector's scale (entries near 0 cancel)."""
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam"])
+def test_block_size_does_not_change_the_result(name, monkeypatch):
+    from mpilb import optimizers
+
+    n = 5000
+    rng = np.random.default_rng(2)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    grads = rng.standard_normal((3, n)).astype(np.float32)
+    results = []
+    for block in (n, 4096, 999):
+        monkeypatch.setattr(optimizers, "BLOCK", block)
+        opt = build_optimizer(name, n, lr=1e-2, weight_decay=1e-3)
+        params = p0.copy()
+        for g in grads:
+            opt.step(params, g)
+        results.append(params)
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])   # same arithmetic element by element

@@ -26,14 +26,15 @@ from mpilb.runlog import RunLog, read_columns
 DESIGN_SUMMARY_KEYS = {
     "status", "mode", "balancer", "batch_policy", "store", "correction", "workers", "wall_s",
     "train_s", "samples", "samples_per_s", "updates", "epochs_completed", "epoch_s",
-    "utilization", "final_test_accuracy", "best_test_accuracy", "time_to_target_s",
-    "metric", "final_test_metric", "best_test_metric",
-    "staleness", "shard_moves", "bytes_moved", "lost_workers", "coverage", "server_cpu_s",
-    "per_worker",
+    "utilization", "final_test_accuracy", "best_test_accuracy", "metric", "final_test_metric",
+    "best_test_metric", "final_train_loss", "time_to_target_s", "staleness", "shard_moves",
+    "bytes_moved", "lost_workers", "coverage", "server_cpu_s", "per_worker", "servers",
 }
-PER_WORKER_KEYS = {"rank", "samples", "compute_s", "io_s", "comm_s", "idle_s", "mean_batch"}
-RUN_PLOTS = ("timeline.png", "rates.png", "batch.png", "staleness.png", "shards.png", "eval.png")
-COMPARE_PLOTS = ("compare_accuracy.png", "compare_rates.png", "compare_epoch_time.png")
+PER_WORKER_KEYS = {"rank", "samples", "compute_s", "io_s", "comm_s", "idle_s", "mean_batch", "train_loss"}
+RUN_PLOTS = ("timeline.png", "rates.png", "batch.png", "staleness.png", "shards.png", "loss.png",
+             "eval.png")
+COMPARE_PLOTS = ("compare_accuracy.png", "compare_loss.png", "compare_rates.png",
+                 "compare_epoch_time.png")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CONFIG = {"mode": "async", "balancer": "load", "batch_policy": "fixed", "store": "shared",
           "correction": "none", "batch": 32, "target_accuracy": 0.5}
@@ -89,7 +90,7 @@ def finished_log(path, **kw) -> tuple[str, dict]:
     return str(path), expected
 
 
-def report(*args, timeout: float = 60) -> subprocess.CompletedProcess:
+def report(*args, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "mpilb", "report", *map(str, args)],
                           capture_output=True, text=True, timeout=timeout, env=mpirun.env())
 
@@ -110,6 +111,35 @@ def test_summary_keys_match_design(tmp_path):
     assert s["time_to_target_s"] is not None        # target 0.5 reached at the second eval
     assert s["shard_moves"] == 1 and s["bytes_moved"] == 1000
     assert set(s["staleness"]) == {"mean", "p50", "p99", "max"}
+
+
+def test_training_loss_is_the_mean_of_the_last_updates(tmp_path):
+    from mpilb.report import loss_window, smoothed_loss
+
+    path, expected = finished_log(tmp_path / "run.h5")
+    s = summarize_log(path)
+    n = expected["updates"]
+    k = loss_window(n)
+    # every batch is 32 samples: the plain mean of the last k per-sample losses (1/version)
+    assert s["final_train_loss"] == pytest.approx(np.mean(1.0 / np.arange(n - k + 1, n + 1)))
+    _, cols = read_columns(path)
+    up = cols["updates"]
+    for w in s["per_worker"]:
+        m = up["worker"] == w["rank"]
+        mine = up["loss"][m].astype(np.float64)
+        assert w["train_loss"] == pytest.approx(mine[-loss_window(mine.size):].mean(), rel=1e-6)
+    assert s["metric"] == "accuracy" and s["final_test_metric"] == s["final_test_accuracy"]
+    # weights: a batch of 3 samples counts three times one of 1; NaN losses are skipped
+    got = smoothed_loss(np.array([1.0, 2.0, np.nan, 5.0]), np.array([1, 3, 2, 1]), window=3)
+    assert got.tolist() == pytest.approx([1.0, 7 / 4, 7 / 4, 11 / 4])
+
+
+def test_text_report_shows_loss_and_metric(tmp_path):
+    path, _ = finished_log(tmp_path / "run.h5")
+    res = report(path)
+    assert res.returncode == 0, res.stderr
+    assert "train loss 0.0" in res.stdout and "test accuracy: final 0.6000" in res.stdout
+    assert "train_loss" in res.stdout.splitlines()[-4]
 
 
 def test_per_worker_entries(tmp_path):
@@ -161,6 +191,10 @@ def test_cli_compare_table_and_overlays(tmp_path):
     assert "b.h5" in header
     workers_row = next(line for line in res.stdout.splitlines() if line.startswith("workers"))
     assert workers_row.split()[1:] == ["3", "2"]
+    assert "final train loss" in res.stdout
+    lines = res.stdout.splitlines()
+    differ = lines[lines.index("settings that differ:") + 1:]
+    assert [ln.split() for ln in differ] == [["workers", "3", "2"]]
     for name in COMPARE_PLOTS:
         assert (tmp_path / "cmp" / name).stat().st_size > 5000, name
 
@@ -218,7 +252,7 @@ def test_empty_groups_still_plot(tmp_path):
     assert all(os.path.getsize(p) > 2000 for p in written)
     assert summarize_log(str(empty))["per_worker"] == [
         {"rank": r, "samples": 0, "compute_s": 0.0, "io_s": 0.0, "comm_s": 0.0, "idle_s": 0.0,
-         "mean_batch": 0.0} for r in (1, 2, 3)]
+         "mean_batch": 0.0, "train_loss": None} for r in (1, 2, 3)]
 
     serial = tmp_path / "serial.h5"
     log = start_log(serial, world_size=1)
@@ -315,3 +349,37 @@ def test_sigkilled_run_reads_as_incomplete(small_dataset, tmp_path):
     assert res.returncode == 0, res.stderr
     s = json.loads(res.stdout)
     assert s["status"] == "running" and s["updates"] == cols["updates"]["t"].size
+
+
+def test_eval_figure_without_evaluations_shows_training_loss(tmp_path):
+    from mpilb.plots._common import _load
+    from mpilb.plots.learning import eval_figure, loss_figure
+
+    path = tmp_path / "noeval.h5"
+    log = start_log(path)
+    for i in range(50):
+        log.append("updates", t=0.01 * i, worker=1 + i % 3, version=i + 1, batch=32, loss=2.0 / (i + 1))
+    log.close("finished")
+    run = _load(str(path))
+    fig = eval_figure(run)
+    metric_t, metric_s, loss_t, loss_s = fig.axes
+    assert loss_t.lines and loss_s.lines              # the training loss, against time and samples
+    assert max(loss_s.lines[-1].get_xdata()) == 50 * 32
+    assert not metric_t.lines and "no evaluation" in metric_t.texts[0].get_text()
+    # loss.png: one line per worker plus the overall one, in both panels
+    assert [len(ax.lines) for ax in loss_figure(run).axes] == [4, 4]
+
+
+def test_compare_legends_name_the_settings_that_differ(tmp_path):
+    from mpilb.plots import _load
+    from mpilb.plots.compare import compare_figures
+
+    a = start_log(tmp_path / "a.h5", config=dict(CONFIG, epochs=5, hidden="64"))
+    fill(a)
+    a.close("finished")
+    b = start_log(tmp_path / "b.h5", config=dict(CONFIG, epochs=5, hidden="128"))
+    fill(b)
+    b.close("finished")
+    figs = dict(compare_figures([_load(str(tmp_path / "a.h5")), _load(str(tmp_path / "b.h5"))]))
+    legend = [t.get_text() for t in figs["compare_loss.png"].axes[0].get_legend().get_texts()]
+    assert legend == ["a.h5 (hidden=64)", "b.h5 (hidden=128)"]

@@ -164,3 +164,16 @@ def test_too_many_rows_for_one_header_is_refused():
         wire.encode_reply(hdr, Cmd.PARAMS, version=0, batch=1, assigns=[(0, 0, 0, 1, -1, 0)] * 3)
     with pytest.raises(ValueError):
         wire.encode_orders(hdr, [(0, 0, 0, 1, 1, 0)] * 3)
+
+
+def test_store_messages_are_pinned():
+    """--servers K: the tags and the CTRL encoding between rank 0, the stores and workers."""
+    assert (wire.TAG_PARAMS, wire.TAG_GRAD, wire.TAG_CTRL, wire.TAG_GATHER, wire.TAG_STATS) == (14, 16, 17, 18, 19)
+    assert {o.name: int(o) for o in wire.Op} == {
+        "APPLY": 1, "ADD": 2, "DISCARD": 3, "ROUND": 4, "REPLY": 5, "LOSE": 6, "GATHER": 7,
+        "STATS": 8, "END": 9, "LOAD": 10}
+    assert [int(c) for c in wire.Ctrl] == [0, 1, 2, 3, 4]
+    assert (wire.CTRL_FIELDS, wire.STATS_FIELDS) == (8, 6)
+    buf = np.zeros(wire.CTRL_FIELDS)
+    wire.encode_ctrl(buf, wire.Op.REPLY, rank=3)
+    assert buf.tobytes() == np.array([5, 3, 0, 0, 0, 0, 0, 0], np.float64).tobytes()

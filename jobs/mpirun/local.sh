@@ -12,6 +12,10 @@
 #   MPILB_DEVICE    --device (default: auto: the GPUs CuPy sees, else the CPU)
 #   MPILB_MPIEXEC   the launcher (default: mpiexec on PATH; it must belong to the MPI that
 #                   mpi4py uses: `mpilb doctor` shows which one that is)
+#   MPILB_SURVIVE   1: a worker process that dies does not end the job (MPICH's
+#                   `mpiexec -disable-auto-cleanup`); rank 0 declares it lost after
+#                   --worker-timeout, its work goes to the others, exit 3 (docs/faults.md).
+#                   Open MPI 5 has `mpirun --with-ft ulfm` for this (not tested with mpilb)
 set -euo pipefail
 
 np=${MPILB_NP:-$(nproc 2>/dev/null || echo 2)}
@@ -28,4 +32,10 @@ args+=(--device "${MPILB_DEVICE:-auto}" --log "${MPILB_LOG:-mpilb-local-$(date +
 echo "mpilb: $np ranks on $(hostname): mpilb train ${args[*]}"
 # exec: Ctrl-C and signals (SIGTERM, SIGUSR1: checkpoint and stop) go straight to mpiexec,
 # which passes them on to every rank.
-exec "${MPILB_MPIEXEC:-mpiexec}" -n "$np" mpilb train "${args[@]}"
+launcher=("${MPILB_MPIEXEC:-mpiexec}")
+if [[ ${MPILB_SURVIVE:-0} == 1 ]]; then
+    # The survivors of a death get SIGUSR1 from Hydra: mpilb tells that notice from a
+    # preemption (a preemption only if every worker is heard from again before any is lost).
+    launcher+=(-disable-auto-cleanup)
+fi
+exec "${launcher[@]}" -n "$np" mpilb train "${args[@]}"

@@ -6,7 +6,16 @@ state), tasks.py (the task ledger), modes.py (update rules: async, ssp, sync), s
 (sitting sync rounds out). tasks, modes, sitout and peers are pure: no MPI, no run log.
 """
 
-from .chores import WorkerFailed
-from .loop import ParameterServer, serve
-
 __all__ = ["ParameterServer", "WorkerFailed", "serve"]
+
+
+def __getattr__(name):
+    # Lazy: the pure parts (tasks, modes, peers, sitout) are imported by the simulator, which
+    # must not initialise MPI by importing the loop (and through it mpi4py).
+    if name == "WorkerFailed":
+        from .chores import WorkerFailed
+        return WorkerFailed
+    if name in ("ParameterServer", "serve"):
+        from . import loop
+        return getattr(loop, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

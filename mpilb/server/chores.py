@@ -8,15 +8,17 @@ flush and the progress line. Mixed into :class:`~mpilb.server.loop.ParameterServ
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from typing import Optional
 
 from .. import checkpoint
 from .. import comm as C
-from ..training import PREEMPTED
+from ..training import PREEMPTED, USR1_NOTICE
 
 FIRST_SIZES_STEPS = 16   # proportional batches are first sized after this many steps each
+WARMUP_FIRST_S = 0.25    # after the first rates, rebalance after 0.25, 0.5, 1 ... s
 
 
 class WorkerFailed(Exception):
@@ -30,13 +32,24 @@ class Chores:
     """Timers and liveness of the parameter server (a mixin: it reads the server's state)."""
 
     CHORES_S = 0.002   # how often the main loop checks errors, lost workers and timers
+    UNWATCHED_S = 0.25  # a longer gap between chores: rank 0 was busy or stopped, not watching
+    _warmup_gap: Optional[float] = None   # see _warmup_due
 
     def _chores(self) -> None:
+        self._note_unwatched()
         err = C.poll_error(self.comm)
         if err is not None:
             raise WorkerFailed(*err)
-        if C.poll_preempt(self.comm):
-            PREEMPTED.set()
+        while (notice := C.poll_preempt(self.comm)) is not None:
+            src, signum = notice
+            if signum == signal.SIGUSR1:
+                self._usr1_from(src)
+            else:
+                PREEMPTED.set()
+        if USR1_NOTICE.is_set():
+            USR1_NOTICE.clear()
+            self._usr1_from(0)
+        self._judge_usr1()
         self._check_lost()
         self._check_stalled()
         self._timers()
@@ -61,7 +74,8 @@ class Chores:
         if (self.cfg.checkpoint and not self.stop.reason
                 and mono - self.last_checkpoint >= self.cfg.checkpoint_interval):
             self._checkpoint()
-        if mono - self.last_rebalance >= self.cfg.rebalance_interval or self._first_sizes_due():
+        if (mono - self.last_rebalance >= self.cfg.rebalance_interval or self._first_sizes_due()
+                or self._warmup_due(mono)):
             self._rebalance(mono)
         if mono - self.last_eval >= self.cfg.eval_interval:
             self._evaluate()
@@ -72,7 +86,8 @@ class Chores:
             self._begin_stop()
         self.log.maybe_flush()
         rates = {w.rank: self.balancer.rate(w.rank) for w in self.present()}
-        self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy, rates)
+        self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy, rates,
+                             lost=self.lost)
 
     def _first_sizes_due(self) -> bool:
         """Proportional batches: size them as soon as every worker has taken a few steps,
@@ -83,6 +98,23 @@ class Chores:
         if busy and all(w.step >= FIRST_SIZES_STEPS for w in busy):
             self.sized_early = True
         return self.sized_early
+
+    def _warmup_due(self, mono: float) -> bool:
+        """Rates learnt from the first steps are used at once: a rebalance as soon as every
+        busy worker has a first estimate (a bucket of its first steps), then after 0.25,
+        0.5, 1 ... s while the estimates settle, until the gap reaches --rebalance-interval.
+        A run of a few seconds would otherwise spend its first interval on a blind plan."""
+        gap = self._warmup_gap
+        if gap is None:
+            busy = [w for w in self.present() if not w.idle]
+            if busy and all(self.balancer.rate_known(w.rank) for w in busy):
+                self._warmup_gap = WARMUP_FIRST_S
+                return True
+            return False
+        if gap < self.cfg.rebalance_interval and mono - self.last_rebalance >= gap:
+            self._warmup_gap = 2 * gap
+            return True
+        return False
 
     def _rebalance(self, mono: float) -> None:
         self.last_rebalance = mono
@@ -117,6 +149,7 @@ class Chores:
     def _log_worker_rows(self) -> None:
         """One `workers/` row per worker with what it reported since the previous row."""
         t = self.now()
+        self.stores.log_rows(self.log, t)
         for w in self.peers.values():
             if w.lost:
                 continue
@@ -125,12 +158,35 @@ class Chores:
                             predicted_rate=self.balancer.predicted_rate(w.rank), **w.take_row())
 
     # ----------------------------------------------------------------- liveness
+    def _note_unwatched(self) -> None:
+        """Remember when rank 0 did not watch (a long checkpoint or evaluation, SIGSTOP):
+        that time does not count as the workers' silence (their pushes wait unread)."""
+        mono = time.monotonic()
+        last = getattr(self, "_last_watch", None)
+        gaps = self.__dict__.setdefault("_unwatched", [])
+        if last is not None and mono - last > self.UNWATCHED_S:
+            gaps.append((last, mono))
+        horizon = mono - 2 * self.cfg.worker_timeout
+        while gaps and gaps[0][1] < horizon:
+            gaps.pop(0)
+        self._last_watch = mono
+
+    def silence(self, w, mono: float) -> float:
+        """Seconds rank 0 watched for w's next message in vain since it last heard of it."""
+        watched = mono - w.last_seen
+        for start, end in getattr(self, "_unwatched", ()):
+            watched -= max(0.0, min(end, mono) - max(start, w.last_seen))
+        return watched
+
     def _check_lost(self) -> None:
         mono = time.monotonic()
         for w in self.present():
             if w.idle or w.held:
                 continue
-            if mono - w.last_seen > self.cfg.worker_timeout:
+            if self.silence(w, mono) > self.cfg.worker_timeout:
+                req = w.link.recv_req
+                if req is not None and req.Get_status():
+                    continue   # its push has arrived and waits to be read: not silent
                 self._declare_lost(w)
 
     def _check_stalled(self) -> None:
@@ -146,22 +202,61 @@ class Chores:
     def _declare_lost(self, w) -> None:
         print(f"mpilb: rank {w.rank} silent for {self.cfg.worker_timeout:g} s: declared lost; "
               f"its shards go to the other workers", file=sys.stderr, flush=True)
+        vote = getattr(self, "_usr1", None)
+        if vote is not None and w.rank in vote["expect"]:
+            self._usr1 = None
+            print(f"mpilb: the SIGUSR1 of {vote['t']:.1f} s came with the loss of rank {w.rank}: "
+                  f"taken as the launcher's notice of a failed rank (MPICH -disable-auto-cleanup), "
+                  f"not as a preemption", file=sys.stderr, flush=True)
         w.lose()
+        self.remote.lose(w.rank)   # every store stops listening to it
         self.lost.append(w.rank)
         self.balancer.remove_worker(w.rank)
         self.ledger.take_back(w.rank, lost=True)
         self._log_shards()
         if all(o.lost for o in self.peers.values()):
             raise RuntimeError("every worker was lost")
-        for receiver, t in self.ledger.expects_rows_from(w.rank):   # they can no longer arrive
-            raise RuntimeError(
-                f"rank {w.rank} was lost before sending rows of shard {t.shard} to rank "
-                f"{receiver}, which waits for them; this run cannot continue: resume from "
-                f"the last checkpoint")
+        if self.ledger.holders is not None:
+            # rows it owed come from another copy (--replicas >= 2); else resource() raises
+            for receiver, t in self.ledger.resource(w.rank):
+                print(f"mpilb: rows of shard {t.shard} that rank {w.rank} owed rank {receiver} "
+                      f"come from rank {t.src} instead", file=sys.stderr, flush=True)
+            self._log_shards()
+            # Now, whatever the holder is doing: it may itself be blocked waiting for rows
+            # (from the lost rank, re-sourced to the receiver), and serves orders meanwhile.
+            for r in self.ledger.take_ordered():
+                if self.ledger.has_orders(r) and self.peers[r].present and not self.peers[r].lost:
+                    self.outbox.orders(self.peers[r])
         self._wake_idle()
         if self.rule.round_complete(self.present()):
             self._close_round()
         self._release_held()
+
+    # ----------------------------------------------------------------- SIGUSR1
+    def _usr1_from(self, rank: int) -> None:
+        """SIGUSR1 reached `rank` (0: this one). Slurm's `--signal` preemption and Hydra's
+        notice that a rank died look alike; a vote tells them apart: every worker present at
+        the signal must be heard from again (a push, or its own report of the signal) before
+        any of them is declared lost. Then no rank died and it is a preemption. An idle
+        worker that died is never heard from; it is timed, and lost, once it has work."""
+        vote = getattr(self, "_usr1", None)
+        if vote is None:
+            present = self.present()
+            vote = self._usr1 = {"t": self.now(), "expect": {w.rank for w in present},
+                                 "steps": {w.rank: w.step for w in present}, "heard": set()}
+        if rank:
+            vote["heard"].add(rank)
+
+    def _judge_usr1(self) -> None:
+        vote = getattr(self, "_usr1", None)
+        if vote is None or self.preempted:
+            return
+        for r in vote["expect"] - vote["heard"]:
+            if self.peers[r].step > vote["steps"][r]:
+                vote["heard"].add(r)
+        if vote["heard"] >= vote["expect"]:
+            self._usr1 = None
+            PREEMPTED.set()
 
     # ----------------------------------------------------------------- checkpoints, signals
     def _checkpoint(self) -> None:
@@ -169,6 +264,7 @@ class Chores:
         if not self.cfg.checkpoint:
             return
         self.log.flush()   # the log holds everything up to the checkpoint: a resume continues it
+        self.checkpointed_at = self.version
         checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
                         params=self.params, optimizer=self.optimizer, version=self.version,
                         epoch=self.epoch, tracker=self.tracker, balancer=self.balancer,

@@ -37,6 +37,9 @@ class Epochs:
     def _begin_epoch(self, epoch: int, resume_counts=None) -> None:
         self.ledger.epoch = epoch
         order = epoch_order(self.cfg.seed, epoch, len(self.dataset.shard_sizes))
+        # An empty shard (allowed by the format) holds no work: handed out, it would be a
+        # task no push ever advances, and its worker would look silent.
+        order = [s for s in order if self.dataset.shard_sizes[s] > 0]
         if resume_counts is None:
             self.tracker.begin(epoch, self.now())
         else:   # an interrupted epoch: only what was not applied yet
@@ -81,7 +84,12 @@ class Epochs:
         span = max(1e-9, stats.t_end - stats.t_start)
         active = [w for w in self.peers.values() if not w.lost]
         busy = sum(w.epoch_busy for w in active)
-        util = min(1.0, busy / (len(active) * span)) if active else 0.0
+        # seconds on the bench are not seats a worker could have filled (sit-out)
+        sitout = self.rule.sitout
+        benched = 0.0 if sitout is None else sum(
+            sitout.benched_s(w.rank, self.t0 + stats.t_start, self.t0 + stats.t_end) for w in active)
+        seats = len(active) * span - benched
+        util = min(1.0, busy / seats) if seats > 0 else 0.0
         finishes = [w.epoch_finish for w in active if w.epoch_finish is not None]
         imbalance = (max(finishes) - min(finishes)) if finishes else 0.0
         self.log.append("epochs", epoch=stats.epoch, t_start=stats.t_start, t_end=stats.t_end,

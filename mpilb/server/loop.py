@@ -22,17 +22,17 @@ from typing import Optional
 
 from .. import comm as C
 from .. import wire
-from ..corrections import build_correction
-from ..session import Session, format_final
+from ..session import Session, files_line, format_final
 from ..shards import placement
 from ..training import EpochStats
 from ..wire import Cmd
 from .chores import Chores, WorkerFailed
 from .epochs import Epochs
-from .modes import ParamStore, Update, build_rule
+from .modes import Update, build_rule
 from .outbox import Outbox
 from .peers import Link, Peer
 from .sitout import SitOut
+from .store import StoreGroup
 from .tasks import TaskLedger
 
 
@@ -44,7 +44,7 @@ class ParameterServer(Epochs, Chores):
         self.dataset = dataset
         self.comm = comm
         self.size = comm.Get_size()
-        self.ranks = list(range(1, self.size))
+        self.ranks = list(range(cfg.servers, self.size))   # ranks 0..K-1 hold parameters
         holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.replicas)
                    if cfg.store == "local" else None)
         self.session = s = Session(cfg, dataset, run_attrs, self.ranks, holders)
@@ -52,8 +52,10 @@ class ParameterServer(Epochs, Chores):
         self.tracker, self.evaluator, self.stop = s.tracker, s.evaluator, s.stop
         self.resumed, self.log, self.progress = s.resumed, s.log, s.progress
         self.n = self.model.num_params
-        self.store = ParamStore(s.params, s.optimizer, build_correction(cfg.correction, cfg.dc_lambda),
-                                cfg.batch, schedule=lambda version: s.schedule(version, self.now()))
+        self.stores = StoreGroup(cfg, s, comm)   # --servers K: rank 0's slice and the others
+        self.store, self.remote = self.stores.local, self.stores.remote
+        # the factor on --lr (--lr-schedule, --warmup) at each version, on rank 0's clock
+        self.store.schedule = lambda version: s.schedule(version, self.now())
         self.ledger = TaskLedger(self.balancer, dataset.shard_sizes, self.ranks, holders=holders,
                                  row_nbytes=dataset.row_nbytes if holders is not None else 0,
                                  pipeline=bool(cfg.pipeline),
@@ -63,21 +65,25 @@ class ParameterServer(Epochs, Chores):
                          cfg.rebalance_interval) if self.balancer.config.sit_out else None)
         self.rule = build_rule(cfg.mode, self.store, lambda r: self.ledger.of[r].owed,
                                cfg.staleness_bound, sitout)
-        # a push carries the gradient, then the model's state (e.g. BatchNorm statistics)
+        # a push carries the gradient (rank 0's slice), then the model's state (e.g. BatchNorm
+        # statistics; only with one store, see server/store.py check_servers)
         self.peers = {r: Peer(rank=r, batch=cfg.batch, link=Link.allocate(
-                          self.n, bool(cfg.pipeline), push_floats=self.n + self.model.num_state))
+                          self.stores.n0, bool(cfg.pipeline),
+                          push_floats=self.stores.n0 + self.model.num_state))
                       for r in self.ranks}
-        self.outbox = Outbox(comm, self.ledger)
+        self.outbox = Outbox(comm, self.ledger, self.remote)
         self.lost: list[int] = []
         self.rejected = 0
         self.sized_early = False
         self.preempted = False
+        self.checkpointed_at: Optional[int] = None   # version of the last checkpoint written
         self.backoff = C.Backoff()
 
     # ----------------------------------------------------------------- state
     @property
     def params(self):
-        return self.store.params
+        """The whole parameter vector (gathered from every store with --servers K > 1)."""
+        return self.stores.full_params()
 
     @property
     def version(self) -> int:
@@ -106,7 +112,7 @@ class ParameterServer(Epochs, Chores):
         """Send w the current parameters (or STOP) with its assignments and batch size."""
         w.last_seen = time.monotonic()   # its silence counts from now (--worker-timeout)
         w.awaiting = cmd != Cmd.STOP and not w.idle
-        self.outbox.reply(w, self.params, self.version, cmd, held_s)
+        self.outbox.reply(w, self.store, cmd, held_s)
         if cmd == Cmd.STOP:
             w.stop()
         elif w.idle and self.ledger.has_orders(w.rank):
@@ -122,8 +128,10 @@ class ParameterServer(Epochs, Chores):
     # ----------------------------------------------------------------- pushes
     def _on_push(self, w: Peer) -> None:
         _, hdr, payload = w.link.recv
-        grad = payload[:self.n]
+        grad = payload[:self.stores.n0]   # rank 0's slice of the gradient
         push = wire.decode_push(hdr)
+        self.store.bytes_in += w.link.recv[0].nbytes
+        self.remote.pushed(w.rank)
         w.last_push = push
         now = self.now()
         mono = time.monotonic()
@@ -163,9 +171,11 @@ class ParameterServer(Epochs, Chores):
             return
         update = Update(w.rank, push.epoch, push.shard, push.lo, push.hi, push.batch, push.loss,
                         self.version - push.version)
-        then = w.link.params_then(push.version) if self.rule.needs_old_params else None
+        then = self.store.params_of(push.version) if self.rule.needs_old_params else None
         if self.model.num_state:   # the server keeps the latest state pushed
-            self.model.set_state(payload[self.n:])
+            self.model.set_state(payload[self.stores.n0:])
+        self.remote.gradient(w.rank, update.batch, update.staleness, push.version, self.rule.rounds,
+                             self.store.factor())
         applied = self.rule.push(w, update, grad, then)
         if applied is None:   # it joined a round that is not complete yet
             w.hold(time.monotonic())
@@ -199,7 +209,7 @@ class ParameterServer(Epochs, Chores):
             self.tracker.record(u.epoch, u.shard, u.lo, u.hi)
             self.log.append("updates", t=t, worker=u.rank, version=self.version, staleness=u.staleness,
                             batch=u.batch, loss=u.loss / max(1, u.batch), lr_scale=lr_scale,
-                            epoch=u.epoch, shard=u.shard)
+                            epoch=u.epoch, shard=u.shard, lo=u.lo, hi=u.hi)
 
     def _advance(self, w: Peer, hi: int) -> None:
         if self.ledger.advance(w.rank, hi):
@@ -234,6 +244,7 @@ class ParameterServer(Epochs, Chores):
 
     def _close_round(self) -> None:
         """Apply a complete sync round and release its members."""
+        self.remote.round(self.rule.batch, self.store.factor())
         updates, lr_scale, ranks = self.rule.close_round()
         self._record(updates, lr_scale, self.now())
         members = [self.peers[r] for r in ranks]
@@ -272,13 +283,17 @@ class ParameterServer(Epochs, Chores):
             w.last_seen = self.t0
             self._post_recv(w)
             w.go_idle()
-        if self.resumed is None:
+        self.stores.start(self.resumed.version if self.resumed else 0)
+        ck = self.resumed
+        self.progress.begin(ck.epoch if ck else 0, int((ck.counts > 0).sum()) if ck else 0, self.now())
+        if ck is None:
             self._begin_epoch(0)
             return
-        ck = self.resumed
-        self.store.version = ck.version
         self.tracker.completed = [EpochStats(**e) for e in ck.completed]
         if ck.epoch >= self.cfg.epochs or self.stop.check(ck.epoch, self.now(), None):
+            # nothing to do, but the interrupted epoch's counts must survive the checkpoint
+            # this run ends with (they were zeroed, and a later resume's coverage lied)
+            self.tracker.begin(ck.epoch, self.now(), ck.counts)
             self.stop.reason = self.stop.reason or "epochs"
             self._begin_stop()
         else:
@@ -296,6 +311,7 @@ class ParameterServer(Epochs, Chores):
                 for i in done:
                     w = order[i]
                     self._on_push(w)
+                    self.remote.settle(w.rank)   # a gradient not taken is dropped everywhere
                     if not (w.stopped or w.lost):
                         self._post_recv(w)
                         reqs[i] = w.link.recv_req
@@ -311,18 +327,25 @@ class ParameterServer(Epochs, Chores):
                 next_chores = mono + self.CHORES_S
                 self._chores()
         self.train_s = self.now()
+        if self.session.eval_version != self.version:   # every stop ends with the final metric
+            self._evaluate()
         self._log_worker_rows()
         C.drain(self.comm)
+        deadline = time.monotonic() + 5.0   # replies and parameters (a lost worker's never complete)
+        for req in self.store.pending() + self.outbox.sending:
+            C.wait(req, timeout=max(0.0, deadline - time.monotonic()))
         for i, w in enumerate(order):
             if w.link.reply_req is not None and not w.lost:
                 C.wait(w.link.reply_req, timeout=5.0)
             if reqs[i] is not None and not reqs[i].Test():
                 reqs[i].Cancel()   # the receive preposted for a push that never came
                 C.wait(reqs[i], timeout=1.0)
+        # Every run ends with its final parameters in the checkpoint; a preemption that
+        # came while the run was already stopping did not write one.
+        if self.cfg.checkpoint and (not self.preempted or self.checkpointed_at != self.version):
+            self._checkpoint()
         if self.preempted:
             return "preempted"
-        if self.cfg.checkpoint:
-            self._checkpoint()
         return "degraded" if self.lost else "finished"
 
     def abandon(self) -> None:
@@ -330,7 +353,9 @@ class ParameterServer(Epochs, Chores):
         self.log.close("failed")
 
     def finish(self, status: str) -> dict:
+        servers = self.stores.end(self.log, self.now(), wait=status != "failed")
         attrs = {
+            "servers": json.dumps(servers),
             "train_s": getattr(self, "train_s", self.now()),
             "wall_s": self.now(),
             "server_cpu_s": time.process_time() - self.cpu0,
@@ -364,9 +389,12 @@ def serve(server: ParameterServer) -> int:
         raise
     summary = server.finish(status)
     print(format_final(summary), flush=True)
+    print(files_line(server.cfg), flush=True)
     if server.lost:
-        # A lost (hung) rank never exits by itself and would keep the job alive.
+        # A lost (hung) rank never exits by itself and would keep the job alive. A preempted
+        # run stopped as asked (checkpoint written): exit 0, so that a requeue follows.
+        code = 0 if status == "preempted" else 3
         sys.stdout.flush()
-        C.abort(3)
-        os._exit(3)
+        C.abort(code)
+        os._exit(code)
     return 0

@@ -13,6 +13,7 @@ every member waits for the round). Rules are pure: peers are any objects with th
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable, NamedTuple, Optional
 
 import numpy as np
@@ -47,43 +48,130 @@ class Update(NamedTuple):
 class ParamStore:
     """A flat parameter vector (or a contiguous slice of one), its optimizer and version.
 
+    Replies are sent straight from the parameters, without a copy: while a send still reads
+    the current vector, the next step is written out of place into a free buffer of a small
+    ring (one more than the sends in flight at once, at most), which then becomes current.
+
     Args:
-        params: float32 vector, updated in place.
+        params: float32 vector (the first buffer of the ring).
         optimizer: an mpilb optimizer over `params`.
         correction: a staleness correction (corrections.py).
         nominal_batch: --batch; a gradient of batch b moves the parameters b/--batch as far
             (the same learning rate per sample as serial runs: linear scaling rule).
+        keep_sent: how many versions last sent to each worker stay available (for dc's
+            params_then: 2 when pipelined, 1 otherwise, 0 when no correction needs them).
         schedule: version -> factor on the learning rate (--lr-schedule, --warmup), or None.
     """
 
     def __init__(self, params: np.ndarray, optimizer, correction, nominal_batch: int,
-                 schedule: Optional[Callable[[int], float]] = None):
-        self.params = params
+                 keep_sent: int = 0, schedule: Optional[Callable[[int], float]] = None):
+        self.ring = [params]
+        self.versions = [0]
+        self.sends: list[list] = [[]]   # per buffer: requests (anything with Test()) reading it
+        self.cur = 0
         self.optimizer = optimizer
         self.correction = correction
         self.nominal_batch = nominal_batch
+        self.keep_sent = keep_sent
         self.schedule = schedule
-        self.version = 0
+        self._factor, self._factor_version = 1.0, -1
+        self.sent: dict[int, list[int]] = {}   # rank -> versions last sent to it
+        # counters for the run log's servers/ group
+        self.updates = 0
+        self.apply_s = 0.0
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    @property
+    def params(self) -> np.ndarray:
+        """The current parameters (do not keep a reference across steps)."""
+        return self.ring[self.cur]
+
+    @property
+    def version(self) -> int:
+        return self.versions[self.cur]
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.versions[self.cur] = value
+
+    def sending(self, req, rank: Optional[int] = None) -> None:
+        """`req` (a send of the current parameters) reads them until it completes."""
+        self.sends[self.cur].append(req)
+        if self.keep_sent and rank is not None:
+            kept = self.sent.setdefault(rank, [])
+            kept.append(self.version)
+            del kept[:-self.keep_sent]
+
+    def params_of(self, version: int) -> Optional[np.ndarray]:
+        """The parameters of `version`, if a buffer still holds them."""
+        for v, buf in zip(self.versions, self.ring):
+            if v == version:
+                return buf
+        return None
+
+    def _busy(self, i: int) -> bool:
+        self.sends[i] = [r for r in self.sends[i] if not r.Test()]
+        if self.sends[i]:
+            return True
+        return any(self.versions[i] in kept for kept in self.sent.values())
+
+    def _target(self) -> int:
+        """The buffer the next step writes: the current one unless a send still reads it."""
+        self.sends[self.cur] = [r for r in self.sends[self.cur] if not r.Test()]
+        if not self.sends[self.cur]:
+            return self.cur
+        for i in range(len(self.ring)):
+            if i != self.cur and not self._busy(i):
+                return i
+        self.ring.append(np.empty_like(self.params))
+        self.versions.append(-1)
+        self.sends.append([])
+        return len(self.ring) - 1
+
+    def _step(self, grad: np.ndarray, lr_scale: float) -> None:
+        t0 = time.perf_counter()
+        t = self._target()
+        version = self.version + 1
+        self.optimizer.step(self.params, grad, lr_scale, out=self.ring[t])
+        self.cur = t
+        self.version = version
+        self.updates += 1
+        self.apply_s += time.perf_counter() - t0
 
     def apply(self, grad: np.ndarray, batch: int, staleness: int,
               then: Optional[np.ndarray] = None) -> float:
         """Apply one mean gradient; returns its learning-rate scale."""
         lr_scale = batch / self.nominal_batch * self._scheduled()
         lr_scale *= self.correction.apply(grad, staleness, self.params, then)
-        self.optimizer.step(self.params, grad, lr_scale)
-        self.version += 1
+        self._step(grad, lr_scale)
         return lr_scale
 
     def apply_sum(self, grad_sum: np.ndarray, batch: int) -> float:
         """Apply a sum of gradients over `batch` samples as one mean (a sync round)."""
         grad_sum /= max(1, batch)
         lr_scale = batch / self.nominal_batch * self._scheduled()
-        self.optimizer.step(self.params, grad_sum, lr_scale)
-        self.version += 1
+        self._step(grad_sum, lr_scale)
         return lr_scale
 
     def _scheduled(self) -> float:
-        return 1.0 if self.schedule is None else self.schedule(self.version)
+        return self.factor()
+
+    def factor(self) -> float:
+        """The schedule's factor on --lr for the next update, fixed once per version so that
+        rank 0 and the other stores (told it with each command) apply the same one."""
+        if self._factor_version != self.version:
+            self._factor = 1.0 if self.schedule is None else float(self.schedule(self.version))
+            self._factor_version = self.version
+        return self._factor
+
+    def follow(self, factor: float) -> None:
+        """A store s > 0: the next update uses rank 0's factor."""
+        self._factor, self._factor_version = factor, self.version
+
+    def pending(self) -> list:
+        """Sends still reading some buffer (to wait for at the end)."""
+        return [r for reqs in self.sends for r in reqs]
 
 
 class UpdateRule:
@@ -98,6 +186,7 @@ class UpdateRule:
 
     name = ""
     needs_old_params = False
+    rounds = False    # gradients join rounds (sync) instead of being applied on arrival
 
     def __init__(self, store: ParamStore, has_work: Callable[[int], bool], staleness_bound: int = 0,
                  sitout=None):
@@ -159,6 +248,8 @@ class StaleSynchronous(UpdateRule):
 class Synchronous(UpdateRule):
     """Rounds: wait for every busy worker, combine the gradients weighted by batch size,
     apply once. Workers too slow for the rounds may sit them out (sitout.py)."""
+
+    rounds = True
 
     def __init__(self, store, has_work, staleness_bound=0, sitout=None):
         super().__init__(store, has_work, staleness_bound)

@@ -1,51 +1,61 @@
 """Messages from rank 0 to a worker: replies (parameters, or STOP) and send orders.
 
-Each worker has preallocated reply buffers (two when pipelined: it computes on the previous
+Each worker has preallocated reply headers (two when pipelined: it computes on the previous
 reply while the next is sent) and a header-only buffer for orders; wire.py encodes them.
+The parameters follow a PARAMS header as a message of their own, sent from the ParamStore's
+current buffer without a copy.
 Sends are nonblocking; the requests not known to be complete are kept so that the main loop
 can keep MPI progressing while they travel.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
 from .. import wire
 from ..wire import Cmd
 
 
 class Outbox:
-    """Sends to workers on `comm`; what a reply carries comes from the task ledger."""
+    """Sends to workers on `comm`; what a reply carries comes from the task ledger.
 
-    def __init__(self, comm, ledger):
+    `remote`: the other stores (RemoteStores; none with --servers 1), told to send their
+    slices too.
+    """
+
+    def __init__(self, comm, ledger, remote):
         self.comm = comm
         self.ledger = ledger
+        self.remote = remote
         self.sending: list = []    # sends not known to be complete
 
-    def reply(self, peer, params: np.ndarray, version: int, cmd: Cmd = Cmd.PARAMS,
-              held_s: float = 0.0) -> None:
-        """Send `peer` the parameters (or STOP) with the tasks, orders and cut it is owed,
-        its batch size and the flags it must see (retry, drop)."""
+    def reply(self, peer, store, cmd: Cmd = Cmd.PARAMS, held_s: float = 0.0) -> None:
+        """Send `peer` a reply header (PARAMS or STOP) with the tasks, orders and cut it is
+        owed, its batch size and the flags it must see (retry, drop); with PARAMS, the
+        parameters follow from `store` (a ParamStore) and every other store."""
         link = peer.link
         if link.reply_req is not None:
             link.reply_req.Wait()   # the previous reply was received before it pushed again
-        slot = link.next_reply_slot()
-        buf, hdr, payload = slot[0], slot[1], slot[2]
+        buf, hdr, _ = link.next_reply_slot()
+        version = store.version
         if cmd == Cmd.STOP:
             wire.encode_reply(hdr, cmd, version=version, batch=peer.batch, held_s=held_s,
                               retry=peer.retry, drop=peer.drop)
-            peer.retry = peer.drop = False
-            link.reply_req = self.comm.Isend(buf[:wire.HEADER_BYTES], dest=peer.rank, tag=wire.TAG_REPLY)
-            self.sending.append(link.reply_req)
-            return
-        assigns, orders, cut = self.ledger.take_reply(peer.rank, peer.batch)
-        wire.encode_reply(hdr, cmd, version=version, batch=peer.batch, held_s=held_s,
-                          retry=peer.retry, drop=peer.drop, assigns=assigns, orders=orders, cut=cut)
+        else:
+            assigns, orders, cut = self.ledger.take_reply(peer.rank, peer.batch)
+            wire.encode_reply(hdr, cmd, version=version, batch=peer.batch, held_s=held_s,
+                              retry=peer.retry, drop=peer.drop, assigns=assigns, orders=orders,
+                              cut=cut)
         peer.retry = peer.drop = False
-        np.copyto(payload, params)
-        slot[3] = version
         link.reply_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)
         self.sending.append(link.reply_req)
+        store.bytes_out += buf.nbytes
+        if cmd == Cmd.STOP:
+            return
+        # Straight from the parameters: the store steps into another buffer while this reads.
+        link.params_req = self.comm.Isend(store.params, dest=peer.rank, tag=wire.TAG_PARAMS)
+        store.sending(link.params_req, peer.rank)
+        store.bytes_out += store.params.nbytes
+        self.sending.append(link.params_req)
+        self.remote.reply(peer.rank)   # the other stores send their slices (none with K = 1)
 
     def orders(self, peer) -> None:
         """Orders to send rows, for a worker that waits (idle, or its reply is held)."""

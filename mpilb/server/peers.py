@@ -38,33 +38,28 @@ class Membership(Enum):
 class Link:
     """Message buffers and outstanding requests of one worker (MPI requests are opaque here)."""
 
-    recv: tuple                 # (buf, header, payload) of the next push
-    replies: list               # [[buf, header, payload, version]] x1, x2 pipelined
+    recv: tuple                 # (buf, header, payload) of the next push (payload: slice 0)
+    replies: list               # reply headers [(buf, header, payload)] x1, x2 pipelined
     orders_msg: tuple           # header-only buffer for Cmd.ORDERS
     reply_index: int = 0
     reply_req: Optional[object] = None
+    params_req: Optional[object] = None
     recv_req: Optional[object] = None
     orders_req: Optional[object] = None
 
     @classmethod
     def allocate(cls, n: int, pipelined: bool, push_floats: Optional[int] = None) -> "Link":
-        # pipelined workers compute on the previous reply while the next is sent: two slots;
+        # pipelined workers compute on the previous reply while the next is sent: two slots
+        # (the parameters are sent from the ParamStore itself, not from a copy per worker);
         # a push may carry more than the n parameters' gradient (the model's state after it)
         return cls(recv=wire.new_message(n if push_floats is None else push_floats),
-                   replies=[list(wire.new_message(n)) + [-1] for _ in range(2 if pipelined else 1)],
+                   replies=[wire.new_message(0) for _ in range(2 if pipelined else 1)],
                    orders_msg=wire.new_message(0))
 
-    def next_reply_slot(self) -> list:
+    def next_reply_slot(self) -> tuple:
         slot = self.replies[self.reply_index]
         self.reply_index = (self.reply_index + 1) % len(self.replies)
         return slot
-
-    def params_then(self, version: int):
-        """The parameters of `version` as last sent to this worker, if still in a slot."""
-        for slot in self.replies:
-            if slot[3] == version:
-                return slot[2]
-        return None
 
 
 @dataclass

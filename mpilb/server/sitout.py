@@ -32,6 +32,7 @@ class SitOut:
         self.min_batch = min_batch
         self.max_batch = max_batch
         self.rebalance_interval = rebalance_interval
+        self.spans: dict[int, list[list[float]]] = {}   # rank -> [benched at, back at or None]
 
     def probe_batch(self) -> int:
         """Half an even share: a worker that cannot carry that within the round's step
@@ -46,9 +47,18 @@ class SitOut:
         if not [o for o in peers if o is not peer and not o.benched]:
             return False
         peer.bench(now)
+        self.spans.setdefault(peer.rank, []).append([now, None])
         self.balancer.bench(peer.rank)
         self.ledger.take_back(peer.rank)
         return True
+
+    def benched_s(self, rank: int, start: float, end: float) -> float:
+        """Seconds `rank` sat out between `start` and `end` (monotonic): an epoch's
+        utilization counts only the seconds each worker was in the rounds."""
+        total = 0.0
+        for since, back in self.spans.get(rank, ()):
+            total += max(0.0, min(end, back if back is not None else end) - max(start, since))
+        return total
 
     def note_lags(self, members: list) -> None:
         """How much longer each member's step was than the longest of the others' (< 0: not
@@ -88,6 +98,7 @@ class SitOut:
         for p in peers:
             if p.benched and now - p.benched_at >= wait:
                 p.unbench(self.probe_batch())
+                self.spans[p.rank][-1][1] = now
                 self.balancer.unbench(p.rank)
 
     def after_round(self, members: list, peers: Iterable, now: float) -> None:
@@ -118,7 +129,13 @@ class SitOut:
             overhead = sum(self.balancer.step_model(o.rank)[0] for o in others) / len(others)
             step = float(push.compute_s) * want / done + overhead
             fits = step <= target
-        if fits:
-            self.balancer.forget(peer.rank)   # measured while it was slow
-        else:
+        if not fits:
             self.bench(peer, peers, now)
+            return
+        # Back in the rounds, sized at once from what the probe measured (its old estimate
+        # was made while it was slow; the others' mean would misjudge it just as much).
+        self.balancer.seed_rate(peer.rank, done, float(push.compute_s + push.io_s))
+        sizes = self.balancer.batch_sizes()
+        for p in peers:
+            if not p.benched and not p.probing and p.rank in sizes:
+                p.batch = int(sizes[p.rank])

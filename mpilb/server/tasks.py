@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Optional
 
-from ..wire import MAX_ASSIGN, MAX_ORDER, SHARD_TAGS, TAG_SHARD_BASE, OrderMsg, TaskMsg
+from ..wire import MAX_ASSIGN, MAX_ORDER, SHARD_TAGS, TAG_SHARD_BASE, OrderMsg, TaskMsg, resource_tag
 
 COMMITTED = 2   # shards a worker holds at once: the current one and the one it prefetches
 
@@ -34,6 +34,7 @@ class Task:
     end: int
     src: int = -1   # rank sending the rows (node-local store), -1: read from storage
     start: int = -1
+    tag: int = field(default=0, compare=False)   # the transfer's tag when `src` sends rows
 
     def __post_init__(self):
         if self.start < 0:
@@ -173,30 +174,60 @@ class TaskLedger:
                event: str = "assign") -> None:
         """Give `rank` positions [lo, hi) of `shard`; with a local store, have a holder send them."""
         src, tag, nbytes = -1, 0, 0
-        if self.holders is not None and (source is not None or rank not in self.holders[shard]):
+        # A rank holding a copy reads it itself, even for the tail of another's task: no
+        # transfer to wait for, and no rows owed by a rank that may yet be lost.
+        if self.holders is not None and rank not in self.holders[shard]:
             giver = source if source is not None else self.holder_for(shard, hi - lo)
             src, tag = giver, self._next_tag()
             nbytes = (hi - lo) * self.row_nbytes
             self.of[giver].orders.append(OrderMsg(self.epoch, shard, lo, hi, rank, tag))
             self.ordered.append(giver)
-        self.of[rank].tasks.append(Task(self.epoch, shard, lo, hi, src))
+        self.of[rank].tasks.append(Task(self.epoch, shard, lo, hi, src, tag=tag))
         self.of[rank].assigns.append(TaskMsg(self.epoch, shard, lo, hi, src, tag))
         origin = src if src >= 0 else (source if source is not None else -1)
         self.events.append(ShardEvent(self.epoch, shard, origin, rank,
                                       event if origin < 0 else "move", nbytes))
 
-    def holder_for(self, shard: int, rows: int) -> int:
+    def holder_for(self, shard: int, rows: int, exclude: Iterable[int] = ()) -> int:
         """The holder of a shard copy that can deliver soonest.
 
         A holder must read the rows before it sends them; its rate includes its reads, so
         (work it holds + the rows) / rate ranks a slow reader last even when it is idle.
         """
-        alive = [r for r in self.holders[shard] if r not in self.gone]
+        alive = [r for r in self.holders[shard] if r not in self.gone and r not in exclude]
         if not alive:
             raise RuntimeError(f"shard {shard}: every rank holding a copy was lost "
                                f"(use --replicas 2 or more to survive this)")
         return min(alive, key=lambda r: (self.of[r].remaining + rows)
                    / max(1e-9, self.balancer.effective_rate(r)))
+
+    def resource(self, lost: int) -> list[tuple[int, Task]]:
+        """Rows `lost` owed go out again from another holder of the shard.
+
+        The receiver posted its receives for the rows from every holder of the shard at
+        once (the first copy to arrive is used), the others with :func:`resource_tag`: the
+        new holder is ordered to send with that tag, so the receiver needs no new message
+        even while it blocks waiting for the rows. Returns the (receiver, task) re-sourced.
+
+        Raises:
+            RuntimeError: no other live rank holds a copy (--replicas 1).
+        """
+        moved = self.expects_rows_from(lost)
+        for receiver, task in moved:
+            try:
+                giver = self.holder_for(task.shard, task.remaining, exclude=(lost, receiver))
+            except RuntimeError:
+                raise RuntimeError(
+                    f"rank {lost} was lost before sending rows of shard {task.shard} to rank "
+                    f"{receiver}, and no other live rank holds a copy (use --replicas 2 or more "
+                    f"to survive this); resume from the last checkpoint") from None
+            task.src, task.tag = giver, resource_tag(task.tag)
+            self.of[giver].orders.append(OrderMsg(task.epoch, task.shard, task.start, task.end,
+                                                  receiver, task.tag))
+            self.ordered.append(giver)
+            self.events.append(ShardEvent(task.epoch, task.shard, giver, receiver, "move",
+                                          task.remaining * self.row_nbytes))
+        return moved
 
     def _next_tag(self) -> int:
         self.transfers += 1
@@ -219,6 +250,8 @@ class TaskLedger:
             task = d.tasks[-1]
             if task.epoch != self.epoch:
                 continue
+            if task.src >= 0 and task.pos == task.start:
+                continue   # its rows are still on their way to the donor: nothing to send yet
             current = len(d.tasks) == 1
             if self.holders is not None and not current and d.rank not in self.holders[task.shard]:
                 continue   # its rows are not in the donor's memory or store: nothing to send

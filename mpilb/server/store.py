@@ -1,0 +1,432 @@
+"""Parameter stores beyond rank 0 (--servers K): ranks 1..K-1, and rank 0's handle on them.
+
+Ranks 0..K-1 each hold a contiguous slice [bounds[s], bounds[s+1]) of the flat parameter
+vector (wire.cut_slices: balanced by floats, cut at layer boundaries when that costs under
+5 %), with the optimizer state and the staleness correction of that slice. A worker sends
+each store its slice of every gradient (TAG_GRAD) and the header to rank 0 alone; it pulls
+each slice of the reply from its store (TAG_PARAMS).
+
+Rank 0 alone decides (coverage, strays, rejected gradients, the update rule's holds and sync
+rounds, lost workers). It tells the other stores what to do with each push in the order it
+decided (TAG_CTRL, wire.Op): apply it, add it to the round, drop it, close the round, send
+a worker its slice, forget a lost worker. Every store therefore applies the same gradients
+in the same order as rank 0: with sync rounds the sliced parameters are the same floats as
+one store's. A command is 64 bytes; the slices carry the bytes, so rank 0 moves 1/K of them.
+
+    StoreRank(cfg, dataset, comm, rank).run()    # rank s in 1..K-1, until Op.END
+    RemoteStores(comm, bounds, optimizer)          # on rank 0
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Optional
+
+import numpy as np
+
+from .. import comm as C
+from .. import wire
+from ..corrections import build_correction
+from ..wire import Op
+from .modes import ParamStore
+
+END_TIMEOUT_S = 30.0
+
+
+def check_servers(cfg, world_size: int, num_params: int, num_state: int = 0) -> None:
+    """--servers K: at least one worker rank left, and at least one float per store."""
+    from ..errors import UsageError
+
+    k = cfg.servers
+    if k > 1 and num_state:
+        raise UsageError(f"--servers {k}: this model has {num_state} state values (buffers such "
+                         f"as BatchNorm statistics), which travel to rank 0 with each push; "
+                         f"several parameter stores do not carry them yet: use --servers 1")
+    if world_size > 1 and k >= world_size:
+        raise UsageError(f"--servers {k} leaves no worker: this job has {world_size} ranks "
+                         f"(ranks 0..{k - 1} would all be parameter stores); use --servers "
+                         f"{max(1, world_size - 1)} or fewer, or more ranks")
+    if world_size == 1 and k > 1:
+        raise UsageError(f"--servers {k} needs an MPI job of more than {k} ranks "
+                         f"(mpiexec -n P with P > {k}); a one-rank run trains serially")
+    if k > num_params:
+        raise UsageError(f"--servers {k} exceeds the model's {num_params} parameters "
+                         f"(each store needs at least one)")
+    from ..inject import parse_inject
+
+    for text in getattr(cfg, "inject", None) or ():
+        for rank in sorted(parse_inject(text).ranks or ()):
+            if 0 < rank < k:
+                raise UsageError(f"--inject {text!r}: rank {rank} is a parameter store "
+                                 f"(--servers {k}), not a worker; target workers "
+                                 f"{k}..{world_size - 1}")
+
+
+def store_bounds(cfg, model) -> list[int]:
+    """Slice bounds of the --servers stores for `model` (the same on every rank)."""
+    return wire.cut_slices(model.num_params, cfg.servers, wire.layer_sizes(model))
+
+
+def slice_store(cfg, params: np.ndarray, optimizer) -> ParamStore:
+    """A ParamStore over `params` with the run's correction (and dc's kept versions)."""
+    correction = build_correction(cfg.correction, cfg.dc_lambda)
+    keep = (2 if cfg.pipeline else 1) if correction.needs_old_params else 0
+    return ParamStore(params, optimizer, correction, cfg.batch, keep_sent=keep)
+
+
+def _send_state(comm, dest: int, tag: int, params, optimizer, lo: int, hi: int) -> None:
+    comm.Send(np.ascontiguousarray(params[lo:hi]), dest=dest, tag=tag)
+    for name in optimizer._buffers:
+        comm.Send(np.ascontiguousarray(getattr(optimizer, name)[lo:hi]), dest=dest, tag=tag)
+
+
+def _recv_state(comm, source: int, tag: int, params, optimizer, lo: int, hi: int) -> None:
+    for target in [params] + [getattr(optimizer, name) for name in optimizer._buffers]:
+        buf = np.empty(hi - lo, np.float32)
+        C.wait(comm.Irecv(buf, source=source, tag=tag))
+        target[lo:hi] = buf
+
+
+class StoreRank:
+    """Rank s in 1..K-1: its slice, applied and sent as rank 0's commands say."""
+
+    def __init__(self, cfg, dataset, comm, rank: int):
+        from ..training import config_model, config_optimizer
+
+        self.comm = comm
+        self.rank = rank
+        model = config_model(cfg, dataset)
+        self.bounds = store_bounds(cfg, model)
+        self.n = self.bounds[rank + 1] - self.bounds[rank]
+        self.store = slice_store(cfg, np.zeros(self.n, np.float32), config_optimizer(cfg, self.n))
+        self.workers = list(range(cfg.servers, comm.Get_size()))
+        self.grads = {w: np.empty(self.n, np.float32) for w in self.workers}
+        self.recvs: dict = {}
+        self.round = np.zeros(self.n, np.float32)
+        self.ctrl = np.zeros(wire.CTRL_FIELDS, np.float64)
+        self.ctrl_req = None
+        self.queue: deque = deque()
+        self.lost: set[int] = set()
+        self.replies: dict = {}
+        self.stats = np.zeros(wire.STATS_FIELDS, np.float64)
+        self.stats_req = None
+        self.backoff = C.Backoff()
+        self.cpu0 = time.process_time()
+
+    def abandon(self) -> None:
+        """Set-up failed elsewhere: nothing to close here."""
+
+    # ----------------------------------------------------------------- messages
+    def _post(self, w: int) -> None:
+        self.recvs[w] = self.comm.Irecv(self.grads[w], source=w, tag=wire.TAG_GRAD)
+
+    def _poll_ctrl(self) -> bool:
+        got = False
+        while self.ctrl_req.Test():
+            self.queue.append(wire.decode_ctrl(self.ctrl))
+            self.ctrl_req = self.comm.Irecv(self.ctrl, source=0, tag=wire.TAG_CTRL)
+            got = True
+        return got
+
+    def _next(self) -> wire.CtrlMsg:
+        self.backoff.reset()
+        while not self.queue:
+            if not self._poll_ctrl():
+                self.backoff.sleep()
+        return self.queue.popleft()
+
+    def _take(self, w: int) -> Optional[np.ndarray]:
+        """Worker w's gradient slice (it is on its way: rank 0 has its header), or None if
+        rank 0 declared w lost meanwhile (a LOSE further down the queue)."""
+        self.backoff.reset()
+        req = self.recvs[w]
+        while not req.Test():
+            self._poll_ctrl()
+            if any(m.op == Op.LOSE and m.rank == w for m in self.queue):
+                return None
+            self.backoff.sleep()
+        self.store.bytes_in += self.grads[w].nbytes
+        return self.grads[w]
+
+    def _send_stats(self) -> None:
+        if self.stats_req is not None:
+            C.wait(self.stats_req, timeout=END_TIMEOUT_S)
+        s = self.store
+        self.stats[:] = (s.updates, s.bytes_in, s.bytes_out, s.apply_s,
+                         time.process_time() - self.cpu0, s.version)
+        self.stats_req = self.comm.Isend(self.stats, dest=0, tag=wire.TAG_STATS)
+
+    # ----------------------------------------------------------------- commands
+    def _do(self, m: wire.CtrlMsg) -> None:
+        s = self.store
+        if m.op in (Op.APPLY, Op.ADD, Op.DISCARD):
+            if m.rank in self.lost:
+                return
+            grad = self._take(m.rank)
+            if grad is None:
+                return
+            if m.op == Op.APPLY:
+                s.follow(m.lr)
+                then = s.params_of(m.version) if s.correction.needs_old_params else None
+                s.apply(grad, m.batch, m.staleness, then)
+            elif m.op == Op.ADD:   # the same arithmetic as the sync rule on rank 0
+                np.multiply(grad, m.batch, out=grad)
+                self.round += grad
+            self._post(m.rank)
+        elif m.op == Op.ROUND:
+            s.follow(m.lr)
+            s.apply_sum(self.round, m.batch)
+            self.round[:] = 0
+        elif m.op == Op.REPLY:
+            prev = self.replies.get(m.rank)
+            if prev is not None:
+                C.wait(prev)
+            req = self.comm.Isend(s.params, dest=m.rank, tag=wire.TAG_PARAMS)
+            s.sending(req, m.rank)
+            s.bytes_out += s.params.nbytes
+            self.replies[m.rank] = req
+        elif m.op == Op.LOSE:
+            self.lost.add(m.rank)
+            req = self.recvs.pop(m.rank, None)
+            if req is not None and not req.Test():
+                req.Cancel()
+                C.wait(req, timeout=1.0)
+        elif m.op == Op.GATHER:
+            _send_state(self.comm, 0, wire.TAG_GATHER, s.params, s.optimizer, 0, self.n)
+            if m.batch:
+                self.comm.Send(np.array([s.optimizer.steps], np.float64), dest=0, tag=wire.TAG_GATHER)
+        elif m.op == Op.LOAD:
+            _recv_state(self.comm, 0, wire.TAG_GATHER, s.params, s.optimizer, 0, self.n)
+            s.version = m.version
+            s.optimizer.steps = m.batch
+        elif m.op == Op.STATS:
+            self._send_stats()
+
+    def run(self) -> None:
+        """Serve rank 0's commands until END."""
+        for w in self.workers:
+            self._post(w)
+        self.ctrl_req = self.comm.Irecv(self.ctrl, source=0, tag=wire.TAG_CTRL)
+        try:
+            while True:
+                m = self._next()
+                if m.op == Op.END:
+                    self._send_stats()
+                    return
+                self._do(m)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        deadline = time.monotonic() + 5.0   # a lost worker's never complete
+        for req in list(self.recvs.values()) + [self.ctrl_req]:
+            if req is not None and not req.Test():
+                req.Cancel()
+                C.wait(req, timeout=1.0)
+        for req in self.store.pending() + [self.stats_req]:
+            if req is not None:
+                C.wait(req, timeout=max(0.0, deadline - time.monotonic()))
+
+
+class RemoteStores:
+    """Rank 0's handle on stores 1..K-1: commands in the order rank 0 decides (with K = 1
+    there are none, and every command is a no-op).
+
+    Args:
+        comm: the world communicator.
+        bounds: slice bounds (store_bounds).
+    """
+
+    def __init__(self, comm, bounds: list[int]):
+        self.comm = comm
+        self.bounds = bounds
+        self.ranks = list(range(1, len(bounds) - 1))
+        self.ctrl = np.zeros(wire.CTRL_FIELDS, np.float64)
+        self.owed: set[int] = set()   # workers whose last push has no command yet
+        self.stats = {s: np.zeros(wire.STATS_FIELDS, np.float64) for s in self.ranks}
+        self.stats_reqs: dict = {}
+        self.last: dict = {s: np.zeros(wire.STATS_FIELDS) for s in self.ranks}
+
+    def _command(self, op: Op, rank: int = -1, batch: int = 0, staleness: int = 0,
+                 version: int = 0, lr: float = 1.0) -> None:
+        wire.encode_ctrl(self.ctrl, op, rank, batch, staleness, version, lr)
+        for s in self.ranks:   # 64 bytes: sent eagerly, Send returns at once
+            self.comm.Send(self.ctrl, dest=s, tag=wire.TAG_CTRL)
+
+    # ----------------------------------------------------------------- per push
+    def pushed(self, rank: int) -> None:
+        """Rank 0 received w's header: its slices are on their way to every store."""
+        self.owed.add(rank)
+
+    def gradient(self, rank: int, batch: int, staleness: int, version: int, rounds: bool,
+                 lr: float = 1.0) -> None:
+        """Apply w's gradient (or add it to the sync round), as rank 0 does now; `lr` is rank
+        0's schedule factor for this update."""
+        self.owed.discard(rank)
+        self._command(Op.ADD if rounds else Op.APPLY, rank, batch, staleness, version, lr)
+
+    def settle(self, rank: int) -> None:
+        """After a push was handled: a gradient rank 0 did not take is dropped everywhere."""
+        if rank in self.owed:
+            self.owed.discard(rank)
+            self._command(Op.DISCARD, rank)
+
+    def round(self, batch: int, lr: float = 1.0) -> None:
+        self._command(Op.ROUND, batch=batch, lr=lr)
+
+    def reply(self, rank: int) -> None:
+        self._command(Op.REPLY, rank)
+
+    def lose(self, rank: int) -> None:
+        self.owed.discard(rank)
+        self._command(Op.LOSE, rank)
+
+    # ----------------------------------------------------------------- whole vector
+    def load(self, params: np.ndarray, optimizer, version: int) -> None:
+        """Every store takes its slice of `params` and of the optimizer state (start, resume)."""
+        for s in self.ranks:
+            wire.encode_ctrl(self.ctrl, Op.LOAD, batch=optimizer.steps, version=version)
+            self.comm.Send(self.ctrl, dest=s, tag=wire.TAG_CTRL)
+            _send_state(self.comm, s, wire.TAG_GATHER, params, optimizer, self.bounds[s],
+                        self.bounds[s + 1])
+
+    def gather(self, params: np.ndarray, optimizer=None) -> None:
+        """Fill `params` (and the optimizer state, if given) with every store's slice
+        (slice 0 is rank 0's own: the caller fills it)."""
+        self._command(Op.GATHER, batch=1 if optimizer is not None else 0)
+        for s in self.ranks:
+            lo, hi = self.bounds[s], self.bounds[s + 1]
+            buf = np.empty(hi - lo, np.float32)
+            C.wait(self.comm.Irecv(buf, source=s, tag=wire.TAG_GATHER))
+            params[lo:hi] = buf
+            if optimizer is not None:
+                for name in optimizer._buffers:
+                    C.wait(self.comm.Irecv(buf, source=s, tag=wire.TAG_GATHER))
+                    getattr(optimizer, name)[lo:hi] = buf
+                steps = np.zeros(1, np.float64)   # the same count as rank 0's
+                C.wait(self.comm.Irecv(steps, source=s, tag=wire.TAG_GATHER))
+
+    # ----------------------------------------------------------------- counters
+    def request_stats(self) -> None:
+        """Ask every store for its counters (they come back with poll_stats)."""
+        self._command(Op.STATS)
+        for s in self.ranks:
+            if s not in self.stats_reqs:
+                self.stats_reqs[s] = self.comm.Irecv(self.stats[s], source=s, tag=wire.TAG_STATS)
+
+    def poll_stats(self) -> dict:
+        """{store: counter increments since its last report} of the reports arrived."""
+        out = {}
+        for s, req in list(self.stats_reqs.items()):
+            if req.Test():
+                del self.stats_reqs[s]
+                out[s] = self.stats[s] - self.last[s]
+                self.last[s] = self.stats[s].copy()
+        return out
+
+    def end(self) -> dict:
+        """Tell every store the run is over; returns their last counter increments."""
+        pending = dict(self.stats_reqs)
+        self._command(Op.END)
+        out = {}
+        for s in self.ranks:
+            if s in pending:   # a STATS report still to come, then END's
+                C.wait(pending[s], timeout=END_TIMEOUT_S)
+                out[s] = self.stats[s] - self.last[s]
+                self.last[s] = self.stats[s].copy()
+            req = self.comm.Irecv(self.stats[s], source=s, tag=wire.TAG_STATS)
+            if C.wait(req, timeout=END_TIMEOUT_S):
+                inc = self.stats[s] - self.last[s]
+                out[s] = out[s] + inc if s in out else inc
+                self.last[s] = self.stats[s].copy()
+        self.stats_reqs.clear()
+        return out
+
+
+class StoreGroup:
+    """Rank 0's parameter stores: its own slice (`local`, a ParamStore the update rule
+    drives) and, with --servers K > 1, the others (`remote`). `session.params` and
+    `session.optimizer` hold the whole vector and its state: with K > 1 they are filled
+    from every store when needed (evaluation, checkpoints).
+    """
+
+    def __init__(self, cfg, session, comm):
+        from ..training import config_optimizer
+
+        self.session = session
+        self.bounds = store_bounds(cfg, session.model)
+        self.remote = RemoteStores(comm, self.bounds)   # no-ops with K = 1
+        self.sliced = cfg.servers > 1
+        if not self.sliced:
+            self.local = slice_store(cfg, session.params, session.optimizer)
+        else:
+            n0 = self.bounds[1]
+            self.local = slice_store(cfg, np.zeros(n0, np.float32), config_optimizer(cfg, n0))
+        self.cpu0 = time.process_time()
+        self.last = np.zeros(5)
+        self.totals = {s: np.zeros(5) for s in range(len(self.bounds) - 1)}
+
+    @property
+    def n0(self) -> int:
+        """Floats of rank 0's slice (a push to rank 0 carries these)."""
+        return self.bounds[1]
+
+    def start(self, version: int) -> None:
+        """Every store takes its slice of the session's parameters and optimizer state."""
+        self.local.version = version
+        if not self.sliced:
+            return
+        s, hi = self.session, self.bounds[1]
+        self.local.params[:] = s.params[:hi]
+        opt = self.local.optimizer
+        for name in opt._buffers:
+            getattr(opt, name)[:] = getattr(s.optimizer, name)[:hi]
+        opt.steps = s.optimizer.steps
+        self.remote.load(s.params, s.optimizer, version)
+
+    def full_params(self) -> np.ndarray:
+        """The whole parameter vector (and, with K > 1, the optimizer state gathered into
+        the session's optimizer)."""
+        if not self.sliced:
+            return self.local.params
+        s, hi = self.session, self.bounds[1]
+        s.params[:hi] = self.local.params
+        opt = self.local.optimizer
+        for name in opt._buffers:
+            getattr(s.optimizer, name)[:hi] = getattr(opt, name)
+        s.optimizer.steps = opt.steps
+        self.remote.gather(s.params, s.optimizer)
+        return s.params
+
+    # ----------------------------------------------------------------- servers/ rows
+    def _own(self) -> np.ndarray:
+        st = self.local
+        now = np.array([st.updates, st.bytes_in, st.bytes_out, st.apply_s,
+                        time.process_time() - self.cpu0])
+        inc, self.last = now - self.last, now
+        return inc
+
+    def _row(self, log, t: float, server: int, inc) -> None:
+        self.totals[server] += inc[:5]
+        log.append("servers", t=t, server=server, updates=int(inc[0]), bytes_in=int(inc[1]),
+                   bytes_out=int(inc[2]), apply_s=float(inc[3]), cpu_s=float(inc[4]))
+
+    def log_rows(self, log, t: float) -> None:
+        """One `servers/` row per store with its counters since its previous row (the other
+        stores' reports arrive asynchronously: asked for now, logged when they are in)."""
+        self._row(log, t, 0, self._own())
+        if self.sliced:
+            for s, inc in self.remote.poll_stats().items():
+                self._row(log, t, s, inc)
+            self.remote.request_stats()
+
+    def end(self, log, t: float, wait: bool = True) -> list[dict]:
+        """Last rows (the stores finish; `wait` False: the job is failing, and ends them by
+        abort); returns the summary's `servers` list."""
+        self._row(log, t, 0, self._own())
+        if self.sliced and wait:
+            for s, inc in self.remote.end().items():
+                self._row(log, t, s, inc)
+        return [{"rank": s, "params": self.bounds[s + 1] - self.bounds[s]}
+                for s in range(len(self.bounds) - 1)]

@@ -1,0 +1,446 @@
+"""The discrete-event engine: simulated workers against the server's balancer and ledger.
+
+Events, in time order (a heap): a worker's push (its step done: compute at its rate, after
+any wait for its shard's rows), a rebalance every ``rebalance_interval``, a lost worker
+declared after ``worker_timeout``. The server's side of a push is done at once: the
+balancer observes it, the ledger advances and tops the worker up, the stores queue the
+update (async: reply when applied; sync: held until the round's last member has pushed,
+then one apply and replies to all), and the worker's next step starts when the reply
+arrives. Epochs are strict, as in the server: an epoch ends when the tracker has every one
+of its samples applied, and the next one is planned at once; an idle worker waits for
+work (a rebalance, a part-way move, the next epoch).
+
+What the engine does as the server does (mpilb/server/): top-up to two tasks and part-way
+moves (the server's task ledger, :mod:`mpilb.server.tasks`), the first proportional sizing
+after 16 steps each, batch sizes revised at each rebalance and epoch start, sync rounds
+over the workers that are not idle, sit-out (the server's :class:`~mpilb.server.sitout.SitOut`
+on the simulated workers: lags per round, benching, probes), lost workers
+(``hang``/``crash`` injections; their tasks go back).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..balancer import BalancerConfig, build_balancer
+from ..server.sitout import SitOut
+from .cluster import Profile, Stores
+from .ledger import Ledger
+
+PUSH, REBALANCE, LOST = 0, 1, 2
+# as mpilb.server.chores.FIRST_SIZES_STEPS (chores is not pure: it imports MPI); a test
+# checks they agree
+FIRST_SIZES_STEPS = 16
+
+
+@dataclass
+class SimConfig:
+    """One configuration to simulate (the options of `mpilb train` that matter here)."""
+
+    balancer: str = "load"
+    mode: str = "async"
+    batch_policy: str = "fixed"
+    servers: int = 1
+    batch: int = 32
+    min_batch: int = 1
+    max_batch: int = 4096
+    sit_out: bool = True
+    rebalance_interval: float = 2.0
+    epochs: int = 1
+    seed: int = 0
+    worker_timeout: float = 60.0
+    params: int = 100_000
+    server_gbps: float = 4.8
+    apply_s: float = 0.00019
+    row_bytes: int = 1024
+    inject: list = field(default_factory=list)   # parsed InjectRule objects
+
+
+class _Push:
+    """What sit-out reads of a worker's last push."""
+
+    __slots__ = ("lo", "hi", "compute_s")
+
+    def __init__(self, lo: int, hi: int, compute_s: float):
+        self.lo, self.hi, self.compute_s = lo, hi, compute_s
+
+
+class _Worker:
+    """A simulated worker, and the server's view of it (what :class:`SitOut` reads and sets:
+    ``benched``, ``bench``, ``unbench``, ``probing``, ``batch``, ``lags``, ``last_gap``,
+    ``last_push``)."""
+
+    __slots__ = ("rank", "profile", "rules", "batch", "state", "reply_t", "n", "comp", "io",
+                 "comm", "epoch_busy", "epoch_finish", "busy", "steps", "fault_t",
+                 "read_free", "ready", "rng", "benched_at", "probing", "samples", "lags",
+                 "last_gap", "last_push")
+
+    def __init__(self, rank: int, profile: Profile, rules, batch: int, seed: int):
+        self.rank, self.profile, self.batch = rank, profile, batch
+        self.rules = [r for r in rules if r.applies_to(rank) and r.kind not in ("hang", "crash")]
+        faults = [r.start for r in rules if r.applies_to(rank) and r.kind in ("hang", "crash")]
+        self.fault_t = min(faults) if faults else math.inf
+        self.state = "idle"      # run (computing), held (sync), idle, benched, dead, lost
+        self.reply_t = 0.0
+        self.n = 0
+        self.comp = self.io = self.comm = 0.0
+        self.epoch_busy = 0.0
+        self.epoch_finish = None
+        self.busy = 0.0
+        self.steps = self.samples = 0
+        self.read_free = 0.0
+        self.ready: dict[int, float] = {}
+        self.rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, rank]) if any(
+            r.prob < 1.0 for r in self.rules) else None
+        self.benched_at = 0.0
+        self.probing = 0
+        self.lags: list = []
+        self.last_gap = None
+        self.last_push = None
+
+    @property
+    def benched(self) -> bool:
+        return self.state == "benched"
+
+    def bench(self, now: float) -> None:
+        self.state, self.probing, self.benched_at, self.batch = "benched", 0, now, 0
+        self.ready.clear()
+
+    def unbench(self, probe_batch: int) -> None:
+        self.state, self.probing, self.batch = "idle", 2, probe_batch
+
+
+class Engine:
+    """Simulate one configuration on a cluster of profiles.
+
+    Args:
+        cfg: the :class:`SimConfig`.
+        profiles: one :class:`Profile` per worker (ranks 1..W).
+        shard_sizes: samples per shard.
+        replay: I/O comes from the profiles' per-sample traces (a replayed run) rather
+            than from modelled shard reads.
+        order: ``order(seed, epoch, shards)``, each epoch's shard order (the server's
+            :func:`mpilb.training.epoch_order`; passed in, as that module reaches HDF5).
+        tracker: the coverage counter (a :class:`mpilb.training.EpochTracker`).
+        See :func:`mpilb.simulate.run.simulate`, which passes the server's own.
+    """
+
+    def __init__(self, cfg: SimConfig, profiles: list[Profile], shard_sizes: list[int],
+                 replay: bool = False, *, order, tracker):
+        self.cfg = cfg
+        self.replay = replay
+        self.shard_sizes = [int(s) for s in shard_sizes]
+        ranks = list(range(1, len(profiles) + 1))
+        bcfg = BalancerConfig(batch=cfg.batch, batch_policy=cfg.batch_policy,
+                              min_batch=cfg.min_batch, max_batch=cfg.max_batch,
+                              sit_out=bool(cfg.sit_out) and cfg.mode == "sync"
+                              and cfg.batch_policy == "proportional",
+                              rebalance_interval=cfg.rebalance_interval)
+        self.balancer = build_balancer(cfg.balancer, ranks, self.shard_sizes, bcfg)
+        self.order = order
+        self.ledger = Ledger(self.balancer, tracker, self.shard_sizes, ranks,
+                             part_way=cfg.balancer not in ("static", "round-robin"))
+        self.sitout = (SitOut(self.balancer, self.ledger.tasks_ledger, cfg.batch, cfg.min_batch,
+                              cfg.max_batch, cfg.rebalance_interval) if bcfg.sit_out else None)
+        self.stores = Stores(cfg.params, cfg.servers, cfg.server_gbps, cfg.apply_s)
+        self.workers = {r: _Worker(r, p, cfg.inject, cfg.batch, cfg.seed)
+                        for r, p in zip(ranks, profiles)}
+        self.sync = cfg.mode == "sync"
+        self.heap: list = []
+        self.seq = 0
+        self.now = 0.0
+        self.epoch = -1
+        self.t_epoch = 0.0
+        self.done = False
+        self.sized_early = cfg.batch_policy != "proportional"
+        self.running = 0          # workers computing (sync: the round is complete at 0)
+        self.pending_lost = 0     # hung or crashed workers not yet declared lost
+        self.members: list[_Worker] = []
+        self.round_batches: list[tuple] = []
+        self.updates = 0
+        self.lost: list[int] = []
+        self.epochs: list[dict] = []
+
+    # ------------------------------------------------------------------ helpers
+    def _at(self, t: float, kind: int, rank: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, rank))
+
+    def _link(self, w: _Worker, t: float) -> float:
+        p = w.profile
+        return p.link[p.piece(t)] / 2.0
+
+    def _count_moves(self) -> None:
+        self.ledger.count_moves()
+
+    def _present(self) -> list[_Worker]:
+        return [w for w in self.workers.values() if w.state not in ("lost", "dead")]
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> dict:
+        """Simulate every epoch; returns the figures (see :func:`summarize`)."""
+        self._begin_epoch(0, 0.0)
+        self._at(self.cfg.rebalance_interval, REBALANCE)
+        heap = self.heap
+        while heap and not self.done:
+            t, _, kind, rank = heapq.heappop(heap)
+            self.now = t
+            if kind == PUSH:
+                self._on_push(self.workers[rank], t)
+            elif kind == REBALANCE:
+                self._rebalance(t)
+                self._at(t + self.cfg.rebalance_interval, REBALANCE)
+                if not self.running and not self.pending_lost and not self.done:
+                    # as the server's stall check: nobody computes and nothing can change
+                    raise RuntimeError(f"simulation stalled in epoch {self.epoch}: every worker "
+                                       f"is idle but the epoch is not complete")
+            else:
+                self.pending_lost -= 1
+                self._declare_lost(self.workers[rank], t)
+        return self._summary()
+
+    def _begin_epoch(self, epoch: int, t: float) -> None:
+        self.epoch, self.t_epoch = epoch, t
+        order = self.order(self.cfg.seed, epoch, len(self.shard_sizes))
+        self.ledger.begin_epoch(epoch, order, t)
+        self._update_batches(t)
+        self._count_moves()
+        for w in self.workers.values():
+            w.epoch_busy, w.epoch_finish = 0.0, None
+            w.ready.clear()
+        self._wake_idle(t)
+
+    def _end_epoch(self, t: float) -> None:
+        self.ledger.end_epoch(t)
+        span = max(1e-12, t - self.t_epoch)
+        alive = [w for w in self.workers.values() if w.state != "lost"]
+        finishes = [w.epoch_finish for w in alive if w.epoch_finish is not None]
+        self.epochs.append({
+            "epoch_s": span,
+            "utilization": min(1.0, sum(w.epoch_busy for w in alive) / (len(alive) * span)),
+            "imbalance_s": (max(finishes) - min(finishes)) if finishes else 0.0,
+        })
+        if len(self.epochs) >= self.cfg.epochs:
+            self.done = True
+            self.now = t
+            return
+        self._begin_epoch(self.epoch + 1, t)
+
+    # ------------------------------------------------------------------ steps
+    def _start(self, w: _Worker, t: float) -> None:
+        """w got a reply at ``t``: start its next step, or go idle with nothing to do."""
+        self.ledger.reply(w.rank, w.batch)
+        tasks = self.ledger.tasks(w.rank)
+        if not tasks or w.batch <= 0:
+            w.state = "idle"
+            return
+        if t >= w.fault_t:
+            self._die(w, t)
+            return
+        task = tasks[0]
+        n = min(w.batch, task.remaining)
+        p = w.profile
+        i = p.piece(t)
+        io = n * p.io[i] if self.replay else self._read_wait(w, task, t)
+        comp = n * p.compute[i]
+        if w.rules:
+            comp, io = self._injected(w, t, comp, io)
+        up = self._link(w, t)
+        push_t = t + io + comp + up
+        if push_t >= w.fault_t:
+            self._die(w, t)
+            return
+        w.n, w.comp, w.io, w.reply_t = n, comp, io, t
+        w.state = "run"
+        self.running += 1
+        self._at(push_t, PUSH, w.rank)
+
+    def _injected(self, w: _Worker, t: float, comp: float, io: float) -> tuple[float, float]:
+        elapsed = t
+        hits = w.rng.random(len(w.rules)) if w.rng is not None else None
+        factor, delay = 1.0, 0.0
+        for k, rule in enumerate(w.rules):
+            if not rule.in_window(elapsed) or (hits is not None and hits[k] >= rule.prob):
+                continue
+            if rule.kind == "compute":
+                factor += rule.value - 1.0
+            elif rule.kind == "delay":
+                delay += rule.value
+            elif rule.kind == "io" and self.replay:
+                io *= rule.value
+        return comp * factor + delay, io
+
+    def _read_wait(self, w: _Worker, task, t: float) -> float:
+        """Seconds w waits for the rows of ``task`` (synthetic reads, one at a time, each
+        started when the worker knows of the task, behind the previous one)."""
+        tasks = self.ledger.tasks(w.rank)
+        for k, tk in enumerate(tasks):   # current and prefetched: start their reads
+            key = id(tk)
+            if key not in w.ready:
+                start = max(w.read_free, t)
+                w.read_free = start + self._read_s(w, tk, start)
+                w.ready[key] = w.read_free
+        return max(0.0, w.ready[id(task)] - t)
+
+    def _read_s(self, w: _Worker, task, t: float) -> float:
+        nbytes = self.shard_sizes[task.shard] * self.cfg.row_bytes
+        secs = nbytes / w.profile.read_bps
+        for rule in w.rules:
+            if rule.in_window(t):
+                if rule.kind == "io":
+                    secs *= rule.value
+                elif rule.kind == "readbw":
+                    secs = max(secs, nbytes / (rule.value * 1e6))
+        return secs
+
+    def _on_push(self, w: _Worker, t: float) -> None:
+        self.running -= 1
+        busy = w.comp + w.io
+        w.steps += 1
+        w.samples += w.n
+        w.busy += busy
+        w.last_gap = t - w.reply_t
+        self.balancer.observe(w.rank, t, w.n, busy, comm_s=w.comm, step_s=w.last_gap)
+        tasks = self.ledger.tasks(w.rank)
+        task = tasks[0]
+        lo, hi = task.pos, task.pos + w.n
+        w.last_push = _Push(lo, hi, w.comp)
+        finished = self.ledger.advance(w.rank, hi)
+        if finished is not None:
+            w.epoch_finish = t
+            w.ready.pop(id(finished), None)
+        if not self.sized_early and w.steps == FIRST_SIZES_STEPS and self._first_sizes_due():
+            self._rebalance(t)
+        if self.sync:
+            self.stores.push(t)
+            w.state = "held"
+            self.members.append(w)
+            self.round_batches.append((task.epoch, task.shard, lo, hi))
+            w.epoch_busy += busy
+            if self.running == 0:
+                self._apply_round(t)
+            return
+        self.updates += 1
+        self.ledger.record(task.epoch, task.shard, lo, hi)
+        done = self.stores.update(t)
+        if self.ledger.complete:
+            self._end_epoch(done)
+            if self.done:
+                return
+        self.ledger.top_up(w.rank, w.batch)
+        self._count_moves()
+        reply = done + self._link(w, done)
+        w.comm = reply - t + self._link(w, t)
+        w.epoch_busy += busy + w.comm
+        self._start(w, reply)
+
+    def _apply_round(self, t: float) -> None:
+        members, self.members = self.members, []
+        batches, self.round_batches = self.round_batches, []
+        done = self.stores.round(t, len(members))
+        self.updates += len(members)
+        for batch in batches:
+            self.ledger.record(*batch)
+        if self.sitout is not None:
+            self.sitout.note_lags(members)
+            self.sitout.after_round(members, self._present(), t)
+        if self.ledger.complete:
+            self._end_epoch(done)
+            if self.done:
+                return
+        for w in members:
+            if w.state != "held":
+                continue
+            self.ledger.top_up(w.rank, w.batch)
+            reply = done + self._link(w, done)
+            w.comm = 2 * self._link(w, t)
+            w.epoch_busy += w.comm
+            self._start(w, reply)
+        self._count_moves()
+
+    # ------------------------------------------------------------------ server chores
+    def _first_sizes_due(self) -> bool:
+        """Proportional batches: sized as soon as every busy worker has taken 16 steps
+        (checked as each worker reaches them)."""
+        busy = [w for w in self.workers.values() if w.state in ("run", "held")]
+        if busy and all(w.steps >= FIRST_SIZES_STEPS for w in busy):
+            self.sized_early = True
+        return self.sized_early
+
+    def _rebalance(self, t: float) -> None:
+        committed = {w.rank: self.ledger.remaining(w.rank) for w in self._present()}
+        if self.sitout is not None:
+            self.sitout.start_probes(self._present(), t)
+        self.balancer.rebalance(t, committed)
+        self._count_moves()
+        self._wake_idle(t)
+        self._update_batches(t)
+
+    def _wake_idle(self, t: float) -> None:
+        for w in self.workers.values():
+            if w.state == "idle":
+                self.ledger.top_up(w.rank, w.batch)
+                if self.ledger.tasks(w.rank):
+                    self._start(w, t + self._link(w, t))
+        self._count_moves()
+
+    def _update_batches(self, t: float) -> None:
+        present = self._present()
+        slow = self.sitout.slow(present) if self.sitout is not None else set()
+        sizes = self.balancer.batch_sizes(frozenset(slow))
+        for w in present:
+            w.batch = int(sizes.get(w.rank, self.cfg.batch))
+            if w.probing:
+                w.batch = self.sitout.probe_batch()
+            elif w.rank in slow:
+                w.batch = 0
+            if w.batch == 0 and self.sitout is not None and not w.benched and w.state == "idle":
+                self.sitout.bench(w, present, t)   # nothing in flight: at once
+            w.lags.clear()
+
+    # ------------------------------------------------------------------ lost workers
+    def _take_back(self, w: _Worker, lost: bool = False) -> None:
+        w.ready.clear()
+        self.ledger.take_back(w.rank, lost=lost)
+        self._count_moves()
+
+    def _die(self, w: _Worker, t: float) -> None:
+        """w hangs or crashes: the server notices after --worker-timeout of silence."""
+        w.state = "dead"
+        self.pending_lost += 1
+        self._at(max(t, w.fault_t) + self.cfg.worker_timeout, LOST, w.rank)
+
+    def _declare_lost(self, w: _Worker, t: float) -> None:
+        w.state = "lost"
+        self.lost.append(w.rank)
+        if all(o.state == "lost" for o in self.workers.values()):
+            raise RuntimeError("every simulated worker was lost")
+        self.balancer.remove_worker(w.rank)
+        self._take_back(w, lost=True)
+        self._wake_idle(t)
+        if self.sync and self.members and self.running == 0:
+            self._apply_round(t)
+
+    # ------------------------------------------------------------------ results
+    def _summary(self) -> dict:
+        total = max(self.now, 1e-12)
+        cov = self.ledger.coverage()
+        ep = self.epochs
+        return {
+            "balancer": self.cfg.balancer, "batch_policy": self.cfg.batch_policy,
+            "mode": self.cfg.mode, "workers": len(self.workers), "servers": self.cfg.servers,
+            "epoch_s": float(np.mean([e["epoch_s"] for e in ep])) if ep else None,
+            "utilization": float(np.mean([e["utilization"] for e in ep])) if ep else None,
+            "imbalance_s": float(np.mean([e["imbalance_s"] for e in ep])) if ep else None,
+            "moves": self.ledger.moved,
+            "updates_per_s": self.updates / total,
+            "server_busy": min(1.0, self.stores.busy / total),
+            "total_s": total,
+            "epochs": [dict(e) for e in ep],
+            "lost_workers": list(self.lost),
+            "coverage": cov,
+        }

@@ -1,0 +1,94 @@
+"""The task ledger the simulator drives: the live server's own (:mod:`mpilb.server.tasks`).
+
+:class:`Ledger` wraps :class:`~mpilb.server.tasks.TaskLedger` (assign, top up, part-way moves,
+take back) and the server's coverage counter (:class:`mpilb.training.EpochTracker`) in the
+few calls the engine makes, at the moments the server makes them: plan and begin an epoch,
+top a worker up after its push (or when it is woken), tell a worker its reply (its batch;
+a cut reaches it there), advance its current task, count applied samples, take back a lost
+or benched worker's tasks. Nothing of the ledger's logic lives here.
+"""
+
+from __future__ import annotations
+
+from ..server.tasks import TaskLedger
+
+
+class Ledger:
+    """The server's task ledger and coverage, for simulated workers.
+
+    Args:
+        balancer: the :class:`mpilb.balancer.Balancer` (shard queues and rates).
+        tracker: the server's coverage counter, a :class:`mpilb.training.EpochTracker`
+            (passed in: mpilb.training reaches HDF5, and this package stays pure).
+        shard_sizes: samples per shard.
+        ranks: the workers.
+        part_way: split a started task for an idle worker (every policy but static and
+            round-robin, as the server does).
+    """
+
+    def __init__(self, balancer, tracker, shard_sizes: list[int], ranks: list[int],
+                 part_way: bool = True):
+        self.balancer = balancer
+        self.tasks_ledger = TaskLedger(balancer, shard_sizes, ranks, split=part_way)
+        self.tracker = tracker
+        self.moved = 0    # shard moves: the balancer's, part-way ones, reassignments
+
+    # -- epochs -------------------------------------------------------------------------
+    def begin_epoch(self, epoch: int, order: list[int], t: float) -> None:
+        """Plan ``epoch`` (``order``: the shuffled shards) and start counting its coverage."""
+        self.tracker.begin(epoch, t)
+        self.balancer.plan_epoch(epoch, order)
+        self.tasks_ledger.begin_epoch(epoch)
+
+    def end_epoch(self, t: float) -> None:
+        """The epoch is over: its coverage counts (see :meth:`coverage`)."""
+        self.tracker.end(t)
+
+    def coverage(self) -> dict:
+        """DESIGN.md's ``coverage`` over completed epochs."""
+        return self.tracker.coverage()
+
+    @property
+    def complete(self) -> bool:
+        """Every sample of the epoch applied."""
+        return self.tracker.complete
+
+    def record(self, epoch: int, shard: int, lo: int, hi: int) -> None:
+        """Samples [lo, hi) of ``shard`` were applied (counted for coverage)."""
+        self.tracker.record(epoch, shard, lo, hi)
+
+    # -- tasks --------------------------------------------------------------------------
+    def tasks(self, worker: int):
+        """The tasks ``worker`` holds (its current one first)."""
+        return self.tasks_ledger.tasks(worker)
+
+    def remaining(self, worker: int) -> int:
+        """Samples ``worker`` still has to do in the tasks it holds."""
+        return self.tasks_ledger.of[worker].remaining
+
+    def top_up(self, worker: int, batch: int) -> None:
+        """Hand ``worker`` shards until it holds two tasks; with none left, split another's."""
+        self.tasks_ledger.top_up(worker, batch)
+
+    def reply(self, worker: int, batch: int) -> None:
+        """A reply reaches ``worker``: its assignments, any cut, the batch it is to use."""
+        self.tasks_ledger.take_reply(worker, batch)
+
+    def advance(self, worker: int, hi: int):
+        """``worker`` pushed positions up to ``hi`` of its current task; returns the task if
+        that finished it."""
+        task = self.tasks_ledger.current(worker)
+        return task if self.tasks_ledger.advance(worker, hi) else None
+
+    def can_take_back(self, worker: int) -> bool:
+        return self.tasks_ledger.can_take_back(worker)
+
+    def take_back(self, worker: int, lost: bool = False) -> None:
+        """What is left of ``worker``'s tasks goes back to the balancer (lost or benched)."""
+        self.tasks_ledger.take_back(worker, lost=lost)
+
+    def count_moves(self) -> None:
+        """Fold the balancer's moves into the ledger's events and count the moves."""
+        self.tasks_ledger.collect_moves()
+        self.moved += sum(1 for e in self.tasks_ledger.take_events()
+                          if e.event in ("move", "reassign"))

@@ -1,0 +1,208 @@
+"""The ``mpilb simulate`` command: options, the configurations they span, table, JSON, plot.
+
+Several values of ``--workers``, ``--balancer``, ``--mode``, ``--batch-policy`` and
+``--servers`` (comma lists) give every combination, each simulated on the same cluster.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+
+from ..errors import UsageError
+
+COLUMNS = ("epoch_s", "utilization", "imbalance_s", "moves", "updates_per_s", "server_busy")
+DEFAULT_BALANCERS = "static,load,predictive"
+
+
+def add_arguments(p) -> None:
+    """The options of ``mpilb simulate`` (cli.py builds the subparser)."""
+    p.add_argument("--from", dest="from_log", metavar="RUN.h5",
+                   help="replay this run: its measured rates, I/O and settings")
+    p.add_argument("--workers", metavar="W[,W...]", help="simulated workers (one or more counts)")
+    p.add_argument("--rates", default="const:100", metavar="SPEC",
+                   help="const:R | lognormal:mean=R,sigma=S | file:CSV (samples/s per worker)")
+    p.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                   help="RANKS:KIND[=VALUE][@START[-END]][,p=PROB] as for train (repeatable)")
+    p.add_argument("--samples", type=int, help="samples per epoch (default 1000 per shard)")
+    p.add_argument("--shards", type=int, help="shards (default 4 per worker)")
+    p.add_argument("--epochs", type=int, help="epochs (default 3; --from: the run's)")
+    p.add_argument("--batch", type=int, help="batch per worker (default 32; --from: the run's)")
+    p.add_argument("--balancer", metavar="A[,B...]",
+                   help=f"policies (default {DEFAULT_BALANCERS}; --from: the run's)")
+    p.add_argument("--mode", metavar="async|sync[,...]", help="default async (--from: the run's)")
+    p.add_argument("--batch-policy", metavar="fixed|proportional[,...]",
+                   help="default fixed (--from: the run's)")
+    p.add_argument("--servers", metavar="K[,K...]", help="parameter stores (default 1)")
+    p.add_argument("--params", type=int, help="model parameters (default 100000; --from: the model's)")
+    p.add_argument("--server-gbps", type=float, help="GB/s one store moves and applies (default: bench ps)")
+    p.add_argument("--apply-s", type=float, help="fixed seconds per update per store (default: bench ps)")
+    p.add_argument("--link-gbps", type=float, default=None, help="a worker's link, GB/s (default 10)")
+    p.add_argument("--read-mbps", type=float, default=None, help="shard reads, MB/s (default 1000)")
+    p.add_argument("--row-bytes", type=int, default=None, help="bytes per sample (default 1024)")
+    p.add_argument("--rebalance-interval", type=float, help="seconds (default 2; --from: the run's)")
+    p.add_argument("--worker-timeout", type=float, help="seconds (default 60; --from: the run's)")
+    p.add_argument("--min-batch", type=int)
+    p.add_argument("--max-batch", type=int)
+    p.add_argument("--sit-out", type=int, choices=(0, 1))
+    p.add_argument("--seed", type=int)
+    p.add_argument("--json", action="store_true", help="print a list of result objects")
+    p.add_argument("--plot", metavar="FILE.png", help="epoch time and utilization per configuration")
+
+
+def _list(text: str | None, default: str, what: str, valid=None, kind=str) -> list:
+    items = [s.strip() for s in (text if text is not None else default).split(",") if s.strip()]
+    if not items:
+        raise UsageError(f"--{what}: no value given")
+    out = []
+    for item in items:
+        try:
+            value = kind(item)
+        except ValueError:
+            raise UsageError(f"--{what}: {item!r} is not a {kind.__name__}") from None
+        if valid is not None and value not in valid:
+            raise UsageError(f"--{what}: unknown {item!r}; valid: {', '.join(map(str, valid))}")
+        out.append(value)
+    return out
+
+
+def _counts(text: str | None, what: str, default: str) -> list[int]:
+    values = _list(text, default, what, kind=int)
+    for v in values:
+        if v < 1:
+            raise UsageError(f"--{what} must be at least 1 (got {v})")
+    return values
+
+
+def run_simulate(args) -> int:
+    """Simulate every configuration the options span; print the table (or JSON)."""
+    from ..balancer import BALANCERS, BATCH_POLICIES
+    from .engine import SimConfig
+    from .run import run
+
+    clusters, base = _clusters(args)
+    balancers = _list(args.balancer, base.pop("balancer", DEFAULT_BALANCERS), "balancer", BALANCERS)
+    modes = _list(args.mode, base.pop("mode", "async"), "mode", ("async", "sync"))
+    policies = _list(args.batch_policy, base.pop("batch_policy", "fixed"), "batch-policy",
+                     BATCH_POLICIES)
+    servers = _counts(args.servers, "servers", str(base.pop("servers", 1)))
+    results = []
+    for label, profiles, sizes, replay, extra in clusters:
+        for bal, mode, pol, k in itertools.product(balancers, modes, policies, servers):
+            cfg = SimConfig(balancer=bal, mode=mode, batch_policy=pol, servers=k, **base)
+            res = run(cfg, profiles, sizes, replay)
+            res.update(extra)
+            results.append(res)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(format_table(results, clusters))
+    if args.plot:
+        from .plot import plot_results
+
+        plot_results(results, args.plot)
+        if not args.json:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+def _clusters(args):
+    """[(label, profiles, shard sizes, replay?, extra result keys)] and the shared settings."""
+    from ..inject import parse_injects
+    from . import cluster as C
+
+    cfg = {}
+    if args.from_log:
+        if args.workers or args.inject:
+            raise UsageError("--from replays a run: --workers and --inject come from its log")
+        from .replay import load_run
+
+        run = load_run(args.from_log, args.params)
+        rc = run.config
+        if run.params is None and args.params is None:
+            raise UsageError(f"--from {args.from_log}: cannot rebuild the model to count its "
+                             f"parameters; give --params")
+        cfg.update(balancer=rc.get("balancer", "load"), mode=rc.get("mode", "async"),
+                   batch_policy=rc.get("batch_policy", "fixed"), servers=rc.get("servers", 1),
+                   batch=rc.get("batch", 32), min_batch=rc.get("min_batch", 1),
+                   max_batch=rc.get("max_batch", 4096), sit_out=bool(rc.get("sit_out", 1)),
+                   rebalance_interval=rc.get("rebalance_interval", 2.0),
+                   epochs=len(run.measured_epoch_s), seed=rc.get("seed", 0),
+                   worker_timeout=rc.get("worker_timeout", 60.0),
+                   params=run.params, row_bytes=run.row_bytes, inject=run.faults)
+        if cfg["mode"] == "ssp":
+            cfg["mode"] = "async"   # not modelled: replayed as async (docs/simulate.md)
+        extra = {"from": args.from_log,
+                 "measured_epoch_s": sum(run.measured_epoch_s) / len(run.measured_epoch_s),
+                 "measured_utilization": sum(run.measured_utilization) / len(run.measured_utilization)}
+        clusters = [(args.from_log, run.profiles, run.shard_sizes, True, extra)]
+    else:
+        if args.workers is None and not args.rates.startswith("file:"):
+            raise UsageError("give --from RUN.h5, or --workers W with --rates SPEC")
+        counts = _counts(args.workers, "workers", "0") if args.workers else [None]
+        seed = args.seed if args.seed is not None else 0
+        params = args.params if args.params is not None else 100_000
+        link = C.link_seconds(params, args.link_gbps or C.LINK_GBPS)
+        read_bps = (args.read_mbps or C.READ_MBPS) * 1e6
+        clusters = []
+        for w in counts:
+            rates = C.parse_rates(args.rates, w, seed)
+            profiles = [C.constant(r, link, read_bps) for r in rates]
+            n = len(profiles)
+            shards = args.shards if args.shards is not None else 4 * n
+            samples = args.samples if args.samples is not None else 1000 * shards
+            if shards < 1 or samples < shards:
+                raise UsageError(f"--samples {samples} cannot fill --shards {shards} (need >= 1 each)")
+            sizes = [samples // shards + (1 if i < samples % shards else 0) for i in range(shards)]
+            clusters.append((f"{n} workers", profiles, sizes, False, {}))
+        rules = parse_injects(args.inject, max(len(c[1]) for c in clusters) + 1)
+        cfg.update(params=params, inject=rules, seed=seed)
+    for key in ("batch", "min_batch", "max_batch", "rebalance_interval", "worker_timeout",
+                "seed", "epochs", "row_bytes"):
+        value = getattr(args, key, None)
+        if value is not None:
+            cfg[key] = value
+    if args.sit_out is not None:
+        cfg["sit_out"] = bool(args.sit_out)
+    if args.server_gbps is not None:
+        cfg["server_gbps"] = args.server_gbps
+    if args.apply_s is not None:
+        cfg["apply_s"] = args.apply_s
+    cfg.setdefault("epochs", 3)
+    for key in ("batch", "epochs"):
+        if key in cfg and cfg[key] < 1:
+            raise UsageError(f"--{key} must be at least 1 (got {cfg[key]})")
+    if cfg.get("rebalance_interval", 1.0) <= 0:
+        raise UsageError("--rebalance-interval must be > 0")
+    if args.servers is not None:
+        cfg.pop("servers", None)
+    return clusters, cfg
+
+
+def format_table(results: list[dict], clusters) -> str:
+    """One row per configuration, with the measured figures first when replaying."""
+    lines = []
+    for label, profiles, sizes, replay, extra in clusters:
+        what = "replay of" if replay else "cluster:"
+        lines.append(f"{what} {label}: {len(profiles)} workers, {len(sizes)} shards, "
+                     f"{sum(sizes)} samples per epoch")
+        if replay:
+            lines.append(f"measured: epoch_s {extra['measured_epoch_s']:.3f}, "
+                         f"utilization {extra['measured_utilization']:.3f}")
+    head = f"{'workers':>7} {'balancer':<12} {'batch_policy':<12} {'mode':<5} {'servers':>7} " + \
+        " ".join(f"{c:>13}" for c in COLUMNS)
+    lines.append(head)
+    for r in results:
+        vals = []
+        for c in COLUMNS:
+            v = r[c]
+            vals.append(f"{'-':>13}" if v is None else f"{v:>13d}" if isinstance(v, int)
+                        else f"{v:>13.3f}")
+        lines.append(f"{r['workers']:>7} {r['balancer']:<12} {r['batch_policy']:<12} "
+                     f"{r['mode']:<5} {r['servers']:>7} " + " ".join(vals))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run `mpilb simulate`")

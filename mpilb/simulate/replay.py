@@ -1,0 +1,154 @@
+"""``mpilb simulate --from RUN.h5``: a run's measured workers and settings, to replay.
+
+From the run log (DESIGN.md, "Run log"):
+
+- per worker, a piecewise-constant trace from its ``workers/`` rows (one per rebalance
+  interval): compute seconds per sample (``compute_s / samples``, injected slowdowns
+  included, as they stand for slower hardware), I/O seconds per sample (``io_s / samples``:
+  the wait for reads that prefetch did not hide, ``readbw`` included), and the per-step cost of its
+  link (``comm_s`` over its steps in the interval, counted from ``updates/``, less the
+  modelled store time, which the engine adds back). An interval without samples keeps
+  the previous piece; past the log's end the last piece holds;
+- shard sizes (the dataset's manifest when it is still there, else the samples applied per
+  shard in the first epoch), batch, batch policy, mode, rebalance interval, seed, epochs
+  completed, worker timeout, and the injected faults (``hang``/``crash``; slowdowns are in
+  the traces already);
+- the model's parameter count (built from the config and the dataset), for the stores.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import UsageError
+from ..inject import parse_injects
+from .cluster import Profile, Stores
+
+
+@dataclass
+class Replay:
+    """What ``--from`` hands the engine, and what the run measured (for comparisons)."""
+
+    path: str
+    config: dict
+    profiles: list[Profile]
+    shard_sizes: list[int]
+    params: int | None
+    row_bytes: int
+    faults: list = field(default_factory=list)
+    measured_epoch_s: list[float] = field(default_factory=list)
+    measured_utilization: list[float] = field(default_factory=list)
+
+
+def load_run(path: str, params: int | None = None) -> Replay:
+    """Read a finished run's log. UsageError (one line, naming the file) when it cannot be
+    read, is not a run log, or did not finish an epoch."""
+    from ..runlog import read_columns
+
+    try:
+        attrs, cols = read_columns(path)
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"--from {path}: cannot read the run log ({_reason(exc)})") from None
+    if "config" not in attrs:
+        raise UsageError(f"--from {path}: not an mpilb run log (no config attribute)")
+    try:
+        config = json.loads(attrs["config"])
+    except ValueError:
+        raise UsageError(f"--from {path}: its config attribute is not JSON") from None
+    status = attrs.get("status", "?")
+    if status in ("running", "failed") or len(cols["epochs"]["epoch"]) == 0:
+        raise UsageError(f"--from {path}: the run is unfinished (status {status}, "
+                         f"{len(cols['epochs']['epoch'])} epochs logged); replay a run that "
+                         f"completed at least one epoch")
+    world = int(attrs.get("world_size", 0))
+    servers = int(config.get("servers", 1) or 1)
+    ranks = sorted({int(r) for r in cols["workers"]["worker"]})
+    if not ranks or world < 2:
+        raise UsageError(f"--from {path}: no worker rows (a serial run has nothing to balance)")
+    dataset = _dataset(config)
+    row_bytes = dataset.row_nbytes if dataset is not None else 1024
+    if params is None:
+        params = _params(config, dataset)
+    shard_sizes = (list(dataset.shard_sizes) if dataset is not None
+                   else _shard_sizes(cols["updates"], path))
+    link_model = Stores(params or 0, servers)
+    profiles = [_profile(cols, r, link_model.update_s) for r in ranks]
+    # the engine numbers workers 1..W: map the run's ranks onto them
+    faults = [rule for rule in parse_injects(config.get("inject") or [], world)
+              if rule.kind in ("hang", "crash")]
+    renumber = {r: i + 1 for i, r in enumerate(ranks)}
+    faults = [type(f)(frozenset(renumber[r] for r in f.ranks if r in renumber)
+                      if f.ranks is not None else None, f.kind, f.value, f.start, f.end,
+                      f.prob, f.text) for f in faults]
+    ep = cols["epochs"]
+    return Replay(path, config, profiles, shard_sizes, params, row_bytes, faults,
+                  [float(e - s) for s, e in zip(ep["t_start"], ep["t_end"])],
+                  [float(u) for u in ep["utilization"]])
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc).split("(")[0].strip().rstrip(",")
+    return text or type(exc).__name__
+
+
+def _dataset(config: dict):
+    from ..dataset import open_dataset
+
+    data = config.get("data")
+    if not data:
+        return None
+    try:
+        return open_dataset(data, check_files=False)
+    except Exception:   # noqa: BLE001 - gone or moved: fall back on the log's own figures
+        return None
+
+
+def _params(config: dict, dataset) -> int | None:
+    if dataset is None:
+        return None
+    try:
+        from ..config import parse_hidden
+        from ..models import build_model
+
+        model = build_model(config["model"], tuple(dataset.sample_shape), dataset.num_classes,
+                            parse_hidden(config.get("hidden", "256,128")))
+        return int(model.num_params)
+    except Exception:   # noqa: BLE001 - a user model we cannot build here: ask for --params
+        return None
+
+
+def _shard_sizes(updates: dict, path: str) -> list[int]:
+    first = updates["epoch"] == 0
+    shards, batches = updates["shard"][first], updates["batch"][first]
+    if len(shards) == 0:
+        raise UsageError(f"--from {path}: no updates in its first epoch")
+    sizes = np.bincount(shards.astype(np.int64), weights=batches.astype(np.float64))
+    if np.any(sizes <= 0):
+        raise UsageError(f"--from {path}: the dataset is gone and the log does not show "
+                         f"every shard's size")
+    return [int(s) for s in sizes]
+
+
+def _profile(cols: dict, rank: int, store_s: float) -> Profile:
+    w = cols["workers"]
+    rows = np.flatnonzero(w["worker"] == rank)
+    rows = rows[np.argsort(w["t"][rows], kind="stable")]
+    ups = np.sort(cols["updates"]["t"][cols["updates"]["worker"] == rank])
+    edges, comp, io, link = [], [], [], []
+    t_prev = 0.0
+    for i in rows:
+        t, n = float(w["t"][i]), float(w["samples"][i])
+        steps = int(np.searchsorted(ups, t, "right") - np.searchsorted(ups, t_prev, "right"))
+        if n > 0 and w["compute_s"][i] > 0:
+            edges.append(t_prev)
+            comp.append(float(w["compute_s"][i]) / n)
+            io.append(float(w["io_s"][i]) / n)
+            link.append(max(0.0, float(w["comm_s"][i]) / max(1, steps) - store_s))
+        t_prev = t
+    if not edges:
+        raise UsageError(f"rank {rank} reported no work in the run log")
+    edges[0] = 0.0
+    return Profile(edges, comp, io, link)

@@ -1,0 +1,164 @@
+"""A worker that dies does not end the job where the launcher lets the others run on
+(`mpiexec -disable-auto-cleanup`, `srun --no-kill`); rank 0 stalls never count against the
+workers; SIGUSR1 is a preemption unless it came with a rank's death (Hydra's notice)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import mpirun
+from mpilb.dataset import open_dataset
+from mpilb.report import summarize_log
+from test_resume import recomputed_coverage
+
+pytestmark = pytest.mark.mpi
+
+SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shim")
+
+
+def train(data, tmp_path, *extra):
+    return ["train", "--data", data, "--hidden", "16", "--no-progress",
+            "--log", str(tmp_path / "run.h5"), *map(str, extra)]
+
+
+def launch(cmd, tmp_path, env=None):
+    """Start a job marked by a variable of its own, so its processes can be found later
+    (Hydra starts every rank in a session of its own: no process group holds them all)."""
+    env = dict(env or mpirun.env())
+    env["MPILB_TEST_JOB"] = str(tmp_path)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp_path, start_new_session=True)
+    proc.args_mark = str(tmp_path).encode()
+    return proc
+
+
+def job_processes(proc) -> dict[int, dict]:
+    """pid -> environment of every live process of `proc`'s job."""
+    mark = b"MPILB_TEST_JOB=" + proc.args_mark
+    found = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            env = open(f"/proc/{p}/environ", "rb").read().split(b"\0")
+            state = open(f"/proc/{p}/stat", "rb").read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if mark in env and state != b"Z":
+            found[int(p)] = dict(kv.split(b"=", 1) for kv in env if b"=" in kv)
+    return found
+
+
+def finish(proc, timeout):
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        time.sleep(0.5)
+        left = list(job_processes(proc))
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    assert not left, f"processes left behind: {left}"
+    return proc.returncode, out, err
+
+
+def wait_ranks(proc, n, timeout=60) -> dict[int, int]:
+    """PMI rank -> pid of the job's python processes, once all n run."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        found = {int(e[b"PMI_RANK"]): pid for pid, e in job_processes(proc).items()
+                 if b"PMI_RANK" in e}
+        if len(found) == n:
+            return found
+        time.sleep(0.1)
+    raise AssertionError("ranks did not start")
+
+
+def wait_training(log, proc, timeout=60):
+    """Until the run log holds applied updates (start-up is over)."""
+    from mpilb.runlog import read_columns
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if read_columns(str(log))[1]["updates"]["t"].size:
+                return
+        except (OSError, KeyError, RuntimeError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError("training did not start")
+
+
+def assert_degraded_exact(tmp_path, data, epochs):
+    s = summarize_log(str(tmp_path / "run.h5"))
+    assert s["status"] == "degraded" and s["lost_workers"] == [2], s["status"]
+    assert s["epochs_completed"] == epochs
+    mine = recomputed_coverage(str(tmp_path / "run.h5"), open_dataset(data).shard_sizes)
+    assert mine == s["coverage"] and mine["applied"] == mine["expected"], (mine, s["coverage"])
+    assert mine["duplicates"] == mine["missing"] == 0
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
+def test_crashed_worker_is_survived(synth_dir, tmp_path, launcher):
+    timeout = 3
+    args = train(synth_dir, tmp_path, "--epochs", 4, "--inject", "2:crash@1.5",
+                 "--worker-timeout", timeout)
+    base = [sys.executable, "-m", "mpilb", *args]
+    if launcher == "mpiexec":
+        cmd = [mpirun.mpiexec(), "-disable-auto-cleanup", "-n", "4", *base]
+        env = mpirun.env()
+    else:
+        cmd = [os.path.join(SHIM, "srun"), "--no-kill", "-n", "4", *base]
+        env = mpirun.env(SLURM_SHIM_STATE=tmp_path / "slurm")
+        env["PATH"] = os.pathsep.join([SHIM, env["PATH"]])
+    proc = launch(cmd, tmp_path, env)
+    code, out, err = finish(proc, timeout=120)
+    assert code == 3, (code, out, err)
+    assert "declared lost" in err and "notice of a failed rank" in err, err
+    assert_degraded_exact(tmp_path, synth_dir, 4)
+    # no hang in finalize: the end came within --worker-timeout + 10 s of the last epoch
+    import h5py
+    with h5py.File(tmp_path / "run.h5", "r") as f:
+        assert float(f.attrs["wall_s"]) - float(f["epochs/t_end"][-1]) < timeout + 10
+
+
+def test_sigusr1_to_every_rank_is_still_a_preemption(synth_dir, tmp_path):
+    """Slurm's --signal=USR1 reaches every task; no rank died, so it preempts (exit 0)."""
+    cmd = [mpirun.mpiexec(), "-disable-auto-cleanup", "-n", "4", sys.executable, "-m", "mpilb",
+           *train(synth_dir, tmp_path, "--epochs", 50, "--worker-timeout", 5)]
+    proc = launch(cmd, tmp_path)
+    pids = wait_ranks(proc, 4)
+    wait_training(tmp_path / "run.h5", proc)
+    t0 = time.monotonic()
+    for pid in pids.values():
+        os.kill(pid, signal.SIGUSR1)
+    code, out, err = finish(proc, timeout=60)
+    assert code == 0, (code, out, err)
+    assert time.monotonic() - t0 < 30
+    s = summarize_log(str(tmp_path / "run.h5"))
+    assert s["status"] == "preempted" and s["lost_workers"] == []
+    assert (tmp_path / "run.ckpt.h5").exists()
+
+
+def test_rank0_stopped_for_twice_the_timeout_loses_no_worker(synth_dir, tmp_path):
+    timeout = 2
+    cmd = mpirun.mpilb_cmd(4, *train(synth_dir, tmp_path, "--epochs", 500, "--max-seconds", 8,
+                                     "--worker-timeout", timeout))
+    proc = launch(cmd, tmp_path)
+    pids = wait_ranks(proc, 4)
+    wait_training(tmp_path / "run.h5", proc)
+    os.kill(pids[0], signal.SIGSTOP)
+    time.sleep(2 * timeout)
+    os.kill(pids[0], signal.SIGCONT)
+    code, out, err = finish(proc, timeout=120)
+    assert code == 0, (code, out, err)
+    s = summarize_log(str(tmp_path / "run.h5"))
+    assert s["status"] == "finished" and s["lost_workers"] == [], err
