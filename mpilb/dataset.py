@@ -385,7 +385,7 @@ def verify_dataset(root, cached: bool = False) -> Dataset:
                 continue   # unchanged since it passed: layout, checksum and values
             records.begin(path)
             with open_h5(path) as f:
-                check_h5_layout(f, path, samples, ds.sample_shape)
+                check_h5_layout(f, path, samples, ds.sample_shape, ds.label_dtype, ds.target_shape)
             _check_file(ds, path, samples, sha, rows)
             records.passed(path, sha)
     finally:

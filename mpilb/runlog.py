@@ -44,6 +44,10 @@ SHARD_EVENTS = ("assign", "move", "start", "done", "reassign")
 STATUSES = ("running", "finished", "degraded", "preempted", "failed")
 
 
+# columns whose absence must not read as a value (a metric of 0 would be a real result)
+_NOT_GIVEN = {"test_metric": float("nan"), "val_metric": float("nan")}
+
+
 class RunLog:
     """Append-only HDF5 run log.
 
@@ -161,10 +165,10 @@ class RunLog:
         self.closed = False
 
     def append(self, group: str, **row) -> None:
-        """Buffer one row; columns not given are written as 0."""
+        """Buffer one row; columns not given are written as 0 (a metric not given: NaN)."""
         buf = self._buffers[group]
         for col, values in buf.items():
-            values.append(row.get(col, 0))
+            values.append(row.get(col, _NOT_GIVEN.get(col, 0)))
         if time.monotonic() - self._last_flush > self.flush_interval:
             self.flush()
 
