@@ -19,6 +19,7 @@ setup(
     extras_require={
         "mpi": ["mpich"],
         "gpu": ["cupy-cuda12x"],
+        "torch": ["torch>=2.0"],
         "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.0", "hypothesis>=6"],
         "tensorboard": ["tensorboardX>=2.5"],
     },

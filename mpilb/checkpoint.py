@@ -42,15 +42,15 @@ def plan_signature(seed: int, dataset) -> dict:
 
 
 def model_signature(model) -> dict:
-    return {"model": model.name, "num_params": int(model.num_params),
-            "input_shape": list(model.input_shape), "num_classes": int(model.num_classes),
-            "layout": [[name, list(shape)] for name, shape in model.layout]}
+    """What identifies the model (``mpilb.Model.signature()``), as JSON round-trips it."""
+    return json.loads(json.dumps(model.signature()))
 
 
 def dataset_signature(dataset) -> dict:
     return {"shard_sizes": list(dataset.shard_sizes),
             "sha256": [s.sha256 for s in dataset.shards],
-            "sample_shape": list(dataset.sample_shape), "num_classes": int(dataset.num_classes)}
+            "sample_shape": list(dataset.sample_shape), "num_classes": int(dataset.num_classes),
+            "target_shape": list(dataset.target_shape)}
 
 
 @dataclass
@@ -98,6 +98,9 @@ def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epo
             f.attrs["seed"] = int(cfg.seed)
             f.attrs["plan"] = json.dumps(plan_signature(cfg.seed, dataset))
             f.create_dataset("params", data=np.asarray(params, dtype=np.float32))
+            state = model.get_state()   # e.g. BatchNorm statistics: the latest pushed
+            if state is not None:
+                f.create_dataset("state", data=np.asarray(state, dtype=np.float32))
             g = f.create_group("optimizer")
             for key, value in optimizer.state_dict().items():
                 if isinstance(value, np.ndarray):
@@ -188,10 +191,11 @@ def load(path: str, model, dataset, seed: Optional[int] = None) -> Checkpoint:
             want_model = model_signature(model)
             if saved_model != want_model:
                 differ = [k for k in want_model if saved_model.get(k) != want_model[k]]
+                layers = [n for n, _ in saved_model.get("layout", [])]
                 raise UsageError(
                     f"--resume: {path} holds a different model ({', '.join(differ)} differ: "
-                    f"{saved_model['model']}, {saved_model['num_params']} parameters, layers "
-                    f"{[n for n, _ in saved_model['layout']]}; this run builds "
+                    f"{saved_model.get('model')}, {saved_model.get('num_params')} parameters, "
+                    f"layers {layers[:6]}{'...' if len(layers) > 6 else ''}; this run builds "
                     f"{want_model['model']}, {want_model['num_params']} parameters): use the "
                     f"model options of the run that wrote it")
             want_data = dataset_signature(dataset)
@@ -201,6 +205,8 @@ def load(path: str, model, dataset, seed: Optional[int] = None) -> Checkpoint:
             opt = {k: f["optimizer"][k][()] for k in f["optimizer"]}
             opt.update({k: (v.decode() if isinstance(v, bytes) else v)
                         for k, v in f["optimizer"].attrs.items()})
+            if "state" in f:
+                model.set_state(f["state"][()])
             ck = Checkpoint(
                 params=f["params"][()],
                 optimizer=opt,

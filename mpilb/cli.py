@@ -122,7 +122,24 @@ def build_parser() -> Parser:
     n.add_argument("out")
     n.add_argument("--x-key", default="x")
     n.add_argument("--y-key", default="y")
+    n.add_argument("--task", default="auto", choices=("auto", "classify", "regress"),
+                   help="integer y: classes, float y: regression targets (auto), or force one")
     common(n)
+    h = psub.add_parser("hdf5", help="datasets from existing HDF5 files (concatenated)")
+    h.add_argument("inputs", nargs="+", metavar="FILE... OUT")
+    h.add_argument("--x-key", required=True)
+    h.add_argument("--y-key", required=True)
+    h.add_argument("--task", default="auto", choices=("auto", "classify", "regress"))
+    common(h)
+    c = psub.add_parser("csv", help="a CSV file with a header line")
+    c.add_argument("file")
+    c.add_argument("out")
+    c.add_argument("--target", required=True, metavar="COL[,COL...]")
+    c.add_argument("--features", metavar="COL,...", help="default: every non-target column")
+    c.add_argument("--delimiter", default=",")
+    c.add_argument("--task", default="auto", choices=("auto", "classify", "regress"),
+                   help="auto: one all-integer target column gives classes, else regression")
+    common(c)
 
     data = sub.add_parser("data", help="check or describe a dataset")
     dsub = data.add_subparsers(dest="action", metavar="ACTION", parser_class=Parser)
@@ -150,6 +167,14 @@ def build_parser() -> Parser:
     ps.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam"))
     ps.add_argument("--servers", type=int, default=1, help="parameter stores (ranks 0..K-1)")
     ps.add_argument("--json", action="store_true")
+
+    exp = sub.add_parser("export", help="trained weights out of a checkpoint")
+    exp.add_argument("checkpoint", metavar="CKPT.h5")
+    exp.add_argument("out", metavar="OUT.pt|OUT.npz")
+    ev = sub.add_parser("evaluate", help="test metrics of a checkpoint")
+    ev.add_argument("checkpoint", metavar="CKPT.h5")
+    ev.add_argument("--data", required=True, metavar="DIR")
+    ev.add_argument("--json", action="store_true")
 
     sub.add_parser("doctor", help="check the MPI, HDF5 and GPU setup")
 
@@ -207,6 +232,21 @@ def _dispatch(args) -> int:
 
         return bench_ps(params=args.params, seconds=args.seconds, optimizer=args.optimizer,
                         as_json=args.json, repeats=args.repeats, servers=args.servers)
+    if args.command == "export":
+        from .export import export
+
+        print(export(args.checkpoint, args.out))
+        return 0
+    if args.command == "evaluate":
+        import json
+
+        from .export import evaluate_checkpoint
+
+        result = evaluate_checkpoint(args.checkpoint, args.data)
+        print(json.dumps(result) if args.json else
+              f"{args.checkpoint} on {args.data}: " + ", ".join(
+                  f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))
+        return 0
     if args.command == "doctor":
         from .doctor import doctor
 
@@ -227,10 +267,22 @@ def _prepare(args) -> int:
     elif args.source == "synthetic":
         ds = D.prepare_synthetic(args.out, samples=args.samples, features=args.features,
                                  classes=args.classes, noise=args.noise, **common)
+    elif args.source == "npz":
+        ds = D.prepare_npz(args.file, args.out, x_key=args.x_key, y_key=args.y_key,
+                           task=args.task, **common)
+    elif args.source == "hdf5":
+        if len(args.inputs) < 2:
+            raise UsageError("prepare hdf5: give one or more input FILEs, then OUT")
+        *files, args.out = args.inputs
+        ds = D.prepare_hdf5(files, args.out, x_key=args.x_key, y_key=args.y_key,
+                            task=args.task, **common)
     else:
-        ds = D.prepare_npz(args.file, args.out, x_key=args.x_key, y_key=args.y_key, **common)
+        ds = D.prepare_csv(args.file, args.out, target=args.target, features=args.features,
+                           delimiter=args.delimiter, task=args.task, **common)
+    kind = (f"{ds.num_classes} classes" if ds.num_classes else
+            f"float targets of shape {tuple(ds.target_shape)}")
     print(f"{args.out}: {len(ds.shards)} shards, {ds.total_samples} training samples, "
-          f"{ds.test_samples} test samples, shape {tuple(ds.sample_shape)}, {ds.num_classes} classes")
+          f"{ds.test_samples} test samples, shape {tuple(ds.sample_shape)}, {kind}")
     return 0
 
 

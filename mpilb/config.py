@@ -62,7 +62,11 @@ OPTIONS: tuple[Option, ...] = (
     # data and model
     Option("data", str, None, "dataset directory (from `mpilb prepare`); default: a built-in "
            "synthetic dataset generated once into $MPILB_CACHE", group="data and model", metavar="DIR"),
-    Option("model", str, "mlp", "model to train", ("softmax", "mlp", "cnn"), group="data and model"),
+    Option("model", str, "mlp", "model to train: a built-in (softmax, mlp, cnn) or the user's "
+           "FILE.py:NAME / package.module:NAME (an mpilb.Model or torch.nn.Module; docs/models.md)",
+           check=(lambda v: v in ("softmax", "mlp", "cnn") or ":" in v,
+                  "softmax, mlp, cnn, FILE.py:NAME or package.module:NAME"),
+           group="data and model", metavar="MODEL"),
     Option("hidden", str, "256,128", "hidden layer sizes of the mlp, comma-separated",
            group="data and model", metavar="N,N"),
     Option("device", str, "auto", "where workers compute: auto = GPU when CuPy sees one",
@@ -138,6 +142,21 @@ OPTIONS: tuple[Option, ...] = (
            check=_POSITIVE, group="output", metavar="SECONDS"),
     Option("progress", bool, True, "live progress on rank 0 (--no-progress silences it)",
            group="output"),
+    # models from user code, schedules, validation (docs/models.md)
+    Option("model_arg", list, [], "keyword argument for a user model, KEY=VALUE with VALUE a "
+           "TOML scalar (repeatable; [model_args] table in a config file)",
+           group="data and model", metavar="KEY=VALUE"),
+    Option("lr_schedule", str, "constant", "learning-rate schedule over the run, applied by the "
+           "server on its update count: step = x0.1 at 50% and 75%, cosine = to 0",
+           ("constant", "step", "cosine"), group="optimizer"),
+    Option("warmup", str, "0", "linear learning-rate warmup: N updates, or Ns seconds (e.g. 5s)",
+           check=(lambda v: _warmup_ok(v), "an integer >= 0 (updates) or a number of seconds with "
+                  "an s suffix, e.g. 200 or 5s"), group="optimizer", metavar="N|Ns"),
+    Option("validation_fraction", float, 0.0, "hold out this fraction of the training shards "
+           "(whole shards, at least one) for --target-* and stopping, so the test set is not "
+           "used to decide", check=_UNIT, group="stopping", metavar="F"),
+    Option("target_metric", float, None, "stop once the model's metric (accuracy, r2, ...) "
+           "reaches this", group="stopping", metavar="V"),
     Option("progress_interval", float, 5.0, "seconds between progress lines when stderr is not "
            "a terminal (the first comes within 1 s)", check=_POSITIVE, group="output", metavar="S"),
     Option("tensorboard", str, None, "also write TensorBoard scalars (loss, metric, rates, "
@@ -171,6 +190,15 @@ NO_EFFECT: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
     ("cuda_aware", lambda c: c.device != "cpu", "device", "CPU workers send host memory"),
     ("progress_interval", lambda c: c.progress, "progress", "no progress is shown"),
 )
+
+
+def _warmup_ok(text) -> bool:
+    text = str(text).strip()
+    try:
+        value = float(text[:-1]) if text.endswith("s") else int(text)
+    except ValueError:
+        return False
+    return value >= 0
 
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -286,8 +314,14 @@ def load_toml(path: str) -> dict:
     out = {}
     for key, value in raw.items():
         name = key.replace("-", "_")
-        if name not in OPTION_BY_NAME:
+        if name not in OPTION_BY_NAME and name != "model_args":
             raise UsageError(f"{path}: unknown key {key!r}{closest(name, OPTION_BY_NAME)}")
+        if name == "model_args":   # [model_args] table: the --model-arg KEY=VALUE pairs
+            if not isinstance(value, dict):
+                raise UsageError(f"{path}: model_args must be a table, e.g. [model_args] width = 64")
+            out.setdefault("model_arg", [])
+            out["model_arg"] = out["model_arg"] + [f"{k}={json.dumps(v)}" for k, v in value.items()]
+            continue
         if isinstance(value, dict):
             raise UsageError(f"{path}: key {key!r} must be a value, not a table")
         out[name] = value

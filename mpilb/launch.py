@@ -101,17 +101,18 @@ def _validate(config_file, cli_values, world_size, all_args):
     from .inject import parse_injects
     from .server.store import check_servers
     from .paths import check_paths, resolve_data
-    from .training import check_world, config_model
+    from .training import check_world, config_model, hold_out_validation
 
     file_values = load_toml(config_file) if config_file else {}
     cfg = build_config(file_values, cli_values, source=config_file or "")
     _same_options(all_args[0], all_args)
     parse_injects(cfg.inject, world_size)
     data_dir = resolve_data(cfg)
-    dataset = verify_dataset(data_dir, cached=True)   # files checked before are not re-hashed
+    # files checked before are not re-hashed
+    dataset = hold_out_validation(cfg, verify_dataset(data_dir, cached=True))
     check_world(cfg, world_size, dataset)
     model = config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
-    check_servers(cfg, world_size, model.num_params)
+    check_servers(cfg, world_size, model.num_params, model.num_state)
     check_paths(cfg, dataset, config_file)   # the log and checkpoint names, once decided
     if cfg.device == "gpu" and world_size == 1:
         from .backend import select_backend
@@ -137,8 +138,10 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
 
     def make_role():
         from .dataset import open_dataset
+        from .training import hold_out_validation
 
-        dataset = open_dataset(data_dir, check_files=False)   # rank 0 checked it just now
+        # rank 0 checked the files just now
+        dataset = hold_out_validation(cfg, open_dataset(data_dir, check_files=False))
         run_attrs = {"config": json.dumps(dict(cfg.values, data=data_dir), sort_keys=True),
                      "mpi_library": mpi_library, "world_size": size,
                      "hostnames": json.dumps(hosts)}
@@ -162,8 +165,14 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     return cfg, role
 
 
-def train(config_file, cli_values: dict) -> int:
-    """Entry point of `mpilb train` on every rank. Returns the exit code."""
+def train(config_file, cli_values: dict, raise_errors: bool = False,
+          result: Optional[dict] = None) -> int:
+    """Entry point of `mpilb train` on every rank. Returns the exit code.
+
+    With ``raise_errors`` (the Python API), a configuration or set-up error raises
+    :class:`UsageError` (exit code 2) or :class:`MpilbError` on every rank instead of
+    printing; ``result`` receives the run's config as ``result["cfg"]``.
+    """
     from . import comm as C
 
     comm, rank, size = C.world()
@@ -171,9 +180,13 @@ def train(config_file, cli_values: dict) -> int:
     try:
         cfg, role = _start(comm, rank, size, config_file, cli_values)
     except JobStop as stop:
+        if raise_errors:
+            raise (UsageError(stop.text) if stop.code == 2 else MpilbError(stop.text)) from None
         if rank == 0:
             print(f"mpilb: error: {stop.text}", file=sys.stderr, flush=True)
         return stop.code
+    if result is not None:
+        result["cfg"] = cfg
     try:
         if size == 1:
             from .serial import run_serial

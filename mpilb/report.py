@@ -94,7 +94,7 @@ def metric_columns(attrs: dict, ev: dict) -> tuple[str, np.ndarray]:
     """(metric name, its column in eval/): `test_metric` when logged, else test accuracy."""
     name = str(attrs.get("metric") or "accuracy")
     col = ev.get("test_metric")
-    if col is None or col.size != ev["t"].size:
+    if col is None or col.size != ev["t"].size or (col.size and np.isnan(col).all()):
         col = ev["test_accuracy"]
     return name, np.asarray(col, dtype=np.float64)
 

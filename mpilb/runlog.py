@@ -30,7 +30,8 @@ SCHEMA: dict[str, dict[str, str]] = {
     "workers": {"t": "f8", "worker": "i4", "samples": "i8", "compute_s": "f8", "io_s": "f8",
                 "comm_s": "f8", "idle_s": "f8", "batch": "i4", "rate": "f8",
                 "predicted_rate": "f8"},
-    "eval": {"t": "f8", "version": "i8", "epoch": "i4", "test_loss": "f8", "test_accuracy": "f8"},
+    "eval": {"t": "f8", "version": "i8", "epoch": "i4", "test_loss": "f8", "test_accuracy": "f8",
+             "test_metric": "f8", "val_metric": "f8"},
     "shards": {"t": "f8", "epoch": "i4", "shard": "i4", "src": "i4", "dst": "i4", "event": "S10",
                "bytes": "i8"},
     "epochs": {"epoch": "i4", "t_start": "f8", "t_end": "f8", "samples": "i8",
@@ -41,6 +42,10 @@ SCHEMA: dict[str, dict[str, str]] = {
 
 SHARD_EVENTS = ("assign", "move", "start", "done", "reassign")
 STATUSES = ("running", "finished", "degraded", "preempted", "failed")
+
+
+# columns whose absence must not read as a value (a metric of 0 would be a real result)
+_NOT_GIVEN = {"test_metric": float("nan"), "val_metric": float("nan")}
 
 
 class RunLog:
@@ -160,10 +165,10 @@ class RunLog:
         self.closed = False
 
     def append(self, group: str, **row) -> None:
-        """Buffer one row; columns not given are written as 0."""
+        """Buffer one row; columns not given are written as 0 (a metric not given: NaN)."""
         buf = self._buffers[group]
         for col, values in buf.items():
-            values.append(row.get(col, 0))
+            values.append(row.get(col, _NOT_GIVEN.get(col, 0)))
         if time.monotonic() - self._last_flush > self.flush_interval:
             self.flush()
 

@@ -23,9 +23,10 @@ from .report import summarize_log
 from .runlog import RunLog
 from .session import balancer_config, files_line, format_final
 from .shards import ShardStore
+from .schedules import build_schedule
 from .tensorboard import tap_for
-from .training import (PREEMPTED, EpochStats, EpochTracker, Evaluator, StopRule, config_model,
-                       config_optimizer, epoch_order)
+from .training import (PREEMPTED, EpochStats, EpochTracker, build_evaluator, build_stop_rule,
+                       config_model, config_optimizer, epoch_order)
 
 
 class SerialTrainer:
@@ -54,14 +55,16 @@ class SerialTrainer:
                                 cache_mb=cfg.cache_mb)
         self.feed = ShardFeed(self.store, self.backend)
         self.step = GradientStep(self.model, self.backend, self.injector)
-        test_x, test_y = dataset.load_test()
-        self.evaluator = Evaluator(self.model, test_x, test_y)
-        self.stop = StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy)
+        self.evaluator = build_evaluator(self.model, dataset)
+        self.stop = build_stop_rule(cfg)
+        self.schedule = build_schedule(cfg, dataset.shard_sizes)
+        self.evaluation = None
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
                                  samples_per_epoch=self.tracker.total,
-                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds)
+                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds,
+                                 metric=self.model.metric)
         # the progress display and --tensorboard see every row of the run log
-        self.log = tapped(RunLog(cfg.log, run_attrs,
+        self.log = tapped(RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
                                 resume_at=self.resumed.train_s if self.resumed else None),
                          self.progress, tap_for(cfg))
         self.eval_version = -1
@@ -154,7 +157,7 @@ class SerialTrainer:
             raise MpilbError(f"non-finite gradient for shard {batch.shard} [{batch.lo}, {batch.hi}) "
                              f"at update {self.version + 1}; lower --lr?")
         grad /= b
-        lr_scale = b / self.cfg.batch
+        lr_scale = b / self.cfg.batch * self.schedule(self.version, self.now())
         self.optimizer.step(self.params, grad, lr_scale)
         self.version += 1
         self.tracker.record(batch.epoch, batch.shard, batch.lo, batch.hi)
@@ -180,7 +183,7 @@ class SerialTrainer:
         if self.cfg.checkpoint and mono - self.last_checkpoint >= self.cfg.checkpoint_interval:
             self._checkpoint()
         self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy)
-        return self.stop.check(self.epoch, self.now(), self.accuracy) and self.stop.reason != "epochs"
+        return self.stop.check(self.epoch, self.now(), self.evaluation) and self.stop.reason != "epochs"
 
     def _report_window(self) -> None:
         io_new = self.feed.io_s - self.io_reported
@@ -205,13 +208,13 @@ class SerialTrainer:
                         imbalance_s=0.0)
         self._evaluate()
         self.progress.epoch_done(stats.epoch, self.accuracy)
-        self.stop.check(stats.epoch + 1, self.now(), self.accuracy)
+        self.stop.check(stats.epoch + 1, self.now(), self.evaluation)
 
     def _evaluate(self) -> None:
-        loss, acc = self.evaluator(self.backend.to_host(self.params))
-        self.accuracy = acc
+        ev = self.evaluator.evaluate(self.backend.to_host(self.params))
+        self.evaluation, self.accuracy = ev, ev.decides[1]
         self.log.append("eval", t=self.now(), version=self.version, epoch=self.epoch,
-                        test_loss=loss, test_accuracy=acc)
+                        **ev.columns())
         self.last_eval = time.monotonic()
         self.eval_version = self.version
 

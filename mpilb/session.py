@@ -16,8 +16,10 @@ from .balancer import BalancerConfig, build_balancer
 from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
+from .schedules import build_schedule
 from .tensorboard import tap_for
-from .training import EpochTracker, Evaluator, StopRule, config_model, config_optimizer
+from .training import (EpochTracker, Evaluation, build_evaluator, build_stop_rule, config_model,
+                       config_optimizer)
 
 
 def balancer_config(cfg) -> BalancerConfig:
@@ -31,7 +33,11 @@ def balancer_config(cfg) -> BalancerConfig:
 def format_final(summary: dict) -> str:
     """The last line of a run."""
     acc = summary.get("final_test_accuracy")
-    acc_txt = "n/a" if acc is None else f"{acc:.4f}"
+    metric, value = summary.get("metric", "accuracy"), summary.get("final_test_metric")
+    if acc is None and value is not None:
+        acc_txt = f"n/a, test {metric} {value:.4f}"
+    else:
+        acc_txt = "n/a" if acc is None else f"{acc:.4f}"
     cov = summary["coverage"]
     return (f"mpilb: {summary['status']}: {summary['epochs_completed']} epoch(s), "
             f"{summary['samples']} samples in {summary['train_s']:.1f} s "
@@ -67,9 +73,10 @@ class Session:
         self.balancer = build_balancer(cfg.balancer, ranks, dataset.shard_sizes,
                                        balancer_config(cfg), holders)
         self.tracker = EpochTracker(dataset.shard_sizes)
-        test_x, test_y = dataset.load_test()
-        self.evaluator = Evaluator(self.model, test_x, test_y)
-        self.stop = StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy)
+        self.evaluator = build_evaluator(self.model, dataset)
+        self.stop = build_stop_rule(cfg)
+        # the factor on --lr at each update (--lr-schedule, --warmup): schedules.py
+        self.schedule = build_schedule(cfg, dataset.shard_sizes, len(ranks))
         self.resumed: Optional[checkpoint.Checkpoint] = None
         if cfg.resume:
             self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed)
@@ -78,21 +85,22 @@ class Session:
             checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
                                  samples_per_epoch=self.tracker.total,
-                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds)
+                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds,
+                                 metric=self.model.metric)
         # the progress display and --tensorboard see every row of the run log
-        self.log = tapped(RunLog(cfg.log, run_attrs,
+        self.log = tapped(RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
                                 resume_at=self.resumed.train_s if self.resumed else None),
                          self.progress, tap_for(cfg))
-        self.accuracy: Optional[float] = None
+        self.accuracy: Optional[float] = None   # the headline metric, for the progress line
+        self.evaluation: Optional[Evaluation] = None   # what --target-* decide on
         self.eval_version = -1   # parameter version of the last evaluation
 
     def evaluate(self, params: np.ndarray, t: float, version: int, epoch: int) -> None:
-        """Evaluate host parameters on the test set and log the row."""
-        loss, acc = self.evaluator(params)
-        self.accuracy = acc
+        """Evaluate host parameters on the test (and validation) set and log the row."""
+        ev = self.evaluator.evaluate(params)
+        self.evaluation, self.accuracy = ev, ev.decides[1]
         self.eval_version = version
-        self.log.append("eval", t=t, version=version, epoch=epoch, test_loss=loss,
-                        test_accuracy=acc)
+        self.log.append("eval", t=t, version=version, epoch=epoch, **ev.columns())
 
     def close(self, status: str, attrs: dict) -> dict:
         """Close the run log, write the summary, end the progress display on its figures."""

@@ -112,7 +112,8 @@ class ShardStore:
                 path = self.dataset.shard_path(shard)
                 f = open_h5(path)
                 try:
-                    check_h5_layout(f, path, self.dataset.shards[shard].samples, self.dataset.sample_shape)
+                    check_h5_layout(f, path, self.dataset.shards[shard].samples, self.dataset.sample_shape,
+                                    self.dataset.label_dtype, self.dataset.target_shape)
                 except DataError:
                     f.close()
                     raise

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from .config import Config
-from .errors import UsageError
+from .errors import MpilbError, UsageError
 
 # Set by the SIGTERM handler (any rank; SIGUSR1 too in a one-rank run): checkpoint and stop.
 PREEMPTED = threading.Event()
@@ -104,32 +104,83 @@ class EpochTracker:
         }
 
 
-class Evaluator:
-    """Test-set evaluation on rank 0 (NumPy), with the time it takes accounted."""
+@dataclass
+class Evaluation:
+    """One evaluation: the test set's loss, accuracy (NaN for non-classifiers) and the
+    model's metric, plus the validation metric when a validation set is held out."""
 
-    def __init__(self, model, x: np.ndarray, y: np.ndarray):
+    loss: float
+    accuracy: float
+    metric: float
+    metric_name: str
+    val_metric: Optional[float] = None
+    val_accuracy: Optional[float] = None
+
+    @property
+    def decides(self) -> tuple[float, float]:
+        """(accuracy, metric) that --target-* look at: validation's when there is one."""
+        if self.val_metric is not None:
+            return self.val_accuracy, self.val_metric
+        return self.accuracy, self.metric
+
+    def columns(self) -> dict:
+        """The eval/ row's values (DESIGN.md run log)."""
+        return {"test_loss": self.loss, "test_accuracy": self.accuracy, "test_metric": self.metric,
+                "val_metric": float("nan") if self.val_metric is None else self.val_metric}
+
+
+class Evaluator:
+    """Test-set (and validation-set) evaluation on rank 0 (NumPy), with its time accounted."""
+
+    def __init__(self, model, x: np.ndarray, y: np.ndarray, validation=None):
         self.model = model
         self.x = x
         self.y = y
+        self.validation = validation      # (x, y) held out from training, or None
         self.seconds = 0.0
 
-    def __call__(self, params: np.ndarray) -> tuple[float, float]:
+    def _one(self, params, x, y) -> tuple[float, float, float]:
+        result = self.model.evaluate(params, x, y)
+        name = self.model.metric
+        if "loss" not in result or name not in result:
+            raise MpilbError(f"{type(self.model).__name__}.evaluate returned keys {sorted(result)}; "
+                             f"it must return 'loss' and its metric {name!r}")
+        return (float(result["loss"]), float(result.get("accuracy", float("nan"))),
+                float(result[name]))
+
+    def evaluate(self, params: np.ndarray) -> Evaluation:
         t0 = time.perf_counter()
-        loss, acc = self.model.evaluate(params, self.x, self.y)
+        loss, acc, metric = self._one(params, self.x, self.y)
+        ev = Evaluation(loss, acc, metric, self.model.metric)
+        if self.validation is not None:
+            _, ev.val_accuracy, ev.val_metric = self._one(params, *self.validation)
         self.seconds += time.perf_counter() - t0
-        return float(loss), float(acc)
+        return ev
+
+    def __call__(self, params: np.ndarray) -> tuple[float, float]:
+        """(test loss, test accuracy): the older two-number form."""
+        ev = self.evaluate(params)
+        return ev.loss, ev.accuracy
 
 
 @dataclass
 class StopRule:
-    """--epochs, --max-seconds, --target-accuracy: whichever comes first."""
+    """--epochs, --max-seconds, --target-accuracy, --target-metric: whichever comes first.
+
+    ``check`` takes the latest :class:`Evaluation` (or a plain accuracy, or None).
+    """
 
     epochs: int
     max_seconds: Optional[float]
     target_accuracy: Optional[float]
+    target_metric: Optional[float] = None
     reason: str = ""
 
-    def check(self, epochs_done: int, elapsed: float, accuracy: Optional[float]) -> bool:
+    def check(self, epochs_done: int, elapsed: float, evaluation=None) -> bool:
+        if isinstance(evaluation, Evaluation):
+            accuracy, metric = evaluation.decides
+        else:
+            accuracy, metric = evaluation, None
         if epochs_done >= self.epochs:
             self.reason = "epochs"
         elif self.max_seconds is not None and elapsed >= self.max_seconds:
@@ -137,7 +188,39 @@ class StopRule:
         elif (self.target_accuracy is not None and accuracy is not None
               and accuracy >= self.target_accuracy):
             self.reason = "target_accuracy"
+        elif (self.target_metric is not None and metric is not None
+              and metric >= self.target_metric):
+            self.reason = "target_metric"
         return bool(self.reason)
+
+
+def build_stop_rule(cfg: Config) -> StopRule:
+    return StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy, cfg.target_metric)
+
+
+def build_evaluator(model, dataset) -> Evaluator:
+    """The test set, and the held-out validation shards if any (:func:`hold_out_validation`)."""
+    test_x, test_y = dataset.load_test()
+    validation = None
+    if getattr(dataset, "validation", None):   # (stand-ins such as bench's have none)
+        parts = [dataset.load_file(s.file, s.samples) for s in dataset.validation]
+        validation = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    return Evaluator(model, test_x, test_y, validation)
+
+
+def hold_out_validation(cfg: Config, dataset):
+    """The dataset without its last ``round(F x shards)`` shards (at least one), which become
+    its ``validation`` set; the dataset itself when ``--validation-fraction`` is 0."""
+    import dataclasses
+
+    if not cfg.validation_fraction:
+        return dataset
+    n = len(dataset.shards)
+    k = max(1, round(cfg.validation_fraction * n))
+    if k >= n:
+        raise UsageError(f"--validation-fraction {cfg.validation_fraction} of {n} shard(s) in "
+                         f"{dataset.root} leaves no shard to train on; prepare more shards (--shards)")
+    return dataclasses.replace(dataset, shards=dataset.shards[:n - k], validation=dataset.shards[n - k:])
 
 
 def batch_ranges(size: int, start: int, batch: int):
@@ -147,10 +230,12 @@ def batch_ranges(size: int, start: int, batch: int):
 
 
 def config_model(cfg: Config, dataset):
-    from .models import build_model
+    """The run's model (built-in or the user's), built from --seed: the same on every rank."""
+    from .models import build_model, parse_model_args
 
     return build_model(cfg.model, tuple(dataset.sample_shape), dataset.num_classes,
-                       cfg.hidden_sizes)
+                       cfg.hidden_sizes, target_shape=tuple(getattr(dataset, "target_shape", ())),
+                       model_args=parse_model_args(cfg.model_arg), seed=cfg.seed)
 
 
 def config_optimizer(cfg: Config, num_params: int, xp=np):

@@ -132,6 +132,7 @@ class Ctrl(IntEnum):
     BATCH = 2
     STALENESS = 3
     VERSION = 4
+    LR = 5            # rank 0's schedule factor for APPLY and ROUND, stored as factor - 1
 
 
 CTRL_FIELDS = 8
@@ -144,20 +145,23 @@ class CtrlMsg(NamedTuple):
     batch: int
     staleness: int
     version: int
+    lr: float = 1.0
 
 
 def encode_ctrl(buf: np.ndarray, op: Op, rank: int = -1, batch: int = 0, staleness: int = 0,
-                version: int = 0) -> None:
-    """Write a CTRL message into `buf` (float64, CTRL_FIELDS)."""
+                version: int = 0, lr: float = 1.0) -> None:
+    """Write a CTRL message into `buf` (float64, CTRL_FIELDS). `lr` is stored as lr - 1, so
+    a message without a schedule is byte-identical to one from before the slot existed."""
     buf[:] = 0
     buf[Ctrl.OP], buf[Ctrl.RANK], buf[Ctrl.BATCH] = op, rank, batch
     buf[Ctrl.STALENESS], buf[Ctrl.VERSION] = staleness, version
+    buf[Ctrl.LR] = lr - 1.0
 
 
 def decode_ctrl(buf: np.ndarray) -> CtrlMsg:
-    v = buf[:Ctrl.VERSION + 1].tolist()
+    v = buf[:Ctrl.LR + 1].tolist()
     return CtrlMsg(Op(int(v[Ctrl.OP])), int(v[Ctrl.RANK]), int(v[Ctrl.BATCH]),
-                   int(v[Ctrl.STALENESS]), int(v[Ctrl.VERSION]))
+                   int(v[Ctrl.STALENESS]), int(v[Ctrl.VERSION]), 1.0 + v[Ctrl.LR])
 
 
 def layer_sizes(model) -> list[int]:

@@ -56,11 +56,11 @@ class RemoteRows:
     """
 
     def __init__(self, comm, sources: list[tuple[int, int]], rows: int, sample_shape, backoff,
-                 on_poll=None):
+                 on_poll=None, y_dtype="int64", target_shape=()):
         self.copies = []
         for src, tag in sources:
             x = np.empty((rows, *sample_shape), dtype=np.float32)
-            y = np.empty(rows, dtype=np.int64)
+            y = np.empty((rows, *target_shape), dtype=y_dtype)   # labels or float targets
             self.copies.append(([comm.Irecv(x, source=src, tag=tag),
                                  comm.Irecv(y, source=src, tag=tag + 1)], x, y))
         self.backoff = backoff
@@ -110,7 +110,9 @@ class Worker:
         self.cuda_aware = cfg.workers_cuda_aware and not self.on_cpu
         # Two push buffers so that with --pipeline 1 one can be in flight while the next
         # gradient is computed into the other.
-        self.push_bufs = [self._message() for _ in range(2 if cfg.pipeline else 1)]
+        # a push carries the gradient, then the model's state (e.g. BatchNorm statistics)
+        self.push_bufs = [self._message(self.n + self.model.num_state)
+                          for _ in range(2 if cfg.pipeline else 1)]
         self.recv_buf = self._message()
         # Where the message payload is already on the compute device (CPU, or CUDA-aware
         # GPU) and nothing reads the parameters while the next reply arrives (no
@@ -139,12 +141,14 @@ class Worker:
         self.remotes: list[RemoteRows] = []   # receives of rows not yet complete or let go
         self.shard_sizes = list(dataset.shard_sizes)
         self.sample_shape = tuple(dataset.sample_shape)
+        self.y_dtype, self.target_shape = dataset.label_dtype, tuple(dataset.target_shape)
 
-    def _message(self):
+    def _message(self, floats: Optional[int] = None):
         """(buffer MPI sends/receives, host header, payload on the compute device or host)."""
+        floats = self.n if floats is None else floats
         if self.on_cpu:
-            return wire.new_message(self.n)
-        nbytes = wire.HEADER_BYTES + 4 * self.n
+            return wire.new_message(floats)
+        nbytes = wire.HEADER_BYTES + 4 * floats
         if self.cuda_aware:
             buf = self.backend.xp.zeros(nbytes, dtype=np.uint8)
             return buf, wire.new_header(), buf[wire.HEADER_BYTES:].view(np.float32)
@@ -214,7 +218,8 @@ class Worker:
             remote = None
             if src >= 0:
                 remote = RemoteRows(self.comm, self._sources(shard, src, tag), end - start,
-                                    self.sample_shape, self.backoff, self._orders_while_blocked)
+                                    self.sample_shape, self.backoff, self._orders_while_blocked,
+                                    self.y_dtype, self.target_shape)
                 self.remotes.append(remote)
             elif self.held is not None and shard not in self.held:
                 raise RuntimeError(f"shard {shard} assigned for a local read, but this rank holds no copy")
@@ -250,8 +255,10 @@ class Worker:
         # every store's slice at once; rank 0 gets the header with slice 0
         self.push_reqs = [self.comm.Isend(msg[2][b[s]:b[s + 1]], dest=s, tag=wire.TAG_GRAD)
                           for s in range(1, len(b) - 1)]
-        self.push_reqs.append(self.comm.Isend(buf[:wire.HEADER_BYTES + 4 * b[1]], dest=0,
-                                              tag=wire.TAG_PUSH))
+        # (with one store, followed by the model's state: the server keeps the latest)
+        state = self.model.num_state if len(b) == 2 else 0
+        self.push_reqs.append(self.comm.Isend(buf[:wire.HEADER_BYTES + 4 * (b[1] + state)],
+                                              dest=0, tag=wire.TAG_PUSH))
         self.step += 1
         # Complete the push now, pipelined or not: the receivers have receives posted, so
         # this is quick, while a large message left in flight would only move once this rank
@@ -325,7 +332,7 @@ class Worker:
     def _compute(self, batch, msg) -> Computed:
         """Gradient of `batch` into the payload of `msg` (staged through the host on a GPU)."""
         self._check_fault()
-        out = msg[2] if self.device_payload else None
+        out = msg[2][:self.n] if self.device_payload else None
         loss, grad, compute_s = self.step_fn(self.params, batch, out=out)
         # Push the mean gradient: the division and the finiteness check happen here, in
         # parallel on every worker, instead of on the server's hot path.
@@ -333,7 +340,10 @@ class Worker:
         xp = self.backend.xp
         nonfinite = not np.isfinite(loss) or not bool(xp.isfinite(grad).all())
         if not self.device_payload:
-            self.backend.to_host(grad, out=msg[2])   # stage through pinned host memory
+            self.backend.to_host(grad, out=msg[2][:self.n])   # stage through pinned host memory
+        if self.model.num_state:
+            state = self.model.get_state()   # host floats; the payload is host or device
+            msg[2][self.n:] = state if isinstance(msg[2], np.ndarray) else self.backend.asarray(state)
         self.backend.synchronize()   # MPI must not touch device memory still being written
         return Computed(batch, loss, compute_s, nonfinite, self.version)
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mpilb import dataset as D
+from mpilb import prepare as P
 from mpilb.errors import DataError, UsageError
 
 
@@ -115,7 +116,7 @@ def test_shard_sizes_balanced(tmp_path, samples, shards, test_fraction):
 
 
 def test_chunked_along_samples(tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "CHUNK_BYTES", 1024)
+    monkeypatch.setattr(P, "CHUNK_BYTES", 1024)
     ds = D.prepare_synthetic(tmp_path / "s", 500, 16, 2, shards=2)
     with h5py.File(ds.shard_path(0), "r") as f:
         assert f["x"].chunks == (1024 // (16 * 4), 16)  # 16 rows of 64 bytes
@@ -129,7 +130,7 @@ def test_chunk_rows_capped_by_samples(small_dataset):
 
 
 def test_synthetic_generation_is_chunked(tmp_path, monkeypatch):
-    monkeypatch.setattr(D, "GEN_CHUNK", 4096)
+    monkeypatch.setattr(P, "GEN_CHUNK", 4096)
     samples, features = 400_000, 32
     whole = samples * features * 4  # 51 MB of float32; one block is 0.5 MB
     tracemalloc.start()
@@ -375,7 +376,13 @@ def test_npz_mismatched_lengths(tmp_path):
 def test_npz_non_integer_labels(tmp_path):
     path = save_npz(tmp_path, x=np.zeros((10, 2)), y=np.linspace(0, 1, 10))
     with pytest.raises(DataError, match=r"data\.npz: labels 'y' are not integers"):
-        D.prepare_npz(path, tmp_path / "out", shards=2)
+        D.prepare_npz(path, tmp_path / "out", shards=2, task="classify")
+
+
+def test_npz_float_targets_make_a_regression_dataset(tmp_path):
+    path = save_npz(tmp_path, x=np.zeros((10, 2)), y=np.linspace(0, 1, 10))
+    ds = D.verify_dataset(D.prepare_npz(path, tmp_path / "out", shards=2).root)
+    assert ds.num_classes == 0 and ds.label_dtype == "float32" and ds.target_shape == ()
 
 
 def test_npz_negative_labels(tmp_path):

@@ -68,7 +68,7 @@ def test_float32_grad_written_into_grad_out(case):
     params = model.init_params(0)
     x, y = _batch(model, 4)
     out = np.full(model.num_params, np.nan, dtype=np.float32)
-    loss, grad = model.loss_and_grad(params, x, y, grad_out=out)
+    loss, grad = model.loss_and_grad(params, x, y, out=out)
     assert grad is out and grad.dtype == np.float32 and np.isfinite(grad).all()
     _, grad64 = model.loss_and_grad(params.astype(np.float64), x, y)
     np.testing.assert_allclose(grad, grad64, rtol=1e-3, atol=1e-4)
@@ -96,7 +96,7 @@ def test_init_is_seeded_float32_and_he_scaled():
 
 def test_views_share_memory_and_follow_layout():
     model = build_model("mlp", (5,), 3, hidden=(4,))
-    assert model.layout == [("dense1.W", (5, 4)), ("dense1.b", (4,)),
+    assert model.layout() == [("dense1.W", (5, 4)), ("dense1.b", (4,)),
                             ("out.W", (4, 3)), ("out.b", (3,))]
     assert model.num_params == 5 * 4 + 4 + 4 * 3 + 3
     flat = np.zeros(model.num_params, dtype=np.float32)
@@ -115,11 +115,11 @@ def test_evaluate_after_a_few_sgd_steps_separates_a_toy_set():
     for name in ("softmax", "mlp"):
         model = build_model(name, (2,), 3, hidden=(16,))
         params = model.init_params(0)
-        _, acc0 = model.evaluate(params, x, y)
+        acc0 = model.evaluate(params, x, y)["accuracy"]
         for _ in range(20):
             _, grad = model.loss_and_grad(params, x, y)
             params -= 0.05 / len(x) * grad
-        loss, acc = model.evaluate(params, x, y, batch_size=128)
+        r = model.evaluate(params, x, y, batch_size=128); loss, acc = r["loss"], r["accuracy"]
         assert acc > 0.9, (name, acc0, acc)
         assert 0 < loss < 1
 
@@ -128,7 +128,7 @@ def test_evaluate_matches_manual_mean_loss():
     model = build_model("softmax", (3,), 2)
     params = model.init_params(1).astype(np.float64)
     x, y = _batch(model, 10)
-    loss, acc = model.evaluate(params, x, y, batch_size=3)
+    r = model.evaluate(params, x, y, batch_size=3); loss, acc = r["loss"], r["accuracy"]
     assert loss == pytest.approx(model.loss_and_grad(params, x, y)[0] / 10)
     assert acc == pytest.approx(np.mean(model.logits(params, x).argmax(1) == y))
 

@@ -172,8 +172,12 @@ def test_store_messages_are_pinned():
     assert {o.name: int(o) for o in wire.Op} == {
         "APPLY": 1, "ADD": 2, "DISCARD": 3, "ROUND": 4, "REPLY": 5, "LOSE": 6, "GATHER": 7,
         "STATS": 8, "END": 9, "LOAD": 10}
-    assert [int(c) for c in wire.Ctrl] == [0, 1, 2, 3, 4]
+    assert [int(c) for c in wire.Ctrl] == [0, 1, 2, 3, 4, 5]
     assert (wire.CTRL_FIELDS, wire.STATS_FIELDS) == (8, 6)
     buf = np.zeros(wire.CTRL_FIELDS)
     wire.encode_ctrl(buf, wire.Op.REPLY, rank=3)
     assert buf.tobytes() == np.array([5, 3, 0, 0, 0, 0, 0, 0], np.float64).tobytes()
+    # the schedule's factor rides in slot LR as factor - 1 (no schedule: the bytes above)
+    wire.encode_ctrl(buf, wire.Op.APPLY, rank=2, batch=32, staleness=1, version=7, lr=0.25)
+    assert buf.tobytes() == np.array([1, 2, 32, 1, 7, -0.75, 0, 0], np.float64).tobytes()
+    assert wire.decode_ctrl(buf) == (wire.Op.APPLY, 2, 32, 1, 7, 0.25)

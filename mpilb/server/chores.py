@@ -79,10 +79,10 @@ class Chores:
             self._rebalance(mono)
         if mono - self.last_eval >= self.cfg.eval_interval:
             self._evaluate()
-            if self.stop.check(self.tracker.epoch, self.now(), self.accuracy):
+            if self.stop.check(self.tracker.epoch, self.now(), self.session.evaluation):
                 self._begin_stop()
         if self.cfg.max_seconds is not None and self.now() >= self.cfg.max_seconds and not self.stop.reason:
-            self.stop.check(self.tracker.epoch, self.now(), self.accuracy)
+            self.stop.check(self.tracker.epoch, self.now(), self.session.evaluation)
             self._begin_stop()
         self.log.maybe_flush()
         rates = {w.rank: self.balancer.rate(w.rank) for w in self.present()}

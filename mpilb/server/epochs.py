@@ -96,7 +96,7 @@ class Epochs:
                         samples=stats.samples, utilization=util, imbalance_s=imbalance)
         self._evaluate()
         self.progress.epoch_done(stats.epoch, self.accuracy)
-        if self.stop.check(stats.epoch + 1, t, self.accuracy):
+        if self.stop.check(stats.epoch + 1, t, self.session.evaluation):
             self._begin_stop()
         else:
             self._begin_epoch(stats.epoch + 1)

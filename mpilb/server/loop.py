@@ -54,6 +54,8 @@ class ParameterServer(Epochs, Chores):
         self.n = self.model.num_params
         self.stores = StoreGroup(cfg, s, comm)   # --servers K: rank 0's slice and the others
         self.store, self.remote = self.stores.local, self.stores.remote
+        # the factor on --lr (--lr-schedule, --warmup) at each version, on rank 0's clock
+        self.store.schedule = lambda version: s.schedule(version, self.now())
         self.ledger = TaskLedger(self.balancer, dataset.shard_sizes, self.ranks, holders=holders,
                                  row_nbytes=dataset.row_nbytes if holders is not None else 0,
                                  pipeline=bool(cfg.pipeline),
@@ -63,7 +65,11 @@ class ParameterServer(Epochs, Chores):
                          cfg.rebalance_interval) if self.balancer.config.sit_out else None)
         self.rule = build_rule(cfg.mode, self.store, lambda r: self.ledger.of[r].owed,
                                cfg.staleness_bound, sitout)
-        self.peers = {r: Peer(rank=r, batch=cfg.batch, link=Link.allocate(self.stores.n0, bool(cfg.pipeline)))
+        # a push carries the gradient (rank 0's slice), then the model's state (e.g. BatchNorm
+        # statistics; only with one store, see server/store.py check_servers)
+        self.peers = {r: Peer(rank=r, batch=cfg.batch, link=Link.allocate(
+                          self.stores.n0, bool(cfg.pipeline),
+                          push_floats=self.stores.n0 + self.model.num_state))
                       for r in self.ranks}
         self.outbox = Outbox(comm, self.ledger, self.remote)
         self.lost: list[int] = []
@@ -121,7 +127,8 @@ class ParameterServer(Epochs, Chores):
 
     # ----------------------------------------------------------------- pushes
     def _on_push(self, w: Peer) -> None:
-        _, hdr, grad = w.link.recv
+        _, hdr, payload = w.link.recv
+        grad = payload[:self.stores.n0]   # rank 0's slice of the gradient
         push = wire.decode_push(hdr)
         self.store.bytes_in += w.link.recv[0].nbytes
         self.remote.pushed(w.rank)
@@ -165,7 +172,10 @@ class ParameterServer(Epochs, Chores):
         update = Update(w.rank, push.epoch, push.shard, push.lo, push.hi, push.batch, push.loss,
                         self.version - push.version)
         then = self.store.params_of(push.version) if self.rule.needs_old_params else None
-        self.remote.gradient(w.rank, update.batch, update.staleness, push.version, self.rule.rounds)
+        if self.model.num_state:   # the server keeps the latest state pushed
+            self.model.set_state(payload[self.stores.n0:])
+        self.remote.gradient(w.rank, update.batch, update.staleness, push.version, self.rule.rounds,
+                             self.store.factor())
         applied = self.rule.push(w, update, grad, then)
         if applied is None:   # it joined a round that is not complete yet
             w.hold(time.monotonic())
@@ -234,7 +244,7 @@ class ParameterServer(Epochs, Chores):
 
     def _close_round(self) -> None:
         """Apply a complete sync round and release its members."""
-        self.remote.round(self.rule.batch)
+        self.remote.round(self.rule.batch, self.store.factor())
         updates, lr_scale, ranks = self.rule.close_round()
         self._record(updates, lr_scale, self.now())
         members = [self.peers[r] for r in ranks]

@@ -60,10 +60,11 @@ class ParamStore:
             (the same learning rate per sample as serial runs: linear scaling rule).
         keep_sent: how many versions last sent to each worker stay available (for dc's
             params_then: 2 when pipelined, 1 otherwise, 0 when no correction needs them).
+        schedule: version -> factor on the learning rate (--lr-schedule, --warmup), or None.
     """
 
     def __init__(self, params: np.ndarray, optimizer, correction, nominal_batch: int,
-                 keep_sent: int = 0):
+                 keep_sent: int = 0, schedule: Optional[Callable[[int], float]] = None):
         self.ring = [params]
         self.versions = [0]
         self.sends: list[list] = [[]]   # per buffer: requests (anything with Test()) reading it
@@ -72,6 +73,8 @@ class ParamStore:
         self.correction = correction
         self.nominal_batch = nominal_batch
         self.keep_sent = keep_sent
+        self.schedule = schedule
+        self._factor, self._factor_version = 1.0, -1
         self.sent: dict[int, list[int]] = {}   # rank -> versions last sent to it
         # counters for the run log's servers/ group
         self.updates = 0
@@ -139,7 +142,7 @@ class ParamStore:
     def apply(self, grad: np.ndarray, batch: int, staleness: int,
               then: Optional[np.ndarray] = None) -> float:
         """Apply one mean gradient; returns its learning-rate scale."""
-        lr_scale = batch / self.nominal_batch
+        lr_scale = batch / self.nominal_batch * self._scheduled()
         lr_scale *= self.correction.apply(grad, staleness, self.params, then)
         self._step(grad, lr_scale)
         return lr_scale
@@ -147,9 +150,24 @@ class ParamStore:
     def apply_sum(self, grad_sum: np.ndarray, batch: int) -> float:
         """Apply a sum of gradients over `batch` samples as one mean (a sync round)."""
         grad_sum /= max(1, batch)
-        lr_scale = batch / self.nominal_batch
+        lr_scale = batch / self.nominal_batch * self._scheduled()
         self._step(grad_sum, lr_scale)
         return lr_scale
+
+    def _scheduled(self) -> float:
+        return self.factor()
+
+    def factor(self) -> float:
+        """The schedule's factor on --lr for the next update, fixed once per version so that
+        rank 0 and the other stores (told it with each command) apply the same one."""
+        if self._factor_version != self.version:
+            self._factor = 1.0 if self.schedule is None else float(self.schedule(self.version))
+            self._factor_version = self.version
+        return self._factor
+
+    def follow(self, factor: float) -> None:
+        """A store s > 0: the next update uses rank 0's factor."""
+        self._factor, self._factor_version = factor, self.version
 
     def pending(self) -> list:
         """Sends still reading some buffer (to wait for at the end)."""

@@ -34,11 +34,15 @@ from .modes import ParamStore
 END_TIMEOUT_S = 30.0
 
 
-def check_servers(cfg, world_size: int, num_params: int) -> None:
+def check_servers(cfg, world_size: int, num_params: int, num_state: int = 0) -> None:
     """--servers K: at least one worker rank left, and at least one float per store."""
     from ..errors import UsageError
 
     k = cfg.servers
+    if k > 1 and num_state:
+        raise UsageError(f"--servers {k}: this model has {num_state} state values (buffers such "
+                         f"as BatchNorm statistics), which travel to rank 0 with each push; "
+                         f"several parameter stores do not carry them yet: use --servers 1")
     if world_size > 1 and k >= world_size:
         raise UsageError(f"--servers {k} leaves no worker: this job has {world_size} ranks "
                          f"(ranks 0..{k - 1} would all be parameter stores); use --servers "
@@ -163,6 +167,7 @@ class StoreRank:
             if grad is None:
                 return
             if m.op == Op.APPLY:
+                s.follow(m.lr)
                 then = s.params_of(m.version) if s.correction.needs_old_params else None
                 s.apply(grad, m.batch, m.staleness, then)
             elif m.op == Op.ADD:   # the same arithmetic as the sync rule on rank 0
@@ -170,6 +175,7 @@ class StoreRank:
                 self.round += grad
             self._post(m.rank)
         elif m.op == Op.ROUND:
+            s.follow(m.lr)
             s.apply_sum(self.round, m.batch)
             self.round[:] = 0
         elif m.op == Op.REPLY:
@@ -243,8 +249,8 @@ class RemoteStores:
         self.last: dict = {s: np.zeros(wire.STATS_FIELDS) for s in self.ranks}
 
     def _command(self, op: Op, rank: int = -1, batch: int = 0, staleness: int = 0,
-                 version: int = 0) -> None:
-        wire.encode_ctrl(self.ctrl, op, rank, batch, staleness, version)
+                 version: int = 0, lr: float = 1.0) -> None:
+        wire.encode_ctrl(self.ctrl, op, rank, batch, staleness, version, lr)
         for s in self.ranks:   # 64 bytes: sent eagerly, Send returns at once
             self.comm.Send(self.ctrl, dest=s, tag=wire.TAG_CTRL)
 
@@ -253,10 +259,12 @@ class RemoteStores:
         """Rank 0 received w's header: its slices are on their way to every store."""
         self.owed.add(rank)
 
-    def gradient(self, rank: int, batch: int, staleness: int, version: int, rounds: bool) -> None:
-        """Apply w's gradient (or add it to the sync round), as rank 0 does now."""
+    def gradient(self, rank: int, batch: int, staleness: int, version: int, rounds: bool,
+                 lr: float = 1.0) -> None:
+        """Apply w's gradient (or add it to the sync round), as rank 0 does now; `lr` is rank
+        0's schedule factor for this update."""
         self.owed.discard(rank)
-        self._command(Op.ADD if rounds else Op.APPLY, rank, batch, staleness, version)
+        self._command(Op.ADD if rounds else Op.APPLY, rank, batch, staleness, version, lr)
 
     def settle(self, rank: int) -> None:
         """After a push was handled: a gradient rank 0 did not take is dropped everywhere."""
@@ -264,8 +272,8 @@ class RemoteStores:
             self.owed.discard(rank)
             self._command(Op.DISCARD, rank)
 
-    def round(self, batch: int) -> None:
-        self._command(Op.ROUND, batch=batch)
+    def round(self, batch: int, lr: float = 1.0) -> None:
+        self._command(Op.ROUND, batch=batch, lr=lr)
 
     def reply(self, rank: int) -> None:
         self._command(Op.REPLY, rank)

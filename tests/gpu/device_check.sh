@@ -7,6 +7,10 @@
 # 2. A 3-rank training run with --device gpu (host staging), and with CUDA-aware MPI when
 #    the MPI library reports CUDA support.
 # 3. Step time of a large MLP on CuPy vs NumPy (loss_and_grad + sgd step), as a ratio.
+# 4. The PyTorch adapter on CUDA (needs torch with CUDA): gradients vs the CPU, parameters as
+#    DLPack views of the CuPy vector, gradients in the CuPy buffer, device binding, step time
+#    vs plain torch,
+#    and a 3-rank run of examples/torch_cnn.py on --device gpu.
 # Figures go to stdout and OUT_DIR/device_check.json.
 set -euo pipefail
 OUT="${1:-${OUT:-/tmp/mpilb-device-check}}"
@@ -82,5 +86,74 @@ if mpilb doctor 2>/dev/null | grep -q "the MPI library reports CUDA support"; th
     MPILB_CUDA_AWARE=1 run "$OUT/gpu_cuda_aware.h5"
 else
     echo "== 2b. skipped: the MPI library does not report CUDA support"
+fi
+
+echo "== 4. PyTorch adapter on the GPU (CUDA module, DLPack into CuPy, device binding)"
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+"$PY" - "$OUT" <<'PYEOF'
+import json, sys, time
+import numpy as np
+import cupy as cp
+import torch
+from mpilb.backend import select_backend
+from mpilb.models import build_model
+
+backend = select_backend("gpu", 0)
+spec = "examples/torch_cnn.py:Net"
+on_gpu, on_cpu = build_model(spec, (1, 8, 8), 10, seed=0), build_model(spec, (1, 8, 8), 10, seed=0)
+rng = np.random.default_rng(0)
+x = rng.random((256, 1, 8, 8), dtype=np.float32)
+y = rng.integers(0, 10, 256)
+p = on_cpu.init_params(0)
+l_cpu, g_cpu = on_cpu.loss_and_grad(p, x, y)
+pg, xg, yg = cp.asarray(p), cp.asarray(x), cp.asarray(y)
+out = cp.zeros_like(pg)
+l_gpu, g_gpu = on_gpu.loss_and_grad(pg, xg, yg, out)
+cp.cuda.get_current_stream().synchronize()
+assert g_gpu is out, "the gradient must land in the caller's CuPy buffer"
+# DLPack, no copy: every parameter lives inside pg (the gradient was written into `out`)
+for prm in on_gpu.module.parameters():
+    assert prm.is_cuda and prm.device.index == backend.device_id, prm.device
+    assert pg.data.ptr <= prm.data_ptr() < pg.data.ptr + pg.nbytes, "parameter is not a view of the CuPy vector"
+g = cp.asnumpy(out)
+rel = float(np.abs(g - g_cpu).max() / (np.abs(g_cpu).max() + 1e-30))
+print(f"  loss cpu {l_cpu:.5f} gpu {l_gpu:.5f}, max rel grad diff {rel:.2e} (TF32 convolutions allowed)")
+assert abs(l_cpu - l_gpu) < 1e-3 * abs(l_cpu) and rel < 5e-3, rel
+pg += 0.5                      # writing the CuPy vector moves the module's weights (shared memory)
+first = next(on_gpu.module.parameters())
+assert abs(float(first.detach().flatten()[0]) - (float(p[0]) + 0.5)) < 1e-6
+# step time: the adapter vs plain torch (forward + backward + gradients read out), batch 256
+net = build_model(spec, (1, 8, 8), 10, seed=0).module.cuda()
+xt, yt = torch.from_dlpack(xg), torch.from_dlpack(yg)
+def plain():
+    net.zero_grad(set_to_none=True)
+    torch.nn.functional.cross_entropy(net(xt), yt, reduction="sum").backward()
+    torch.cat([q.grad.reshape(-1) for q in net.parameters()])
+def adapter():
+    on_gpu.loss_and_grad(pg, xg, yg, out)
+def timed(fn, steps=200):
+    for _ in range(10): fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps): fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+ratios = []
+for _ in range(5):
+    ratios.append(timed(adapter) / timed(plain))
+ratio = float(np.median(ratios))
+print(f"  adapter/plain step time on the GPU: median {ratio:.3f} (of {', '.join(f'{r:.3f}' for r in ratios)})")
+res = json.load(open(sys.argv[1] + "/device_check.json"))
+res["torch_adapter"] = {"grad_rel_diff": rel, "step_ratio": ratio}
+json.dump(res, open(sys.argv[1] + "/device_check.json", "w"), indent=2)
+PYEOF
+mpilb prepare digits "$OUT/digits" >/dev/null
+timeout 300 mpiexec -n 3 mpilb train --data "$OUT/digits" --model examples/torch_cnn.py:Net \
+    --epochs 10 --device gpu --no-progress --log "$OUT/torch_gpu.h5"
+mpilb report "$OUT/torch_gpu.h5" --json | "$PY" -c 'import json,sys; s=json.load(sys.stdin); c=s["coverage"]; \
+acc=s["final_test_accuracy"]; print(f"  torch CNN on 2 GPU workers: accuracy {acc:.4f}, coverage {c}"); \
+assert c["applied"] == c["expected"] and not c["duplicates"] and not c["missing"]; assert acc > 0.9'
+else
+    echo "== 4. skipped: torch with CUDA is not installed (pip install torch with a CUDA build)"
 fi
 echo "device check passed; figures in $OUT/device_check.json"

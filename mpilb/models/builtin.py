@@ -1,4 +1,6 @@
-"""Models over one flat parameter vector, written once for NumPy and CuPy (``xp`` idiom).
+"""The built-in classifiers, written once for NumPy and CuPy (``xp`` idiom).
+
+They follow the public protocol of :class:`mpilb.Model` like any user model does.
 
 Every model keeps all its parameters in ONE contiguous flat vector (what the server and the
 workers send as a single buffer); each layer's weights are reshaped views into it, and the
@@ -20,8 +22,9 @@ import numpy as np
 
 from mpilb.backend import get_array_module
 from mpilb.errors import UsageError
+from mpilb.models.base import Model
 
-MODELS: dict[str, Callable[..., "Model"]] = {}
+MODELS: dict[str, Callable[..., "FlatClassifier"]] = {}
 
 
 def register_model(name: str):
@@ -35,13 +38,13 @@ def register_model(name: str):
     return deco
 
 
-def build_model(
+def build_builtin(
     name: str,
     input_shape: tuple,
     num_classes: int,
     hidden: tuple[int, ...] = (256, 128),
-) -> "Model":
-    """Build a registered model.
+) -> "FlatClassifier":
+    """Build a registered built-in model.
 
     Args:
         name: one of :data:`MODELS` ("softmax", "mlp", "cnn").
@@ -103,30 +106,39 @@ def _dense_backward(h, dz, gW, gb, W=None):
     return None if W is None else dz @ W.T
 
 
-class Model:
-    """A classifier over a flat parameter vector.
+class FlatClassifier(Model):
+    """A classifier over a flat parameter vector (the built-ins' shared machinery).
 
-    Subclasses set ``layout`` and implement ``_forward``/``_backward``/``_init``.
+    Subclasses call ``_set_layout`` and implement ``_forward``/``_backward``/``_init``.
 
     Attributes:
         name: registry name.
         input_shape: shape of one sample as given by the dataset.
         num_classes: number of classes.
-        layout: ``(name, shape)`` of each parameter array, in order inside the flat vector.
         num_params: length of the flat vector.
     """
 
     name = "model"
+    metric = "accuracy"
 
     def __init__(self, input_shape: tuple[int, ...], num_classes: int):
         self.input_shape = tuple(input_shape)
         self.num_classes = num_classes
         self.in_features = int(np.prod(self.input_shape))
-        self.layout: list[tuple[str, tuple[int, ...]]] = []
+        self._layout: list[tuple[str, tuple[int, ...]]] = []
 
     def _set_layout(self, layout):
-        self.layout = [(n, tuple(int(d) for d in s)) for n, s in layout]
-        self.num_params = int(sum(math.prod(s) for _, s in self.layout))
+        self._layout = [(n, tuple(int(d) for d in s)) for n, s in layout]
+        self.num_params = int(sum(math.prod(s) for _, s in self._layout))
+
+    def layout(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` of each parameter array, in order inside the flat vector."""
+        return list(self._layout)
+
+    def signature(self) -> dict:
+        return {"model": self.name, "num_params": int(self.num_params),
+                "input_shape": list(self.input_shape), "num_classes": int(self.num_classes),
+                "layout": [[name, list(shape)] for name, shape in self._layout]}
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(input_shape={self.input_shape}, "
@@ -138,7 +150,7 @@ class Model:
             raise ValueError(f"{self.name}: expected a flat vector of {self.num_params} "
                              f"parameters, got shape {flat.shape}")
         out, pos = {}, 0
-        for name, shape in self.layout:
+        for name, shape in self._layout:
             n = math.prod(shape)
             out[name] = flat[pos:pos + n].reshape(shape)
             pos += n
@@ -163,7 +175,7 @@ class Model:
         logits, _ = self._forward(self.views(params), self._prepare(params, x))
         return logits
 
-    def loss_and_grad(self, params, x, y, grad_out=None):
+    def loss_and_grad(self, params, x, y, out=None):
         """Summed softmax cross-entropy over the batch and its gradient.
 
         Args:
@@ -171,33 +183,33 @@ class Model:
             x: samples, (batch, *input_shape) or (batch, prod(input_shape)); cast to
                 ``params.dtype``.
             y: integer labels (batch,).
-            grad_out: optional flat array (same dtype as params) to write the gradient into.
+            out: optional flat array (same dtype as params) to write the gradient into.
 
         Returns:
             ``(loss, grad)``: loss as a Python float (sum, not mean) and the flat gradient.
         """
         xp = get_array_module(params)
-        if grad_out is None:
-            grad_out = xp.empty_like(params)  # every entry is written below
+        if out is None:
+            out = xp.empty_like(params)  # every entry is written below
         y = xp.asarray(y)
         logits, cache = self._forward(self.views(params), self._prepare(params, x))
         loss, dz = _softmax_xent(logits, y)
-        self._backward(self.views(params), self.views(grad_out), cache, dz)
-        return loss, grad_out
+        self._backward(self.views(params), self.views(out), cache, dz)
+        return loss, out
 
-    def evaluate(self, params, x, y, batch_size: int = 4096) -> tuple[float, float]:
-        """Mean loss and accuracy over all of ``x``, in batches of ``batch_size``."""
+    def evaluate(self, params, x, y, batch_size: int = 4096) -> dict:
+        """``{"loss": mean loss, "accuracy": ...}`` over all of ``x``, in batches."""
         xp = get_array_module(params)
         n = len(x)
         if n == 0:
-            return float("nan"), float("nan")
+            return {"loss": float("nan"), "accuracy": float("nan")}
         total_loss, correct = 0.0, 0
         for start in range(0, n, batch_size):
             yb = xp.asarray(y[start:start + batch_size])
             z = self.logits(params, x[start:start + batch_size])
             correct += int((z.argmax(axis=1) == yb).sum())
             total_loss += _softmax_xent(z, yb)[0]
-        return total_loss / n, correct / n
+        return {"loss": total_loss / n, "accuracy": correct / n}
 
     # Subclass hooks -----------------------------------------------------------------
     def _init(self, rng) -> dict:
@@ -217,7 +229,7 @@ class Model:
 
 
 @register_model("mlp")
-class MLP(Model):
+class MLP(FlatClassifier):
     """Flattened input, ReLU hidden layers of widths ``hidden``, linear output layer."""
 
     def __init__(self, input_shape, num_classes, hidden=(256, 128)):
@@ -237,7 +249,7 @@ class MLP(Model):
 
     def _init(self, rng):
         init = {}
-        shapes = dict(self.layout)
+        shapes = dict(self._layout)
         for layer in self._layers:
             fan_in, fan_out = shapes[f"{layer}.W"]
             if layer == "out":
@@ -274,7 +286,7 @@ class Softmax(MLP):
     """Multinomial logistic regression on the flattened input (an mlp without hidden layers)."""
 
     def __init__(self, input_shape, num_classes, hidden=()):
-        Model.__init__(self, input_shape, num_classes)
+        FlatClassifier.__init__(self, input_shape, num_classes)
         self.hidden = ()  # ``hidden`` is accepted for a uniform signature and ignored
         self._set_layout([("out.W", (self.in_features, num_classes)),
                           ("out.b", (num_classes,))])
@@ -346,7 +358,7 @@ def _maxpool2_backward(windows, pooled, dpooled):
 
 
 @register_model("cnn")
-class CNN(Model):
+class CNN(FlatClassifier):
     """conv3x3(16)+ReLU+maxpool2 -> conv3x3(32)+ReLU+maxpool2 -> dense to the classes.
 
     Channels are fixed at 16 and 32 (``hidden`` is ignored): the model targets small images
@@ -368,7 +380,7 @@ class CNN(Model):
         ])
 
     def _init(self, rng):
-        shapes = dict(self.layout)
+        shapes = dict(self._layout)
         fan_in, fan_out = shapes["out.W"]
         return {
             "conv1.W": _he(rng, shapes["conv1.W"], 9 * shapes["conv1.W"][2]),

@@ -1,0 +1,88 @@
+"""Regression parity: scikit-learn's diabetes data, float targets, a torch user model with MSE
+trained by mpilb under `mpiexec -n 4`, against scikit-learn's Ridge on the same split.
+
+    python benchmarks/regression_parity.py [--epochs 60] [--seeds 3] [--hidden 0]
+
+The data (features and target standardised: R^2 does not change under that) is written to an
+npz with float targets and prepared with `mpilb prepare npz`; Ridge is fitted on exactly the
+training shards mpilb trains on and scored on its test.h5. Target (issue 12): mpilb's median
+test R^2 within 0.05 of Ridge's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _runs import mpiexec, print_targets  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", default="/tmp/mpilb-regression-parity")
+    ap.add_argument("--epochs", type=int, default=60)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--lr", type=float, default=0.02)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=0, help="Regressor hidden units (0: linear)")
+    opts = ap.parse_args()
+    os.makedirs(opts.dir, exist_ok=True)
+    import h5py
+    from sklearn.datasets import load_diabetes
+    from sklearn.linear_model import Ridge
+    from sklearn.metrics import r2_score
+
+    from mpilb.dataset import open_dataset, prepare_npz
+    from mpilb.report import summarize_log
+
+    d = load_diabetes()
+    x = (d.data - d.data.mean(0)) / d.data.std(0)
+    y = (d.target - d.target.mean()) / d.target.std()
+    npz = os.path.join(opts.dir, "diabetes.npz")
+    np.savez(npz, x=x.astype(np.float32), y=y.astype(np.float32))
+    data_dir = os.path.join(opts.dir, "diabetes")
+    ds = prepare_npz(npz, data_dir, shards=4, test_fraction=0.2, seed=0)
+    ds = open_dataset(data_dir)
+    xs, ys = [], []
+    for i in range(len(ds.shards)):
+        with h5py.File(ds.shard_path(i), "r") as f:
+            xs.append(f["x"][()])
+            ys.append(f["y"][()])
+    xt, yt = ds.load_test()
+    ridge = r2_score(yt, Ridge(alpha=1.0).fit(np.concatenate(xs), np.concatenate(ys)).predict(xt))
+    print(f"diabetes: {ds.total_samples} train / {ds.test_samples} test samples, float targets; "
+          f"Ridge(alpha=1) test R^2 {ridge:.4f}; load average {os.getloadavg()[0]:.1f}")
+    scores, exact = [], True
+    for seed in range(opts.seeds):
+        log = os.path.join(opts.dir, f"reg-{seed}.h5")
+        cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "mpilb", "train", "--data", data_dir,
+               "--model", f"{ROOT / 'examples' / 'regression.py'}:Regressor",
+               "--model-arg", f"hidden={opts.hidden}", "--epochs", str(opts.epochs),
+               "--lr", str(opts.lr), "--batch", str(opts.batch), "--seed", str(seed),
+               "--no-progress", "--log", log]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        if res.returncode != 0:
+            sys.exit(f"mpilb run failed:\n{res.stderr[-3000:]}")
+        s = summarize_log(log)
+        c = s["coverage"]
+        exact &= c["applied"] == c["expected"] and not c["duplicates"] and not c["missing"]
+        scores.append(s["final_test_metric"])
+        print(f"  seed {seed}: mpilb -n 4 test {s['metric']} {s['final_test_metric']:.4f} "
+              f"(best {s['best_test_metric']:.4f}), coverage {c}", flush=True)
+    med = float(np.median(scores))
+    print(f"median mpilb test R^2 {med:.4f} (spread {min(scores):.4f}-{max(scores):.4f}) vs Ridge "
+          f"{ridge:.4f}: difference {med - ridge:+.4f}")
+    print_targets([("test R^2 within 0.05 of Ridge's, exact coverage", abs(med - ridge) <= 0.05 and exact,
+                    f"{med:.4f} vs {ridge:.4f}")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Trained weights out: ``mpilb export CKPT.h5 OUT.pt|OUT.npz`` and ``mpilb evaluate``.
+
+A checkpoint holds the flat parameter vector, the model's state (e.g. BatchNorm statistics),
+the config of the run and the signatures of its model and dataset. From those the model is
+rebuilt exactly as the run built it (same spec, ``--model-arg``, ``--seed`` and data shapes)
+and the vector is cut into its named arrays.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import h5py
+import numpy as np
+
+from .errors import UsageError
+
+
+@dataclass
+class TrainedCheckpoint:
+    path: str
+    params: np.ndarray
+    state: Optional[np.ndarray]
+    config: dict
+    model: dict       # the model's signature
+    dataset: dict     # the dataset's signature (sample_shape, num_classes, target_shape)
+
+
+def read_checkpoint(path) -> TrainedCheckpoint:
+    """Read what :mod:`mpilb.checkpoint` wrote, without needing the dataset.
+
+    Raises:
+        UsageError: a missing file or one that is not an mpilb checkpoint.
+    """
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"{path}: checkpoint not found")
+    try:
+        f = h5py.File(p, "r", locking=False)
+    except OSError as exc:
+        raise UsageError(f"{path}: not a readable checkpoint ({exc})") from None
+    with f:
+        try:
+            return TrainedCheckpoint(
+                path=str(path), params=f["params"][()],
+                state=f["state"][()] if "state" in f else None,
+                config=json.loads(f.attrs["config"]), model=json.loads(f.attrs["model"]),
+                dataset=json.loads(f.attrs["dataset"]))
+        except KeyError as exc:
+            raise UsageError(f"{path}: not an mpilb checkpoint (missing {exc})") from None
+
+
+def build_from_checkpoint(ckpt: TrainedCheckpoint, model=None):
+    """The model the checkpoint's run built (or ``model``, checked against it)."""
+    from .api import _model_spec
+    from .config import parse_hidden
+    from .models import build_model, parse_model_args
+
+    cfg = ckpt.config
+    spec = cfg.get("model", "mlp")
+    if model is not None:
+        spec = _model_spec(model)
+    elif spec.startswith("python:"):
+        raise UsageError(f"{ckpt.path}: the run trained a model handed to mpilb.train "
+                         f"({spec[7:]}); pass it: mpilb.load({ckpt.path!r}, model={spec[7:]})")
+    data = ckpt.dataset
+    built = build_model(spec, tuple(data["sample_shape"]), int(data["num_classes"]),
+                        parse_hidden(cfg.get("hidden", "256,128")),
+                        target_shape=tuple(data.get("target_shape", [])),
+                        model_args=parse_model_args(cfg.get("model_arg", [])),
+                        seed=int(cfg.get("seed", 0)))
+    want = json.loads(json.dumps(built.signature()))
+    if want.get("num_params") != ckpt.model.get("num_params") or want.get("layout") != ckpt.model.get("layout"):
+        raise UsageError(f"{ckpt.path}: holds {ckpt.model.get('model')} with "
+                         f"{ckpt.model.get('num_params')} parameters; {spec} builds "
+                         f"{want.get('num_params')}: not the model of that run")
+    return built
+
+
+def named_arrays(ckpt: TrainedCheckpoint) -> dict[str, np.ndarray]:
+    """Every parameter array by name (the model's layout), plus its state arrays."""
+    out, pos = {}, 0
+    for name, shape in ckpt.model.get("layout", [["params", [ckpt.params.size]]]):
+        n = int(np.prod(shape, dtype=np.int64))
+        out[name] = ckpt.params[pos:pos + n].reshape(shape)
+        pos += n
+    pos = 0
+    for name, shape in ckpt.model.get("state", []):
+        n = int(np.prod(shape, dtype=np.int64))
+        out[name] = ckpt.state[pos:pos + n].reshape(shape)
+        pos += n
+    return out
+
+
+def export(checkpoint, out, model=None) -> str:
+    """Write ``out``: ``.pt`` a torch ``state_dict`` (torch models), ``.npz`` named arrays.
+
+    Returns:
+        A one-line description of what was written.
+    """
+    ckpt = read_checkpoint(checkpoint)
+    suffix = Path(out).suffix.lower()
+    if suffix == ".npz":
+        arrays = named_arrays(ckpt)
+        np.savez(out, **arrays)
+        return f"{out}: {len(arrays)} arrays, {ckpt.params.size} parameters"
+    if suffix not in (".pt", ".pth"):
+        raise UsageError(f"{out}: unknown format; write OUT.pt (torch state_dict) or OUT.npz")
+    if not str(ckpt.model.get("model", "")).startswith("torch:"):
+        raise UsageError(f"{checkpoint}: {ckpt.model.get('model')} is not a torch model; "
+                         "export it as OUT.npz")
+    from .models import torch_adapter
+
+    try:
+        state = build_from_checkpoint(ckpt, model).state_dict(ckpt.params, ckpt.state)
+    except UsageError:
+        if model is not None:
+            raise
+        # the module cannot be rebuilt here (not importable): its parameters and buffers by
+        # name are the same state_dict, short of aliases of shared parameters
+        state = {k: np.ascontiguousarray(v) for k, v in named_arrays(ckpt).items()}
+    torch_adapter.save_state_dict(state, out)
+    return f"{out}: torch state_dict of {len(state)} tensors, {ckpt.params.size} parameters"
+
+
+def evaluate_checkpoint(checkpoint, data, model=None) -> dict:
+    """The test metrics of a checkpoint's parameters on the dataset ``data``."""
+    from .dataset import open_dataset
+
+    ckpt = read_checkpoint(checkpoint)
+    ds = open_dataset(data)
+    saved = ckpt.dataset
+    if (list(ds.sample_shape) != saved["sample_shape"] or ds.num_classes != saved["num_classes"]
+            or list(ds.target_shape) != saved.get("target_shape", [])):
+        raise UsageError(f"{data}: samples {tuple(ds.sample_shape)} / {ds.num_classes} classes do not "
+                         f"match the checkpoint's data ({tuple(saved['sample_shape'])} / "
+                         f"{saved['num_classes']} classes)")
+    built = build_from_checkpoint(ckpt, model)
+    if ckpt.state is not None:
+        built.set_state(ckpt.state)
+    x, y = ds.load_test()
+    result = {k: float(v) for k, v in built.evaluate(ckpt.params, x, y).items()}
+    return {"metric": built.metric, "samples": int(len(y)), **result}
