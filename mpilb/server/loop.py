@@ -113,10 +113,14 @@ class ParameterServer(Epochs, Chores):
             self.outbox.orders(w)
 
     def _send_orders_to_waiting(self) -> None:
-        """Workers given send orders that wait for a message must be told now."""
+        """Workers given send orders that wait for a message must be told now: idle or held
+        ones, and those that may be blocked waiting for rows themselves (they serve orders
+        while they wait, and push nothing that a reply could carry the orders on)."""
         for r in self.ledger.take_ordered():
             w = self.peers[r]
-            if w.waits_for_message and self.ledger.has_orders(r):
+            if not self.ledger.has_orders(r) or not w.present:
+                continue
+            if w.waits_for_message or self.ledger.awaits_rows(r) is not None:
                 self.outbox.orders(w)
 
     # ----------------------------------------------------------------- pushes

@@ -138,6 +138,15 @@ class TaskLedger:
         return [(h.rank, t) for h in self.of.values() if h.rank not in self.gone
                 for t in h.tasks if t.src == rank and t.pos == t.start]
 
+    def awaits_rows(self, rank: int) -> Optional[int]:
+        """The rank whose rows `rank` may be blocked waiting for now, or None: its current
+        task's rows come from another rank and no push of that task has come yet. Such a
+        worker reads only send orders (ORDERS) until they arrive, and is silent meanwhile."""
+        task = self.current(rank)
+        if task is not None and task.src >= 0 and task.pos == task.start:
+            return task.src
+        return None
+
     # ----------------------------------------------------------------- epochs
     def begin_epoch(self, epoch: int, pending_ranges: Optional[dict] = None) -> None:
         self.epoch = epoch
