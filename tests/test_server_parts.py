@@ -146,6 +146,18 @@ def test_a_worker_waiting_for_rows_is_known_to_wait_on_their_sender():
     assert ledger.awaits_rows(3) is None
 
 
+def test_a_push_counts_only_as_the_next_part_of_its_task():
+    ledger, _ = ledger_for([100, 100])
+    ledger.top_up(1, 32)
+    assert ledger.matches(1, 0, 0, 0, 32) and ledger.matches(1, 0, 0)
+    assert not ledger.matches(1, 0, 1, 0, 32)            # another shard
+    ledger.tasks(1)[0].end = 50                           # cut: the rest went elsewhere
+    assert not ledger.advance(1, 32)
+    assert not ledger.matches(1, 0, 0, 0, 32)             # done already: never twice
+    assert not ledger.matches(1, 0, 0, 32, 64)            # past the cut: never applied
+    assert ledger.matches(1, 0, 0, 32, 50)
+
+
 def test_a_failed_probe_leaves_the_global_batch_to_the_others():
     """Benched again after a probe, the others share the global batch at once (they were
     sized while the prober was in; the rounds must not shrink until the next rebalance)."""

@@ -161,9 +161,14 @@ class ParameterServer(Epochs, Chores):
         self.ledger.note_next(w.rank, push.next_shard, push.next_hi)
         w.samples += push.hi - push.lo
         w.step += 1
-        if not self.ledger.matches(w.rank, push.epoch, push.shard):
+        if not self.ledger.matches(w.rank, push.epoch, push.shard, push.lo, push.hi):
             # a batch from a shard this worker no longer holds (e.g. reassigned): drop it
             self.tracker.stray += push.hi - push.lo
+            task = self.ledger.current(w.rank)
+            if self.ledger.matches(w.rank, push.epoch, push.shard):   # never, or a bug
+                print(f"mpilb: warning: rank {w.rank}: batch [{push.lo}, {push.hi}) of shard "
+                      f"{push.shard} lies outside its task [{task.pos}, {task.end}): dropped, "
+                      f"not applied", file=sys.stderr, flush=True)
             self._reply(w)
             return
         update = Update(w.rank, push.epoch, push.shard, push.lo, push.hi, push.batch, push.loss,

@@ -306,10 +306,16 @@ class TaskLedger:
         h = self.of[rank]
         h.next_shard, h.next_hi = next_shard, next_hi
 
-    def matches(self, rank: int, epoch: int, shard: int) -> bool:
-        """True if a push for (epoch, shard) belongs to `rank`'s current task."""
+    def matches(self, rank: int, epoch: int, shard: int, lo: Optional[int] = None,
+                hi: Optional[int] = None) -> bool:
+        """True if a push for (epoch, shard) belongs to `rank`'s current task; with `lo`
+        and `hi`, if positions [lo, hi) are also its next part (from where the task stands,
+        inside it). A batch outside its task may hold positions given to another worker:
+        applied, they would be applied twice."""
         task = self.current(rank)
-        return task is not None and task.shard == shard and task.epoch == epoch
+        if task is None or task.shard != shard or task.epoch != epoch:
+            return False
+        return lo is None or (lo == task.pos and lo < hi <= task.end)
 
     def advance(self, rank: int, hi: int) -> bool:
         """`rank` covered its current task up to `hi`. Returns True when the task is done."""
