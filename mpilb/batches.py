@@ -47,6 +47,7 @@ class ShardFeed:
         # queued tasks: [epoch, shard, start, end, remote]; remote has .wait() -> (x, y, seconds)
         self.queue: deque[list] = deque()
         self.current: Optional[tuple[int, int]] = None
+        self.start = 0          # first position of the current task
         self.end = 0
         self.pos = 0
         self._offset = 0        # position of row 0 of the current arrays
@@ -62,15 +63,24 @@ class ShardFeed:
         self._prefetch()
 
     def truncate(self, epoch: int, shard: int, end: int) -> None:
-        """Stop the task on `shard` at `end`: the rest was given to another worker."""
-        if self.current == (epoch, shard) and self.end > end:
+        """Stop the task of `shard` whose positions contain `end` there: the rest was given
+        to another worker. A worker may hold two tasks of one shard (two gaps of a requeued
+        shard, or a stolen tail beside a remainder), so the cut is matched by position, not
+        by shard alone: any other task of the shard is left whole.
+
+        Raises:
+            RuntimeError: the current task is already past `end` (the server's ledger let
+                a cut fall behind what this worker may have computed: a bug, never a race).
+        """
+        if self.current == (epoch, shard) and self.start <= end < self.end:
             if self.pos > end:
                 raise RuntimeError(f"shard {shard}: cut at {end} but already at {self.pos}")
             self.end = end
             return
         for task in self.queue:
-            if task[0] == epoch and task[1] == shard and task[3] > end:
-                task[3] = max(task[2], end)
+            if task[0] == epoch and task[1] == shard and task[2] <= end < task[3]:
+                task[3] = end
+                break
         self.queue = deque(t for t in self.queue if t[3] > t[2])
 
     def drop(self) -> None:
@@ -79,7 +89,7 @@ class ShardFeed:
             raise RuntimeError("told to drop tasks whose rows are still to arrive from another rank")
         self.queue.clear()
         self.current = None
-        self.pos = self.end = 0
+        self.pos = self.end = self.start = 0
         self._x = self._y = None
 
     def _prefetch(self) -> None:
@@ -104,7 +114,7 @@ class ShardFeed:
                 offset = start
             self.io_s += waited
             self.current = (epoch, shard)
-            self.end, self.pos, self._offset = end, start, offset
+            self.start, self.end, self.pos, self._offset = start, end, start, offset
             self._x = self.backend.asarray(x)
             self._y = self.backend.asarray(y)
             self._prefetch()

@@ -126,10 +126,11 @@ def _null_worker(comm, n: int, bounds: list) -> None:
         if reply.drop:
             tasks.clear()
         tasks.extend([t.epoch, t.shard, t.start, t.end] for t in reply.assigns)
-        if reply.cut is not None:
+        if reply.cut is not None:   # the task holding the cut (two may share a shard)
             for t in tasks:
-                if (t[0], t[1]) == (reply.cut.epoch, reply.cut.shard):
-                    t[3] = min(t[3], reply.cut.end)
+                if (t[0], t[1]) == (reply.cut.epoch, reply.cut.shard) and t[2] <= reply.cut.end < t[3]:
+                    t[3] = reply.cut.end
+                    break
         tasks = [t for t in tasks if t[2] < t[3]]
         if not tasks:
             continue

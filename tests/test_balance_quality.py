@@ -72,7 +72,8 @@ def test_local_store_replicas_survive_a_lost_holder(synth_dir, tmp_path):
     log = tmp_path / "run.h5"
     res = mpirun.run(4, "train", "--data", synth_dir, "--model", "mlp", "--hidden", "32",
                      "--batch", "32", "--epochs", "4", "--store", "local", "--replicas", "2",
-                     "--inject", "2:hang@1", "--inject", "1:readbw=2", "--worker-timeout", "3",
+                     # hung 0.3 s in: on a quiet machine the whole run takes about 1 s
+                     "--inject", "2:hang@0.3", "--inject", "1:readbw=2", "--worker-timeout", "3",
                      "--no-progress", "--log", log, timeout=120)
     assert res.returncode == 3, res.stderr
     s = summarize_log(str(log))

@@ -133,6 +133,45 @@ def test_local_store_move_orders_the_holder_to_send_rows():
     assert ledger.take_orders(1) == [order] and not ledger.has_orders(1)
 
 
+def test_a_worker_waiting_for_rows_is_known_to_wait_on_their_sender():
+    """While a worker's current task waits for rows (no push of it yet) the server knows
+    whom it waits on: it is sent orders at once (it pushes nothing a reply could carry
+    them on) and is not judged silent before that sender."""
+    holders = {0: [1], 1: [2], 2: [3]}
+    ledger, _ = ledger_for([100, 100, 100], ranks=(1, 2, 3), holders=holders)
+    ledger.assign(3, 0, 0, 100)                    # rows from rank 1
+    ledger.assign(3, 2, 0, 100)                    # its own copy, after that
+    assert ledger.awaits_rows(3) == 1 and ledger.awaits_rows(1) is None
+    assert not ledger.advance(3, 32)               # the rows came: it computes
+    assert ledger.awaits_rows(3) is None
+
+
+def test_a_push_counts_only_as_the_next_part_of_its_task():
+    ledger, _ = ledger_for([100, 100])
+    ledger.top_up(1, 32)
+    assert ledger.matches(1, 0, 0, 0, 32) and ledger.matches(1, 0, 0)
+    assert not ledger.matches(1, 0, 1, 0, 32)            # another shard
+    ledger.tasks(1)[0].end = 50                           # cut: the rest went elsewhere
+    assert not ledger.advance(1, 32)
+    assert not ledger.matches(1, 0, 0, 0, 32)             # done already: never twice
+    assert not ledger.matches(1, 0, 0, 32, 64)            # past the cut: never applied
+    assert ledger.matches(1, 0, 0, 32, 50)
+
+
+def test_a_failed_probe_leaves_the_global_batch_to_the_others():
+    """Benched again after a probe, the others share the global batch at once (they were
+    sized while the prober was in; the rounds must not shrink until the next rebalance)."""
+    sizes = [1000, 1000, 1000]
+    cfg = BalancerConfig(batch=32, batch_policy="proportional", sit_out=True, min_batch=4)
+    bal = build_balancer("load", [1, 2, 3], sizes, cfg, None)
+    bal.plan_epoch(0, [0, 1, 2])
+    ledger = TaskLedger(bal, sizes, (1, 2, 3))
+    sit = SitOut(bal, ledger, batch=32, min_batch=4, max_batch=4096, rebalance_interval=0.1)
+    peers = [Peer(r, batch=b) for r, b in ((1, 40), (2, 40), (3, 16))]   # 3 was probing
+    assert sit.bench(peers[2], peers, now=20.0)
+    assert peers[2].batch == 0 and peers[0].batch + peers[1].batch == 3 * 32
+
+
 # ---------------------------------------------------------------- update rules
 def store(n=4, batch=32, correction="none"):
     return ParamStore(np.zeros(n, np.float32), build_optimizer("sgd", n, lr=0.5),

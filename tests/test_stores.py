@@ -63,6 +63,26 @@ def test_feed_ranges_truncation_and_remote_rows(small_dataset):
     store.close()
 
 
+def test_a_cut_stops_the_task_that_holds_its_position(small_dataset):
+    """Two tasks of one shard (two gaps of a requeued shard): a cut meant for the queued
+    lower range neither stops the current upper one (which is past it) nor wipes another
+    queued range of the shard."""
+    store = ShardStore(small_dataset, seed=3)
+    feed = ShardFeed(store, select_backend("cpu"))
+    feed.assign(0, 1, 600, 700)
+    feed.assign(0, 1, 0, 100)
+    feed.assign(0, 1, 300, 400)
+    b = feed.take(30)
+    assert (b.lo, b.hi) == (600, 630)
+    feed.truncate(0, 1, 46)          # the tail of [0, 100) went to another worker
+    got = []
+    while (b := feed.take(30)) is not None:
+        got.append((b.lo, b.hi))
+    assert got == [(630, 660), (660, 690), (690, 700), (0, 30), (30, 46),
+                   (300, 330), (330, 360), (360, 390), (390, 400)]
+    store.close()
+
+
 def run_summary(tmp_path, data, *args, n=4):
     log = tmp_path / "run.h5"
     res = mpirun.run(n, "train", "--data", data, "--model", "mlp", "--hidden", "32",

@@ -179,7 +179,21 @@ class Chores:
         return watched
 
     def _check_lost(self) -> None:
+        """Declare lost every worker silent past --worker-timeout. A worker blocked waiting
+        for rows that another silent worker owes it is silent through no fault of its own:
+        the one that owes the rows goes first, its rows are re-sourced (which restarts the
+        receiver's clock, see _declare_lost), and the receiver is judged again."""
+        while True:
+            silent = self._silent()
+            if not silent:
+                return
+            ranks = {w.rank for w in silent}
+            first = next((w for w in silent if self.ledger.awaits_rows(w.rank) not in ranks), silent[0])
+            self._declare_lost(first)
+
+    def _silent(self) -> list:
         mono = time.monotonic()
+        out = []
         for w in self.present():
             if w.idle or w.held:
                 continue
@@ -187,7 +201,8 @@ class Chores:
                 req = w.link.recv_req
                 if req is not None and req.Get_status():
                     continue   # its push has arrived and waits to be read: not silent
-                self._declare_lost(w)
+                out.append(w)
+        return out
 
     def _check_stalled(self) -> None:
         """Every worker idle with the epoch unfinished would wait forever: a bug, say so."""
@@ -219,6 +234,9 @@ class Chores:
         if self.ledger.holders is not None:
             # rows it owed come from another copy (--replicas >= 2); else resource() raises
             for receiver, t in self.ledger.resource(w.rank):
+                # it waited for rows that could not come: its silence counts from now
+                peer = self.peers[receiver]
+                peer.last_seen = max(peer.last_seen, time.monotonic())
                 print(f"mpilb: rows of shard {t.shard} that rank {w.rank} owed rank {receiver} "
                       f"come from rank {t.src} instead", file=sys.stderr, flush=True)
             self._log_shards()

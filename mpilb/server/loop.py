@@ -119,10 +119,14 @@ class ParameterServer(Epochs, Chores):
             self.outbox.orders(w)
 
     def _send_orders_to_waiting(self) -> None:
-        """Workers given send orders that wait for a message must be told now."""
+        """Workers given send orders that wait for a message must be told now: idle or held
+        ones, and those that may be blocked waiting for rows themselves (they serve orders
+        while they wait, and push nothing that a reply could carry the orders on)."""
         for r in self.ledger.take_ordered():
             w = self.peers[r]
-            if w.waits_for_message and self.ledger.has_orders(r):
+            if not self.ledger.has_orders(r) or not w.present:
+                continue
+            if w.waits_for_message or self.ledger.awaits_rows(r) is not None:
                 self.outbox.orders(w)
 
     # ----------------------------------------------------------------- pushes
@@ -164,9 +168,14 @@ class ParameterServer(Epochs, Chores):
         self.ledger.note_next(w.rank, push.next_shard, push.next_hi)
         w.samples += push.hi - push.lo
         w.step += 1
-        if not self.ledger.matches(w.rank, push.epoch, push.shard):
+        if not self.ledger.matches(w.rank, push.epoch, push.shard, push.lo, push.hi):
             # a batch from a shard this worker no longer holds (e.g. reassigned): drop it
             self.tracker.stray += push.hi - push.lo
+            task = self.ledger.current(w.rank)
+            if self.ledger.matches(w.rank, push.epoch, push.shard):   # never, or a bug
+                print(f"mpilb: warning: rank {w.rank}: batch [{push.lo}, {push.hi}) of shard "
+                      f"{push.shard} lies outside its task [{task.pos}, {task.end}): dropped, "
+                      f"not applied", file=sys.stderr, flush=True)
             self._reply(w)
             return
         update = Update(w.rank, push.epoch, push.shard, push.lo, push.hi, push.batch, push.loss,

@@ -50,7 +50,19 @@ class SitOut:
         self.spans.setdefault(peer.rank, []).append([now, None])
         self.balancer.bench(peer.rank)
         self.ledger.take_back(peer.rank)
+        self._resize(peers)
         return True
+
+    def _resize(self, peers: Iterable) -> None:
+        """The others in the rounds share the global batch now (after a failed probe they
+        would otherwise keep the sizes made while the prober was in, until the next
+        rebalance, and the rounds would shrink)."""
+        peers = list(peers)
+        sitting = frozenset(p.rank for p in peers if not p.benched and p.batch == 0)  # bench due
+        sizes = self.balancer.batch_sizes(sitting)
+        for p in peers:
+            if not p.benched and not p.probing and p.rank in sizes and p.rank not in sitting:
+                p.batch = int(sizes[p.rank])
 
     def benched_s(self, rank: int, start: float, end: float) -> float:
         """Seconds `rank` sat out between `start` and `end` (monotonic): an epoch's
@@ -135,7 +147,4 @@ class SitOut:
         # Back in the rounds, sized at once from what the probe measured (its old estimate
         # was made while it was slow; the others' mean would misjudge it just as much).
         self.balancer.seed_rate(peer.rank, done, float(push.compute_s + push.io_s))
-        sizes = self.balancer.batch_sizes()
-        for p in peers:
-            if not p.benched and not p.probing and p.rank in sizes:
-                p.batch = int(sizes[p.rank])
+        self._resize(peers)

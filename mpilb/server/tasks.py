@@ -138,6 +138,15 @@ class TaskLedger:
         return [(h.rank, t) for h in self.of.values() if h.rank not in self.gone
                 for t in h.tasks if t.src == rank and t.pos == t.start]
 
+    def awaits_rows(self, rank: int) -> Optional[int]:
+        """The rank whose rows `rank` may be blocked waiting for now, or None: its current
+        task's rows come from another rank and no push of that task has come yet. Such a
+        worker reads only send orders (ORDERS) until they arrive, and is silent meanwhile."""
+        task = self.current(rank)
+        if task is not None and task.src >= 0 and task.pos == task.start:
+            return task.src
+        return None
+
     # ----------------------------------------------------------------- epochs
     def begin_epoch(self, epoch: int, pending_ranges: Optional[dict] = None) -> None:
         self.epoch = epoch
@@ -297,10 +306,16 @@ class TaskLedger:
         h = self.of[rank]
         h.next_shard, h.next_hi = next_shard, next_hi
 
-    def matches(self, rank: int, epoch: int, shard: int) -> bool:
-        """True if a push for (epoch, shard) belongs to `rank`'s current task."""
+    def matches(self, rank: int, epoch: int, shard: int, lo: Optional[int] = None,
+                hi: Optional[int] = None) -> bool:
+        """True if a push for (epoch, shard) belongs to `rank`'s current task; with `lo`
+        and `hi`, if positions [lo, hi) are also its next part (from where the task stands,
+        inside it). A batch outside its task may hold positions given to another worker:
+        applied, they would be applied twice."""
         task = self.current(rank)
-        return task is not None and task.shard == shard and task.epoch == epoch
+        if task is None or task.shard != shard or task.epoch != epoch:
+            return False
+        return lo is None or (lo == task.pos and lo < hi <= task.end)
 
     def advance(self, rank: int, hi: int) -> bool:
         """`rank` covered its current task up to `hi`. Returns True when the task is done."""
