@@ -77,7 +77,11 @@ def test_sync_proportional_benches_a_worker_that_slows_every_round(balancing_dir
     assert np.mean(batch3 == 0) > 0.5, batch3
     both = (rows["worker"] != 3) & np.isin(rows["t"], rows["t"][(rows["worker"] == 3) & (rows["batch"] == 0)])
     pairs = rows["batch"][both].reshape(-1, 2).sum(axis=1)
-    assert np.all(np.abs(pairs - 3 * 64) <= 1), pairs
+    exact = np.abs(pairs - 3 * 64) <= 1
+    # on a loaded machine rank 1 or 2 may also be benched for a while; its probe (half an
+    # even share, 32) then rides on top of the global batch the other one carries
+    probing = np.abs(pairs - 3 * 64 - 32) <= 1
+    assert np.all(exact | probing) and exact.mean() > 0.5, pairs
     # what it held went back to the others: reassign events from rank 3
     sh = cols["shards"]
     assert np.any((sh["src"] == 3) & (sh["event"].astype(str) == "reassign"))

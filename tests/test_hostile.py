@@ -127,7 +127,7 @@ def test_data_given_a_file_and_corrupt_npz(tmp_path):
     one_error(mpirun.run(0, "train", "--data", str(tmp_path / "good.npz"), "--no-progress",
                          timeout=60), 2, "is a file, not a dataset directory")
     one_error(mpirun.run(0, "prepare", "npz", str(tmp_path / "bad.npz"), str(tmp_path / "o")),
-              2, "not a readable .npz file")
+              2, "not a readable .npz")
 
 
 # ------------------------------------------------------------------ checkpoints
