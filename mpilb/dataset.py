@@ -4,8 +4,8 @@ A dataset is a directory holding ``manifest.json``, ``shard-00000.h5`` ... and `
 Every HDF5 file has ``x`` (float32, chunked along samples) and ``y``: int64 class labels,
 or float32 targets (one per sample or a vector of ``target_shape``) for regression.
 This module opens and validates datasets (:func:`open_dataset`, :func:`verify_dataset`) and
-describes them (:func:`dataset_info`); :mod:`mpilb.prepare` writes them and :mod:`mpilb.shards`
-reads shards during training.
+describes them (:func:`dataset_info`, in :mod:`mpilb.describe`); :mod:`mpilb.prepare` writes
+them and :mod:`mpilb.shards` reads shards during training.
 
 Every problem with a dataset raises :class:`~mpilb.errors.DataError` whose message starts
 with the offending file, so that a user of a 64-shard dataset knows which file to look at.
@@ -412,52 +412,17 @@ def _check_file(ds: Dataset, path: Path, samples: int, sha: str, rows: int) -> N
             check_values(path, x, y, ds.num_classes, first_row=lo)
 
 
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
-def dataset_info(root) -> str:
-    """A human-readable multi-line summary of a dataset (manifest plus file sizes)."""
-    ds = open_dataset(root, check_files=False)
-    sizes = ds.shard_sizes
-    file_bytes = []
-    for name, _, _ in _all_files(ds):
-        path = ds.root / name
-        file_bytes.append(path.stat().st_size if path.exists() else 0)
-    gen = ds.generator
-    gen_text = ", ".join(f"{k}={v}" for k, v in gen.items()) if gen else "unknown"
-    lines = [
-        f"dataset:        {ds.root}",
-        f"format version: {ds.format_version}",
-        f"generator:      {gen_text}",
-        f"created:        {ds.created or 'unknown'}",
-        f"sample shape:   {ds.sample_shape} {ds.dtype}, labels {ds.label_dtype}",
-        (f"classes:        {ds.num_classes}" if not ds.regression else
-         f"targets:        float32, shape {ds.target_shape} per sample (regression)"),
-        f"shards:         {len(ds.shards)} ({ds.shards[0].file} .. {ds.shards[-1].file})",
-        f"train samples:  {ds.total_samples} (per shard min {min(sizes)}, max {max(sizes)}, "
-        f"mean {ds.total_samples / len(sizes):.1f})",
-        f"test samples:   {ds.test_samples} ({ds.test_file})",
-        f"bytes:          {_human_bytes(ds.total_samples * ds.row_nbytes)} train data "
-        f"({_human_bytes(ds.shard_nbytes(0))} per shard), "
-        f"{_human_bytes(sum(file_bytes))} on disk",
-    ]
-    return "\n".join(lines)
-
-
 # --------------------------------------------------------------------------- writers (moved)
 
-# The ``prepare_*`` writers live in :mod:`mpilb.prepare` and :mod:`mpilb.ingest`; these names
+# The ``prepare_*`` writers live in :mod:`mpilb.prepare` and :mod:`mpilb.ingest`, and
+# :func:`dataset_info` in :mod:`mpilb.describe`; these names
 # stay importable from here (``from mpilb.dataset import prepare_digits``). Imported lazily:
 # those modules import this one.
 _MOVED = {name: "prepare" for name in (
     "shard_file_name", "split_sizes", "write_dataset", "array_chunks", "prepare_digits",
     "prepare_synthetic", "Teacher", "make_teacher", "synthetic_chunks")}
 _MOVED.update({name: "ingest" for name in ("prepare_npz", "prepare_hdf5", "prepare_csv")})
+_MOVED.update({name: "describe" for name in ("dataset_info", "_human_bytes")})
 
 
 def __getattr__(name: str):

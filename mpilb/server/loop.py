@@ -14,7 +14,6 @@ lost workers and timers: rebalancing, evaluation, checkpoints, the stop rules.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -24,10 +23,10 @@ from .. import comm as C
 from .. import wire
 from ..session import Session, files_line, format_final
 from ..shards import placement
-from ..training import EpochStats
 from ..wire import Cmd
 from .chores import Chores, WorkerFailed
 from .epochs import Epochs
+from .lifecycle import Lifecycle
 from .modes import Update, build_rule
 from .outbox import Outbox
 from .peers import Link, Peer
@@ -36,7 +35,7 @@ from .store import StoreGroup
 from .tasks import TaskLedger
 
 
-class ParameterServer(Epochs, Chores):
+class ParameterServer(Epochs, Lifecycle, Chores):
     """Rank 0 of a multi-rank run."""
 
     def __init__(self, cfg, dataset, comm, run_attrs: dict):
@@ -271,43 +270,7 @@ class ParameterServer(Epochs, Chores):
                     self._top_up(w)
                     self._send_reply(w)
 
-    # ----------------------------------------------------------------- stop
-    def _begin_stop(self) -> None:
-        if not self.stop.reason:
-            self.stop.reason = "stopped"
-        for w in self.present():
-            if w.idle or w.held:
-                self._reply(w, Cmd.STOP)
-
-    def _all_stopped(self) -> bool:
-        return all(w.stopped or w.lost for w in self.peers.values())
-
     # ----------------------------------------------------------------- main loop
-    def _start(self) -> None:
-        self.t0 = time.monotonic() - (self.resumed.train_s if self.resumed else 0.0)
-        self.cpu0 = time.process_time()
-        self.last_checkpoint = time.monotonic()
-        self.last_eval = self.last_rebalance = self.t0
-        for w in self.peers.values():
-            w.last_seen = self.t0
-            self._post_recv(w)
-            w.go_idle()
-        self.stores.start(self.resumed.version if self.resumed else 0)
-        ck = self.resumed
-        self.progress.begin(ck.epoch if ck else 0, int((ck.counts > 0).sum()) if ck else 0, self.now())
-        if ck is None:
-            self._begin_epoch(0)
-            return
-        self.tracker.completed = [EpochStats(**e) for e in ck.completed]
-        if ck.epoch >= self.cfg.epochs or self.stop.check(ck.epoch, self.now(), None):
-            # nothing to do, but the interrupted epoch's counts must survive the checkpoint
-            # this run ends with (they were zeroed, and a later resume's coverage lied)
-            self.tracker.begin(ck.epoch, self.now(), ck.counts)
-            self.stop.reason = self.stop.reason or "epochs"
-            self._begin_stop()
-        else:
-            self._begin_epoch(ck.epoch, ck.counts)
-
     def run(self) -> str:
         """Serve until training ends. Returns the final status."""
         self._start()
@@ -356,26 +319,6 @@ class ParameterServer(Epochs, Chores):
         if self.preempted:
             return "preempted"
         return "degraded" if self.lost else "finished"
-
-    def abandon(self) -> None:
-        """Set-up failed elsewhere: close the run log as failed."""
-        self.log.close("failed")
-
-    def finish(self, status: str) -> dict:
-        servers = self.stores.end(self.log, self.now(), wait=status != "failed")
-        attrs = {
-            "servers": json.dumps(servers),
-            "train_s": getattr(self, "train_s", self.now()),
-            "wall_s": self.now(),
-            "server_cpu_s": time.process_time() - self.cpu0,
-            "coverage": json.dumps(self.tracker.coverage()),
-            "lost_workers": json.dumps(self.lost),
-            "stop_reason": self.stop.reason,
-            "rejected_gradients": self.rejected,
-            "eval_s": self.evaluator.seconds,
-            "stray_samples": self.tracker.stray,
-        }
-        return self.session.close(status, attrs)
 
 
 def serve(server: ParameterServer) -> int:
