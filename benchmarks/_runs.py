@@ -104,8 +104,11 @@ class Bench:
         from mpilb.runlog import read_columns
 
         log = os.path.join(self.logs, f"{label}.h5")
-        if os.path.exists(log):
-            os.remove(log)
+        # a rerun replaces this label's log and the checkpoint beside it (mpilb refuses to
+        # overwrite either without --overwrite)
+        for old in (log, os.path.join(self.logs, f"{label}.ckpt.h5")):
+            if os.path.exists(old):
+                os.remove(old)
         argv = ["--data", self.data, *self.model, "--no-progress", *map(str, args)]
         cmd = [mpiexec(), "-n", str(WORKERS + 1), sys.executable, "-m", "mpilb", "train",
                *argv, "--log", log]
