@@ -138,6 +138,19 @@ SYNC = ["--model", "mlp", "--hidden", "32", "--optimizer", "adam", "--lr", "0.01
 
 
 @pytest.mark.mpi
+def test_two_stores_follow_rank0s_lr_schedule(digits_dir, tmp_path):
+    """--lr-schedule/--warmup with K=2: rank 0 sends its factor with each APPLY/ROUND, so the
+    other store's slice steps with the same learning rate (sync: the same parameters)."""
+    sched = [*SYNC, "--lr-schedule", "cosine", "--warmup", "20", "--epochs", "2"]
+    res, _, one = train(4, digits_dir, tmp_path, "one", 1, *sched)
+    assert res.returncode == 0, res.stderr
+    res, _, two = train(5, digits_dir, tmp_path, "two", 2, *sched)
+    assert res.returncode == 0, res.stderr
+    ref = params(one)
+    assert np.abs(params(two) - ref).max() <= 1e-4 * max(1.0, np.abs(ref).max())
+
+
+@pytest.mark.mpi
 def test_sync_two_stores_same_parameters_and_resume_across_k(digits_dir, tmp_path):
     """Three workers, fixed batches, sync: 2 stores give one store's parameters, also when
     the run goes K=2 -> K=1 -> K=2 through checkpoints."""
