@@ -131,6 +131,16 @@ class Bench:
         return ""
 
 
+def digits_dataset(root: str) -> str:
+    """scikit-learn's digits as a dataset under `root` (8 shards), made once and reused."""
+    data = os.path.join(root, "digits")
+    if not os.path.exists(os.path.join(data, "manifest.json")):
+        from mpilb.dataset import prepare_digits
+
+        prepare_digits(data, shards=8, seed=0)
+    return data
+
+
 def add_dataset_args(ap, default_dir: str) -> None:
     """The options every benchmark has: where to work, the synthetic dataset, a run's limit."""
     ap.add_argument("--dir", default=default_dir, help="where the dataset is cached and run logs go")

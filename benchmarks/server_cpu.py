@@ -36,11 +36,7 @@ def main(argv=None) -> int:
     opts = ap.parse_args(argv)
     if opts.quick:
         opts.repeats, opts.epochs = 1, 1
-    from mpilb.dataset import prepare_digits
-
-    data = os.path.join(opts.dir, "digits")
-    if not os.path.exists(os.path.join(data, "manifest.json")):
-        prepare_digits(data, shards=8, seed=0)
+    data = _runs.digits_dataset(opts.dir)
     bench = _runs.Bench(argparse.Namespace(dir=opts.dir, samples=0, features=0, shards=8,
                                            run_timeout=opts.run_timeout),
                         ["--model", "softmax", "--batch", "32"])

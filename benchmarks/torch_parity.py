@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _runs import mpiexec, print_targets  # noqa: E402
+from _runs import digits_dataset, mpiexec, print_targets  # noqa: E402
 
 
 def load(ds):
@@ -71,7 +71,7 @@ def mpilb_run(data_dir: str, seed: int, epochs: int, lr: float, batch: int, work
     cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "mpilb", "train", "--data", data_dir,
            "--model", f"{ROOT / 'examples' / 'torch_cnn.py'}:Net", "--epochs", str(epochs),
            "--lr", str(lr), "--batch", str(batch), "--seed", str(seed), "--no-progress",
-           "--log", log]
+           "--log", log, "--overwrite"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if res.returncode != 0:
         sys.exit(f"mpilb run failed:\n{res.stderr[-3000:]}")
@@ -89,11 +89,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     opts = ap.parse_args()
     os.makedirs(opts.dir, exist_ok=True)
-    from mpilb.dataset import open_dataset, prepare_digits
+    from mpilb.dataset import open_dataset
 
-    data_dir = os.path.join(opts.dir, "digits")
-    if not os.path.exists(os.path.join(data_dir, "manifest.json")):
-        prepare_digits(data_dir)
+    data_dir = digits_dataset(opts.dir)
     data = load(open_dataset(data_dir))
     ours, theirs, exact = [], [], True
     print(f"digits CNN, {opts.epochs} epochs, lr {opts.lr}, batch {opts.batch}; "
