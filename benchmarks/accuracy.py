@@ -36,12 +36,18 @@ CONFIGS = {
 }
 
 
+def hidden_args(model: str) -> list[str]:
+    """--hidden applies to the mlp only (mpilb refuses an option that has no effect)."""
+    return ["--hidden", "64"] if model == "mlp" else []
+
+
 def train(data: str, log: str, ranks: int, model: str, extra: list[str], epochs: int,
           timeout: float) -> dict:
     from mpilb.report import summarize_log
 
-    args = ["train", "--data", data, "--model", model, "--hidden", "64", "--epochs", str(epochs),
-            "--no-progress", *extra, "--log", log]
+    args = ["train", "--data", data, "--model", model, *hidden_args(model), "--epochs",
+            str(epochs), "--no-progress", *extra, "--log", log,
+            "--overwrite"]   # one scratch log (and checkpoint) for every run
     cmd = [sys.executable, "-m", "mpilb", *args]
     if ranks > 1:
         cmd = [_runs.mpiexec(), "-n", str(ranks), *cmd]
@@ -61,11 +67,7 @@ def main(argv=None) -> int:
     opts = ap.parse_args(argv)
     if opts.quick:
         opts.repeats, opts.epochs = 1, 1
-    from mpilb.dataset import prepare_digits
-
-    data = os.path.join(opts.dir, "digits")
-    if not os.path.exists(os.path.join(data, "manifest.json")):
-        prepare_digits(data, shards=8, seed=0)
+    data = _runs.digits_dataset(opts.dir)
     res = _results.Results(NAME, "Accuracy on scikit-learn's digits", opts)
     acc = {k: [] for k in CONFIGS}
     exact = []
@@ -85,8 +87,8 @@ def main(argv=None) -> int:
     for label, (ranks, model, extra) in CONFIGS.items():
         launch = "mpiexec -n 4 " if ranks > 1 else ""
         res.figure(g, label, label, acc[label], digits=4,
-                   command=f"{launch}mpilb train --data digits --model {model} --hidden 64 "
-                           f"--epochs {opts.epochs} {' '.join(extra)}".rstrip())
+                   command=f"{launch}mpilb train --data digits --model {model} "
+                           f"{' '.join(hidden_args(model) + ['--epochs', str(opts.epochs), *extra])}")
     res.figure(g, "coverage", "runs with exact coverage (1 = exact)", [float(e) for e in exact],
                digits=0, target=">= 1", decide="all")
     _runs.print_targets(res.checks())

@@ -43,7 +43,7 @@ def run(data: str, log: str, epochs: int, null_log: bool) -> tuple[float, int]:
     code = ["-c", DROP_ROWS] if null_log else ["-m", "mpilb"]
     cmd = [_runs.mpiexec(), "-n", "4", sys.executable, *code, "train", "--data", data,
            "--model", "mlp", "--hidden", "64", "--batch", "32", "--epochs", str(epochs),
-           "--no-progress", "--log", log]
+           "--no-progress", "--log", log, "--overwrite"]   # a scratch log per repeat
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     with h5py.File(log, "r") as f:
         return float(f.attrs["train_s"]), int(f["updates/t"].shape[0])

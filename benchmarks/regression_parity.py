@@ -67,7 +67,7 @@ def main() -> None:
                "--model", f"{ROOT / 'examples' / 'regression.py'}:Regressor",
                "--model-arg", f"hidden={opts.hidden}", "--epochs", str(opts.epochs),
                "--lr", str(opts.lr), "--batch", str(opts.batch), "--seed", str(seed),
-               "--no-progress", "--log", log]
+               "--no-progress", "--log", log, "--overwrite"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if res.returncode != 0:
             sys.exit(f"mpilb run failed:\n{res.stderr[-3000:]}")

@@ -68,7 +68,7 @@ def bare_loop_process(data_dir: str, epochs: int) -> float:
 
 def serial_loop(data_dir: str, epochs: int, log: str) -> float:
     cmd = [sys.executable, "-m", "mpilb", "train", "--data", data_dir, "--epochs", str(epochs),
-           "--no-progress", "--log", log, "--eval-interval", "1000"]
+           "--no-progress", "--log", log, "--overwrite", "--eval-interval", "1000"]
     for k, v in MODEL.items():
         cmd += [f"--{k}", str(v)]
     subprocess.run(cmd, check=True, capture_output=True)

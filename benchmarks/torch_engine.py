@@ -49,6 +49,8 @@ def main() -> None:
         cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpilb", "train", "--data", data,
                *model, "--epochs", str(epochs or opts.epochs), "--no-progress", "--log", log,
                *map(str, args)]
+        if "--resume" not in args:
+            cmd.append("--overwrite")   # a rerun of the script replaces its scratch logs
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if res.returncode != 0:
             print(f"  {label:<34} FAILED (exit {res.returncode}): {res.stderr.strip()[-500:]}", flush=True)
