@@ -107,9 +107,17 @@ def build_optimizer(
 class Optimizer:
     """Base class: holds hyperparameters, the state vectors and block-sized scratch.
 
-    Subclasses implement ``_update(params, grad, lr)`` and list their state arrays in
+    Subclasses implement ``_update(params, grad, lr, out)`` and list their state arrays in
     ``_buffers``; :meth:`_blocks` walks the vectors block by block. Hyperparameters are not
     part of the state: a resumed run takes them from its (validated) configuration.
+
+    ``out`` is where the new parameters go: ``params`` itself (in place), another vector
+    (the server steps into a free buffer while a send still reads the current one), or
+    ``grad`` (the server's cheapest out-of-place step: the gradient's buffer, read anyway,
+    is written instead of a third vector, so memory sees no extra stream). Every
+    ``_update`` therefore reads each block of ``grad`` before it writes that block of
+    ``out``, and never reads ``params`` after writing ``out``; the floats are the same
+    whichever ``out`` is given.
     """
 
     name = "optimizer"
@@ -143,8 +151,8 @@ class Optimizer:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(lr={self.lr}, weight_decay={self.weight_decay})"
 
-    def _blocks(self, params, grad):
-        """For each block: ``(params block, decayed grad block, *state blocks, *scratch)``.
+    def _blocks(self, params, grad, out):
+        """For each block: ``(params, decayed grad, out, *state, *scratch)`` blocks.
 
         The decayed gradient is ``grad + weight_decay * params`` in the first scratch
         block, or the ``grad`` block itself without weight decay.
@@ -157,24 +165,16 @@ class Optimizer:
                 self.xp.multiply(p, wd, out=s)
                 s += g
                 g = s
-            yield (p, g) + views
+            yield (p, g, out[lo:hi]) + views
 
     def step(self, params, grad, lr_scale: float = 1.0, out=None) -> None:
-        """Update ``params`` in place from ``grad`` with learning rate ``lr * lr_scale``;
-        with ``out`` (another vector of the same length), write the result there and leave
-        ``params`` as it was (the server steps into a free buffer while a send reads the
-        current one)."""
+        """Update ``params`` from ``grad`` with learning rate ``lr * lr_scale``: in place, or
+        with ``out`` (a vector of the same length, which may be ``grad`` itself: the gradient
+        is then consumed) written there, ``params`` left as it was."""
         self.steps += 1
-        if out is None or out is params:
-            self._update(params, grad, self.lr * lr_scale)
-        else:
-            self._update_into(params, grad, self.lr * lr_scale, out)
+        self._update(params, grad, self.lr * lr_scale, params if out is None else out)
 
-    def _update_into(self, params, grad, lr: float, out) -> None:
-        out[...] = params
-        self._update(out, grad, lr)
-
-    def _update(self, params, grad, lr: float) -> None:
+    def _update(self, params, grad, lr: float, out) -> None:
         raise NotImplementedError
 
     def state_dict(self) -> dict:
@@ -208,31 +208,25 @@ class Optimizer:
 class SGD(Optimizer):
     """Plain SGD: ``params -= lr * (grad + wd * params)``."""
 
-    def _update(self, params, grad, lr):
+    def _update(self, params, grad, lr, out):
         xp = self.xp
         shrink = 1.0 - lr * self.weight_decay
+        in_place = out is params
         for lo, hi, (s,) in self._spans:
-            p = params[lo:hi]
+            p, o = params[lo:hi], out[lo:hi]
             if self.weight_decay:
                 # p - lr*(g + wd*p) == p*(1 - lr*wd) - lr*g: one ufunc fewer than g + wd*p
-                p *= shrink
-            xp.multiply(grad[lo:hi], lr, out=s)
-            p -= s
-
-    def _update_into(self, params, grad, lr, out):
-        # the same arithmetic as _update, out of place (no copy of params first), block by
-        # block; without weight decay p - lr*g == (-lr)*g + p exactly (IEEE), no scratch
-        xp = self.xp
-        shrink = 1.0 - lr * self.weight_decay
-        for lo, hi, (s,) in self._spans:
-            o = out[lo:hi]
-            if self.weight_decay:
-                xp.multiply(params[lo:hi], shrink, out=o)
                 xp.multiply(grad[lo:hi], lr, out=s)
+                xp.multiply(p, shrink, out=o)
                 o -= s
+            elif in_place:
+                xp.multiply(grad[lo:hi], lr, out=s)
+                p -= s
             else:
+                # p - lr*g == (-lr)*g + p exactly (IEEE): no scratch, and into `grad`'s
+                # block (out is grad) both ufuncs run in place
                 xp.multiply(grad[lo:hi], -lr, out=o)
-                o += params[lo:hi]
+                o += p
 
 
 @register_optimizer("momentum")
@@ -250,20 +244,21 @@ class Momentum(Optimizer):
         self.momentum = momentum
         self.nesterov = nesterov
 
-    def _update(self, params, grad, lr):
+    def _update(self, params, grad, lr, out):
         xp, mu = self.xp, self.momentum
-        for p, g, v, s in self._blocks(params, grad):
+        for p, g, o, v, s in self._blocks(params, grad, out):
             v *= mu
             v += g
             if self.nesterov:
-                # p -= lr*g, then p -= lr*mu*v, through the one scratch block (which may
-                # hold g itself)
+                # p - lr*g, then - lr*mu*v, through the one scratch block (which may hold g
+                # itself; g is read before o, which may be g's block, is written)
                 xp.multiply(g, lr, out=s)
-                p -= s
+                xp.subtract(p, s, out=o)
                 xp.multiply(v, lr * mu, out=s)
+                o -= s
             else:
                 xp.multiply(v, lr, out=s)
-            p -= s
+                xp.subtract(p, s, out=o)
 
 
 @register_optimizer("adam")
@@ -290,7 +285,7 @@ class Adam(Optimizer):
     def _scale(self, buf: str) -> float:
         return 1.0 - (self.beta1 if buf == "exp_avg" else self.beta2)
 
-    def _update(self, params, grad, lr):
+    def _update(self, params, grad, lr, out):
         xp, b1, b2 = self.xp, self.beta1, self.beta2
         bias1 = 1.0 - b1 ** self.steps
         bias2 = 1.0 - b2 ** self.steps
@@ -298,14 +293,14 @@ class Adam(Optimizer):
         # == M / (sqrt(V) + eps/c) * (1-b1)/(bias1*c), where c = sqrt((1-b2)/bias2)
         c = math.sqrt((1.0 - b2) / bias2)
         eps, scale = self.eps / c, lr * (1.0 - b1) / (bias1 * c)
-        for p, g, m, v, _, s in self._blocks(params, grad):
+        for p, g, o, m, v, _, s in self._blocks(params, grad, out):
             m *= b1
             m += g
-            xp.multiply(g, g, out=s)
+            xp.square(g, out=s)      # a unary ufunc: cheaper than multiply(g, g)
             v *= b2
             v += s
             xp.sqrt(v, out=s)
             s += eps
             xp.divide(m, s, out=s)
             s *= scale
-            p -= s
+            xp.subtract(p, s, out=o)

@@ -19,39 +19,59 @@ class Backoff:
     When the caller knows about when the awaited message is due (``reset(due, grace)``, a
     ``time.monotonic()`` value), the sleeps are long until just before it (up to `far`
     seconds each, so a rank that waits 50 ms wakes a few times, not fifty), then every
-    `fine` seconds until `grace` seconds after it, and only then grow again. A rank that
-    waits for a round's reply or for the next push thus notices it within ~`fine` seconds
-    without polling all the time in between. A wrong estimate costs little: too early and
-    the rank polls finely for a while, too late and it sleeps through at most `fine` (the
-    first sleep never goes past ``due - fine``).
+    polls every `poll` seconds until `grace` seconds after it, and only then grow again. A
+    rank that waits for a round's reply or for the next push thus notices it within ~`poll`
+    seconds without polling all the time in between. A wrong estimate costs little: too
+    early and the rank polls for a while, too late and it sleeps through at most `poll` (the
+    first sleep never goes past ``due - poll``).
+
+    The poll interval is `share` of the wait it ends (``reset(..., span=)``, else the time
+    to `due`), between `fine` and `fine_max`: a wait of 2 ms is polled every 50 us, one of
+    50 ms every 250 us. Each wake-up costs tens of µs of CPU on a virtual machine, so polling
+    a long wait as finely as a short one cost a server whose workers take 50 ms a step ~3 %
+    of a core, for a notice 0.5 % sooner.
     """
 
     def __init__(self, start: float = 20e-6, cap: float = 1e-3, fine: float = 50e-6,
-                 far: float = 10e-3):
+                 far: float = 10e-3, fine_max: float = 250e-6, share: float = 0.005):
         self.start = start
         self.cap = cap
         self.fine = fine
+        self.fine_max = fine_max
+        self.share = share
         self.far = far
         self.delay = start
         self.due: Optional[float] = None
         self.grace = 0.0
+        self.poll = fine
 
-    def reset(self, due: Optional[float] = None, grace: float = 0.0) -> None:
+    def reset(self, due: Optional[float] = None, grace: float = 0.0,
+              span: Optional[float] = None) -> None:
+        """`due`: when the message is expected (``time.monotonic()``), with `grace` seconds
+        of fine polling after it; `span`: how long that wait is in all (sets the polling
+        interval; default: from now to `due`)."""
         self.delay = self.start
         self.due = due
         self.grace = grace
+        self.poll = self.fine
+        if due is not None:
+            span = due - time.monotonic() if span is None else span
+            self.poll = min(self.fine_max, max(self.fine, span * self.share))
 
     def sleep(self) -> None:
         if self.due is not None:
             ahead = self.due - time.monotonic()
-            if ahead > self.fine:
-                time.sleep(min(ahead - self.fine, self.far))
+            if ahead > self.poll:
+                time.sleep(min(ahead - self.poll, self.far))
                 return
             if ahead > -self.grace:
-                self.short()
+                if self.poll > self.fine:   # (the kernel adds ~`fine` to every sleep)
+                    time.sleep(self.poll - self.fine)
+                else:
+                    self.short()
                 return
-            self.due = None           # overdue: back off from the fine interval on
-            self.delay = max(self.delay, self.fine)
+            self.due = None           # overdue: back off from the polling interval on
+            self.delay = max(self.delay, self.poll)
         time.sleep(self.delay)
         self.delay = min(self.cap, self.delay * 2)
 
@@ -90,7 +110,8 @@ class WaitEstimate:
             self.value += (self.down if seconds < self.value else self.up) * (seconds - self.value)
 
     def window(self, start: float) -> tuple[Optional[float], float]:
-        """(due, grace) for a wait that began at ``start`` (``time.monotonic()``)."""
+        """(due, grace) for a wait that began at ``start`` (``time.monotonic()``); the wait's
+        whole length is :attr:`value` (a `span` for :meth:`Backoff.reset`)."""
         if self.value is None:
             return None, 0.0
         lead = min((1.0 - self.early) * self.value, self.lead)

@@ -279,6 +279,17 @@ def new_message(payload_floats: int) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return buf, header_view(buf), buf[HEADER_BYTES:].view(np.float32)
 
 
+def message_of(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(buf, header, payload) of the message buffer a payload view (or a leading part of
+    one, from :func:`new_message`) lies in: a buffer that held parameters can receive a
+    push again."""
+    buf = payload.base
+    if (buf is None or buf.dtype != np.uint8 or buf.ndim != 1
+            or payload.__array_interface__["data"][0] != buf.ctypes.data + HEADER_BYTES):
+        raise ValueError("not the payload of a message buffer from new_message()")
+    return buf, header_view(buf), buf[HEADER_BYTES:].view(np.float32)
+
+
 def header_view(buf: np.ndarray) -> np.ndarray:
     """The float64 header slots at the start of a host message buffer."""
     return buf[:HEADER_BYTES].view(np.float64)

@@ -76,3 +76,24 @@ def test_wait_estimate_tracks_the_short_waits():
     for _ in range(200):
         est.update(4e-3)
     assert est.value == pytest.approx(4e-3, rel=0.05)
+
+
+def test_a_long_wait_is_polled_less_finely_than_a_short_one(monkeypatch):
+    """The polling interval is a share of the wait: 50 ms between pushes is polled every
+    250 us near its end (each wake-up costs CPU), 2 ms every 50 us."""
+    def wakeups_in_window(span):
+        clock = Clock(monkeypatch)
+        b = C.Backoff(start=20e-6, cap=1e-3, fine=50e-6)
+        due = clock.now + span
+        b.reset(due, grace=2e-3, span=span)
+        woke = []
+        while clock.now < due + 2e-3:
+            b.sleep()
+            woke.append(clock.now)
+        assert min(t for t in woke if t >= due - b.poll) <= due + 2 * b.poll   # noticed soon
+        return sum(1 for t in woke if due - 0.5e-3 <= t <= due + 2e-3), b.poll
+
+    short, poll_short = wakeups_in_window(2e-3)
+    long, poll_long = wakeups_in_window(50e-3)
+    assert poll_short == pytest.approx(50e-6) and poll_long == pytest.approx(250e-6)
+    assert long * 3 < short

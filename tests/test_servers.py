@@ -59,19 +59,27 @@ class FakeSend:
         return self.done
 
 
-@pytest.mark.parametrize("name,wd", [("sgd", 0.0), ("sgd", 0.01), ("momentum", 0.0), ("adam", 0.01)])
-def test_out_of_place_step_is_the_same_floats(name, wd):
+@pytest.mark.parametrize("into", ["other", "grad"])
+@pytest.mark.parametrize("name,wd,nesterov", [("sgd", 0.0, False), ("sgd", 0.01, False),
+                                              ("momentum", 0.0, False), ("momentum", 0.01, True),
+                                              ("adam", 0.0, False), ("adam", 0.01, False)])
+def test_out_of_place_step_is_the_same_floats(name, wd, nesterov, into):
+    """Into another vector or into the gradient's own buffer (which the step consumes):
+    the same floats as in place."""
     rng = np.random.default_rng(0)
-    p = rng.standard_normal(1000).astype(np.float32)
-    grads = [rng.standard_normal(1000).astype(np.float32) for _ in range(3)]
-    a, b = (build_optimizer(name, 1000, lr=0.1, weight_decay=wd) for _ in range(2))
+    n = 70000   # more than one block of the host step
+    p = rng.standard_normal(n).astype(np.float32)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(3)]
+    a, b = (build_optimizer(name, n, lr=0.1, weight_decay=wd, nesterov=nesterov) for _ in range(2))
     pa, pb = p.copy(), p.copy()
     for g in grads:
         a.step(pa, g, 0.5)
-        out = np.empty_like(pb)
-        b.step(pb, g, 0.5, out=out)
+        out = g.copy() if into == "grad" else np.empty_like(pb)
+        b.step(pb, out if into == "grad" else g, 0.5, out=out)
         pb = out
     assert np.array_equal(pa, pb)
+    for buf in a._buffers:
+        assert np.array_equal(getattr(a, buf), getattr(b, buf))
 
 
 def test_a_send_in_flight_keeps_its_parameters():

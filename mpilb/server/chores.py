@@ -1,6 +1,6 @@
 """What rank 0 does between pushes: errors, preemption, lost workers, and its timers.
 
-A few hundred times a second (not at every poll) the loop checks for a worker's error report
+A hundred times a second (not at every poll) the loop checks for a worker's error report
 or a preemption notice, declares silent workers lost (their tasks go to the others), and runs
 the timers: checkpoints, rebalancing and batch sizes, evaluation, --max-seconds, the log's
 flush and the progress line. Mixed into :class:`~mpilb.server.loop.ParameterServer`.
@@ -31,7 +31,7 @@ class WorkerFailed(Exception):
 class Chores:
     """Timers and liveness of the parameter server (a mixin: it reads the server's state)."""
 
-    CHORES_S = 0.002   # how often the main loop checks errors, lost workers and timers
+    CHORES_S = 0.01    # how often the main loop checks errors, lost workers and timers
     UNWATCHED_S = 0.25  # a longer gap between chores: rank 0 was busy or stopped, not watching
     _warmup_gap: Optional[float] = None   # see _warmup_due
 
@@ -54,16 +54,17 @@ class Chores:
         self._check_stalled()
         self._timers()
 
-    def _next_push_due(self) -> tuple[Optional[float], float]:
-        """(due, grace) of the next push expected, for the backoff (see C.Backoff)."""
+    def _next_push_due(self) -> tuple[Optional[float], float, Optional[float]]:
+        """(due, grace, span) of the next push expected, for the backoff (see C.Backoff):
+        span, the worker's usual gap, sets how finely it is polled for."""
         now = time.monotonic()
-        best: tuple[Optional[float], float] = (None, 0.0)
+        best: tuple[Optional[float], float, Optional[float]] = (None, 0.0, None)
         for w in self.peers.values():
             if not w.awaiting or w.lost:
                 continue
             due, grace = w.push_gap.window(w.last_seen)
             if due is not None and due + grace > now and (best[0] is None or due < best[0]):
-                best = (due, grace)
+                best = (due, grace, w.push_gap.value)
         return best
 
     # ----------------------------------------------------------------- timers

@@ -67,8 +67,7 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         # a push carries the gradient (rank 0's slice), then the model's state (e.g. BatchNorm
         # statistics; only with one store, see server/store.py check_servers)
         self.peers = {r: Peer(rank=r, batch=cfg.batch, link=Link.allocate(
-                          self.stores.n0, bool(cfg.pipeline),
-                          push_floats=self.stores.n0 + self.model.num_state))
+                          self.stores.n0, bool(cfg.pipeline), push_floats=self.stores.push_floats))
                       for r in self.ranks}
         self.outbox = Outbox(comm, self.ledger, self.remote)
         self.lost: list[int] = []
@@ -184,7 +183,10 @@ class ParameterServer(Epochs, Lifecycle, Chores):
             self.model.set_state(payload[self.stores.n0:])
         self.remote.gradient(w.rank, update.batch, update.staleness, push.version, self.rule.rounds,
                              self.store.factor())
-        applied = self.rule.push(w, update, grad, then)
+        applied = self.rule.push(w, update, grad, then, consume=True)
+        given = self.store.exchange()
+        if given is not None:   # the push's buffer holds the parameters now: receive in this
+            w.link.recv = wire.message_of(given)
         if applied is None:   # it joined a round that is not complete yet
             w.hold(time.monotonic())
             if self.ledger.has_orders(w.rank):   # rows others wait for must not wait for the round
@@ -295,7 +297,7 @@ class ParameterServer(Epochs, Lifecycle, Chores):
             else:
                 self.backoff.sleep()
             mono = time.monotonic()
-            if mono >= next_chores:   # a few hundred times a second, not at every poll
+            if mono >= next_chores:   # a hundred times a second, not at every poll
                 next_chores = mono + self.CHORES_S
                 self._chores()
         self.train_s = self.now()

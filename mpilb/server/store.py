@@ -68,11 +68,13 @@ def store_bounds(cfg, model) -> list[int]:
     return wire.cut_slices(model.num_params, cfg.servers, wire.layer_sizes(model))
 
 
-def slice_store(cfg, params: np.ndarray, optimizer) -> ParamStore:
-    """A ParamStore over `params` with the run's correction (and dc's kept versions)."""
+def slice_store(cfg, params: np.ndarray, optimizer, new_buffer=None) -> ParamStore:
+    """A ParamStore over `params` with the run's correction (and dc's kept versions);
+    `new_buffer`: see ParamStore."""
     correction = build_correction(cfg.correction, cfg.dc_lambda)
     keep = (2 if cfg.pipeline else 1) if correction.needs_old_params else 0
-    return ParamStore(params, optimizer, correction, cfg.batch, keep_sent=keep)
+    return ParamStore(params, optimizer, correction, cfg.batch, keep_sent=keep,
+                      new_buffer=new_buffer)
 
 
 def _send_state(comm, dest: int, tag: int, params, optimizer, lo: int, hi: int) -> None:
@@ -169,14 +171,20 @@ class StoreRank:
             if m.op == Op.APPLY:
                 s.follow(m.lr)
                 then = s.params_of(m.version) if s.correction.needs_old_params else None
-                s.apply(grad, m.batch, m.staleness, then)
+                s.apply(grad, m.batch, m.staleness, then, consume=True)
+                given = s.exchange()
+                if given is not None:   # the gradient's buffer holds the parameters now
+                    self.grads[m.rank] = given
             elif m.op == Op.ADD:   # the same arithmetic as the sync rule on rank 0
                 np.multiply(grad, m.batch, out=grad)
                 self.round += grad
             self._post(m.rank)
         elif m.op == Op.ROUND:
             s.follow(m.lr)
-            s.apply_sum(self.round, m.batch)
+            s.apply_sum(self.round, m.batch, consume=True)
+            given = s.exchange()
+            if given is not None:
+                self.round = given
             self.round[:] = 0
         elif m.op == Op.REPLY:
             prev = self.replies.get(m.rank)
@@ -358,11 +366,18 @@ class StoreGroup:
         self.bounds = store_bounds(cfg, session.model)
         self.remote = RemoteStores(comm, self.bounds)   # no-ops with K = 1
         self.sliced = cfg.servers > 1
+        n0 = self.bounds[1]
+        # a push to rank 0 carries its slice of the gradient, then the model's state
+        self.push_floats = n0 + session.model.num_state
+
+        def new_buffer() -> np.ndarray:   # the ring's buffers can receive pushes (ParamStore)
+            return wire.new_message(self.push_floats)[2][:n0]
+
         if not self.sliced:
-            self.local = slice_store(cfg, session.params, session.optimizer)
+            self.local = slice_store(cfg, session.params, session.optimizer, new_buffer)
         else:
-            n0 = self.bounds[1]
-            self.local = slice_store(cfg, np.zeros(n0, np.float32), config_optimizer(cfg, n0))
+            self.local = slice_store(cfg, np.zeros(n0, np.float32), config_optimizer(cfg, n0),
+                                     new_buffer)
         self.cpu0 = time.process_time()
         self.last = np.zeros(5)
         self.totals = {s: np.zeros(5) for s in range(len(self.bounds) - 1)}
