@@ -13,6 +13,11 @@ written once per step, where whole-vector ufuncs would stream them ten times ove
 (cupy) the whole vector is one block: kernels launch per call, and the device has the
 bandwidth.
 
+Adam on a large host vector, with PyTorch installed, steps with torch's fused CPU kernel
+instead (see :data:`FUSED_MIN_PARAMS`): one vectorised pass, 2.6x faster than the blocks.
+Its moments are kept as torch keeps them; checkpoints and the transfers between parameter
+stores use one form (:meth:`Optimizer.state_slice`), so kernels may differ between ranks.
+
 Weight decay is classic L2 regularisation: ``weight_decay * params`` is added to the
 gradient before the update (so with adam it is scaled by the adaptive denominator; this is
 not AdamW). The caller's ``grad`` is never modified.
@@ -21,13 +26,20 @@ not AdamW). The caller's ``grad`` is never modified.
 from __future__ import annotations
 
 import math
-from typing import Callable
+import os
+from typing import Callable, Optional
 
 import numpy as np
 
 from mpilb.errors import UsageError
 
 OPTIMIZERS: dict[str, Callable[..., "Optimizer"]] = {}
+
+FUSED_MIN_PARAMS = 1 << 16
+"""Adam on at least this many host float32 parameters steps with PyTorch's fused CPU kernel
+when torch is installed (one vectorised pass: 0.6 ms on 10^6 floats here, against 1.6 ms
+for the ten numpy ufuncs per block). Smaller vectors gain nothing worth importing torch.
+``MPILB_FUSED_ADAM=0`` turns it off."""
 
 BLOCK = 32768
 """Elements per block of a host step. Adam's blocks of params, grad, two moments and two
@@ -123,6 +135,7 @@ class Optimizer:
     name = "optimizer"
     _buffers: tuple[str, ...] = ()
     _scratch_vectors = 1
+    into_grad = True   # ``out=grad`` costs no more than in place (see above)
 
     def _scale(self, buf: str) -> float:
         """State as checkpointed = ``_scale(buf)`` x state as kept (1: kept as it is)."""
@@ -185,6 +198,16 @@ class Optimizer:
             if self._scale(buf) != 1.0:
                 state[buf] *= self._scale(buf)
         return state
+
+    def state_slice(self, buf: str, lo: int, hi: int) -> np.ndarray:
+        """A host copy of ``buf``'s elements [lo, hi) as checkpointed (the same floats
+        whichever kernel keeps them: parameter stores of one run may differ in that)."""
+        return _to_host(getattr(self, buf)[lo:hi]) * np.float32(self._scale(buf))
+
+    def load_state_slice(self, buf: str, lo: int, hi: int, values) -> None:
+        """Set ``buf``'s elements [lo, hi) from values as :meth:`state_slice` gives them."""
+        getattr(self, buf)[lo:hi] = self.xp.asarray(np.asarray(values) / np.float32(self._scale(buf)),
+                                                     dtype=self.dtype)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned (into the existing buffers).
@@ -281,11 +304,43 @@ class Adam(Optimizer):
     def __init__(self, num_params, *, beta1=0.9, beta2=0.999, eps=1e-8, **kw):
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         super().__init__(num_params, **kw)
+        self._torch = _fused_adam_torch() if (self.xp is np and self.dtype == np.float32
+                                              and num_params >= FUSED_MIN_PARAMS) else None
+        if self._torch is not None:   # the kernel keeps m and v themselves
+            self.into_grad = False     # it steps in place: out=grad would cost a copy
+            t = self._torch
+            self._state = ([t.from_numpy(self.exp_avg)], [t.from_numpy(self.exp_avg_sq)],
+                           [t.zeros((), dtype=t.float32)])
+
+    @property
+    def kernel(self) -> str:
+        """"torch-fused" or "numpy" (what steps this optimizer)."""
+        return "numpy" if self._torch is None else "torch-fused"
 
     def _scale(self, buf: str) -> float:
+        if getattr(self, "_torch", None) is not None:
+            return 1.0
         return 1.0 - (self.beta1 if buf == "exp_avg" else self.beta2)
 
     def _update(self, params, grad, lr, out):
+        if self._torch is not None:   # in place only: out starts as a copy of params
+            if out is not params:
+                if out is grad:    # (the server avoids this case: into_grad is False)
+                    grad = grad.copy()
+                out[...] = params
+            self._fused(out, grad, lr)
+        else:
+            self._update_blocks(params, grad, lr, out)
+
+    def _fused(self, params, grad, lr) -> None:
+        t = self._torch
+        m, v, step = self._state
+        step[0].fill_(float(self.steps))
+        t._fused_adam_([t.from_numpy(params)], [t.from_numpy(grad)], m, v, [], step, lr=lr,
+                       beta1=self.beta1, beta2=self.beta2, weight_decay=self.weight_decay,
+                       eps=self.eps, amsgrad=False, maximize=False)
+
+    def _update_blocks(self, params, grad, lr, out):
         xp, b1, b2 = self.xp, self.beta1, self.beta2
         bias1 = 1.0 - b1 ** self.steps
         bias2 = 1.0 - b2 ** self.steps
@@ -304,3 +359,46 @@ class Adam(Optimizer):
             xp.divide(m, s, out=s)
             s *= scale
             xp.subtract(p, s, out=o)
+
+
+_FUSED: list = []   # [torch module or None], decided once per process
+
+
+def _fused_adam_torch():
+    """torch, when its fused CPU Adam kernel is there and steps like :class:`Adam`'s numpy
+    blocks (checked once on a few floats: a private kernel may change between releases);
+    None without torch, with ``MPILB_FUSED_ADAM=0``, or when the check fails."""
+    if not _FUSED:
+        _FUSED.append(_check_fused_adam())
+    return _FUSED[0]
+
+
+def _check_fused_adam():
+    if os.environ.get("MPILB_FUSED_ADAM", "1") == "0":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    try:
+        rng = np.random.default_rng(0)
+        p0 = rng.standard_normal(64).astype(np.float32)
+        grads = [rng.standard_normal(64).astype(np.float32) for _ in range(3)]
+        results = []
+        for fused in (None, torch):
+            opt = Adam(64, lr=0.01, weight_decay=0.1)
+            opt._torch = fused
+            if fused is not None:
+                opt.into_grad = False
+                opt._state = ([torch.from_numpy(opt.exp_avg)], [torch.from_numpy(opt.exp_avg_sq)],
+                              [torch.zeros((), dtype=torch.float32)])
+            p = p0.copy()
+            for g in grads:
+                opt.step(p, g, 0.5)
+            results.append((p, opt.state_dict()))
+        (pa, sa), (pb, sb) = results
+        ok = np.allclose(pa, pb, rtol=1e-5, atol=1e-6) and all(
+            np.allclose(sa[b], sb[b], rtol=1e-5, atol=1e-7) for b in Adam._buffers)
+    except Exception:  # noqa: BLE001 - any failure: the numpy kernel steps
+        return None
+    return torch if ok else None

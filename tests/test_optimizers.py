@@ -225,3 +225,50 @@ def test_block_size_does_not_change_the_result(name, monkeypatch):
         results.append(params)
     for r in results[1:]:
         np.testing.assert_array_equal(r, results[0])   # same arithmetic element by element
+
+
+def _adam(n, kernel, **kw):
+    """An Adam forced onto one kernel ("numpy" or "torch-fused")."""
+    from mpilb import optimizers as O
+
+    opt = build_optimizer("adam", n, lr=0.01, **kw)
+    if kernel == "numpy":
+        opt._torch = None
+        opt.into_grad = True
+    elif opt.kernel != "torch-fused":
+        pytest.skip("torch's fused Adam is not available here")
+    assert opt.kernel == kernel and O.FUSED_MIN_PARAMS <= n
+    return opt
+
+
+def test_fused_adam_steps_like_the_numpy_blocks():
+    """The fused kernel (torch installed, >= FUSED_MIN_PARAMS floats) and the numpy blocks give
+    the same parameters and the same checkpointed moments, to float rounding; a slice of the
+    state moves between the two (parameter stores of one run may step with either)."""
+    n = 70000
+    rng = np.random.default_rng(3)
+    p0 = rng.standard_normal(n).astype(np.float32)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(4)]
+    a, b = _adam(n, "numpy", weight_decay=0.01), _adam(n, "torch-fused", weight_decay=0.01)
+    pa, pb = p0.copy(), p0.copy()
+    for i, g in enumerate(grads):
+        a.step(pa, g, 0.5 + i)
+        out = np.empty_like(pb)
+        b.step(pb, g, 0.5 + i, out=out)
+        pb = out
+    np.testing.assert_allclose(pa, pb, rtol=1e-5, atol=1e-7)
+    sa, sb = a.state_dict(), b.state_dict()
+    for buf in ("exp_avg", "exp_avg_sq"):
+        np.testing.assert_allclose(sa[buf], sb[buf], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a.state_slice(buf, 10, 500), b.state_slice(buf, 10, 500),
+                                   rtol=1e-5, atol=1e-6)
+    # the numpy one takes the fused one's moments for a slice, and steps on as it would have
+    c = _adam(n, "numpy", weight_decay=0.01)
+    c.load_state_dict(sb)
+    for buf in ("exp_avg", "exp_avg_sq"):
+        c.load_state_slice(buf, 0, 1000, b.state_slice(buf, 0, 1000))
+    pc = pb.copy()
+    g = grads[0]
+    c.step(pc, g)
+    b.step(pb, g)
+    np.testing.assert_allclose(pc, pb, rtol=1e-5, atol=1e-7)

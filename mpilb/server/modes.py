@@ -148,7 +148,8 @@ class ParamStore:
         t0 = time.perf_counter()
         t = self._target()
         version = self.version + 1
-        if t != self.cur and consume:   # over the gradient, which takes buffer t's place
+        if t != self.cur and consume and self.optimizer.into_grad:   # over the gradient,
+            # which takes buffer t's place
             self._exchanged, self.ring[t] = self.ring[t], grad
         self.optimizer.step(self.params, grad, lr_scale, out=self.ring[t])
         self.cur = t

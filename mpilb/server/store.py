@@ -79,15 +79,17 @@ def slice_store(cfg, params: np.ndarray, optimizer, new_buffer=None) -> ParamSto
 
 def _send_state(comm, dest: int, tag: int, params, optimizer, lo: int, hi: int) -> None:
     comm.Send(np.ascontiguousarray(params[lo:hi]), dest=dest, tag=tag)
-    for name in optimizer._buffers:
-        comm.Send(np.ascontiguousarray(getattr(optimizer, name)[lo:hi]), dest=dest, tag=tag)
+    for name in optimizer._buffers:   # as checkpointed: the stores' kernels may differ
+        comm.Send(optimizer.state_slice(name, lo, hi), dest=dest, tag=tag)
 
 
 def _recv_state(comm, source: int, tag: int, params, optimizer, lo: int, hi: int) -> None:
-    for target in [params] + [getattr(optimizer, name) for name in optimizer._buffers]:
-        buf = np.empty(hi - lo, np.float32)
+    buf = np.empty(hi - lo, np.float32)
+    C.wait(comm.Irecv(buf, source=source, tag=tag))
+    params[lo:hi] = buf
+    for name in optimizer._buffers:
         C.wait(comm.Irecv(buf, source=source, tag=tag))
-        target[lo:hi] = buf
+        optimizer.load_state_slice(name, lo, hi, buf)
 
 
 class StoreRank:
@@ -311,7 +313,7 @@ class RemoteStores:
             if optimizer is not None:
                 for name in optimizer._buffers:
                     C.wait(self.comm.Irecv(buf, source=s, tag=wire.TAG_GATHER))
-                    getattr(optimizer, name)[lo:hi] = buf
+                    optimizer.load_state_slice(name, lo, hi, buf)
                 steps = np.zeros(1, np.float64)   # the same count as rank 0's
                 C.wait(self.comm.Irecv(steps, source=s, tag=wire.TAG_GATHER))
 
@@ -395,8 +397,8 @@ class StoreGroup:
         s, hi = self.session, self.bounds[1]
         self.local.params[:] = s.params[:hi]
         opt = self.local.optimizer
-        for name in opt._buffers:
-            getattr(opt, name)[:] = getattr(s.optimizer, name)[:hi]
+        for name in opt._buffers:   # (the two may step with different kernels: by size)
+            opt.load_state_slice(name, 0, hi, s.optimizer.state_slice(name, 0, hi))
         opt.steps = s.optimizer.steps
         self.remote.load(s.params, s.optimizer, version)
 
@@ -409,7 +411,7 @@ class StoreGroup:
         s.params[:hi] = self.local.params
         opt = self.local.optimizer
         for name in opt._buffers:
-            getattr(s.optimizer, name)[:hi] = getattr(opt, name)
+            s.optimizer.load_state_slice(name, 0, hi, opt.state_slice(name, 0, hi))
         s.optimizer.steps = opt.steps
         self.remote.gather(s.params, s.optimizer)
         return s.params
