@@ -14,7 +14,7 @@ written once per step, where whole-vector ufuncs would stream them ten times ove
 bandwidth.
 
 Adam on a large host vector, with PyTorch installed, steps with torch's fused CPU kernel
-instead (see :data:`FUSED_MIN_PARAMS`): one vectorised pass, 2.6x faster than the blocks.
+instead (through the torch adapter, the one module that imports torch) (see :data:`FUSED_MIN_PARAMS`): one vectorised pass, 2.6x faster than the blocks.
 Its moments are kept as torch keeps them; checkpoints and the transfers between parameter
 stores use one form (:meth:`Optimizer.state_slice`), so kernels may differ between ranks.
 
@@ -304,41 +304,37 @@ class Adam(Optimizer):
     def __init__(self, num_params, *, beta1=0.9, beta2=0.999, eps=1e-8, **kw):
         self.beta1, self.beta2, self.eps = beta1, beta2, eps
         super().__init__(num_params, **kw)
-        self._torch = _fused_adam_torch() if (self.xp is np and self.dtype == np.float32
-                                              and num_params >= FUSED_MIN_PARAMS) else None
-        if self._torch is not None:   # the kernel keeps m and v themselves
-            self.into_grad = False     # it steps in place: out=grad would cost a copy
-            t = self._torch
-            self._state = ([t.from_numpy(self.exp_avg)], [t.from_numpy(self.exp_avg_sq)],
-                           [t.zeros((), dtype=t.float32)])
+        self._fused = None
+        if self.xp is np and self.dtype == np.float32 and num_params >= FUSED_MIN_PARAMS:
+            self.use_fused(_fused_adam())
+
+    def use_fused(self, kernel) -> None:
+        """Step with `kernel` (the torch adapter's FusedAdam class), or with the numpy
+        blocks (None). Only before the first step: the two keep the moments differently."""
+        assert self.steps == 0
+        self._fused = None if kernel is None else kernel(self.exp_avg, self.exp_avg_sq)
+        self.into_grad = kernel is None   # the fused kernel steps in place only
 
     @property
     def kernel(self) -> str:
         """"torch-fused" or "numpy" (what steps this optimizer)."""
-        return "numpy" if self._torch is None else "torch-fused"
+        return "numpy" if self._fused is None else "torch-fused"
 
     def _scale(self, buf: str) -> float:
-        if getattr(self, "_torch", None) is not None:
+        if getattr(self, "_fused", None) is not None:   # it keeps m and v themselves
             return 1.0
         return 1.0 - (self.beta1 if buf == "exp_avg" else self.beta2)
 
     def _update(self, params, grad, lr, out):
-        if self._torch is not None:   # in place only: out starts as a copy of params
+        if self._fused is not None:   # in place only: out starts as a copy of params
             if out is not params:
                 if out is grad:    # (the server avoids this case: into_grad is False)
                     grad = grad.copy()
                 out[...] = params
-            self._fused(out, grad, lr)
+            self._fused(out, grad, self.steps, lr, self.beta1, self.beta2, self.weight_decay,
+                        self.eps)
         else:
             self._update_blocks(params, grad, lr, out)
-
-    def _fused(self, params, grad, lr) -> None:
-        t = self._torch
-        m, v, step = self._state
-        step[0].fill_(float(self.steps))
-        t._fused_adam_([t.from_numpy(params)], [t.from_numpy(grad)], m, v, [], step, lr=lr,
-                       beta1=self.beta1, beta2=self.beta2, weight_decay=self.weight_decay,
-                       eps=self.eps, amsgrad=False, maximize=False)
 
     def _update_blocks(self, params, grad, lr, out):
         xp, b1, b2 = self.xp, self.beta1, self.beta2
@@ -361,13 +357,14 @@ class Adam(Optimizer):
             xp.subtract(p, s, out=o)
 
 
-_FUSED: list = []   # [torch module or None], decided once per process
+_FUSED: list = []   # [FusedAdam class or None], decided once per process
 
 
-def _fused_adam_torch():
-    """torch, when its fused CPU Adam kernel is there and steps like :class:`Adam`'s numpy
-    blocks (checked once on a few floats: a private kernel may change between releases);
-    None without torch, with ``MPILB_FUSED_ADAM=0``, or when the check fails."""
+def _fused_adam():
+    """The torch adapter's FusedAdam, when torch is installed and its kernel steps like
+    :class:`Adam`'s numpy blocks (checked once on a few floats: a private kernel may change
+    between releases); None without torch, with ``MPILB_FUSED_ADAM=0``, or when the check
+    fails."""
     if not _FUSED:
         _FUSED.append(_check_fused_adam())
     return _FUSED[0]
@@ -377,7 +374,7 @@ def _check_fused_adam():
     if os.environ.get("MPILB_FUSED_ADAM", "1") == "0":
         return None
     try:
-        import torch
+        from mpilb.models.torch_adapter import FusedAdam
     except ImportError:
         return None
     try:
@@ -385,20 +382,16 @@ def _check_fused_adam():
         p0 = rng.standard_normal(64).astype(np.float32)
         grads = [rng.standard_normal(64).astype(np.float32) for _ in range(3)]
         results = []
-        for fused in (None, torch):
+        for kernel in (None, FusedAdam):
             opt = Adam(64, lr=0.01, weight_decay=0.1)
-            opt._torch = fused
-            if fused is not None:
-                opt.into_grad = False
-                opt._state = ([torch.from_numpy(opt.exp_avg)], [torch.from_numpy(opt.exp_avg_sq)],
-                              [torch.zeros((), dtype=torch.float32)])
+            opt.use_fused(kernel)
             p = p0.copy()
             for g in grads:
                 opt.step(p, g, 0.5)
             results.append((p, opt.state_dict()))
         (pa, sa), (pb, sb) = results
         ok = np.allclose(pa, pb, rtol=1e-5, atol=1e-6) and all(
-            np.allclose(sa[b], sb[b], rtol=1e-5, atol=1e-7) for b in Adam._buffers)
+            np.allclose(sa[b], sb[b], rtol=1e-5, atol=1e-6) for b in Adam._buffers)
     except Exception:  # noqa: BLE001 - any failure: the numpy kernel steps
         return None
-    return torch if ok else None
+    return FusedAdam if ok else None

@@ -233,8 +233,7 @@ def _adam(n, kernel, **kw):
 
     opt = build_optimizer("adam", n, lr=0.01, **kw)
     if kernel == "numpy":
-        opt._torch = None
-        opt.into_grad = True
+        opt.use_fused(None)
     elif opt.kernel != "torch-fused":
         pytest.skip("torch's fused Adam is not available here")
     assert opt.kernel == kernel and O.FUSED_MIN_PARAMS <= n

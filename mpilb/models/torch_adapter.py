@@ -29,6 +29,24 @@ from mpilb.errors import MpilbError, UsageError
 from mpilb.models.base import Model, r2_score
 
 
+class FusedAdam:
+    """torch's fused CPU Adam kernel on numpy vectors, for :class:`mpilb.optimizers.Adam`
+    (one vectorised pass instead of numpy's ten ufuncs per block). The moments are torch's
+    own m and v, in `exp_avg` and `exp_avg_sq` (shared, no copy); a step is in place."""
+
+    def __init__(self, exp_avg: np.ndarray, exp_avg_sq: np.ndarray):
+        self.m = [torch.from_numpy(exp_avg)]
+        self.v = [torch.from_numpy(exp_avg_sq)]
+        self.step = [torch.zeros((), dtype=torch.float32)]
+
+    def __call__(self, params: np.ndarray, grad: np.ndarray, steps: int, lr: float,
+                 beta1: float, beta2: float, weight_decay: float, eps: float) -> None:
+        self.step[0].fill_(float(steps))   # the kernel reads t, the count of this step
+        torch._fused_adam_([torch.from_numpy(params)], [torch.from_numpy(grad)], self.m, self.v,
+                           [], self.step, lr=lr, beta1=beta1, beta2=beta2,
+                           weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+
+
 def is_module(obj) -> bool:
     """True for a torch.nn.Module instance."""
     return isinstance(obj, torch.nn.Module)
