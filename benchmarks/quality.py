@@ -183,7 +183,9 @@ class Bench:
             f = found[-1]
             print(f"    silent rows {f['silent_rows']}, moves to rank 2 at {f['moves_t']}, rate back "
                   f"at {f['rate_back_t']} s, work again at {f['work_t']} s, run ended at "
-                  f"{f['end_t']} s: recovered {f['recovered_s']} s after the window")
+                  f"{f['end_t']} s: recovered {f['recovered_s']} s after the window (rate back in "
+                  f"workers/ row {f['rows_to_rate_back']} after it; longest gap between rows "
+                  f"{f['max_row_gap_s']} s)")
         late = [f["recovered_s"] for f in found]
         self.results["c"] = {"runs": found, "silent_runs": sum(1 for f in found if f["silent_rows"]),
                              "command": b.runs[-1].command}
@@ -198,6 +200,11 @@ class Bench:
         self.res.figure(g, "c.work_s", "shards assigned to it again, s after the slowdown ended",
                         [None if f["work_t"] is None else f["work_t"] - SLOW_READER_END_S
                          for f in found], unit="s")
+        self.res.figure(g, "c.rows", "rebalance rows (workers/) after the slowdown ended until its "
+                        "rate was back", [f["rows_to_rate_back"] for f in found], digits=0)
+        self.res.figure(g, "c.gap_s", "longest gap between two rebalance rows (the job descheduled "
+                        "by other jobs when far over the interval)", [f["max_row_gap_s"] for f in found],
+                        unit="s")
         self.res.figure(g, "c.silent", "runs in which rank 2 fell silent (a row with no samples)",
                         [float(bool(f["silent_rows"])) for f in found], digits=0)
 
@@ -213,7 +220,7 @@ class Bench:
             mine = rate[(t == x) & (rank == 2)]
             others = rate[(t == x) & (rank != 2)]
             if len(mine) and len(others) and mine[0] >= 0.5 * float(np.median(others)):
-                rate_back = round(float(x), 2)
+                rate_back = float(x)
                 break
         events = [e.decode() if isinstance(e, bytes) else str(e) for e in sh["event"]]
         moves_t = [round(float(x), 2) for x, d, e in zip(sh["t"], sh["dst"], events)
@@ -228,8 +235,15 @@ class Bench:
                     work = round(float(x), 2)
                     break
         done = rate_back is not None and work is not None
-        return {"silent_rows": silent, "moves_t": moves_t[:8], "rate_back_t": rate_back,
-                "work_t": work, "end_t": round(float(t.max()), 2),
+        rows = sorted(set(t.tolist()))
+        # A job descheduled for seconds by other jobs on the machine shows as a long gap
+        # between rows (rebalances are due every interval): its seconds are not the balancer's.
+        gap = max((b - a for a, b in zip(rows, rows[1:])), default=0.0)
+        return {"silent_rows": silent, "moves_t": moves_t[:8],
+                "rate_back_t": None if rate_back is None else round(rate_back, 2),
+                "work_t": work, "end_t": round(float(t.max()), 2), "max_row_gap_s": round(gap, 2),
+                "rows_to_rate_back": (sum(1 for x in rows if SLOW_READER_END_S <= x <= rate_back)
+                                      if rate_back is not None else None),
                 "recovered_s": round(max(rate_back, work) - SLOW_READER_END_S, 2) if done else None}
 
     # ---------------------------------------------------------------- (d)
