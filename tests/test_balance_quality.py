@@ -127,6 +127,74 @@ def test_a_silent_worker_gets_a_probe_shard_once_per_interval():
     assert bal.rate(2) == pytest.approx(2000.0)
 
 
+def _slow_reader(interval=2.0):
+    """Ranks 1 and 3 at 200,000 samples/s; rank 2 a slow reader whose every report carries
+    a whole 1,600-sample shard's read (0.33 s at 5 MB/s) in its first batch: too slow for
+    even one shard of the next plan."""
+    bal = build_balancer("load", [1, 2, 3], [1600] * 48,
+                         BalancerConfig(batch=128, rebalance_interval=interval))
+    for k in range(5):
+        t = 0.1 * (k + 1)
+        for w in (1, 3):
+            bal.observe(w, t, 12800, 0.064, comm_s=0.03)
+        bal.observe(2, t, 128, 0.34, comm_s=0.001)
+    bal.plan_epoch(1, list(range(48)))
+    assert bal.queued(2) == []
+    return bal
+
+
+def _run_probe(bal, t, read_s=0.018, step_s=0.0007):
+    """Rank 2 takes its probe shard and does it at full speed, batch by batch: 1,600
+    samples in 0.027 s of compute and I/O, less than one 50 ms rate bucket."""
+    shard = bal.next_shard(2)
+    assert shard is not None
+    for k, lo in enumerate(range(0, 1600, 128)):
+        n = min(128, 1600 - lo)
+        t += 0.001
+        bal.observe(2, t, n, step_s * n / 128 + (read_s if k == 0 else 0.0), comm_s=0.0003)
+    return t
+
+
+def test_a_probe_shorter_than_a_rate_bucket_still_brings_the_worker_back():
+    """The slow-reader miss of issue 17: a probe done at full speed took 27 ms of busy time,
+    its 50 ms bucket never closed, and the stale slow estimate stayed: no more shards, no
+    more reports, the rate never recovered. The probe's last report now closes its bucket."""
+    bal = _slow_reader()
+    assert bal.rate(2) < 400
+    moves = bal.rebalance(4.0, {1: 16000, 2: 0, 3: 16000})     # reads are fast again by now
+    assert [m.dst for m in moves if m.reason == "probe"] == [2]
+    _run_probe(bal, 4.0)
+    busy = 0.018 + 0.0007 * 1600 / 128
+    assert bal.rate(2) == pytest.approx(1600 / busy)             # ~59,000/s, what it measured
+    assert bal.next_shard(2) is not None                         # it gets work again at once
+    plan = bal.plan_epoch(2, list(range(48)))
+    assert len(plan[2]) >= 3                                     # and its share of the next plan
+
+
+def test_a_silent_worker_is_probed_at_every_rebalance_despite_clock_jitter():
+    bal = _slow_reader()
+    assert [m.dst for m in bal.rebalance(1.0, {1: 1600, 2: 0, 3: 1600}) if m.reason == "probe"] == [2]
+    bal.next_shard(2)
+    bal.observe(2, 1.4, 1600, 0.36, comm_s=0.001)               # still slow: silent again
+    # the next rebalance, a hair under one interval later by the balancer's clock
+    assert [m.dst for m in bal.rebalance(2.9995, {1: 1600, 2: 0, 3: 1600})
+            if m.reason == "probe"] == [2]
+
+
+def test_a_probe_that_found_every_queue_empty_is_made_at_the_next_epoch_start():
+    bal = _slow_reader()
+    for w in (1, 3):                                             # the epoch's end: all handed out
+        while bal.queued(w):
+            bal.next_shard(w)
+    assert not [m for m in bal.rebalance(4.0, {1: 3200, 2: 0, 3: 3200}) if m.reason == "probe"]
+    bal.observe(1, 4.1, 128, 0.00064, comm_s=0.0003)
+    bal.plan_epoch(2, list(range(48)))
+    probes = [m for m in bal.take_moves() if m.reason == "probe"]
+    assert [m.dst for m in probes] == [2] and bal.queued(2) == [probes[0].shard]
+    _run_probe(bal, 4.2)
+    assert bal.rate(2) > 10_000
+
+
 def test_seed_rate_sizes_a_readmitted_worker_at_once():
     cfg = BalancerConfig(batch=64, batch_policy="proportional", min_batch=1, max_batch=512)
     bal = build_balancer("load", [1, 2], [100] * 4, cfg)

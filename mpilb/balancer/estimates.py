@@ -39,18 +39,29 @@ class RateEstimates:
         proportional batches uses it when given, ``busy_s`` otherwise.
         """
         self.now = max(self.now, t)
+        left = None
+        if worker in self._committed:
+            left = self._committed[worker] = max(0, self._committed[worker] - int(samples))
+            self._dirty.add(worker)
         if worker in self._rates:
             est = self._rates[worker]
-            est.update(t, samples, busy_s, comm_s)
+            if est.ewma.stale and left == 0 and not self._queues.get(worker):
+                # The last report of a probe (see LoadBalancer._probe_silent): what the probe
+                # measured is the new estimate now, however short it was. A probe shard done
+                # at full speed may take less busy time than one bucket, and a silent worker
+                # gets nothing more until its estimate says it is fast again.
+                bucket = est.ewma.bucket_s
+                est.ewma.bucket_s = 0.0
+                est.update(t, samples, busy_s, comm_s)
+                est.ewma.bucket_s = bucket
+            else:
+                est.update(t, samples, busy_s, comm_s)
             if est.ewma.closed:
                 self._estimates_changed(worker)
             if step_s is not None:
                 over = max(0.0, step_s - busy_s)
                 old = self._step_over.get(worker)
                 self._step_over[worker] = over if old is None else old + STEP_ALPHA * (over - old)
-        if worker in self._committed:
-            self._committed[worker] = max(0, self._committed[worker] - int(samples))
-            self._dirty.add(worker)
 
     def step_model(self, worker: int) -> tuple[float, float]:
         """(a, c): ``worker``'s step at batch b is expected to take ``a + c * b`` seconds.

@@ -7,6 +7,9 @@ import numpy as np
 from .base import Balancer, Move, register
 from .estimates import _EPS, _NONLINEAR
 
+# A silent worker is probed again once (1 - PROBE_SLACK) rebalance intervals have passed.
+PROBE_SLACK = 0.1
+
 
 @register("static")
 class StaticBalancer(Balancer):
@@ -144,6 +147,14 @@ class LoadBalancer(Balancer):
             queues = self._queues
         return queues
 
+    def plan_epoch(self, epoch, order):
+        super().plan_epoch(epoch, order)
+        # A probe a rebalance owed (every queue was empty then) is made now, if the plan
+        # left that worker without a shard.
+        owed, self._probe_owed = self._probe_owed, {}
+        self._moves.extend(self._probe_silent(self.now, owed))
+        return {w: list(q) for w, q in self._queues.items()}
+
     def rebalance(self, t, committed):
         super().rebalance(t, committed)
         if len(self.workers) < 2:
@@ -154,30 +165,41 @@ class LoadBalancer(Balancer):
         self._moves.extend(probes)
         return moves + probes
 
-    def _probe_silent(self, t: float) -> list[Move]:
+    def _probe_silent(self, t: float, owed: dict | None = None) -> list[Move]:
         """A worker left without work while others still have shards queued (projected too
         slow for even one, e.g. a slow reader) sends no reports, so its rate would never
         recover when it speeds up. At a rebalance it gets one queued shard (a probe: the
         smallest at the tail of the last finisher's queue), at most one per interval; its
-        old estimate is then replaced by what the probe measures. A worker idle for any
-        other reason would have stolen that shard already."""
-        wait = self.config.rebalance_interval
+        old estimate is then replaced by what the probe measures (see ``observe``). A
+        worker idle for any other reason would have stolen that shard already.
+
+        A rebalance that finds every queue empty (the epoch's end) owes the probe to the
+        next epoch's start (``owed``: worker -> the rebalance's time, which then counts as
+        the probe's). The interval is counted with PROBE_SLACK: rebalances come one
+        interval apart by the server's clock, and a probe must not skip every other one
+        because two readings of the clock differ by a millisecond.
+        """
+        wait = (1.0 - PROBE_SLACK) * self.config.rebalance_interval
         moves = []
-        for w in self.workers:
+        for w in self.workers if owed is None else [w for w in self.workers if w in owed]:
             if self._queues[w] or self._committed.get(w, 0) > 0:
                 continue
-            if t - self._probed.get(w, -wait) < wait or not self.rate_known(w):
+            when = t if owed is None else owed[w]
+            last = self._probed.get(w)
+            if (last is not None and when - last < wait) or not self.rate_known(w):
                 continue
             donors = [v for v in self.workers if v != w and self._queues[v]]
             if not donors:
-                break
+                if owed is None:
+                    self._probe_owed[w] = t
+                continue
             src = max(donors, key=self._finish)
             shard = min(self._queues[src][-3:], key=lambda s: self.shard_sizes[s])
             self._queues[src].remove(shard)
             self._queues[w].append(shard)
             self._touch(src)
             self._touch(w)
-            self._probed[w] = t
+            self._probed[w] = when
             self._rates[w].ewma.mark_stale()
             moves.append(Move(shard, src, w, "probe"))
         return moves
