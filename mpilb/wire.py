@@ -284,8 +284,7 @@ def message_of(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     one, from :func:`new_message`) lies in: a buffer that held parameters can receive a
     push again."""
     buf = payload.base
-    if (buf is None or buf.dtype != np.uint8 or buf.ndim != 1
-            or payload.__array_interface__["data"][0] != buf.ctypes.data + HEADER_BYTES):
+    if buf is None or buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes < HEADER_BYTES:
         raise ValueError("not the payload of a message buffer from new_message()")
     return buf, header_view(buf), buf[HEADER_BYTES:].view(np.float32)
 

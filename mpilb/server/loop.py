@@ -234,7 +234,7 @@ class ParameterServer(Epochs, Lifecycle, Chores):
             self._reply(w, Cmd.STOP)
             return
         self._top_up(w)
-        if self.rule.holds(w, self.present()):
+        if self.rule.holds_replies and self.rule.holds(w, self.present()):
             w.hold(time.monotonic())
             if self.ledger.has_orders(w.rank):   # rows others wait for must not wait
                 self.outbox.orders(w)
@@ -249,6 +249,8 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         self._release_held()
 
     def _release_held(self) -> None:
+        if not self.rule.holds_replies:
+            return
         for o in self.rule.releasable(self.present()):
             self._send_reply(o)
 

@@ -213,6 +213,7 @@ class UpdateRule:
     name = ""
     needs_old_params = False
     rounds = False    # gradients join rounds (sync) instead of being applied on arrival
+    holds_replies = False   # holds() and releasable() may say otherwise than "no" (ssp)
 
     def __init__(self, store: ParamStore, has_work: Callable[[int], bool], staleness_bound: int = 0,
                  sitout=None):
@@ -255,6 +256,8 @@ class Asynchronous(UpdateRule):
 class StaleSynchronous(UpdateRule):
     """Apply on arrival, but a worker more than --staleness-bound steps ahead of the slowest
     busy worker waits until it catches up."""
+
+    holds_replies = True
 
     def too_far_ahead(self, peer, peers: Iterable) -> bool:
         others = [o.step for o in peers if o is not peer and not o.idle and self.has_work(o.rank)]

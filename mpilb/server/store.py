@@ -260,6 +260,8 @@ class RemoteStores:
 
     def _command(self, op: Op, rank: int = -1, batch: int = 0, staleness: int = 0,
                  version: int = 0, lr: float = 1.0) -> None:
+        if not self.ranks:   # --servers 1
+            return
         wire.encode_ctrl(self.ctrl, op, rank, batch, staleness, version, lr)
         for s in self.ranks:   # 64 bytes: sent eagerly, Send returns at once
             self.comm.Send(self.ctrl, dest=s, tag=wire.TAG_CTRL)
