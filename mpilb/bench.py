@@ -83,14 +83,18 @@ def _bare_worker(comm, n: int) -> None:
     status = C.MPI.Status()
     backoff = C.Backoff()
     while True:
-        C.complete(comm.Isend(g, dest=0, tag=TAG_BARE))
+        # like a real worker, it does not wait for its push to complete before it waits
+        # for the reply (the server has received the push when it replies)
+        send = comm.Isend(g, dest=0, tag=TAG_BARE)
         backoff.reset()
         while not comm.Iprobe(source=0, tag=C.MPI.ANY_TAG, status=status):
             backoff.sleep()
         if status.Get_tag() == TAG_BARE_STOP:
             comm.Recv(np.empty(1, np.float32), source=0, tag=TAG_BARE_STOP)
+            C.complete(send)
             return
         C.recv_when_ready(comm, w, 0, TAG_BARE, backoff)
+        C.complete(send)
 
 
 def _null_worker(comm, n: int, bounds: list) -> None:
@@ -104,6 +108,7 @@ def _null_worker(comm, n: int, bounds: list) -> None:
     backoff = C.Backoff()
     step = 0
     pulls = None
+    pushes: list = []
     stores = range(len(bounds) - 1)
     while True:
         if pulls is None:
@@ -111,6 +116,9 @@ def _null_worker(comm, n: int, bounds: list) -> None:
                      for s in stores]
         C.recv_when_ready(comm, recv_buf[:wire.HEADER_BYTES], 0, wire.TAG_REPLY, backoff)
         reply = wire.decode_reply(recv_hdr)
+        for req in pushes:   # done: the server replied (as a real worker, it did not wait)
+            C.complete(req)
+        pushes = []
         if reply.cmd == Cmd.STOP:
             for req in pulls:
                 req.Cancel()
@@ -140,11 +148,10 @@ def _null_worker(comm, n: int, bounds: list) -> None:
         wire.encode_push(push_hdr, step=step, version=reply.version, epoch=epoch, shard=shard,
                          lo=lo, hi=hi, batch=hi - lo, loss=0.0, compute_s=0.0, io_s=0.0,
                          comm_s=0.0, idle_s=0.0, nonfinite=False, t=0.0)
-        reqs = [comm.Isend(push_payload[bounds[s]:bounds[s + 1]], dest=s, tag=wire.TAG_GRAD)
-                for s in stores if s > 0]
-        reqs.append(comm.Isend(push_buf[:wire.HEADER_BYTES + 4 * bounds[1]], dest=0, tag=wire.TAG_PUSH))
-        for req in reqs:
-            C.complete(req)
+        pushes = [comm.Isend(push_payload[bounds[s]:bounds[s + 1]], dest=s, tag=wire.TAG_GRAD)
+                  for s in stores if s > 0]
+        pushes.append(comm.Isend(push_buf[:wire.HEADER_BYTES + 4 * bounds[1]], dest=0,
+                                 tag=wire.TAG_PUSH))
         step += 1
 
 
