@@ -28,8 +28,10 @@ from .errors import DataError, UsageError
 from .prepare import array_chunks, block_rows, release_pages, write_dataset
 
 TASKS = ("auto", "classify", "regress")
-# CSV rows parsed per block: Python's strings cost ~50x the numbers they hold
-CSV_BLOCK_ROWS = 1024
+# CSV cells parsed per block (rows = this / columns, at least one): Python's strings and
+# lists cost ~50x the numbers they hold, so a block is bounded in cells, not rows; a wide
+# file (thousands of columns) parses a few rows at a time.
+CSV_BLOCK_CELLS = 1 << 14
 
 
 # --------------------------------------------------------------------------- shared
@@ -271,17 +273,38 @@ def _columns(path: Path, header: list[str], names: list[str], option: str) -> li
     return [index[n] for n in names]
 
 
-def _bad_cell(path: Path, line: int, rows: list[list[str]], cols: list[int], header) -> str:
-    """The message for the first cell of ``rows`` (starting at file ``line``) that is not a number."""
-    for r, row in enumerate(rows):
+def _bad_cell(path: Path, lines: list[int], rows: list[list[str]], cols: list[int], header) -> str:
+    """The message for the first cell of ``rows`` (read from file ``lines``) that is not a number."""
+    for line, row in zip(lines, rows):
         for c in cols:
             try:
                 float(row[c])
             except ValueError:
                 cell = row[c].strip()
                 what = "an empty cell" if not cell else f"{cell[:30]!r} is not a number"
-                return f"{path}: line {line + r}, column '{header[c]}': {what}"
-    return f"{path}: line {line}: cannot parse the rows"  # pragma: no cover
+                return f"{path}: line {line}, column '{header[c]}': {what}"
+    return f"{path}: line {lines[0]}: cannot parse the rows"  # pragma: no cover
+
+
+def _csv_blocks(path: Path, reader, columns: int):
+    """The data rows in blocks of about CSV_BLOCK_CELLS cells: ``(rows, lines)``, where
+    ``lines[i]`` is the file line row ``i`` starts on (blank lines skipped, a quoted cell
+    may span lines)."""
+    per_block = max(1, CSV_BLOCK_CELLS // max(1, columns))
+    rows, lines = [], []
+    start = reader.line_num + 1
+    for row in reader:
+        if row and not (len(row) == 1 and not row[0].strip()):   # not a blank line
+            if len(row) != columns:
+                raise DataError(f"{path}: line {start}: {len(row)} cells, the header has {columns}")
+            rows.append(row)
+            lines.append(start)
+            if len(rows) == per_block:
+                yield rows, lines
+                rows, lines = [], []
+        start = reader.line_num + 1
+    if rows:
+        yield rows, lines
 
 
 def prepare_csv(file, out, target: str, features: str | None = None, shards: int = 8,
@@ -320,33 +343,20 @@ def prepare_csv(file, out, target: str, features: str | None = None, shards: int
         overlap = set(x_cols) & set(y_cols)
         if overlap:
             raise UsageError(f"prepare csv: column '{header[min(overlap)]}' is both a feature and a target")
+        # parsed block by block into raw float files beside OUT, mapped once complete
         with open(stage / "x.bin", "wb") as xf, open(stage / "y.bin", "wb") as yf:
-            n, integral, line, block = 0, True, 2, []
-
-            def flush(block, line):
+            n, integral = 0, True
+            for block, lines in _csv_blocks(path, reader, len(header)):
                 try:
                     xb = np.array([[row[c] for c in x_cols] for row in block], dtype=np.float32)
                     yb = np.array([[row[c] for c in y_cols] for row in block], dtype=np.float64)
                 except ValueError:
-                    raise DataError(_bad_cell(path, line, block, x_cols + y_cols, header)) from None
+                    raise DataError(_bad_cell(path, lines, block, x_cols + y_cols, header)) from None
                 xf.write(xb.tobytes())
                 yf.write(yb.tobytes())
-                return all("." not in row[c] and "e" not in row[c].lower()
-                           and "n" not in row[c].lower() for row in block for c in y_cols)
-
-            for row in reader:
-                if not row or (len(row) == 1 and not row[0].strip()):
-                    line += 1   # a blank line
-                    continue
-                if len(row) != len(header):
-                    raise DataError(f"{path}: line {reader.line_num}: {len(row)} cells, the "
-                                    f"header has {len(header)}")
-                block.append(row)
-                if len(block) == CSV_BLOCK_ROWS:
-                    integral &= flush(block, line)
-                    n, line, block = n + len(block), reader.line_num + 1, []
-            if block:
-                integral &= flush(block, line)
+                integral = integral and all("." not in row[c] and "e" not in row[c].lower()
+                                            and "n" not in row[c].lower()
+                                            for row in block for c in y_cols)
                 n += len(block)
         if n == 0:
             raise DataError(f"{path}: no data rows after the header")

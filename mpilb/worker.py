@@ -24,10 +24,11 @@ from . import comm as C
 from .backend import select_backend
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
-from .shards import ShardStore, holders_of, placement
+from .row_exchange import RowExchange, held_shards
+from .shards import ShardStore
 from .training import PREEMPTED, USR1_NOTICE, config_model
 from . import wire
-from .wire import Cmd, resource_tag
+from .wire import Cmd
 
 
 class StopWorker(Exception):
@@ -45,43 +46,40 @@ class Computed:
     version: int        # parameters it was computed on (pipelined: older than the latest)
 
 
-class RemoteRows:
-    """Rows of a shard arriving from a rank that holds them (posted at assignment time).
+class TimeSincePush:
+    """Where a worker's time went since its last push, reported in the next push's header.
 
-    `sources`: (rank, tag) pairs, the ordered sender first. With --replicas 2 or more the
-    other holders of the shard are listed too (with the re-source tag): if the sender is
-    lost before the rows arrive, the server orders another holder to send them, and the
-    first complete copy is used; receives still posted for the others are cancelled (kept
-    in `leftover` until MPI has let go of their buffers).
+    Communication and idle seconds accumulate between pushes; I/O is the feed's running total,
+    reported as its growth since the last report. `reply_wait` learns how long the server
+    holds a reply, so that the worker wakes up just in time for it.
     """
 
-    def __init__(self, comm, sources: list[tuple[int, int]], rows: int, sample_shape, backoff,
-                 on_poll=None, y_dtype="int64", target_shape=()):
-        self.copies = []
-        for src, tag in sources:
-            x = np.empty((rows, *sample_shape), dtype=np.float32)
-            y = np.empty((rows, *target_shape), dtype=y_dtype)   # labels or float targets
-            self.copies.append(([comm.Irecv(x, source=src, tag=tag),
-                                 comm.Irecv(y, source=src, tag=tag + 1)], x, y))
-        self.backoff = backoff
-        self.on_poll = on_poll    # between polls: rows other ranks wait for from this one
-        self.leftover: list = []
+    def __init__(self):
+        self.comm_s = self.idle_s = 0.0
+        self.io_reported = 0.0
+        self.reply_wait = C.WaitEstimate()   # push -> reply
 
-    def wait(self):
-        t0 = time.perf_counter()
-        self.backoff.reset()
-        while True:
-            for i, (reqs, x, y) in enumerate(self.copies):
-                if C.Request.Testall(reqs):
-                    for other in self.copies[:i] + self.copies[i + 1:]:
-                        for req in other[0]:
-                            req.Cancel()
-                        self.leftover.append(other)
-                    self.copies = []
-                    return x, y, time.perf_counter() - t0
-            if self.on_poll is not None:
-                self.on_poll()
-            self.backoff.sleep()
+    def reply_window(self, counts_as_idle: bool) -> tuple[Optional[float], float]:
+        """(due, grace) for the wait for the server's next message."""
+        return (None, 0.0) if counts_as_idle else self.reply_wait.window(time.monotonic())
+
+    def waited(self, waited: float, held: float, counts_as_idle: bool) -> None:
+        """Account a wait for the server's message (`held`: the server's hold of the reply)."""
+        if counts_as_idle:
+            self.idle_s += waited
+        else:
+            # the server's hold, not `waited`: that includes this rank's own lateness, and
+            # waking later for having woken late would feed on itself
+            self.reply_wait.update(held)
+            self.idle_s += min(held, waited)
+            self.comm_s += max(0.0, waited - held)
+
+    def report(self, io_total: float) -> dict:
+        """The push header's timing fields; starts the next interval."""
+        fields = dict(io_s=io_total - self.io_reported, comm_s=self.comm_s, idle_s=self.idle_s)
+        self.io_reported = io_total
+        self.comm_s = self.idle_s = 0.0
+        return fields
 
 
 class Worker:
@@ -96,9 +94,8 @@ class Worker:
         inj = self.injector
         self.held = None
         if cfg.store == "local":
-            ranks = list(range(cfg.servers, comm.Get_size()))
-            self.held = {s for s, hs in placement(len(dataset.shard_sizes), ranks, cfg.replicas).items()
-                         if rank in hs}
+            self.held = held_shards(len(dataset.shard_sizes), rank, comm.Get_size(),
+                                    cfg.servers, cfg.replicas)
         self.store = ShardStore(dataset, seed=cfg.seed,
                                 io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
                                 cache_mb=cfg.cache_mb, shards=self.held)
@@ -126,22 +123,17 @@ class Worker:
         self.batch = cfg.batch
         self.step = 0
         self.backoff = C.Backoff()
-        self.reply_wait = C.WaitEstimate()   # push -> reply, to wake up just in time
+        # rows sent to and received from other workers (--store local, part-way moves)
+        self.rows = RowExchange(comm, rank, cfg, dataset, self.feed, self.backoff,
+                                on_poll=self._orders_while_blocked)
         self.push_reqs: list = []
         # --servers K: store s holds parameters [bounds[s], bounds[s+1]) (wire.cut_slices)
         self.bounds = wire.cut_slices(self.n, cfg.servers, wire.layer_sizes(self.model))
         self.pulls: Optional[list] = None   # receives of the next reply's slices, posted early
-        # timings since the last push
-        self.compute_s = self.comm_s = self.idle_s = 0.0
-        self.io_reported = 0.0
+        self.times = TimeSincePush()
         self.retry = False
         self.signals_sent: set = set()
         self.preempt_reqs: list = []
-        self.outgoing: list = []
-        self.remotes: list[RemoteRows] = []   # receives of rows not yet complete or let go
-        self.shard_sizes = list(dataset.shard_sizes)
-        self.sample_shape = tuple(dataset.sample_shape)
-        self.y_dtype, self.target_shape = dataset.label_dtype, tuple(dataset.target_shape)
 
     def _message(self, floats: Optional[int] = None):
         """(buffer MPI sends/receives, host header, payload on the compute device or host)."""
@@ -177,7 +169,7 @@ class Worker:
         """The slices follow a PARAMS header: wait for all of them (no spinning)."""
         self.backoff.reset()
         while not C.Request.Testall(self.pulls):
-            self._progress_outgoing()
+            self.rows.progress()
             self.backoff.sleep()
         self.pulls = None
 
@@ -185,7 +177,7 @@ class Worker:
         """Wait for the server's message (no spinning) and act on it."""
         t0 = time.perf_counter()
         self._post_pulls()
-        due, grace = (None, 0.0) if counts_as_idle else self.reply_wait.window(time.monotonic())
+        due, grace = self.times.reply_window(counts_as_idle)
         hdr = self.recv_buf[1]
         while True:
             C.recv_when_ready(self.comm, self.recv_buf[0], 0, wire.TAG_REPLY, self.backoff,
@@ -193,20 +185,11 @@ class Worker:
             self._header_from_buffer(self.recv_buf)
             if wire.command(hdr) != Cmd.ORDERS:
                 break
-            self._serve_orders(wire.decode_orders(hdr))   # rows another rank needs; the reply is still to come
+            self.rows.serve(wire.decode_orders(hdr))   # rows another rank needs; the reply is still to come
         reply = wire.decode_reply(hdr)
         if reply.cmd == Cmd.PARAMS:
             self._finish_pulls()
-        waited = time.perf_counter() - t0
-        held = reply.held_s
-        if counts_as_idle:
-            self.idle_s += waited
-        else:
-            # the server's hold, not `waited`: that includes this rank's own lateness, and
-            # waking later for having woken late would feed on itself
-            self.reply_wait.update(held)
-            self.idle_s += min(held, waited)
-            self.comm_s += max(0.0, waited - held)
+        self.times.waited(time.perf_counter() - t0, reply.held_s, counts_as_idle)
         if reply.cmd == Cmd.STOP:
             raise StopWorker
         self.version = reply.version
@@ -217,17 +200,14 @@ class Worker:
         for epoch, shard, start, end, src, tag in reply.assigns:
             remote = None
             if src >= 0:
-                remote = RemoteRows(self.comm, self._sources(shard, src, tag), end - start,
-                                    self.sample_shape, self.backoff, self._orders_while_blocked,
-                                    self.y_dtype, self.target_shape)
-                self.remotes.append(remote)
+                remote = self.rows.expect(shard, end - start, src, tag)
             elif self.held is not None and shard not in self.held:
                 raise RuntimeError(f"shard {shard} assigned for a local read, but this rank holds no copy")
             self.feed.assign(epoch, shard, start, end, remote)
         if reply.cut is not None:
             # after the assignments: a cut may concern a task handed out in this very reply
             self.feed.truncate(*reply.cut)
-        self._serve_orders(reply.orders)
+        self.rows.serve(reply.orders)
         payload = self.recv_buf[2]
         if self.params is not payload:
             if self.device_payload:
@@ -238,15 +218,11 @@ class Worker:
     def _push(self, msg, done: Computed, next_range) -> None:
         buf, hdr, _ = msg
         batch = done.batch
-        io_total = self.feed.io_s
         wire.encode_push(hdr, step=self.step, version=done.version, epoch=batch.epoch,
                          shard=batch.shard, lo=batch.lo, hi=batch.hi, batch=batch.size,
-                         loss=done.loss, compute_s=done.compute_s,
-                         io_s=io_total - self.io_reported, comm_s=self.comm_s,
-                         idle_s=self.idle_s, nonfinite=done.nonfinite,
-                         t=time.monotonic() - self.t0, next_range=next_range)
-        self.io_reported = io_total
-        self.comm_s = self.idle_s = 0.0
+                         loss=done.loss, compute_s=done.compute_s, nonfinite=done.nonfinite,
+                         t=time.monotonic() - self.t0, next_range=next_range,
+                         **self.times.report(self.feed.io_s))
         t0 = time.perf_counter()
         for req in self.push_reqs:
             C.complete(req)
@@ -265,17 +241,7 @@ class Worker:
         # calls MPI again (no progress during a compute), and the reply would wait for it.
         for req in self.push_reqs:
             C.complete(req)
-        self.comm_s += time.perf_counter() - t0   # reported with the next push
-
-    def _serve_orders(self, orders) -> None:
-        for epoch, shard, start, end, dst, tag in orders:
-            self._send_rows(epoch, shard, start, end, dst, tag)
-
-    def _send_rows(self, epoch, shard, start, end, dst, tag) -> None:
-        """Send positions [start, end) of a shard to `dst` without waiting for the transfer."""
-        x, y = self.feed.rows(epoch, shard, start, end)
-        reqs = [self.comm.Isend(x, dest=dst, tag=tag), self.comm.Isend(y, dest=dst, tag=tag + 1)]
-        self.outgoing.append((reqs, x, y))   # the arrays live until the sends complete
+        self.times.comm_s += time.perf_counter() - t0   # reported with the next push
 
     def _orders_while_blocked(self) -> None:
         """Waiting for rows: serve send orders the server sends meanwhile. Two workers
@@ -295,29 +261,10 @@ class Worker:
         if wire.command(hdr) != Cmd.ORDERS:
             raise RuntimeError(f"rank {self.rank}: message {wire.command(hdr)} from rank 0 while "
                                f"waiting for shard rows (only ORDERS can come then)")
-        self._serve_orders(wire.decode_orders(hdr))
-
-    def _sources(self, shard: int, src: int, tag: int) -> list[tuple[int, int]]:
-        """Who may send a shard's rows: `src`, then (replicas) the other holders."""
-        sources = [(src, tag)]
-        if self.cfg.replicas > 1:
-            ranks = list(range(self.cfg.servers, self.comm.Get_size()))
-            alt = resource_tag(tag)
-            sources += [(h, alt) for h in holders_of(shard, len(self.shard_sizes), ranks,
-                                                     self.cfg.replicas)
-                        if h not in (src, self.rank)]
-        return sources
-
-    def _progress_outgoing(self) -> None:
-        if self.outgoing:
-            self.outgoing = [o for o in self.outgoing if not C.Request.Testall(o[0])]
-        if self.remotes:
-            for r in self.remotes:
-                r.leftover = [c for c in r.leftover if not C.Request.Testall(c[0])]
-            self.remotes = [r for r in self.remotes if r.copies or r.leftover]
+        self.rows.serve(wire.decode_orders(hdr))
 
     def _check_fault(self) -> None:
-        self._progress_outgoing()
+        self.rows.progress()
         for event, signum in ((PREEMPTED, signal.SIGTERM), (USR1_NOTICE, signal.SIGUSR1)):
             if event.is_set() and signum not in self.signals_sent:   # rank 0 decides
                 self.preempt_reqs.append(C.notify_preempt(self.comm, signum))
@@ -365,9 +312,7 @@ class Worker:
             for req in self.pulls or ():   # a reply that will not come (STOP)
                 req.Cancel()
                 C.wait(req, timeout=1.0)
-            for reqs, _, _ in self.outgoing:   # rows other ranks still need
-                for req in reqs:
-                    C.wait(req, timeout=30.0)
+            self.rows.finish()   # rows other ranks still need
             self.store.close()
             for req in self.preempt_reqs:
                 if not req.Test():

@@ -1,6 +1,7 @@
 """Bringing data in (mpilb.ingest): npz (memory-mapped), HDF5 and CSV; float targets; errors
 that name the file, line and column; memory that stays flat as the input grows."""
 
+import csv
 import tracemalloc
 
 import h5py
@@ -94,10 +95,34 @@ def test_csv_classes_regression_and_feature_selection(tmp_path):
     ("a,b,y\n1,2,0\n3,,1\n", {"target": "y"}, r"line 3, column 'b': an empty cell"),
     ("a,b,y\n1,2,0\n3,4\n", {"target": "y"}, r"line 3: 2 cells, the header has 3"),
     ("a,b,y\n", {"target": "y"}, r"no data rows"),
+    # the line of the bad row itself, whatever blank lines follow it in the same block
+    ("a,b,y\n1,x,0\n\n3,4,1\n", {"target": "y"}, r"line 2, column 'b': 'x' is not a number"),
+    ("a,b,y\n\n1,2,0\n\n\n3,4,1.5e\n", {"target": "y"}, r"line 6, column 'y': '1.5e' is not"),
 ])
 def test_csv_errors_name_line_and_column(tmp_path, text, kwargs, message):
     with pytest.raises(DataError, match=r"d\.csv: " + message):
         ingest.prepare_csv(write_csv(tmp_path, text), tmp_path / "out", **kwargs)
+
+
+def test_csv_blocks_bound_cells_not_rows_and_do_not_change_the_data(tmp_path, monkeypatch):
+    """A wide file parses a few rows at a time; the dataset is the same whatever the block
+    size, and a bad cell in a later block still names its own line (blank lines, a quoted
+    cell over two lines)."""
+    rows = "\n".join(f"{i * 0.5},{i % 7},{-i},{i % 3}" + ("\n" if i % 9 == 0 else "")
+                     for i in range(60))
+    path = write_csv(tmp_path, "a,b,c,label\n" + rows + "\n")
+    whole = read_all(verify_dataset(ingest.prepare_csv(path, tmp_path / "w", target="label").root))
+    monkeypatch.setattr(ingest, "CSV_BLOCK_CELLS", 9)   # 2 rows of 4 cells per block
+    small = read_all(verify_dataset(ingest.prepare_csv(path, tmp_path / "s", target="label").root))
+    for a, b in zip(whole, small):
+        np.testing.assert_array_equal(a, b)
+    with open(path, newline="") as fh:
+        reader = csv.reader(fh)
+        next(reader)
+        assert {len(rows) for rows, _ in ingest._csv_blocks(path, reader, 4)} == {2}
+    text = 'a,b,y\n1,2,0\n\n"3\n",4,1\n5,6,0\n7,8,1\n\n9,oops,0\n'
+    with pytest.raises(DataError, match=r"d\.csv: line 9, column 'b': 'oops' is not a number"):
+        ingest.prepare_csv(write_csv(tmp_path, text), tmp_path / "bad", target="y")
 
 
 def test_csv_error_from_the_command_line_is_one_line_exit_2(tmp_path):

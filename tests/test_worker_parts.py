@@ -1,0 +1,106 @@
+"""The worker's helpers without MPI: its per-push time accounting and its row exchange
+(which shards a rank holds, who may send a task's rows, sends kept until complete)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mpilb.row_exchange import RowExchange, held_shards
+from mpilb.shards import placement
+from mpilb.wire import TAG_SHARD_BASE, resource_tag
+from mpilb.worker import TimeSincePush
+
+
+def test_time_since_push_splits_a_reply_wait_into_hold_and_comm():
+    t = TimeSincePush()
+    t.waited(0.5, held=0.0, counts_as_idle=True)          # nothing pushed: all idle
+    t.waited(0.3, held=0.2, counts_as_idle=False)         # 0.2 held by the server, 0.1 transfer
+    t.comm_s += 0.05                                       # the push itself
+    first = t.report(io_total=2.0)
+    assert first == pytest.approx(dict(io_s=2.0, comm_s=0.15, idle_s=0.7))
+    t.waited(0.1, held=0.4, counts_as_idle=False)          # woke late: never more idle than waited
+    assert t.report(io_total=2.5) == pytest.approx(dict(io_s=0.5, comm_s=0.0, idle_s=0.1))
+    assert t.reply_window(counts_as_idle=True) == (None, 0.0)
+    due, _ = t.reply_window(counts_as_idle=False)         # learnt from the holds: a due time
+    assert due is not None
+
+
+class FakeRequest:
+    def __init__(self, log, kind, **kw):
+        self.kind, self.kw, self.done = kind, kw, False
+        log.append(self)
+
+    def Test(self):
+        return self.done
+
+    def Cancel(self):
+        self.done = True
+
+
+class FakeComm:
+    """Records Isend/Irecv; nothing completes until a test says so."""
+
+    def __init__(self, size):
+        self.size, self.log = size, []
+
+    def Get_size(self):
+        return self.size
+
+    def Irecv(self, buf, source, tag):
+        return FakeRequest(self.log, "recv", source=source, tag=tag, buf=buf)
+
+    def Isend(self, buf, dest, tag):
+        return FakeRequest(self.log, "send", dest=dest, tag=tag, buf=buf)
+
+
+class FakeFeed:
+    def rows(self, epoch, shard, start, end):
+        return np.zeros((end - start, 3), np.float32), np.zeros(end - start, np.int64)
+
+
+def exchange(rank=2, size=5, replicas=3, servers=1):
+    cfg = SimpleNamespace(servers=servers, replicas=replicas)
+    dataset = SimpleNamespace(shard_sizes=[100] * 8, sample_shape=(3,), label_dtype="int64",
+                              target_shape=())
+    comm = FakeComm(size)
+    return comm, RowExchange(comm, rank, cfg, dataset, FakeFeed(), backoff=None, on_poll=None)
+
+
+def test_held_shards_follow_the_placement():
+    ranks = [1, 2, 3, 4]
+    p = placement(8, ranks, 2)
+    for r in ranks:
+        assert held_shards(8, r, 5, servers=1, replicas=2) == {s for s, hs in p.items() if r in hs}
+
+
+def test_expect_posts_receives_from_the_sender_then_the_other_holders():
+    comm, ex = exchange(rank=2, replicas=3)
+    tag = TAG_SHARD_BASE + 6
+    remote = ex.expect(shard=3, rows=10, src=4, tag=tag)
+    recvs = [(q.kw["source"], q.kw["tag"]) for q in comm.log]
+    # shard 3 lives on workers 4, 1, 2 (placement): the ordered sender first with its tag,
+    # then the other holder (not this rank) on the re-source tag; x on tag, y on tag + 1
+    alt = resource_tag(tag)
+    assert recvs == [(4, tag), (4, tag + 1), (1, alt), (1, alt + 1)]
+    assert comm.log[0].kw["buf"].shape == (10, 3) and comm.log[1].kw["buf"].dtype == np.int64
+    assert ex.remotes == [remote]
+    _, single = exchange(rank=2, replicas=1)
+    assert len(single.expect(shard=3, rows=10, src=4, tag=tag).copies) == 1
+
+
+def test_sends_are_kept_until_complete(monkeypatch):
+    from mpilb import row_exchange
+    testall = SimpleNamespace(Testall=lambda reqs: all(r.Test() for r in reqs))
+    monkeypatch.setattr(row_exchange, "C", SimpleNamespace(Request=testall))
+    comm, ex = exchange()
+    ex.serve([(0, 1, 10, 20, 3, TAG_SHARD_BASE), (0, 2, 0, 5, 4, TAG_SHARD_BASE + 2)])
+    assert [(q.kw["dest"], q.kw["tag"]) for q in comm.log] == [
+        (3, TAG_SHARD_BASE), (3, TAG_SHARD_BASE + 1), (4, TAG_SHARD_BASE + 2), (4, TAG_SHARD_BASE + 3)]
+    ex.progress()
+    assert len(ex.outgoing) == 2
+    comm.log[0].done = comm.log[1].done = True
+    ex.progress()
+    assert len(ex.outgoing) == 1 and ex.outgoing[0][0][0].kw["dest"] == 4
