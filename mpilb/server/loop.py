@@ -31,7 +31,7 @@ from .modes import Update, build_rule
 from .outbox import Outbox
 from .peers import Link, Peer
 from .sitout import SitOut
-from .store import StoreGroup
+from .group import StoreGroup
 from .tasks import TaskLedger
 
 

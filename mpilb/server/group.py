@@ -1,0 +1,106 @@
+"""Rank 0's parameter stores (--servers K): its own slice, which the update rule drives, and
+its handle on the others (store.py), with the whole vector and the `servers/` log rows."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import wire
+from .store import RemoteStores, slice_store, store_bounds
+
+
+class StoreGroup:
+    """Rank 0's parameter stores: its own slice (`local`, a ParamStore the update rule
+    drives) and, with --servers K > 1, the others (`remote`). `session.params` and
+    `session.optimizer` hold the whole vector and its state: with K > 1 they are filled
+    from every store when needed (evaluation, checkpoints).
+    """
+
+    def __init__(self, cfg, session, comm):
+        from ..training import config_optimizer
+
+        self.session = session
+        self.bounds = store_bounds(cfg, session.model)
+        self.remote = RemoteStores(comm, self.bounds)   # no-ops with K = 1
+        self.sliced = cfg.servers > 1
+        n0 = self.bounds[1]
+        # a push to rank 0 carries its slice of the gradient, then the model's state
+        self.push_floats = n0 + session.model.num_state
+
+        def new_buffer() -> np.ndarray:   # the ring's buffers can receive pushes (ParamStore)
+            return wire.new_message(self.push_floats)[2][:n0]
+
+        if not self.sliced:
+            self.local = slice_store(cfg, session.params, session.optimizer, new_buffer)
+        else:
+            self.local = slice_store(cfg, np.zeros(n0, np.float32), config_optimizer(cfg, n0),
+                                     new_buffer)
+        self.cpu0 = time.process_time()
+        self.last = np.zeros(5)
+        self.totals = {s: np.zeros(5) for s in range(len(self.bounds) - 1)}
+
+    @property
+    def n0(self) -> int:
+        """Floats of rank 0's slice (a push to rank 0 carries these)."""
+        return self.bounds[1]
+
+    def start(self, version: int) -> None:
+        """Every store takes its slice of the session's parameters and optimizer state."""
+        self.local.version = version
+        if not self.sliced:
+            return
+        s, hi = self.session, self.bounds[1]
+        self.local.params[:] = s.params[:hi]
+        opt = self.local.optimizer
+        for name in opt._buffers:   # (the two may step with different kernels: by size)
+            opt.load_state_slice(name, 0, hi, s.optimizer.state_slice(name, 0, hi))
+        opt.steps = s.optimizer.steps
+        self.remote.load(s.params, s.optimizer, version)
+
+    def full_params(self) -> np.ndarray:
+        """The whole parameter vector (and, with K > 1, the optimizer state gathered into
+        the session's optimizer)."""
+        if not self.sliced:
+            return self.local.params
+        s, hi = self.session, self.bounds[1]
+        s.params[:hi] = self.local.params
+        opt = self.local.optimizer
+        for name in opt._buffers:
+            s.optimizer.load_state_slice(name, 0, hi, opt.state_slice(name, 0, hi))
+        s.optimizer.steps = opt.steps
+        self.remote.gather(s.params, s.optimizer)
+        return s.params
+
+    # ----------------------------------------------------------------- servers/ rows
+    def _own(self) -> np.ndarray:
+        st = self.local
+        now = np.array([st.updates, st.bytes_in, st.bytes_out, st.apply_s,
+                        time.process_time() - self.cpu0])
+        inc, self.last = now - self.last, now
+        return inc
+
+    def _row(self, log, t: float, server: int, inc) -> None:
+        self.totals[server] += inc[:5]
+        log.append("servers", t=t, server=server, updates=int(inc[0]), bytes_in=int(inc[1]),
+                   bytes_out=int(inc[2]), apply_s=float(inc[3]), cpu_s=float(inc[4]))
+
+    def log_rows(self, log, t: float) -> None:
+        """One `servers/` row per store with its counters since its previous row (the other
+        stores' reports arrive asynchronously: asked for now, logged when they are in)."""
+        self._row(log, t, 0, self._own())
+        if self.sliced:
+            for s, inc in self.remote.poll_stats().items():
+                self._row(log, t, s, inc)
+            self.remote.request_stats()
+
+    def end(self, log, t: float, wait: bool = True) -> list[dict]:
+        """Last rows (the stores finish; `wait` False: the job is failing, and ends them by
+        abort); returns the summary's `servers` list."""
+        self._row(log, t, 0, self._own())
+        if self.sliced and wait:
+            for s, inc in self.remote.end().items():
+                self._row(log, t, s, inc)
+        return [{"rank": s, "params": self.bounds[s + 1] - self.bounds[s]}
+                for s in range(len(self.bounds) - 1)]
