@@ -143,8 +143,10 @@ def main() -> int:
     data["speed"] = {"command": cmd, "seconds": secs, "results": res}
     speed_md = ["**Quick run: 64 workers, not the 1024-worker target; rerun without --quick.**", ""] \
         if opts.quick else []
+    load = os.getloadavg()[0]
     speed_md += [f"`time {cmd}`: **{secs:.1f} s** wall (target <= 60 s at 1024 workers; load average "
-                f"{os.getloadavg()[0]:.1f} when it ended: other jobs shared the 2 cores). "
+                f"{load:.1f} on {os.cpu_count()} cores when it ended"
+                f"{': other jobs shared the cores' if load > 1.5 else ''}). "
                 f"{sum(r['updates_per_s'] * r['total_s'] for r in res) / 1e6:.2f} M simulated "
                 f"steps over the five policies.", "",
                 "| policy | epoch s | utilization | moves |", "| --- | ---: | ---: | ---: |"]
