@@ -30,7 +30,7 @@ import _results  # noqa: E402
 
 REPO = _results.REPO
 RESULTS_DIR = _results.RESULTS_DIR
-DOCS = ["docs/benchmarks.md", "docs/balancing.md", "docs/data.md", "docs/scaling.md"]
+DOCS = ["docs/benchmarks.md", "docs/balancing.md", "docs/data.md", "docs/scaling.md", "docs/models.md"]
 BLOCK = re.compile(r"(<!-- BEGIN generated: ([\w.-]+) -->\n)(.*?)(<!-- END generated -->)", re.S)
 
 

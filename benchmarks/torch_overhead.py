@@ -1,14 +1,17 @@
 """Cost of the PyTorch adapter's gradient step against plain torch, in one process.
 
-    python benchmarks/torch_overhead.py [--repeats 7] [--steps 30] [--threads 1]
+    python benchmarks/torch_overhead.py [--repeats 9] [--steps 30] [--threads 1] [--out FILE]
 
 Plain torch: forward, backward, and reading the gradients out into one flat host vector
 (what any data-parallel engine has to send; `torch.cat` of the .grad tensors into a
 preallocated numpy buffer). Adapter: `TorchModel.loss_and_grad(params, x, y, out)` with the
 parameters as views of a flat vector and the gradients accumulated straight into `out`.
-Both on the same module, batch and data, alternated REPEATS times; prints the median ratio
-and its spread per case. Target (issue 12): adapter / plain <= 1.1 for the digits CNN and a
-1M-parameter MLP at batch 64 and 256.
+Both on the same module, batch and data, alternated REPEATS times (which goes first swaps
+from one repeat to the next, so that neither always runs on the other's warm caches); prints
+the median ratio and its spread per case and writes them to
+benchmarks/results/torch_overhead.json, from which ``python benchmarks/gendocs.py`` renders
+the table in docs/models.md. Target (issue 12): adapter / plain <= 1.1 for the digits CNN and
+a 1M-parameter MLP at batch 64 and 256. Exit status: 0 when every target is met, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _results  # noqa: E402
 from _runs import print_targets  # noqa: E402
 
 
@@ -49,11 +53,14 @@ def timed(fn, steps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (a worker rank "
                     "of an MPI job runs with 1)")
+    _results.add_output_args(ap, "torch_overhead")
     opts = ap.parse_args()
+    if opts.quick:
+        opts.repeats, opts.steps = 1, 2
     import torch
 
     from mpilb.models.torch_adapter import TorchModel
@@ -61,7 +68,11 @@ def main() -> None:
     torch.set_num_threads(opts.threads)
     print(f"torch {torch.__version__}, {opts.threads} thread(s), {opts.repeats} repeats of "
           f"{opts.steps} steps; load average {os.getloadavg()[0]:.1f}")
-    checks = []
+    res = _results.Results("torch_overhead", "The PyTorch adapter's gradient step against plain torch", opts)
+    g = res.group(f"adapter ÷ plain torch (forward + backward + gradients into one flat vector), "
+                  f"torch {torch.__version__}, {opts.threads} thread(s), {opts.steps} steps per timing",
+                  f"python benchmarks/torch_overhead.py --repeats {opts.repeats} --steps {opts.steps} "
+                  f"--threads {opts.threads}")
     for name, make, shape in cases():
         for batch in (64, 256):
             torch.manual_seed(0)
@@ -86,17 +97,24 @@ def main() -> None:
                 adapter.loss_and_grad(params, x, y, out)
 
             ratios = []
-            for _ in range(opts.repeats):
-                t_plain = timed(plain, opts.steps)
-                t_ours = timed(ours, opts.steps)
+            for r in range(opts.repeats):
+                if r % 2:
+                    t_ours = timed(ours, opts.steps)
+                    t_plain = timed(plain, opts.steps)
+                else:
+                    t_plain = timed(plain, opts.steps)
+                    t_ours = timed(ours, opts.steps)
                 ratios.append(t_ours / t_plain)
             med = float(np.median(ratios))
             print(f"  {name:<10} batch {batch:>3}: plain {t_plain * 1e3:7.2f} ms, adapter "
                   f"{t_ours * 1e3:7.2f} ms (last repeat); ratio median {med:.3f}, spread "
                   f"{min(ratios):.3f}-{max(ratios):.3f}", flush=True)
-            checks.append((f"{name} batch {batch}: adapter / plain <= 1.1", med <= 1.1, f"{med:.3f}"))
-    print_targets(checks)
+            res.figure(g, f"{name.split()[0].lower()}.b{batch}", f"{name}, batch {batch}: adapter ÷ plain",
+                       ratios, unit="x", digits=3, target="<= 1.1")
+    print_targets(res.checks())
+    res.write(_results.out_path(opts, "torch_overhead"))
+    return 0 if res.all_met() else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
