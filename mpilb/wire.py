@@ -98,6 +98,7 @@ class Reply(IntEnum):
     TRUNC_SHARD = 32
     TRUNC_END = 33
     DROP = 34         # 1: forget every task held (the server took them back: sit rounds out)
+    HAS_CUT = 35      # 1: TRUNC_* hold a cut (a cut at position 0 of shard 0 is all zeros)
 
 
 class Cmd(IntEnum):
@@ -377,6 +378,7 @@ def encode_reply(hdr: np.ndarray, cmd: Cmd, *, version: int, batch: int, held_s:
     _put_rows(hdr, Reply.N_ORDER, Reply.ORDER, orders, MAX_ORDER)
     if cut is not None:
         hdr[Reply.TRUNC_EPOCH], hdr[Reply.TRUNC_SHARD], hdr[Reply.TRUNC_END] = cut
+        hdr[Reply.HAS_CUT] = 1
 
 
 def encode_orders(hdr: np.ndarray, orders: Sequence) -> None:
@@ -398,7 +400,7 @@ def decode_orders(hdr: np.ndarray) -> list[OrderMsg]:
 def decode_reply(hdr: np.ndarray) -> ReplyMsg:
     """Decode a server -> worker header (PARAMS, ORDERS or STOP)."""
     cut = None
-    if hdr[Reply.TRUNC_END] > 0 or hdr[Reply.TRUNC_SHARD] > 0:
+    if hdr[Reply.HAS_CUT]:
         cut = Cut(int(hdr[Reply.TRUNC_EPOCH]), int(hdr[Reply.TRUNC_SHARD]), int(hdr[Reply.TRUNC_END]))
     return ReplyMsg(cmd=command(hdr), version=int(hdr[Reply.VERSION]), batch=int(hdr[Reply.BATCH]),
                     held_s=float(hdr[Reply.HELD_S]), retry=bool(hdr[Reply.RETRY]),

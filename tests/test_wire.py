@@ -22,13 +22,14 @@ def test_slots_tags_and_sizes_are_pinned():
                                       "NEXT_LO", "NEXT_HI", "NEXT_EPOCH", "NONFINITE", "T"]
     assert {r.name: int(r) for r in Reply} == {
         "CMD": 0, "VERSION": 1, "BATCH": 2, "HELD_S": 3, "RETRY": 4, "N_ASSIGN": 5, "ASSIGN": 6,
-        "N_ORDER": 18, "ORDER": 19, "TRUNC_EPOCH": 31, "TRUNC_SHARD": 32, "TRUNC_END": 33, "DROP": 34}
+        "N_ORDER": 18, "ORDER": 19, "TRUNC_EPOCH": 31, "TRUNC_SHARD": 32, "TRUNC_END": 33, "DROP": 34,
+        "HAS_CUT": 35}
     assert (int(Cmd.PARAMS), int(Cmd.STOP), int(Cmd.ORDERS)) == (1, 2, 3)
     assert (wire.TASK_FIELDS, wire.MAX_ASSIGN, wire.MAX_ORDER) == (6, 2, 2)
     # the task and order rows fit between their count and the next field
     assert Reply.ASSIGN + wire.TASK_FIELDS * wire.MAX_ASSIGN <= Reply.N_ORDER
     assert Reply.ORDER + wire.TASK_FIELDS * wire.MAX_ORDER <= Reply.TRUNC_EPOCH
-    assert Reply.DROP < wire.HEADER_FIELDS
+    assert Reply.HAS_CUT < wire.HEADER_FIELDS
 
 
 def test_message_views_share_one_buffer():
@@ -81,6 +82,7 @@ def old_reply(hdr, cmd, version, batch, held_s, retry, drop, assigns, orders, tr
             hdr[19 + 6 * i: 19 + 6 * (i + 1)] = order
         if trunc is not None:
             hdr[31], hdr[32], hdr[33] = trunc
+            hdr[35] = 1   # (added: a cut at position 0 of shard 0 read as none before)
 
 
 PUSHES = [
@@ -119,6 +121,9 @@ REPLIES = [
          orders=[(2, 4, 10, 20, 1, 1004), (2, 6, 0, 100, 2, 1006)], trunc=(2, 5, 64)),
     dict(cmd=Cmd.STOP, version=7, batch=32, held_s=0.5, retry=False, drop=True,
          assigns=[(0, 1, 0, 10, -1, 0)], orders=[], trunc=(0, 1, 5)),
+    # a whole untouched task given away: the cut is at its first position, 0, of shard 0
+    dict(cmd=Cmd.PARAMS, version=9, batch=32, held_s=0.0, retry=False, drop=False, assigns=[],
+         orders=[(0, 0, 0, 800, 3, 1002)], trunc=(0, 0, 0)),
 ]
 
 
