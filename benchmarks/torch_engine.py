@@ -2,12 +2,13 @@
 pipelining, resume onto fewer ranks, and load balancing, each run once with a torch MLP
 (examples/torch_mlp.py) on a synthetic dataset.
 
-    python benchmarks/torch_engine.py [--samples 48000] [--features 64] [--shards 24]
+    python benchmarks/torch_engine.py [--samples 48000] [--features 64] [--shards 24] [--out FILE]
 
 Prints one line per configuration (accuracy, coverage) and, for balancing, the mean epoch
 time after the first epoch of `--balancer load` against `--balancer static` with
 `--inject 3:compute=4` in the same script. Target (issue 12): every run exits 0 with exact
-coverage; load <= 0.7 x static.
+coverage; load <= 0.7 x static. Results: benchmarks/results/torch_engine.json (rendered into
+docs/models.md by gendocs.py). Exit status: 0 when every target is met, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _results  # noqa: E402
 from _runs import mpiexec, print_targets  # noqa: E402
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default="/tmp/mpilb-torch-engine")
     ap.add_argument("--samples", type=int, default=48000)
@@ -34,7 +36,10 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=24)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--balance-epochs", type=int, default=5)
+    _results.add_output_args(ap, "torch_engine")
     opts = ap.parse_args()
+    if opts.quick:
+        opts.samples, opts.epochs, opts.balance_epochs = 4800, 1, 2
     from mpilb.dataset import prepare_synthetic
     from mpilb.report import summarize_log
 
@@ -76,14 +81,30 @@ def main() -> None:
         "resume_then_3_ranks", "--checkpoint", ckpt, "--resume", ranks=3, epochs=2 * opts.epochs)
     static = run("static_inject", "--balancer", "static", "--inject", "3:compute=4", epochs=opts.balance_epochs)
     load = run("load_inject", "--balancer", "load", "--inject", "3:compute=4", epochs=opts.balance_epochs)
-    checks = [(f"{k}: exit 0, exact coverage", v is not None, "ok" if v else "failed")
-              for k, v in results.items()]
+    res = _results.Results("torch_engine", "The engine with a torch model", opts)
+    base = (f"mpiexec -n 4 mpilb train --data synthetic-{opts.samples}x{opts.features} --model "
+            f"examples/torch_mlp.py:MLP --model-arg hidden=128 --epochs {opts.epochs}")
+    g = res.group(f"torch MLP (hidden 128), synthetic {opts.samples} x {opts.features}, "
+                  f"{opts.shards} shards, {opts.epochs} epochs a run: each run exits 0 with exact "
+                  f"coverage (1), its final test accuracy beside it", base)
+    for k, v in results.items():
+        opt = {"async (default)": ""}.get(k, " " + k.replace("--resume, 4 ranks then 3",
+                                                              "--resume (4 ranks, then 3)"))
+        res.figure(g, f"ok.{k}", f"{k}: exit 0 and exact coverage", [float(v is not None)],
+                   digits=0, target=">= 1", decide="all", command=base + opt)
+        res.figure(g, f"acc.{k}", f"{k}: final test accuracy",
+                   [v["final_test_accuracy"] if v else None], digits=4, command=base + opt)
     if static and load:
         ratio = np.mean(load["epoch_s"][1:]) / np.mean(static["epoch_s"][1:])
-        checks.append(("--balancer load <= 0.7 x static epoch time under --inject 3:compute=4",
-                       ratio <= 0.7, f"{ratio:.2f}"))
-    print_targets(checks)
+        g2 = res.group(f"load balancing with the torch model: `--inject 3:compute=4`, "
+                       f"{opts.balance_epochs} epochs, mean epoch time after the first",
+                       base.replace(f"--epochs {opts.epochs}", f"--epochs {opts.balance_epochs}")
+                       + " --balancer load|static --inject 3:compute=4")
+        res.figure(g2, "balance", "load ÷ static, mean epoch time", [ratio], target="<= 0.7")
+    print_targets(res.checks())
+    res.write(_results.out_path(opts, "torch_engine"))
+    return 0 if res.all_met() else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,13 +1,15 @@
 """Accuracy parity: the digits CNN (examples/torch_cnn.py) trained by mpilb under
 `mpiexec -n 4` against a plain serial torch loop over the same module, lr, batch and epochs.
 
-    python benchmarks/torch_parity.py [--epochs 20] [--seeds 3]
+    python benchmarks/torch_parity.py [--epochs 20] [--seeds 3] [--out FILE]
 
 Both sides start from `Net()` built after `torch.manual_seed(seed)`, use SGD at --lr on mean
 cross entropy over batches of --batch, and see each training sample once per epoch (mpilb:
 its shards, balanced over 3 workers, asynchronous; torch: one shuffled pass). Prints both
-test accuracies per seed and the difference of the medians; targets (issue 12): mpilb's
-median >= 0.97 with exact coverage, within 1 point of the serial loop's.
+test accuracies per seed and the difference of the medians, and writes them to
+benchmarks/results/torch_parity.json (rendered into docs/models.md by gendocs.py); targets
+(issue 12): mpilb's median >= 0.97 with exact coverage, within 1 point of the serial loop's.
+Exit status: 0 when every target is met, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import _results  # noqa: E402
 from _runs import digits_dataset, mpiexec, print_targets  # noqa: E402
 
 
@@ -80,14 +83,17 @@ def mpilb_run(data_dir: str, seed: int, epochs: int, lr: float, batch: int, work
     return s["final_test_accuracy"], c["applied"] == c["expected"] and not c["duplicates"] and not c["missing"]
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", default="/tmp/mpilb-torch-parity")
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--batch", type=int, default=32)
+    _results.add_output_args(ap, "torch_parity")
     opts = ap.parse_args()
+    if opts.quick:
+        opts.epochs, opts.seeds = 1, 1
     os.makedirs(opts.dir, exist_ok=True)
     from mpilb.dataset import open_dataset
 
@@ -111,12 +117,24 @@ def main() -> None:
     print(f"median test accuracy: mpilb {m_ours:.4f} (spread {min(ours):.4f}-{max(ours):.4f}), "
           f"serial torch {m_theirs:.4f} (spread {min(theirs):.4f}-{max(theirs):.4f}), "
           f"difference {100 * (m_ours - m_theirs):+.2f} points")
-    print_targets([
-        ("mpilb median accuracy >= 0.97 with exact coverage", m_ours >= 0.97 and exact, f"{m_ours:.4f}"),
-        ("within 1 point of the serial torch loop", abs(m_ours - m_theirs) <= 0.01,
-         f"{100 * (m_ours - m_theirs):+.2f} points"),
-    ])
+    res = _results.Results("torch_parity", "Accuracy parity: the digits CNN, mpilb against serial torch", opts)
+    g = res.group(f"digits CNN (`examples/torch_cnn.py:Net`), {opts.epochs} epochs, lr {opts.lr:g}, "
+                  f"batch {opts.batch}, one run per seed 0..{opts.seeds - 1}",
+                  f"mpiexec -n 4 mpilb train --data digits --model examples/torch_cnn.py:Net "
+                  f"--epochs {opts.epochs} --lr {opts.lr:g} --batch {opts.batch} --seed S")
+    res.figure(g, "mpilb", "mpilb (3 async workers): final test accuracy", ours, digits=4, target=">= 0.97")
+    res.figure(g, "serial", "serial torch loop, same Net, lr, batch, epochs: final test accuracy",
+               theirs, digits=4, command="python benchmarks/torch_parity.py (its serial_torch)")
+    res.figure(g, "diff", "mpilb − serial torch, per seed (points)",
+               [100 * (a - b) for a, b in zip(ours, theirs)], digits=2, target="<= 1")
+    res.figure(g, "absdiff", "|difference of the medians| (points)", [100 * abs(m_ours - m_theirs)],
+               digits=2, target="<= 1")
+    res.figure(g, "coverage", "runs with exact coverage (1 = exact)", [float(exact)], digits=0,
+               target=">= 1", decide="all")
+    print_targets(res.checks())
+    res.write(_results.out_path(opts, "torch_parity"))
+    return 0 if res.all_met() else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

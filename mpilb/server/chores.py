@@ -33,6 +33,8 @@ class Chores:
 
     CHORES_S = 0.01    # how often the main loop checks errors, lost workers and timers
     UNWATCHED_S = 0.25  # a longer gap between chores: rank 0 was busy or stopped, not watching
+    LIVENESS_S = 0.05   # how often lost workers and stalls are looked for
+    _next_liveness = 0.0
     _warmup_gap: Optional[float] = None   # see _warmup_due
 
     def _chores(self) -> None:
@@ -50,8 +52,11 @@ class Chores:
             USR1_NOTICE.clear()
             self._usr1_from(0)
         self._judge_usr1()
-        self._check_lost()
-        self._check_stalled()
+        mono = time.monotonic()
+        if mono >= self._next_liveness:   # silence is judged in seconds: 20 times a second
+            self._next_liveness = mono + self.LIVENESS_S
+            self._check_lost()
+            self._check_stalled()
         self._timers()
 
     def _next_push_due(self) -> tuple[Optional[float], float, Optional[float]]:
@@ -86,9 +91,10 @@ class Chores:
             self.stop.check(self.tracker.epoch, self.now(), self.session.evaluation)
             self._begin_stop()
         self.log.maybe_flush()
-        rates = {w.rank: self.balancer.rate(w.rank) for w in self.present()}
-        self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy, rates,
-                             lost=self.lost)
+        if self.progress.enabled:
+            rates = {w.rank: self.balancer.rate(w.rank) for w in self.present()}
+            self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy,
+                                 rates, lost=self.lost)
 
     def _first_sizes_due(self) -> bool:
         """Proportional batches: size them as soon as every worker has taken a few steps,
