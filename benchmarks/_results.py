@@ -227,8 +227,10 @@ def load_note(m: dict) -> str:
     text = (f"1-minute load average {m['load_start']:.1f} at the start and {m['load_end']:.1f} at "
             f"the end, on {cores} cores")
     if m["load_start"] > BUSY_PER_CORE * cores:
-        return text + ("; other jobs were running when the benchmark started, so absolute "
-                       "times are noisy and the within-run ratios are the figures to read")
+        return text + ("; the machine was busy when the benchmark started (other jobs, or "
+                       "the ranks of a run just before it still in the 1-minute average), so "
+                       "absolute times may be noisy and the within-run ratios are the figures "
+                       "to read")
     if hi > BUSY_PER_CORE * cores:
         return text + " (the benchmark's own ranks account for part of it)"
     return text + "; the machine was otherwise quiet"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -37,6 +38,7 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=0, help="Regressor hidden units (0: linear)")
     _results.add_output_args(ap, "regression_parity")
     opts = ap.parse_args()
+    t_start = time.perf_counter()
     if opts.quick:
         opts.epochs, opts.seeds = 2, 1
     os.makedirs(opts.dir, exist_ok=True)
@@ -86,6 +88,7 @@ def main() -> int:
     print(f"median mpilb test R^2 {med:.4f} (spread {min(scores):.4f}-{max(scores):.4f}) vs Ridge "
           f"{ridge:.4f}: difference {med - ridge:+.4f}")
     res = _results.Results("regression_parity", "Regression parity: diabetes, mpilb against Ridge", opts)
+    res.t0 = t_start   # the whole script's time, not only the writing
     g = res.group(f"scikit-learn's diabetes ({ds.total_samples} train / {ds.test_samples} test samples, "
                   f"standardised, float targets), `examples/regression.py:Regressor` (hidden "
                   f"{opts.hidden}), MSE, {opts.epochs} epochs, lr {opts.lr:g}, batch {opts.batch}, "

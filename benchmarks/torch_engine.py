@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -38,6 +39,7 @@ def main() -> int:
     ap.add_argument("--balance-epochs", type=int, default=5)
     _results.add_output_args(ap, "torch_engine")
     opts = ap.parse_args()
+    t_start = time.perf_counter()
     if opts.quick:
         opts.samples, opts.epochs, opts.balance_epochs = 4800, 1, 2
     from mpilb.dataset import prepare_synthetic
@@ -82,6 +84,7 @@ def main() -> int:
     static = run("static_inject", "--balancer", "static", "--inject", "3:compute=4", epochs=opts.balance_epochs)
     load = run("load_inject", "--balancer", "load", "--inject", "3:compute=4", epochs=opts.balance_epochs)
     res = _results.Results("torch_engine", "The engine with a torch model", opts)
+    res.t0 = t_start   # the whole script's time, not only the writing
     base = (f"mpiexec -n 4 mpilb train --data synthetic-{opts.samples}x{opts.features} --model "
             f"examples/torch_mlp.py:MLP --model-arg hidden=128 --epochs {opts.epochs}")
     g = res.group(f"torch MLP (hidden 128), synthetic {opts.samples} x {opts.features}, "

@@ -92,6 +92,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     _results.add_output_args(ap, "torch_parity")
     opts = ap.parse_args()
+    t_start = time.perf_counter()
     if opts.quick:
         opts.epochs, opts.seeds = 1, 1
     os.makedirs(opts.dir, exist_ok=True)
@@ -118,6 +119,7 @@ def main() -> int:
           f"serial torch {m_theirs:.4f} (spread {min(theirs):.4f}-{max(theirs):.4f}), "
           f"difference {100 * (m_ours - m_theirs):+.2f} points")
     res = _results.Results("torch_parity", "Accuracy parity: the digits CNN, mpilb against serial torch", opts)
+    res.t0 = t_start   # the whole script's time, not only the writing
     g = res.group(f"digits CNN (`examples/torch_cnn.py:Net`), {opts.epochs} epochs, lr {opts.lr:g}, "
                   f"batch {opts.batch}, one run per seed 0..{opts.seeds - 1}",
                   f"mpiexec -n 4 mpilb train --data digits --model examples/torch_cnn.py:Net "

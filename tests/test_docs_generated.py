@@ -110,7 +110,7 @@ def test_quick_results_are_refused_and_missing_files_show_no_figures(tmp_path):
 
 def test_load_note_says_when_the_machine_was_busy():
     busy = _results.load_note({"cores": 2, "load_start": 6.0, "load_end": 7.0})
-    assert "other jobs were running" in busy
+    assert "the machine was busy" in busy
     quiet = _results.load_note({"cores": 2, "load_start": 0.3, "load_end": 0.5})
     assert "quiet" in quiet
 
