@@ -21,6 +21,7 @@ import numpy as np
 from .dataset import (_SHARD_RE, MANIFEST, TARGET_DTYPE, TEST_FILE, FORMAT_VERSION, X_DTYPE,
                       Y_DTYPE, Dataset, check_values, open_dataset, sha256_file)
 from .errors import DataError, UsageError
+from .verified import CACHE_NAME as VERIFIED_CACHE
 
 # Rows generated (or copied) per step when writing: large enough to amortise HDF5 calls,
 # small enough that a 1e6 x 128 dataset never sits in memory at once.
@@ -53,7 +54,8 @@ def _prepare_out_dir(out: Path) -> None:
         raise UsageError(f"{out}: exists and is not a directory; choose another OUT")
     if out.is_dir():
         entries = list(out.iterdir())
-        ours = {MANIFEST, MANIFEST + ".tmp", TEST_FILE}
+        # (the record of verified checksums that opening the dataset left beside it, too)
+        ours = {MANIFEST, MANIFEST + ".tmp", TEST_FILE, VERIFIED_CACHE}
         foreign = [e.name for e in entries if not (e.name in ours or _SHARD_RE.match(e.name)) or e.is_dir()]
         if foreign:
             raise UsageError(

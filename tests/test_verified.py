@@ -133,3 +133,17 @@ def test_flipped_byte_in_a_fletcher32_chunk_fails_the_read(small_dataset):
         np.testing.assert_array_equal(store.read(1, 0, 64)[0], x[:64])   # other chunks still read
         with pytest.raises(DataError, match=r"shard-00001\.h5: cannot read rows"):
             store.read(1)
+
+
+def test_a_verified_dataset_can_be_prepared_again_in_place(tmp_path):
+    """The checksum record opening a dataset leaves beside it is mpilb's own file: preparing
+    into the same directory again replaces the dataset (it was refused as a foreign file)."""
+    root = tmp_path / "d"
+    D.prepare_synthetic(root, samples=200, features=4, classes=3, shards=2, seed=0)
+    age(root)
+    D.verify_dataset(root, cached=True)
+    assert (root / V.CACHE_NAME).exists()
+    D.prepare_synthetic(root, samples=300, features=4, classes=3, shards=3, seed=1)
+    ds = D.open_dataset(root)
+    assert ds.total_samples == 300 - ds.test_samples and len(ds.shard_sizes) == 3
+    assert not (root / V.CACHE_NAME).exists()   # the old record went with the old files
