@@ -135,6 +135,7 @@ class Optimizer:
     name = "optimizer"
     _buffers: tuple[str, ...] = ()
     _scratch_vectors = 1
+    _block = BLOCK     # elements per block of a host step
     into_grad = True   # ``out=grad`` costs no more than in place (see above)
 
     def _scale(self, buf: str) -> float:
@@ -150,7 +151,7 @@ class Optimizer:
         self.steps = 0
         for buf in self._buffers:
             setattr(self, buf, xp.zeros(num_params, dtype=self.dtype))
-        block = min(num_params, BLOCK) if xp is np else num_params
+        block = min(num_params, self._block) if xp is np else num_params
         scratch = [xp.empty(block, dtype=self.dtype) for _ in range(self._scratch_vectors)]
         # Per block: its span, views of the state vectors and of the scratch (the views
         # stay valid: load_state_dict writes into the same buffers).
@@ -230,6 +231,11 @@ class Optimizer:
 @register_optimizer("sgd")
 class SGD(Optimizer):
     """Plain SGD: ``params -= lr * (grad + wd * params)``."""
+
+    # two vectors and one scratch block: blocks twice as long stay in the same cache, for
+    # half the ufunc calls (a step into the gradient on 10^6 floats: 0.405 -> 0.369 ms;
+    # momentum and adam, with more vectors, do not gain)
+    _block = 2 * BLOCK
 
     def _update(self, params, grad, lr, out):
         xp = self.xp

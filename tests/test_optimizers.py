@@ -179,7 +179,7 @@ def test_blocked_float32_step_matches_a_float64_reference(name, kw):
     """Several blocks and a short last one: the blocked step is the textbook update."""
     from mpilb import optimizers
 
-    n = 2 * optimizers.BLOCK + 1234
+    n = 2 * optimizers.OPTIMIZERS[name]._block + 1234   # (sgd's blocks are twice as long)
     rng = np.random.default_rng(1)
     p0 = rng.standard_normal(n).astype(np.float32)
     grads = [rng.standard_normal(n).astype(np.float32) * s for s in (1.0, 0.1, 3.0, 1e-3, 0.5)]
