@@ -46,65 +46,51 @@ def compare_figures(runs: list[_Run]) -> list[tuple[str, object]]:
     ]
 
 
-def _compare_metric(runs: list[_Run], tags: list[str]):
+def _overlay(runs: list[_Run], tags: list[str], title: str, ylabel: str, series, empty: str,
+             floor: bool = False, **style):
+    """One line per run: ``series(run)`` -> (x, y), nothing drawn for a run whose x is empty;
+    `empty` says so on the axes when no run has any. `floor`: the y axis starts at 0."""
     fig, (ax,) = _figure()
-    metrics = sorted({r.metric for r in runs})
-    ax.set_title(f"Test {' / '.join(metrics)} of each run", fontsize=10)
+    ax.set_title(title, fontsize=10)
     ax.set_xlabel("time since training start (s)")
-    ax.set_ylabel(f"test {' / '.join(metrics)}")
+    ax.set_ylabel(ylabel)
     drawn = 0
     for run, tag in zip(runs, tags):
-        ev = run.cols["eval"]
-        if ev["t"].size:
-            ax.plot(ev["t"], run.metric_values, marker="o", ms=3, label=tag)
+        x, y = series(run)
+        if x.size:
+            ax.plot(x, y, label=tag, **style)
             drawn += 1
     if not drawn:
-        _no_data(ax, "no run has rows in eval/")
+        _no_data(ax, empty)
         return fig
+    if floor:
+        ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return fig
+
+
+def _compare_metric(runs: list[_Run], tags: list[str]):
+    metrics = " / ".join(sorted({r.metric for r in runs}))
+    return _overlay(runs, tags, f"Test {metrics} of each run", f"test {metrics}",
+                    lambda run: (run.cols["eval"]["t"], run.metric_values),
+                    "no run has rows in eval/", marker="o", ms=3)
 
 
 def _compare_loss(runs: list[_Run], tags: list[str]):
-    fig, (ax,) = _figure()
-    ax.set_title("Training loss of each run (rolling mean per sample, all workers)", fontsize=10)
-    ax.set_xlabel("time since training start (s)")
-    ax.set_ylabel("loss per sample")
-    drawn = 0
-    for run, tag in zip(runs, tags):
+    def series(run):
         up = run.cols["updates"]
-        if up["loss"].size:
-            ax.plot(up["t"], smoothed_loss(up["loss"], up["batch"]), label=tag)
-            drawn += 1
-    if not drawn:
-        _no_data(ax, "no run has rows in updates/")
-        return fig
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return fig
+        return up["t"], smoothed_loss(up["loss"], up["batch"]) if up["loss"].size else up["loss"]
+
+    return _overlay(runs, tags, "Training loss of each run (rolling mean per sample, all workers)",
+                    "loss per sample", series, "no run has rows in updates/", floor=True)
 
 
 def _compare_rates(runs: list[_Run], tags: list[str]):
-    fig, (ax,) = _figure()
-    ax.set_title("Training throughput of each run (samples applied per second)", fontsize=10)
-    ax.set_xlabel("time since training start (s)")
-    ax.set_ylabel("samples/s (all workers)")
-    drawn = 0
-    for run, tag in zip(runs, tags):
-        up = run.cols["updates"]
-        centres, rates = throughput(up["t"], up["batch"])
-        if centres.size:
-            ax.plot(centres, rates, marker=".", label=tag)
-            drawn += 1
-    if not drawn:
-        _no_data(ax, "no run has rows in updates/")
-        return fig
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return fig
+    return _overlay(runs, tags, "Training throughput of each run (samples applied per second)",
+                    "samples/s (all workers)",
+                    lambda run: throughput(run.cols["updates"]["t"], run.cols["updates"]["batch"]),
+                    "no run has rows in updates/", floor=True, marker=".")
 
 
 def _compare_epoch_time(runs: list[_Run], tags: list[str]):
