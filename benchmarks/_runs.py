@@ -131,6 +131,24 @@ class Bench:
         return ""
 
 
+
+def marked_processes(entry: bytes) -> dict[int, dict]:
+    """pid -> environment (bytes keys and values) of every live, non-zombie process whose
+    environment holds exactly `entry` (``b"NAME=value"``): the ranks of one job, found by a
+    mark its launcher set (benchmarks/hostile.py, tests/test_survival.py)."""
+    found = {}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            env = open(f"/proc/{p}/environ", "rb").read().split(b"\0")
+            state = open(f"/proc/{p}/stat", "rb").read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if entry in env and state != b"Z":
+            found[int(p)] = dict(kv.split(b"=", 1) for kv in env if b"=" in kv)
+    return found
+
 def digits_dataset(root: str) -> str:
     """scikit-learn's digits as a dataset under `root` (8 shards), made once and reused."""
     data = os.path.join(root, "digits")

@@ -27,6 +27,9 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _runs  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 SHIM = ROOT / "tests" / "shim"
 PY = sys.executable
@@ -55,19 +58,7 @@ class Case:
         self.t0 = time.monotonic()
 
     def processes(self) -> dict[int, dict]:
-        mark = ("MPILB_HOSTILE_JOB=" + self.env["MPILB_HOSTILE_JOB"]).encode()
-        found = {}
-        for p in os.listdir("/proc"):
-            if not p.isdigit():
-                continue
-            try:
-                env = open(f"/proc/{p}/environ", "rb").read().split(b"\0")
-                state = open(f"/proc/{p}/stat", "rb").read().rsplit(b")", 1)[1].split()[0]
-            except OSError:
-                continue
-            if mark in env and state != b"Z":
-                found[int(p)] = dict(kv.split(b"=", 1) for kv in env if b"=" in kv)
-        return found
+        return _runs.marked_processes(("MPILB_HOSTILE_JOB=" + self.env["MPILB_HOSTILE_JOB"]).encode())
 
     def rank_pids(self, n: int, timeout: float = 60) -> dict[int, int]:
         while time.monotonic() - self.t0 < timeout:
@@ -186,7 +177,7 @@ def _(d, data):
 def interrupted(d, data, n):
     """A run stopped by --max-seconds part-way through a later epoch (small dataset)."""
     data = data.parent / "small"
-    r = run(mpilb(n, *train(data, d, "--epochs", 200, "--batch", 16, "--max-seconds", 1.5)), d)
+    run(mpilb(n, *train(data, d, "--epochs", 200, "--batch", 16, "--max-seconds", 1.5)), d)
     with h5py.File(d / "run.ckpt.h5", "r") as f:
         return int(f.attrs["epoch"]), bool(f["coverage/counts"][()].any())
 

@@ -9,10 +9,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import mpirun
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from _runs import marked_processes  # noqa: E402  (the job's ranks by their mark, as hostile.py finds them)
 from mpilb.dataset import open_dataset
 from mpilb.report import summarize_log
 from test_resume import recomputed_coverage
@@ -40,19 +44,7 @@ def launch(cmd, tmp_path, env=None):
 
 def job_processes(proc) -> dict[int, dict]:
     """pid -> environment of every live process of `proc`'s job."""
-    mark = b"MPILB_TEST_JOB=" + proc.args_mark
-    found = {}
-    for p in os.listdir("/proc"):
-        if not p.isdigit():
-            continue
-        try:
-            env = open(f"/proc/{p}/environ", "rb").read().split(b"\0")
-            state = open(f"/proc/{p}/stat", "rb").read().rsplit(b")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if mark in env and state != b"Z":
-            found[int(p)] = dict(kv.split(b"=", 1) for kv in env if b"=" in kv)
-    return found
+    return marked_processes(b"MPILB_TEST_JOB=" + proc.args_mark)
 
 
 def finish(proc, timeout):
