@@ -65,6 +65,8 @@ def recv_when_ready(comm, buf, source: int, tag: int, backoff: Optional[Backoff]
     while True:
         msg = comm.improbe(source=source, tag=tag)
         if msg is not None:
+            if backoff.bell is not None:
+                backoff.bell.took(source)
             req = msg.Irecv(buf)
             complete(req)
             return

@@ -135,6 +135,9 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     cfg = Config(dict(values))
     hosts = C.hostnames(comm)
     mpi_library = C.library_version()
+    from . import doorbell
+
+    doorbell.open_job(comm, rank, size)   # rank 0 and the ranks on its node ring each other
 
     def make_role():
         from .dataset import open_dataset

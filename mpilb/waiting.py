@@ -33,7 +33,11 @@ class Backoff:
     """
 
     def __init__(self, start: float = 20e-6, cap: float = 1e-3, fine: float = 50e-6,
-                 far: float = 10e-3, fine_max: float = 250e-6, share: float = 0.005):
+                 far: float = 10e-3, fine_max: float = 250e-6, share: float = 0.005,
+                 bell=None):
+        # a doorbell.Doorbell: its rings end a sleep early (see doorbell.py)
+        self.bell = bell if bell is not None and bell.enabled else None
+        self.nap = time.sleep if self.bell is None else self.bell.wait
         self.start = start
         self.cap = cap
         self.fine = fine
@@ -62,17 +66,17 @@ class Backoff:
         if self.due is not None:
             ahead = self.due - time.monotonic()
             if ahead > self.poll:
-                time.sleep(min(ahead - self.poll, self.far))
+                self.nap(min(ahead - self.poll, self.far))
                 return
             if ahead > -self.grace:
                 if self.poll > self.fine:   # (the kernel adds ~`fine` to every sleep)
-                    time.sleep(self.poll - self.fine)
+                    self.nap(self.poll - self.fine)
                 else:
-                    self.short()
+                    self.nap(1e-6)   # the shortest sleep (see short)
                 return
             self.due = None           # overdue: back off from the polling interval on
             self.delay = max(self.delay, self.poll)
-        time.sleep(self.delay)
+        self.nap(self.delay)
         self.delay = min(self.cap, self.delay * 2)
 
     @staticmethod

@@ -21,6 +21,7 @@ from typing import Optional
 import numpy as np
 
 from . import comm as C
+from . import doorbell
 from .backend import select_backend
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
@@ -122,7 +123,8 @@ class Worker:
         self.version = 0
         self.batch = cfg.batch
         self.step = 0
-        self.backoff = C.Backoff()
+        self.bell = doorbell.current()   # rank 0 rings with each message (doorbell.py)
+        self.backoff = C.Backoff(bell=self.bell)
         # rows sent to and received from other workers (--store local, part-way moves)
         self.rows = RowExchange(comm, rank, cfg, dataset, self.feed, self.backoff,
                                 on_poll=self._orders_while_blocked)
@@ -189,6 +191,7 @@ class Worker:
         reply = wire.decode_reply(hdr)
         if reply.cmd == Cmd.PARAMS:
             self._finish_pulls()
+            self._settle_pushes()
         self.times.waited(time.perf_counter() - t0, reply.held_s, counts_as_idle)
         if reply.cmd == Cmd.STOP:
             raise StopWorker
@@ -224,8 +227,7 @@ class Worker:
                          t=time.monotonic() - self.t0, next_range=next_range,
                          **self.times.report(self.feed.io_s))
         t0 = time.perf_counter()
-        for req in self.push_reqs:
-            C.complete(req)
+        self._settle_pushes()
         self._header_to_buffer(msg)
         b = self.bounds
         # every store's slice at once; rank 0 gets the header with slice 0
@@ -235,13 +237,20 @@ class Worker:
         state = self.model.num_state if len(b) == 2 else 0
         self.push_reqs.append(self.comm.Isend(buf[:wire.HEADER_BYTES + 4 * (b[1] + state)],
                                               dest=0, tag=wire.TAG_PUSH))
+        self.bell.ring(0)
         self.step += 1
-        # Complete the push now, pipelined or not: the receivers have receives posted, so
-        # this is quick, while a large message left in flight would only move once this rank
-        # calls MPI again (no progress during a compute), and the reply would wait for it.
+        # Not waited for here: the receivers have receives posted and fetch the message
+        # themselves (a rendezvous read), so spinning on it would only take a core from the
+        # server that is to read it. The push is complete once its reply has come
+        # (_settle_pushes), or at the latest before its buffer is written again.
+        C.Request.Testall(self.push_reqs)
+        self.times.comm_s += time.perf_counter() - t0   # reported with the next push
+
+    def _settle_pushes(self) -> None:
+        """The server replied to the last push, so it has it: finish the sends' requests."""
         for req in self.push_reqs:
             C.complete(req)
-        self.times.comm_s += time.perf_counter() - t0   # reported with the next push
+        self.push_reqs = []
 
     def _orders_while_blocked(self) -> None:
         """Waiting for rows: serve send orders the server sends meanwhile. Two workers
@@ -255,6 +264,7 @@ class Worker:
         msg = self.comm.improbe(source=0, tag=wire.TAG_REPLY)
         if msg is None:
             return
+        self.bell.took(0)
         C.complete(msg.Irecv(self.recv_buf[0]))
         self._header_from_buffer(self.recv_buf)
         hdr = self.recv_buf[1]

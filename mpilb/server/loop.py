@@ -20,7 +20,7 @@ import time
 from typing import Optional
 
 from .. import comm as C
-from .. import wire
+from .. import doorbell, wire
 from ..session import Session, files_line, format_final
 from ..shards import placement
 from ..wire import Cmd
@@ -69,13 +69,14 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         self.peers = {r: Peer(rank=r, batch=cfg.batch, link=Link.allocate(
                           self.stores.n0, bool(cfg.pipeline), push_floats=self.stores.push_floats))
                       for r in self.ranks}
-        self.outbox = Outbox(comm, self.ledger, self.remote)
+        self.bell = doorbell.current()
+        self.outbox = Outbox(comm, self.ledger, self.remote, self.bell)
         self.lost: list[int] = []
         self.rejected = 0
         self.sized_early = False
         self.preempted = False
         self.checkpointed_at: Optional[int] = None   # version of the last checkpoint written
-        self.backoff = C.Backoff()
+        self.backoff = C.Backoff(bell=self.bell)
 
     # ----------------------------------------------------------------- state
     @property
@@ -280,24 +281,26 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         self._start()
         order = list(self.peers.values())
         reqs = [w.link.recv_req for w in order]
+        # Every worker rings when it pushes: sleep until one does (or the chores are due)
+        # instead of polling for pushes on a schedule.
+        rung = all(self.bell.rings_with(w.rank) for w in order)
         next_chores = 0.0
         while not (self.stop.reason and self._all_stopped()):
             done = C.Request.Testsome(reqs)
             if done:
                 for i in done:
                     w = order[i]
+                    self.bell.took(w.rank)
                     self._on_push(w)
                     self.remote.settle(w.rank)   # a gradient not taken is dropped everywhere
                     if not (w.stopped or w.lost):
                         self._post_recv(w)
                         reqs[i] = w.link.recv_req
                 self.backoff.reset(*self._next_push_due())
-            elif self.outbox.in_flight():
-                # While replies are still being transferred keep MPI progressing (yield the
-                # core, don't sleep); when nothing is under way, back off.
-                self.backoff.short()
+            elif rung:
+                self.bell.rest(next_chores - time.monotonic())
             else:
-                self.backoff.sleep()
+                self.backoff.sleep()   # a ring from a worker on this node ends a sleep early
             mono = time.monotonic()
             if mono >= next_chores:   # a hundred times a second, not at every poll
                 next_chores = mono + self.CHORES_S

@@ -21,8 +21,9 @@ class Outbox:
     slices too.
     """
 
-    def __init__(self, comm, ledger, remote):
+    def __init__(self, comm, ledger, remote, bell):
         self.comm = comm
+        self.bell = bell           # rung after each message (doorbell.py)
         self.ledger = ledger
         self.remote = remote
         self.sending: list = []    # sends not known to be complete
@@ -49,12 +50,14 @@ class Outbox:
         self.sending.append(link.reply_req)
         store.bytes_out += buf.nbytes
         if cmd == Cmd.STOP:
+            self.bell.ring(peer.rank)
             return
         # Straight from the parameters: the store steps into another buffer while this reads.
         link.params_req = self.comm.Isend(store.params, dest=peer.rank, tag=wire.TAG_PARAMS)
         store.sending(link.params_req, peer.rank)
         store.bytes_out += store.params.nbytes
         self.sending.append(link.params_req)
+        self.bell.ring(peer.rank)
         self.remote.reply(peer.rank)   # the other stores send their slices (none with K = 1)
 
     def orders(self, peer) -> None:
@@ -67,6 +70,7 @@ class Outbox:
             wire.encode_orders(hdr, self.ledger.take_orders(peer.rank))
             link.orders_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)
             self.sending.append(link.orders_req)
+            self.bell.ring(peer.rank)
             if not self.ledger.has_orders(peer.rank):
                 return
 
