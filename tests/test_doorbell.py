@@ -1,0 +1,139 @@
+"""Doorbells (mpilb/doorbell.py): rings wake a sleeping rank, stale rings cost nothing, a rank
+that cannot ring keeps polling, and a job trains the same with them off."""
+
+from __future__ import annotations
+
+import ast
+import secrets
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mpilb import doorbell
+from mpilb.doorbell import Doorbell
+from mpilb.report import summarize_log
+
+import mpirun
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="abstract Unix sockets")
+
+
+@pytest.fixture
+def pair():
+    """Rank 0 and rank 1 bells on this process, ringing each other."""
+    prefix = f"\0mpilb-test-{secrets.token_hex(6)}-"
+    bells = []
+    for rank, peers in ((0, (1,)), (1, (0,))):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(prefix + str(rank))
+        sock.setblocking(False)
+        bells.append(Doorbell(sock, rank, prefix, peers))
+    yield bells
+    for b in bells:
+        b.close()
+
+
+@linux_only
+def test_a_ring_ends_a_wait_at_once_and_silence_times_out(pair):
+    server, worker = pair
+    t = time.monotonic()
+    assert server.wait(0.05) == 0
+    assert time.monotonic() - t >= 0.04
+    worker.ring(0)
+    t = time.monotonic()
+    assert server.wait(5.0) == 1
+    assert time.monotonic() - t < 1.0    # woken by the ring, not the timeout
+    assert server.owed == {1}             # its message is announced, not taken
+    server.took(1)
+    assert server.owed == set()
+
+
+@linux_only
+def test_a_ring_for_a_message_already_taken_is_stale(pair):
+    server, worker = pair
+    worker.ring(0)
+    worker.ring(0)
+    server.took(1)   # MPI found both pushes before the rings were read
+    server.took(1)
+    assert server.wait(1.0) == 2
+    assert server.owed == set()
+
+
+@linux_only
+def test_rest_polls_for_an_announced_message_then_gives_up(pair, monkeypatch):
+    server, worker = pair
+    worker.ring(0)
+    assert server.wait(1.0) == 1
+    slept = []
+    monkeypatch.setattr(doorbell.time, "sleep", lambda s: slept.append(s))
+    server.rest(10.0)                     # announced, not taken: a short poll, no long sleep
+    assert slept == [1e-6]
+    server.owed_until = time.monotonic() - 1.0   # it never came (its sender was lost)
+    t = time.monotonic()
+    monkeypatch.undo()
+    server.rest(0.05)
+    assert server.owed == set() and time.monotonic() - t >= 0.04
+    assert server.taken[1] == server.heard[1]
+
+
+@linux_only
+def test_rings_go_only_to_peers_and_a_silent_bell_just_sleeps(pair):
+    server, worker = pair
+    worker.ring(5)                        # not a peer: nothing is sent
+    assert server.wait(0.01) == 0
+    silent = Doorbell()
+    assert not silent.enabled and not silent.rings_with(0)
+    silent.ring(0)
+    t = time.monotonic()
+    assert silent.wait(0.02) == 0 and time.monotonic() - t >= 0.015
+
+
+def test_a_backoff_naps_on_its_bell(pair, monkeypatch):
+    from mpilb.waiting import Backoff
+
+    server, worker = pair
+    b = Backoff(bell=server)
+    assert b.bell is server and b.nap == server.wait
+    assert Backoff(bell=Doorbell()).nap is time.sleep   # a silent bell: plain sleeps
+
+
+OPEN_SCRIPT = textwrap.dedent("""
+    from mpilb import comm as C, doorbell
+    comm, rank, size = C.world()
+    bell = doorbell.open_job(comm, rank, size)
+    rows = comm.gather((rank, int(bell.enabled), sorted(bell.peers)), root=0)
+    if rank == 0:
+        print(repr(rows), flush=True)
+""")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("off", [False, True])
+def test_open_job_pairs_rank_0_with_every_rank_on_its_node(tmp_path, off):
+    script = tmp_path / "bells.py"
+    script.write_text(OPEN_SCRIPT)
+    extra = {"MPILB_DOORBELL": "0"} if off else {}
+    res = subprocess.run([mpirun.mpiexec(), "-n", "3", sys.executable, str(script)],
+                         capture_output=True, text=True, timeout=60, env=mpirun.env(**extra))
+    assert res.returncode == 0, res.stderr
+    rows = ast.literal_eval(res.stdout.strip().splitlines()[-1])
+    if off or not sys.platform.startswith("linux"):
+        assert [enabled for _, enabled, _ in rows] == [0, 0, 0]
+    else:
+        assert rows == [(0, 1, [1, 2]), (1, 1, [0]), (2, 1, [0])]
+
+
+@pytest.mark.mpi
+def test_a_job_without_doorbells_trains_with_exact_coverage(synth_dir, tmp_path):
+    log = tmp_path / "run.h5"
+    res = mpirun.run(4, "train", "--data", synth_dir, "--epochs", "2", "--no-progress",
+                     "--log", log, MPILB_DOORBELL="0")
+    assert res.returncode == 0, res.stderr
+    s = summarize_log(str(log))
+    cov = s["coverage"]
+    assert s["status"] == "finished" and cov["applied"] == cov["expected"] > 0
+    assert cov["duplicates"] == 0 and cov["missing"] == 0
