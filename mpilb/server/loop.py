@@ -297,6 +297,11 @@ class ParameterServer(Epochs, Lifecycle, Chores):
                         self._post_recv(w)
                         reqs[i] = w.link.recv_req
                 self.backoff.reset(*self._next_push_due())
+            elif self.outbox.in_flight():
+                # A reply still being transferred may need this rank's MPI progress (a
+                # message copied through shared memory in pieces): keep progressing it,
+                # yielding the core between polls.
+                self.backoff.short()
             elif rung:
                 self.bell.rest(next_chores - time.monotonic())
             else:
