@@ -49,6 +49,7 @@ class Doorbell:
         self.taken: dict[int, int] = {}
         self.owed: set[int] = set()   # senders with a rung message not taken yet
         self.owed_until = 0.0
+        self.poked = False            # a peer asked for this rank's MPI progress (poke)
 
     @property
     def enabled(self) -> bool:
@@ -67,6 +68,21 @@ class Doorbell:
         except OSError:   # its queue is full (it has rings to read anyway) or it has exited
             pass
 
+    def poke(self, rank: int) -> None:
+        """Ask `rank` to progress its sends to this rank for a while (a ring announcing no
+        message): this rank is receiving one now, and a message copied through shared
+        memory in pieces moves only while its sender calls MPI."""
+        if self.sock is None or rank not in self.peers:
+            return
+        try:
+            self.sock.sendto(RING.pack(self.rank, 0), self.prefix + str(rank))
+        except OSError:
+            pass
+
+    def take_poke(self) -> bool:
+        poked, self.poked = self.poked, False
+        return poked
+
     def wait(self, timeout: float) -> int:
         """Sleep until rung or for `timeout` seconds; returns how many rings came."""
         if self.sock is None:
@@ -77,7 +93,9 @@ class Doorbell:
             return 0
         rings = self._drain()
         for sender, seq in rings:
-            if seq > self.heard.get(sender, 0):
+            if seq == 0:
+                self.poked = True
+            elif seq > self.heard.get(sender, 0):
                 self.heard[sender] = seq
                 if seq > self.taken.get(sender, 0):
                     self.owed.add(sender)

@@ -170,6 +170,8 @@ class Worker:
     def _finish_pulls(self) -> None:
         """The slices follow a PARAMS header: wait for all of them (no spinning)."""
         self.backoff.reset()
+        if not C.Request.Testall(self.pulls):
+            self.bell.poke(0)   # rank 0 may have to progress the send (doorbell.py)
         while not C.Request.Testall(self.pulls):
             self.rows.progress()
             self.backoff.sleep()

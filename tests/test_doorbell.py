@@ -137,3 +137,14 @@ def test_a_job_without_doorbells_trains_with_exact_coverage(synth_dir, tmp_path)
     cov = s["coverage"]
     assert s["status"] == "finished" and cov["applied"] == cov["expected"] > 0
     assert cov["duplicates"] == 0 and cov["missing"] == 0
+
+
+@linux_only
+def test_a_poke_asks_for_progress_and_announces_no_message(pair):
+    server, worker = pair
+    worker.poke(0)
+    assert server.wait(1.0) == 1
+    assert server.take_poke() and not server.take_poke()
+    assert server.owed == set() and server.heard == {}   # no message to wait for
+    worker.ring(0)                                       # the numbering is not disturbed
+    assert server.wait(1.0) == 1 and server.heard == {1: 1}

@@ -32,6 +32,7 @@ class Chores:
     """Timers and liveness of the parameter server (a mixin: it reads the server's state)."""
 
     CHORES_S = 0.01    # how often the main loop checks errors, lost workers and timers
+    CHORES_RUNG_S = 0.025   # the same where every worker rings (no polls to piggyback on)
     UNWATCHED_S = 0.25  # a longer gap between chores: rank 0 was busy or stopped, not watching
     LIVENESS_S = 0.05   # how often lost workers and stalls are looked for
     _next_liveness = 0.0

@@ -38,6 +38,8 @@ from .tasks import TaskLedger
 class ParameterServer(Epochs, Lifecycle, Chores):
     """Rank 0 of a multi-rank run."""
 
+    PROGRESS_S = 0.5e-3   # replies in flight are progressed this long after a send or a poke
+
     def __init__(self, cfg, dataset, comm, run_attrs: dict):
         self.cfg = cfg
         self.dataset = dataset
@@ -284,6 +286,8 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         # Every worker rings when it pushes: sleep until one does (or the chores are due)
         # instead of polling for pushes on a schedule.
         rung = all(self.bell.rings_with(w.rank) for w in order)
+        progress_until = 0.0
+        chores_s = self.CHORES_RUNG_S if rung else self.CHORES_S
         next_chores = 0.0
         while not (self.stop.reason and self._all_stopped()):
             done = C.Request.Testsome(reqs)
@@ -297,18 +301,23 @@ class ParameterServer(Epochs, Lifecycle, Chores):
                         self._post_recv(w)
                         reqs[i] = w.link.recv_req
                 self.backoff.reset(*self._next_push_due())
-            elif self.outbox.in_flight():
+                progress_until = time.monotonic() + self.PROGRESS_S
+            elif self.outbox.in_flight() and (not rung or time.monotonic() < progress_until):
                 # A reply still being transferred may need this rank's MPI progress (a
                 # message copied through shared memory in pieces): keep progressing it,
-                # yielding the core between polls.
+                # yielding the core between polls. With doorbells, only for a moment after
+                # sending and while a worker says it is receiving (a poke); a reply whose
+                # worker computes meanwhile would otherwise be polled all that time.
                 self.backoff.short()
             elif rung:
                 self.bell.rest(next_chores - time.monotonic())
+                if self.bell.take_poke():
+                    progress_until = time.monotonic() + self.PROGRESS_S
             else:
                 self.backoff.sleep()   # a ring from a worker on this node ends a sleep early
             mono = time.monotonic()
             if mono >= next_chores:   # a hundred times a second, not at every poll
-                next_chores = mono + self.CHORES_S
+                next_chores = mono + chores_s
                 self._chores()
         self.train_s = self.now()
         if self.session.eval_version != self.version:   # every stop ends with the final metric
