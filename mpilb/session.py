@@ -7,7 +7,8 @@ rank or on rank 0 of many; this module does it once, so neither driver imports t
 
 from __future__ import annotations
 
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -94,16 +95,50 @@ class Session:
         self.accuracy: Optional[float] = None   # the headline metric, for the progress line
         self.evaluation: Optional[Evaluation] = None   # what --target-* decide on
         self.eval_version = -1   # parameter version of the last evaluation
+        self._eval_pool: Optional[ThreadPoolExecutor] = None
+        self._pending = None     # an evaluation running in the background (evaluate_later)
 
     def evaluate(self, params: np.ndarray, t: float, version: int, epoch: int) -> None:
         """Evaluate host parameters on the test (and validation) set and log the row."""
-        ev = self.evaluator.evaluate(params)
+        self.collect(wait=True)   # rows in order
+        self._record(self.evaluator.evaluate(params), t, version, epoch)
+
+    def evaluate_later(self, params: np.ndarray, t: float, version: int, epoch: int,
+                       then: Optional[Callable[[], None]] = None) -> None:
+        """Evaluate a copy of `params` on a thread while rank 0 goes on serving pushes
+        (NumPy's kernels release the GIL); :meth:`collect` logs the row and calls `then`.
+        Only for models without state the server updates (BatchNorm statistics)."""
+        self.collect(wait=True)
+        if self._eval_pool is None:
+            self._eval_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpilb-eval")
+        snapshot = np.array(params, copy=True)
+        self._pending = (self._eval_pool.submit(self.evaluator.evaluate, snapshot), t, version,
+                         epoch, then)
+
+    def collect(self, wait: bool = False) -> bool:
+        """Log a background evaluation that has finished (`wait`: wait for it); its error,
+        if it failed, is raised here."""
+        if self._pending is None or not (wait or self._pending[0].done()):
+            return False
+        future, t, version, epoch, then = self._pending
+        self._pending = None
+        self._record(future.result(), t, version, epoch)
+        if then is not None:
+            then()
+        return True
+
+    def _record(self, ev: Evaluation, t: float, version: int, epoch: int) -> None:
         self.evaluation, self.accuracy = ev, ev.decides[1]
         self.eval_version = version
         self.log.append("eval", t=t, version=version, epoch=epoch, **ev.columns())
 
     def close(self, status: str, attrs: dict) -> dict:
         """Close the run log, write the summary, end the progress display on its figures."""
+        if self._pending is not None:
+            self._pending[0].cancel()   # (a run that failed meanwhile: not waited for)
+            self._pending = None
+        if self._eval_pool is not None:
+            self._eval_pool.shutdown(wait=False)
         self.log.close(status, attrs)
         summary = summarize_log(self.cfg.log)
         self.log.write_summary(summary)

@@ -49,3 +49,42 @@ def test_evaluator_requires_the_models_metric(small_dataset):
 
     with pytest.raises(MpilbError, match="must return 'loss' and its metric 'r2'"):
         Evaluator(Broken(), np.zeros((2, 3)), np.zeros(2)).evaluate(np.zeros(3))
+
+
+def test_an_evaluation_in_the_background_is_logged_in_order_by_collect():
+    """Rank 0 evaluates an epoch's end on a thread while it serves pushes (session.py)."""
+    import threading
+
+    from mpilb.session import Session
+
+    release = threading.Event()
+    seen = []
+
+    class SlowEvaluator:
+        def evaluate(self, params):
+            release.wait(10.0)
+            seen.append(params.copy())
+            return Evaluation(loss=1.0, accuracy=float(params[0]), metric=float(params[0]),
+                              metric_name="accuracy")
+
+    class Log:
+        rows = []
+
+        def append(self, group, **row):
+            self.rows.append((group, row))
+
+    s = Session.__new__(Session)
+    s.evaluator, s.log, s._eval_pool, s._pending = SlowEvaluator(), Log(), None, None
+    s.accuracy, s.evaluation, s.eval_version = None, None, -1
+    params = np.array([0.5, 0.0], dtype=np.float32)
+    done = []
+    s.evaluate_later(params, t=1.0, version=7, epoch=0, then=lambda: done.append(s.accuracy))
+    params[0] = 0.9                       # the server steps on: the evaluation has its copy
+    assert not s.collect() and s.eval_version == -1 and not Log.rows
+    release.set()
+    assert s.collect(wait=True)
+    assert seen[0][0] == np.float32(0.5) and s.accuracy == 0.5 and s.eval_version == 7
+    assert done == [0.5]
+    s.evaluate(params, t=2.0, version=8, epoch=1)   # a synchronous one after it
+    assert [(g, r["epoch"], r["version"]) for g, r in Log.rows] == [("eval", 0, 7), ("eval", 1, 8)]
+    assert not s.collect()

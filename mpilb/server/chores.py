@@ -40,6 +40,7 @@ class Chores:
 
     def _chores(self) -> None:
         self._note_unwatched()
+        self.session.collect()   # an evaluation done in the background
         err = C.poll_error(self.comm)
         if err is not None:
             raise WorkerFailed(*err)

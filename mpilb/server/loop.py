@@ -320,6 +320,7 @@ class ParameterServer(Epochs, Lifecycle, Chores):
                 next_chores = mono + chores_s
                 self._chores()
         self.train_s = self.now()
+        self.session.collect(wait=True)
         if self.session.eval_version != self.version:   # every stop ends with the final metric
             self._evaluate()
         self._log_worker_rows()
