@@ -311,6 +311,26 @@ def _cuda_aware_line(cuda_aware: bool, support: set) -> str:
     return f"{requested}; {library}"
 
 
+def _doorbell_line(peers: set, facts: list[dict], out: Findings) -> str:
+    """Which ranks wake rank 0 (and are woken by it) with doorbells (doorbell.py)."""
+    from . import doorbell
+
+    others = len(facts) - 1
+    if others == 0:
+        return "not used (one rank)"
+    if not doorbell.wanted():
+        return ("off (MPILB_DOORBELL=0)" if os.environ.get("MPILB_DOORBELL") == "0"
+                else "not on this platform (Linux only): waits poll")
+    local = [r for r, f in enumerate(facts) if r and f["host"] == facts[0]["host"]]
+    mute = [r for r in local if r not in peers]
+    if mute:
+        out.warn(f"rank(s) {_ranks(mute)} share rank 0's host but cannot ring it (each in its own "
+                 f"network namespace?): they and rank 0 poll for each other's messages instead "
+                 f"(later notice, more CPU)")
+    return (f"rank 0 <-> {len(peers)} of {others} rank(s) (those on rank 0's host ring both ways; "
+            f"the others poll)")
+
+
 def _format_pingpong(results) -> list[str]:
     return [f"rank 0 <-> {peer}: latency {lat * 1e6:.2f} us ({PING_BYTES} B), "
             f"bandwidth {bw / 1e9:.2f} GB/s ({BANDWIDTH_BYTES // 2**20} MiB)"
@@ -322,8 +342,11 @@ def doctor() -> int:
     from . import __version__
     from . import comm as C
 
+    from . import doorbell
+
     comm, rank, size = C.world()
     facts = comm.gather(_rank_facts(comm), root=0)
+    bell = doorbell.open_job(comm, rank, size)
     seconds = min(PAIR_SECONDS, TOTAL_PING_SECONDS / max(1, size - 1))
     results = ping_pong(comm, seconds) if size > 1 else []
     if rank != 0:
@@ -364,6 +387,7 @@ def doctor() -> int:
         ("CuPy", cupy or "not installed"),
         ("HDF5 file locking", locking),
         ("CUDA-aware MPI", _cuda_aware_line(cuda_aware, {f["cuda_support"] for f in workers})),
+        ("doorbells", _doorbell_line(bell.peers, facts, out)),
     ]
     width = max(len(k) for k, _ in rows)
     print(f"mpilb doctor: {size} rank(s)")

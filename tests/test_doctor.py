@@ -45,6 +45,21 @@ def facts(host="h", local_rank=0, gpus=0, cupy="13.3.0", driver_gpus=None, cuda_
 
 
 # ---------------------------------------------------------------- pure checks
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="doorbells are Linux only")
+def test_doorbells_line_and_ranks_on_rank_0s_host_that_cannot_ring(monkeypatch):
+    monkeypatch.delenv("MPILB_DOORBELL", raising=False)
+    ranks = [facts("a"), facts("a", 1), facts("a", 2), facts("b")]
+    out = D.Findings()
+    line = D._doorbell_line({1, 2}, ranks, out)
+    assert line.startswith("rank 0 <-> 2 of 3 rank(s)") and not out.warnings   # b: another host
+    out = D.Findings()
+    D._doorbell_line({1}, ranks, out)
+    assert len(out.warnings) == 1 and "rank(s) 2 share rank 0's host" in out.warnings[0]
+    monkeypatch.setenv("MPILB_DOORBELL", "0")
+    assert D._doorbell_line(set(), ranks, D.Findings()).startswith("off (MPILB_DOORBELL=0)")
+    assert D._doorbell_line(set(), ranks[:1], D.Findings()) == "not used (one rank)"
+
+
 
 def test_one_worker_per_gpu_is_clean_and_rank0_needs_no_gpu():
     out = D.Findings()
@@ -138,6 +153,8 @@ def test_doctor_under_mpiexec():
     assert re.search(r"^  rank 0 <-> 1: latency [\d.]+ us \(8 B\), bandwidth [\d.]+ GB/s "
                      r"\(4 MiB\)$", out, re.M)
     assert out.count("mpilb doctor:") == 1, "only rank 0 prints"
+    if sys.platform.startswith("linux"):
+        assert re.search(r"^  doorbells +rank 0 <-> 1 of 1 rank", out, re.M)
 
 
 @pytest.mark.mpi
