@@ -144,3 +144,20 @@ def test_bench_ps_prints_design_keys():
     assert set(out) >= {"params", "workers", "optimizer", "updates_per_s", "gb_per_s",
                         "baseline_updates_per_s", "ratio"}
     assert out["workers"] == 2 and out["updates_per_s"] > 0 and out["baseline_updates_per_s"] > 0
+
+
+def test_the_next_epoch_starts_before_the_last_one_is_evaluated(synth_dir, tmp_path):
+    """Rank 0 hands out epoch k+1 first and evaluates epoch k's end on a thread while it
+    serves pushes: every epoch still gets its row, in order, at its end."""
+    log = tmp_path / "run.h5"
+    res = mpirun.run(4, "train", "--data", synth_dir, "--epochs", 4, "--no-progress",
+                     "--eval-interval", 100, "--log", log)
+    assert res.returncode == 0, res.stderr
+    _, cols = read_columns(str(log))
+    ep, ev = cols["epochs"], cols["eval"]
+    assert ev["epoch"].tolist()[:4] == [0, 1, 2, 3]
+    lag = ev["t"][:4] - ep["t_end"]   # stamped at each end (when it was asked for)
+    assert np.all((lag >= 0) & (lag < 0.05)), lag
+    # the next epoch began at the end of the last, not after its evaluation
+    assert np.all(ep["t_start"][1:] - ep["t_end"][:-1] < 0.05), (ep["t_start"], ep["t_end"])
+    assert_exact_coverage(summarize_log(str(log)))
