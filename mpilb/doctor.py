@@ -341,7 +341,6 @@ def doctor() -> int:
     """Entry point of `mpilb doctor` on every rank; rank 0 prints. Returns the exit code."""
     from . import __version__
     from . import comm as C
-
     from . import doorbell
 
     comm, rank, size = C.world()

@@ -241,10 +241,12 @@ class Worker:
                                               dest=0, tag=wire.TAG_PUSH))
         self.bell.ring(0)
         self.step += 1
-        # Not waited for here: the receivers have receives posted and fetch the message
-        # themselves (a rendezvous read), so spinning on it would only take a core from the
-        # server that is to read it. The push is complete once its reply has come
-        # (_settle_pushes), or at the latest before its buffer is written again.
+        # Not waited for here: the receivers have receives posted and, with MPICH's
+        # shared-memory transport, fetch the message themselves (a rendezvous read), so
+        # spinning on it would only take a core from the server that is to read it (where
+        # the sender must move it, it moves at this rank's next MPI call: pipelined, after
+        # the compute). The push is complete once its reply has come (_settle_pushes), or at
+        # the latest before its buffer is written again.
         C.Request.Testall(self.push_reqs)
         self.times.comm_s += time.perf_counter() - t0   # reported with the next push
 
