@@ -58,11 +58,15 @@ class Doorbell:
     def rings_with(self, rank: int) -> bool:
         return self.sock is not None and rank in self.peers
 
-    def ring(self, rank: int) -> None:
-        """Tell `rank` that a message to it was just posted (after the MPI send call)."""
+    def ring(self, rank: int, wake: bool = True) -> None:
+        """Tell `rank` that a message to it was just posted (after the MPI send call);
+        `wake=False`: only count the message (the receiver is known to be polling), so that
+        the numbering of later rings stays that of the messages."""
         if self.sock is None or rank not in self.peers:
             return
         seq = self.sent[rank] = self.sent.get(rank, 0) + 1
+        if not wake:
+            return
         try:
             self.sock.sendto(RING.pack(self.rank, seq), self.prefix + str(rank))
         except OSError:   # its queue is full (it has rings to read anyway) or it has exited

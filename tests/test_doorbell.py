@@ -148,3 +148,15 @@ def test_a_poke_asks_for_progress_and_announces_no_message(pair):
     assert server.owed == set() and server.heard == {}   # no message to wait for
     worker.ring(0)                                       # the numbering is not disturbed
     assert server.wait(1.0) == 1 and server.heard == {1: 1}
+
+
+@linux_only
+def test_a_message_counted_without_a_ring_keeps_the_numbering(pair):
+    server, worker = pair
+    server.ring(1, wake=False)   # a reply the worker polls for: counted, not sent
+    assert worker.wait(0.01) == 0
+    worker.took(0)               # it found the reply itself
+    server.ring(1)               # the next one is rung as message 2
+    assert worker.wait(1.0) == 1 and worker.heard == {0: 2} and worker.owed == {0}
+    worker.took(0)
+    assert worker.owed == set()

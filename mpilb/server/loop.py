@@ -140,6 +140,7 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         w.last_push = push
         now = self.now()
         mono = time.monotonic()
+        w.pushed_at = mono
         w.last_gap = None
         if w.awaiting:
             w.last_gap = mono - w.last_seen

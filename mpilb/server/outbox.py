@@ -10,6 +10,8 @@ can keep MPI progressing while they travel.
 
 from __future__ import annotations
 
+import time
+
 from .. import wire
 from ..wire import Cmd
 
@@ -20,6 +22,8 @@ class Outbox:
     `remote`: the other stores (RemoteStores; none with --servers 1), told to send their
     slices too.
     """
+
+    QUIET_S = 0.3e-3   # replies sooner than this after the push are not rung (see reply)
 
     def __init__(self, comm, ledger, remote, bell):
         self.comm = comm
@@ -57,7 +61,11 @@ class Outbox:
         store.sending(link.params_req, peer.rank)
         store.bytes_out += store.params.nbytes
         self.sending.append(link.params_req)
-        self.bell.ring(peer.rank)
+        # A worker that pushed a moment ago is still polling finely for this reply (see
+        # TimeSincePush.reply_window): a ring would cost rank 0 a wake-up call (~60 µs on a
+        # VM) and win nothing. One that has waited longer (a held reply, a sync round, idle)
+        # sleeps longer between polls and is rung.
+        self.bell.ring(peer.rank, wake=time.monotonic() - peer.pushed_at > self.QUIET_S)
         self.remote.reply(peer.rank)   # the other stores send their slices (none with K = 1)
 
     def orders(self, peer) -> None:

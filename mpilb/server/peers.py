@@ -80,6 +80,7 @@ class Peer:
     retried: bool = False    # that batch was already retried once
     step: int = 0
     last_seen: float = 0.0
+    pushed_at: float = 0.0   # when its last push was taken (time.monotonic())
     awaiting: bool = False   # sent work and parameters, its next push is to come
     push_gap: WaitEstimate = field(default_factory=WaitEstimate)   # reply -> next push
     last_gap: Optional[float] = None   # reply -> push of its last push (its step's cost)
