@@ -289,7 +289,7 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         rung = all(self.bell.rings_with(w.rank) for w in order)
         progress_until = 0.0
         chores_s = self.CHORES_RUNG_S if rung else self.CHORES_S
-        next_chores = 0.0
+        next_chores = chores_at = 0.0
         while not (self.stop.reason and self._all_stopped()):
             done = C.Request.Testsome(reqs)
             if done:
@@ -311,14 +311,14 @@ class ParameterServer(Epochs, Lifecycle, Chores):
                 # worker computes meanwhile would otherwise be polled all that time.
                 self.backoff.short()
             elif rung:
-                self.bell.rest(next_chores - time.monotonic())
+                self.bell.rest(chores_at + self.RUNG_NAP_S - time.monotonic())
                 if self.bell.take_poke():
                     progress_until = time.monotonic() + self.PROGRESS_S
             else:
                 self.backoff.sleep()   # a ring from a worker on this node ends a sleep early
             mono = time.monotonic()
             if mono >= next_chores:   # a hundred times a second, not at every poll
-                next_chores = mono + chores_s
+                next_chores, chores_at = mono + chores_s, mono
                 self._chores()
         self.train_s = self.now()
         self.session.collect(wait=True)
