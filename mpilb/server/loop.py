@@ -317,7 +317,7 @@ class ParameterServer(Epochs, Lifecycle, Chores):
             else:
                 self.backoff.sleep()   # a ring from a worker on this node ends a sleep early
             mono = time.monotonic()
-            if mono >= next_chores:   # a hundred times a second, not at every poll
+            if mono >= next_chores:   # every 10 or 25 ms at most, not at every poll
                 next_chores, chores_at = mono + chores_s, mono
                 self._chores()
         self.train_s = self.now()
