@@ -1,6 +1,7 @@
 """What rank 0 does between pushes: errors, preemption, lost workers, and its timers.
 
-A hundred times a second (not at every poll) the loop checks for a worker's error report
+Every 10 ms at most (25 ms where every worker rings, and at least every 100 ms then: see
+``RUNG_NAP_S``), not at every poll, the loop checks for a worker's error report
 or a preemption notice, declares silent workers lost (their tasks go to the others), and runs
 the timers: checkpoints, rebalancing and batch sizes, evaluation, --max-seconds, the log's
 flush and the progress line. Mixed into :class:`~mpilb.server.loop.ParameterServer`.
