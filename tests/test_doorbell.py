@@ -160,3 +160,33 @@ def test_a_message_counted_without_a_ring_keeps_the_numbering(pair):
     assert worker.wait(1.0) == 1 and worker.heard == {0: 2} and worker.owed == {0}
     worker.took(0)
     assert worker.owed == set()
+
+
+MIXED_SCRIPT = textwrap.dedent("""
+    import os, socket, sys
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() == 2:   # this rank cannot bind its socket: it must poll
+        def refuse(self, *a):
+            raise OSError("no sockets here")
+        socket.socket.bind = refuse
+    from mpilb.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.mark.mpi
+def test_a_rank_that_cannot_ring_trains_alongside_ranks_that_do(synth_dir, tmp_path):
+    """Rank 2 has no doorbell: rank 0 polls (its naps still end on the others' rings) and
+    the run is exact."""
+    script = tmp_path / "mixed.py"
+    script.write_text(MIXED_SCRIPT)
+    log = tmp_path / "run.h5"
+    res = subprocess.run([mpirun.mpiexec(), "-n", "4", sys.executable, str(script), "train",
+                          "--data", synth_dir, "--epochs", "2", "--no-progress", "--log", str(log)],
+                         capture_output=True, text=True, timeout=120, env=mpirun.env())
+    assert res.returncode == 0, res.stderr
+    s = summarize_log(str(log))
+    cov = s["coverage"]
+    assert s["status"] == "finished" and cov["applied"] == cov["expected"] > 0
+    assert cov["duplicates"] == 0 and cov["missing"] == 0
+    assert all(w["samples"] > 0 for w in s["per_worker"])
