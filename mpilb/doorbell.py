@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Optional
 
+from .waiting import Backoff
+
 OWED_S = 2e-3   # after a ring, poll this long for the message it announced before resting again
 RING = struct.Struct("<ii")   # (sender's rank, the number of its message to this rank)
 
@@ -62,25 +64,23 @@ class Doorbell:
         """Tell `rank` that a message to it was just posted (after the MPI send call);
         `wake=False`: only count the message (the receiver is known to be polling), so that
         the numbering of later rings stays that of the messages."""
-        if self.sock is None or rank not in self.peers:
+        if not self.rings_with(rank):
             return
         seq = self.sent[rank] = self.sent.get(rank, 0) + 1
-        if not wake:
-            return
-        try:
-            self.sock.sendto(RING.pack(self.rank, seq), self.prefix + str(rank))
-        except OSError:   # its queue is full (it has rings to read anyway) or it has exited
-            pass
+        if wake:
+            self._send(rank, seq)
 
     def poke(self, rank: int) -> None:
         """Ask `rank` to progress its sends to this rank for a while (a ring announcing no
         message): this rank is receiving one now, and a message copied through shared
         memory in pieces moves only while its sender calls MPI."""
-        if self.sock is None or rank not in self.peers:
-            return
+        if self.rings_with(rank):
+            self._send(rank, 0)
+
+    def _send(self, rank: int, seq: int) -> None:
         try:
-            self.sock.sendto(RING.pack(self.rank, 0), self.prefix + str(rank))
-        except OSError:
+            self.sock.sendto(RING.pack(self.rank, seq), self.prefix + str(rank))
+        except OSError:   # its queue is full (it has rings to read anyway) or it has exited
             pass
 
     def take_poke(self) -> bool:
@@ -118,7 +118,7 @@ class Doorbell:
         ring, `longest` seconds at most."""
         if self.owed:
             if time.monotonic() < self.owed_until:
-                time.sleep(1e-6)
+                Backoff.short()
                 return
             for sender in self.owed:   # never came (its sender was lost): stop waiting for it
                 self.taken[sender] = self.heard[sender]
