@@ -95,9 +95,15 @@ def local_rank(comm=None) -> int:
         node.Free()
 
 
+def _library_text() -> str:
+    """The MPI library's version text, without the NUL terminator that Open MPI includes
+    (HDF5 refuses strings with NULs in them, and the run log records this text)."""
+    return MPI.Get_library_version().replace("\x00", "").strip()
+
+
 def library_version() -> str:
     """First line of the MPI library's version string."""
-    return MPI.Get_library_version().strip().splitlines()[0].strip()
+    return _library_text().splitlines()[0].strip()
 
 
 def mpi_info() -> dict:
@@ -132,7 +138,7 @@ def mpi_info() -> dict:
         pass
     vendor, version = MPI.get_vendor()
     return {
-        "library": MPI.Get_library_version().strip(),
+        "library": _library_text(),
         "standard": "%d.%d" % MPI.Get_version(),
         "compiled_standard": f"{MPI.VERSION}.{MPI.SUBVERSION}",
         "vendor": f"{vendor} {'.'.join(map(str, version))}",

@@ -97,3 +97,18 @@ def test_a_long_wait_is_polled_less_finely_than_a_short_one(monkeypatch):
     long, poll_long = wakeups_in_window(50e-3)
     assert poll_short == pytest.approx(50e-6) and poll_long == pytest.approx(250e-6)
     assert long * 3 < short
+
+
+def test_open_mpi_version_text_loses_its_nul_before_it_reaches_the_run_log(monkeypatch, tmp_path):
+    # Open MPI's MPI_Get_library_version counts the terminating NUL; h5py refuses such a
+    # string ("VLEN strings do not support embedded NULLs"): seen on a GPU machine whose
+    # mpi4py had loaded the system's Open MPI.
+    h5py = pytest.importorskip("h5py")
+    text = "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6\x00"
+    monkeypatch.setattr(C.MPI, "Get_library_version", lambda: text)
+    assert C.library_version() == "Open MPI v4.1.6, package: Debian OpenMPI, ident: 4.1.6"
+    info = C.mpi_info()
+    assert "\x00" not in info["library"]
+    with h5py.File(tmp_path / "log.h5", "w") as f:
+        f.attrs["mpi"] = C.library_version()
+        f.attrs["library"] = info["library"]

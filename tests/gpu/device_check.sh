@@ -4,8 +4,8 @@
 #   bash tests/gpu/device_check.sh [OUT_DIR]
 #
 # 1. CuPy vs NumPy gradients for every model (same parameters and batch, float32 and float64).
-# 2. A 3-rank training run with --device gpu (host staging), and with CUDA-aware MPI when
-#    the MPI library reports CUDA support.
+# 2. A 3-rank training run with --device gpu (host staging), pipelined, with two parameter
+#    stores and a straggler, and with CUDA-aware MPI when the MPI library reports CUDA support.
 # 3. Step time of a large MLP on CuPy vs NumPy (loss_and_grad + sgd step), as a ratio.
 # 4. The PyTorch adapter on CUDA (needs torch with CUDA): gradients vs the CPU, parameters as
 #    DLPack views of the CuPy vector, gradients in the CuPy buffer, device binding, step time
@@ -51,7 +51,7 @@ y = rng.integers(0, 10, 512)
 def bench(xp, steps):
     p = xp.asarray(model.init_params(0))
     xb, yb = xp.asarray(x), xp.asarray(y)
-    opt = build_optimizer("sgd", model.num_params, lr=0.01, xp=xp)
+    opt = build_optimizer("sgd", model.num_params, lr=1e-6, xp=xp)   # summed gradients: keep finite
     g = xp.empty_like(p)
     for _ in range(3):
         model.loss_and_grad(p, xb, yb, g); opt.step(p, g)
@@ -69,17 +69,30 @@ PYEOF
 
 echo "== 2. 3-rank GPU training (host staging)"
 mpilb prepare synthetic "$OUT/data" --samples 60000 --features 256 --classes 10 --shards 24 >/dev/null
+cat > "$OUT/summary.py" <<'PYEOF'
+import json, sys
+s = json.load(sys.stdin)
+c = s["coverage"]
+exact = c["applied"] == c["expected"] and not c["duplicates"] and not c["missing"]
+acc = s["final_test_accuracy"]
+print(f"  {s['samples_per_s']:.0f} samples/s, accuracy {acc:.4f}, coverage {c['applied']}/{c['expected']}, exact: {exact}")
+assert exact, c
+if len(sys.argv) > 1:
+    assert acc > float(sys.argv[1]), f"accuracy {acc} <= {sys.argv[1]}"
+PYEOF
 run() {
     local log="$1"; shift
-    timeout 300 mpiexec -n 3 mpilb train --data "$OUT/data" --model mlp --hidden 512,512 \
-        --batch 256 --epochs 3 --device gpu --no-progress --log "$log" "$@"
-    mpilb report "$log" --json | "$PY" -c 'import json,sys; s=json.load(sys.stdin); c=s["coverage"]; \
-print(f"  {s[\"samples_per_s\"]:.0f} samples/s, accuracy {s[\"final_test_accuracy\"]:.4f}, coverage exact: {c[\"applied\"]==c[\"expected\"] and not c[\"duplicates\"] and not c[\"missing\"]}"); \
-assert c["applied"] == c["expected"] and not c["duplicates"] and not c["missing"]'
+    timeout 300 mpiexec -n "${NP:-3}" mpilb train --data "$OUT/data" --model mlp --hidden 512,512 \
+        --batch 256 --epochs 3 --device gpu --no-progress --overwrite --log "$log" "$@"
+    mpilb report "$log" --json | "$PY" "$OUT/summary.py"
 }
 run "$OUT/gpu_staged.h5"
+echo "   the same with --pipeline 1 (next pull overlapped with the compute)"
+run "$OUT/gpu_pipelined.h5" --pipeline 1
+echo "   two parameter stores (--servers 2), a straggler (3:compute=3) and the load balancer"
+NP=5 run "$OUT/gpu_servers2.h5" --servers 2 --inject 3:compute=3 --balancer load
 timeout 300 mpiexec -n 3 mpilb train --data "$OUT/data" --model mlp --hidden 512,512 --batch 256 \
-    --epochs 3 --device cpu --no-progress --log "$OUT/cpu.h5" >/dev/null
+    --epochs 3 --device cpu --no-progress --overwrite --log "$OUT/cpu.h5" >/dev/null
 mpilb report --compare "$OUT/cpu.h5" "$OUT/gpu_staged.h5"
 if mpilb doctor 2>/dev/null | grep -q "the MPI library reports CUDA support"; then
     echo "== 2b. CUDA-aware MPI"
@@ -149,10 +162,8 @@ json.dump(res, open(sys.argv[1] + "/device_check.json", "w"), indent=2)
 PYEOF
 mpilb prepare digits "$OUT/digits" >/dev/null
 timeout 300 mpiexec -n 3 mpilb train --data "$OUT/digits" --model examples/torch_cnn.py:Net \
-    --epochs 10 --device gpu --no-progress --log "$OUT/torch_gpu.h5"
-mpilb report "$OUT/torch_gpu.h5" --json | "$PY" -c 'import json,sys; s=json.load(sys.stdin); c=s["coverage"]; \
-acc=s["final_test_accuracy"]; print(f"  torch CNN on 2 GPU workers: accuracy {acc:.4f}, coverage {c}"); \
-assert c["applied"] == c["expected"] and not c["duplicates"] and not c["missing"]; assert acc > 0.9'
+    --epochs 10 --device gpu --no-progress --overwrite --log "$OUT/torch_gpu.h5"
+mpilb report "$OUT/torch_gpu.h5" --json | "$PY" "$OUT/summary.py" 0.9
 else
     echo "== 4. skipped: torch with CUDA is not installed (pip install torch with a CUDA build)"
 fi
