@@ -75,6 +75,26 @@ def test_state_round_trips_and_evaluation_uses_it():
     assert a.evaluate(params, x, y) == b.evaluate(params.copy(), x, y)
 
 
+def test_state_follows_the_module_onto_another_device():
+    # module.to(device) replaces buffer tensors (parameters keep their objects): the state
+    # must be read from the module as it is, not from the CPU tensors it had when built.
+    # Seen on a GPU: the torch CNN trained, but evaluation used the initial BatchNorm
+    # statistics (test accuracy 0.20 against 0.99 on the CPU).
+    net = net_with_batchnorm()
+    model = TorchModel(net, num_classes=3, input_shape=(4,))
+    net.to = lambda *a, **k: net._apply(lambda t: t.clone())   # what a move to a GPU does
+    model._device = "elsewhere"                                 # so that _bind moves it
+    before = model.get_state().copy()
+    x = np.random.default_rng(1).standard_normal((32, 4)).astype(np.float32) * 3 + 1
+    model.loss_and_grad(model.init_params(0), x, np.arange(32) % 3)
+    live = torch.cat([b.detach().reshape(-1).float() for b in net.buffers()]).numpy()
+    assert not np.allclose(live, before)                        # the statistics moved...
+    np.testing.assert_array_equal(model.get_state(), live)      # ...and the state says so
+    model.set_state(before)
+    np.testing.assert_array_equal(
+        torch.cat([b.detach().reshape(-1).float() for b in net.buffers()]).numpy(), before)
+
+
 def test_regression_default_mse_and_r2():
     torch.manual_seed(0)
     model = TorchModel(torch.nn.Linear(3, 2), num_classes=0, target_shape=(2,), input_shape=(3,))

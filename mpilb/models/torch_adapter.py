@@ -178,7 +178,7 @@ class TorchModel(Model):
         if not self.num_state:
             return None
         return torch.cat([b.detach().reshape(-1).to("cpu", torch.float32)
-                          for _, b in self._buffers]).numpy()
+                          for b in self._live_buffers()]).numpy()
 
     def set_state(self, flat) -> None:
         if not self.num_state:
@@ -186,7 +186,7 @@ class TorchModel(Model):
         src = torch.from_numpy(np.ascontiguousarray(flat, dtype=np.float32))
         pos = 0
         with torch.no_grad():
-            for _, b in self._buffers:
+            for b in self._live_buffers():
                 k = b.numel()
                 b.copy_(src[pos:pos + k].view(b.shape).to(b.dtype))
                 pos += k
@@ -199,6 +199,12 @@ class TorchModel(Model):
         return {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
 
     # ------------------------------------------------------------------ internals
+    def _live_buffers(self) -> list:
+        """The module's buffers as they are now: ``module.to(device)`` replaces buffer
+        tensors (parameters keep their objects), so the ones listed at construction are the
+        CPU originals once the module is on a GPU (whose running statistics never move)."""
+        return [b for _, b in self.module.named_buffers()]
+
     def _bind(self, params, grad):
         """Make every parameter a view of ``params`` (rebinding only when another buffer
         comes in, which step after step it does not); returns ``grad`` as a tensor."""
