@@ -83,6 +83,11 @@ class TimeSincePush:
         return fields
 
 
+# While a reply's parameters are still arriving, rank 0 is asked again this often to
+# progress them (it does for 0.5 ms after each poke: server.loop.ParameterServer.PROGRESS_S).
+POKE_EVERY_S = 0.4e-3
+
+
 class Worker:
     def __init__(self, cfg, dataset, comm, rank: int):
         self.cfg = cfg
@@ -168,11 +173,17 @@ class Worker:
                           for s in range(len(b) - 1)]
 
     def _finish_pulls(self) -> None:
-        """The slices follow a PARAMS header: wait for all of them (no spinning)."""
+        """The slices follow a PARAMS header: wait for all of them (no spinning). Rank 0
+        may have to progress the send (doorbell.py): it is poked, and poked again while the
+        slices keep this rank waiting, since it progresses its sends only for a moment after
+        a poke and then sleeps until a push comes (with one worker: up to its nap)."""
         self.backoff.reset()
-        if not C.Request.Testall(self.pulls):
-            self.bell.poke(0)   # rank 0 may have to progress the send (doorbell.py)
+        poked = 0.0
         while not C.Request.Testall(self.pulls):
+            now = time.monotonic()
+            if now - poked >= POKE_EVERY_S:
+                self.bell.poke(0)
+                poked = now
             self.rows.progress()
             self.backoff.sleep()
         self.pulls = None

@@ -104,3 +104,33 @@ def test_sends_are_kept_until_complete(monkeypatch):
     comm.log[0].done = comm.log[1].done = True
     ex.progress()
     assert len(ex.outgoing) == 1 and ex.outgoing[0][0][0].kw["dest"] == 4
+
+
+def test_parameters_still_arriving_keep_poking_rank_0(monkeypatch):
+    # Rank 0 progresses its sends only for a moment after a poke; a reply whose parameters
+    # are still arriving must poke it again, or the transfer waits for rank 0's next push
+    # (with a single worker: its whole nap).
+    from mpilb import worker as W
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(W.time, "monotonic", lambda: clock["t"])
+    polls = {"n": 0}
+
+    def testall(reqs):
+        polls["n"] += 1
+        return polls["n"] > 20   # complete at the 21st test: ~2 ms of 0.1 ms naps
+
+    monkeypatch.setattr(W, "C", SimpleNamespace(Request=SimpleNamespace(Testall=testall)))
+    pokes = []
+    w = object.__new__(W.Worker)
+    w.pulls = ["a pull"]
+    w.bell = SimpleNamespace(poke=lambda rank: pokes.append((rank, clock["t"])))
+    w.rows = SimpleNamespace(progress=lambda: None)
+    w.backoff = SimpleNamespace(reset=lambda: None,
+                                sleep=lambda: clock.__setitem__("t", clock["t"] + 1e-4))
+    w._finish_pulls()
+    assert w.pulls is None
+    assert [r for r, _ in pokes] == [0] * len(pokes)
+    gaps = np.diff([t for _, t in pokes])
+    assert len(pokes) >= 4 and gaps.max() <= W.POKE_EVERY_S + 1e-4 + 1e-9   # poked all along
+    assert gaps.min() >= W.POKE_EVERY_S - 1e-9                             # but not at every poll
