@@ -7,6 +7,8 @@ rank or on rank 0 of many; this module does it once, so neither driver imports t
 
 from __future__ import annotations
 
+import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -14,6 +16,7 @@ import numpy as np
 
 from . import checkpoint
 from .balancer import BalancerConfig, build_balancer
+from .evalproc import EvalProcess
 from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
@@ -96,7 +99,26 @@ class Session:
         self.evaluation: Optional[Evaluation] = None   # what --target-* decide on
         self.eval_version = -1   # parameter version of the last evaluation
         self._eval_pool: Optional[ThreadPoolExecutor] = None
+        self._eval_proc: Optional[EvalProcess] = None
         self._pending = None     # an evaluation running in the background (evaluate_later)
+
+    def start_background_evaluation(self, ranks_here: int) -> None:
+        """Start the process that :meth:`evaluate_later` hands its evaluations to (rank 0
+        of a job; see evalproc.py) when this node has a core to spare for it: more CPUs
+        for this rank than the job has ranks here (``MPILB_EVAL_PROCESS=1`` or ``0``: always,
+        never). Otherwise they run on a thread, which costs no process start-up (~1 s of
+        CPU) on a node whose cores the ranks already share."""
+        if self.model.num_state:
+            return   # (statistics the pushes update are evaluated where they are)
+        choice = os.environ.get("MPILB_EVAL_PROCESS", "auto")
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        if choice == "0" or (choice != "1" and cpus <= ranks_here):
+            return
+        try:
+            self._eval_proc = EvalProcess(self.cfg, self.dataset)
+        except OSError as exc:
+            print(f"mpilb: warning: no evaluation process ({exc}); evaluating on a thread",
+                  file=sys.stderr, flush=True)
 
     def evaluate(self, params: np.ndarray, t: float, version: int, epoch: int) -> None:
         """Evaluate host parameters on the test (and validation) set and log the row."""
@@ -105,24 +127,36 @@ class Session:
 
     def evaluate_later(self, params: np.ndarray, t: float, version: int, epoch: int,
                        then: Optional[Callable[[], None]] = None) -> None:
-        """Evaluate a copy of `params` on a thread while rank 0 goes on serving pushes
-        (NumPy's kernels release the GIL); :meth:`collect` logs the row and calls `then`.
-        Only for models without state the server updates (BatchNorm statistics)."""
+        """Evaluate `params` in the background while rank 0 goes on serving pushes: in the
+        evaluation process (:meth:`start_background_evaluation`), else a copy on a thread;
+        :meth:`collect` logs the row and calls `then`. Only for models without state the
+        server updates (BatchNorm statistics)."""
         self.collect(wait=True)
-        if self._eval_pool is None:
-            self._eval_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpilb-eval")
-        snapshot = np.array(params, copy=True)
-        self._pending = (self._eval_pool.submit(self.evaluator.evaluate, snapshot), t, version,
-                         epoch, then)
+        if self._eval_proc is not None:
+            self._eval_proc.submit(params)   # (written to its pipe: a copy)
+            job = self._eval_proc
+        else:
+            if self._eval_pool is None:
+                self._eval_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpilb-eval")
+            job = self._eval_pool.submit(self._timed, np.array(params, copy=True))
+        self._pending = (job, t, version, epoch, then)
+
+    def _timed(self, params: np.ndarray):
+        before = self.evaluator.seconds
+        ev = self.evaluator.evaluate(params)
+        return ev, self.evaluator.seconds - before
 
     def collect(self, wait: bool = False) -> bool:
         """Log a background evaluation that has finished (`wait`: wait for it); its error,
         if it failed, is raised here."""
         if self._pending is None or not (wait or self._pending[0].done()):
             return False
-        future, t, version, epoch, then = self._pending
+        job, t, version, epoch, then = self._pending
         self._pending = None
-        self._record(future.result(), t, version, epoch)
+        ev, seconds = job.result()
+        if job is self._eval_proc:
+            self.evaluator.seconds += seconds   # (a thread counted its own)
+        self._record(ev, t, version, epoch)
         if then is not None:
             then()
         return True
@@ -135,10 +169,14 @@ class Session:
     def close(self, status: str, attrs: dict) -> dict:
         """Close the run log, write the summary, end the progress display on its figures."""
         if self._pending is not None:
-            self._pending[0].cancel()   # (a run that failed meanwhile: not waited for)
+            if self._pending[0] is not self._eval_proc:
+                self._pending[0].cancel()   # (a run that failed meanwhile: not waited for)
             self._pending = None
         if self._eval_pool is not None:
             self._eval_pool.shutdown(wait=False)
+        if self._eval_proc is not None:
+            self._eval_proc.close()
+            self._eval_proc = None
         self.log.close(status, attrs)
         summary = summarize_log(self.cfg.log)
         self.log.write_summary(summary)

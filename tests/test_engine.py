@@ -146,12 +146,14 @@ def test_bench_ps_prints_design_keys():
     assert out["workers"] == 2 and out["updates_per_s"] > 0 and out["baseline_updates_per_s"] > 0
 
 
-def test_the_next_epoch_starts_before_the_last_one_is_evaluated(synth_dir, tmp_path):
-    """Rank 0 hands out epoch k+1 first and evaluates epoch k's end on a thread while it
-    serves pushes: every epoch still gets its row, in order, at its end."""
+@pytest.mark.parametrize("where", ["1", "0"], ids=["process", "thread"])
+def test_the_next_epoch_starts_before_the_last_one_is_evaluated(synth_dir, tmp_path, where):
+    """Rank 0 hands out epoch k+1 first and evaluates epoch k's end in the evaluation
+    process (or on a thread) while it serves pushes: every epoch still gets its row, in
+    order, at its end."""
     log = tmp_path / "run.h5"
     res = mpirun.run(4, "train", "--data", synth_dir, "--epochs", 4, "--no-progress",
-                     "--eval-interval", 100, "--log", log)
+                     "--eval-interval", 100, "--log", log, MPILB_EVAL_PROCESS=where)
     assert res.returncode == 0, res.stderr
     _, cols = read_columns(str(log))
     ep, ev = cols["epochs"], cols["eval"]

@@ -61,6 +61,8 @@ def test_an_evaluation_in_the_background_is_logged_in_order_by_collect():
     seen = []
 
     class SlowEvaluator:
+        seconds = 0.0
+
         def evaluate(self, params):
             release.wait(10.0)
             seen.append(params.copy())
@@ -75,6 +77,7 @@ def test_an_evaluation_in_the_background_is_logged_in_order_by_collect():
 
     s = Session.__new__(Session)
     s.evaluator, s.log, s._eval_pool, s._pending = SlowEvaluator(), Log(), None, None
+    s._eval_proc = None   # (the thread: where the evaluation process could not start)
     s.accuracy, s.evaluation, s.eval_version = None, None, -1
     params = np.array([0.5, 0.0], dtype=np.float32)
     done = []
@@ -88,3 +91,65 @@ def test_an_evaluation_in_the_background_is_logged_in_order_by_collect():
     s.evaluate(params, t=2.0, version=8, epoch=1)   # a synchronous one after it
     assert [(g, r["epoch"], r["version"]) for g, r in Log.rows] == [("eval", 0, 7), ("eval", 1, 8)]
     assert not s.collect()
+
+
+def test_the_evaluation_process_matches_rank_0_and_reports_its_errors(digits_dir):
+    """Evaluations beside the pushes run in a process of their own (evalproc.py): the same
+    figures as on rank 0, the launcher's variables kept from it, errors raised here."""
+    from mpilb.config import build_config
+    from mpilb.dataset import open_dataset
+    from mpilb.errors import MpilbError
+    from mpilb.evalproc import EvalProcess, child_env
+    from mpilb.training import build_evaluator, config_model
+
+    cfg = build_config(cli_values={"data": digits_dir, "model": "mlp", "hidden": "16"})
+    ds = open_dataset(digits_dir)
+    model = config_model(cfg, ds)
+    params = model.init_params(cfg.seed)
+    here = build_evaluator(model, ds).evaluate(params)
+    env = child_env({"PMI_RANK": "0", "PMI_FD": "7", "OMPI_COMM_WORLD_RANK": "0",
+                     "SLURM_PROCID": "0", "OMP_NUM_THREADS": "1", "PATH": "/bin"})
+    assert env == {"OMP_NUM_THREADS": "1", "PATH": "/bin"}   # nothing by which it joins the job
+    proc = EvalProcess(cfg, ds)
+    try:
+        proc.submit(params)
+        ev, seconds = proc.result()
+        assert (ev.loss, ev.accuracy) == pytest.approx((here.loss, here.accuracy), rel=1e-6)
+        assert seconds > 0 and not proc.busy
+        proc.submit(params[:-1])   # a vector of the wrong length: its error comes back
+        with pytest.raises(MpilbError, match="evaluation failed in its process"):
+            proc.result()
+        proc.submit(params * 0)    # and the process serves on
+        assert proc.result()[0].loss == pytest.approx(np.log(10), rel=1e-3)
+    finally:
+        proc.close()
+    assert proc.proc.returncode == 0
+
+
+@pytest.mark.parametrize("cpus, ranks_here, setting, expect", [
+    (16, 4, None, "process"),   # a core to spare on rank 0's node
+    (2, 4, None, "thread"),     # ranks already share the cores: no extra process
+    (2, 4, "1", "process"),
+    (16, 4, "0", "thread"),
+])
+def test_evaluations_get_a_process_where_rank_0_has_a_core_to_spare(
+        monkeypatch, cpus, ranks_here, setting, expect):
+    from mpilb import session as S
+
+    started = []
+    monkeypatch.setattr(S, "EvalProcess", lambda cfg, ds: started.append(cfg) or "proc")
+    monkeypatch.setattr(S.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
+    if setting is None:
+        monkeypatch.delenv("MPILB_EVAL_PROCESS", raising=False)
+    else:
+        monkeypatch.setenv("MPILB_EVAL_PROCESS", setting)
+    s = S.Session.__new__(S.Session)
+    s.cfg, s.dataset, s._eval_proc = "cfg", "ds", None
+    s.model = type("M", (), {"num_state": 0})()
+    s.start_background_evaluation(ranks_here)
+    assert ("process" if s._eval_proc == "proc" else "thread") == expect
+    s.model.num_state = 3           # BatchNorm statistics: evaluated where they are, always
+    s._eval_proc = None
+    monkeypatch.setenv("MPILB_EVAL_PROCESS", "1")
+    s.start_background_evaluation(ranks_here)
+    assert s._eval_proc is None

@@ -40,6 +40,10 @@ class Lifecycle:
             self._post_recv(w)
             w.go_idle()
         self.stores.start(self.resumed.version if self.resumed else 0)
+        if self.stop.target_accuracy is None and self.stop.target_metric is None:
+            # epochs' evaluations will run beside the pushes (epochs.py): their process
+            # starts now, to be ready by the first epoch's end
+            self.session.start_background_evaluation(self.ranks_here)
         ck = self.resumed
         self.progress.begin(ck.epoch if ck else 0, int((ck.counts > 0).sum()) if ck else 0, self.now())
         if ck is None:

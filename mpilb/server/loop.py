@@ -14,6 +14,7 @@ lost workers and timers: rebalancing, evaluation, checkpoints, the stop rules.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -49,6 +50,8 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.replicas)
                    if cfg.store == "local" else None)
         self.session = s = Session(cfg, dataset, run_attrs, self.ranks, holders)
+        hosts = json.loads(run_attrs.get("hostnames", "[]"))
+        self.ranks_here = hosts.count(hosts[0]) if hosts else comm.Get_size()   # on rank 0's node
         self.model, self.optimizer, self.balancer = s.model, s.optimizer, s.balancer
         self.tracker, self.evaluator, self.stop = s.tracker, s.evaluator, s.stop
         self.resumed, self.log, self.progress = s.resumed, s.log, s.progress
