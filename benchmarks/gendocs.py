@@ -30,7 +30,8 @@ import _results  # noqa: E402
 
 REPO = _results.REPO
 RESULTS_DIR = _results.RESULTS_DIR
-DOCS = ["docs/benchmarks.md", "docs/balancing.md", "docs/data.md", "docs/scaling.md", "docs/models.md"]
+DOCS = ["docs/benchmarks.md", "docs/balancing.md", "docs/data.md", "docs/scaling.md", "docs/models.md",
+        "docs/gpu.md"]
 BLOCK = re.compile(r"(<!-- BEGIN generated: ([\w.-]+) -->\n)(.*?)(<!-- END generated -->)", re.S)
 
 
@@ -64,7 +65,8 @@ def _result(r: str | None) -> str:
 
 def machine_line(m: dict) -> str:
     mem = f", {m['memory_gib']:g} GiB" if m.get("memory_gib") else ""
-    return (f"{m['cpu']}, {m['cores']} cores{mem}, {m['system']}; BLAS {m['blas']} (threads: "
+    gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
+    return (f"{m['cpu']}, {m['cores']} cores{mem}{gpu}, {m['system']}; BLAS {m['blas']} (threads: "
             f"{m['blas_threads']}); MPI {' '.join(m['mpi'].split())}; Python {m['python']}, numpy {m['numpy']}, "
             f"h5py {m['h5py']}, mpi4py {m['mpi4py']}")
 

@@ -11,7 +11,8 @@
 #    DLPack views of the CuPy vector, gradients in the CuPy buffer, device binding, step time
 #    vs plain torch,
 #    and a 3-rank run of examples/torch_cnn.py on --device gpu.
-# Figures go to stdout and OUT_DIR/device_check.json.
+# Figures go to stdout, OUT_DIR/device_check.json, and OUT_DIR/gpu.json: a result file for
+# benchmarks/results/ (tests/gpu/result.py) that docs/gpu.md's table is generated from.
 set -euo pipefail
 OUT="${1:-${OUT:-/tmp/mpilb-device-check}}"
 mkdir -p "$OUT"
@@ -167,4 +168,6 @@ mpilb report "$OUT/torch_gpu.h5" --json | "$PY" "$OUT/summary.py" 0.9
 else
     echo "== 4. skipped: torch with CUDA is not installed (pip install torch with a CUDA build)"
 fi
-echo "device check passed; figures in $OUT/device_check.json"
+"$PY" tests/gpu/result.py "$OUT/device_check.json" --out "$OUT/gpu.json" >/dev/null
+echo "device check passed; figures in $OUT/device_check.json and $OUT/gpu.json (copy that to"
+echo "benchmarks/results/gpu.json and run python benchmarks/gendocs.py to update docs/gpu.md)"
