@@ -88,7 +88,8 @@ def render(res: dict | None, name: str = "") -> str:
         f"do not edit between the markers.* Measured {m['date']} at commit `{m['commit']}` by "
         f"`python {argv}` ({res['elapsed_s']:.0f} s{verdict}).",
         "",
-        f"Machine: {machine_line(m)}. {notes[0].upper()}{notes[1:]}.",
+        f"Machine: {machine_line(m)}. {notes[0].upper()}{notes[1:]}."
+        + (f" {m['where'][0].upper()}{m['where'][1:]}." if m.get("where") else ""),
         "",
         "Each figure: the median over the repeats, and (min–max) where there was more than one.",
     ]
