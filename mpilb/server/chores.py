@@ -238,6 +238,7 @@ class Chores:
                   f"taken as the launcher's notice of a failed rank (MPICH -disable-auto-cleanup), "
                   f"not as a preemption", file=sys.stderr, flush=True)
         w.lose()
+        self.bell.forget(w.rank)   # a push it rang will not come
         self.remote.lose(w.rank)   # every store stops listening to it
         self.lost.append(w.rank)
         self.balancer.remove_worker(w.rank)
