@@ -4,9 +4,9 @@ At an epoch's end rank 0 hands out the next epoch and evaluates the parameters m
 On a thread (as it first did) the evaluation and the push handling share one interpreter
 lock: each NumPy call of an optimizer step gives the lock up and waits to get it back, up
 to Python's switch interval (5 ms) while the evaluation's Python holds it. Measured on a
-16-core machine (one server, three workers, `mlp 256,256`, batch 512): a push that arrived
-during an evaluation took 5-20 ms instead of 0.3 ms to be applied, and the fast workers'
-mean round trip was 3.3 ms where its median was 1.0 ms. A process has its own interpreter,
+16-core node (rank 0 on a core of its own, three workers on its GPU, `mlp 256,256`, batch
+512): a push that arrived during an evaluation took 5-20 ms instead of 0.3 ms to be
+applied, and the fast workers' mean round trip was 3.3 ms where its median was 1.0 ms. A process has its own interpreter,
 and on a node with a core to spare, its own core.
 
 The child (``python -m mpilb.evalproc``, started once per run with the MPI launcher's
