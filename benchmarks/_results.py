@@ -114,6 +114,16 @@ def _commit() -> str:
         return "unknown"
 
 
+def _gpus() -> int:
+    """GPUs CuPy sees here: with them, runs that leave --device at auto compute on them."""
+    try:
+        from mpilb.backend import gpu_count
+
+        return gpu_count()
+    except Exception:   # noqa: BLE001
+        return 0
+
+
 def machine() -> dict:
     """What the figures were measured on (the load average at the end is added on write)."""
     return {
@@ -124,6 +134,7 @@ def machine() -> dict:
         "blas": _blas(),
         "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
         "mpi": _mpi(),
+        "gpus": _gpus(),
         "python": platform.python_version(),
         "numpy": _version("numpy"),
         "h5py": _version("h5py"),

@@ -66,6 +66,8 @@ def _result(r: str | None) -> str:
 def machine_line(m: dict) -> str:
     mem = f", {m['memory_gib']:g} GiB" if m.get("memory_gib") else ""
     gpu = f", GPU {m['gpu']}" if m.get("gpu") else ""
+    if m.get("gpus"):   # workers left at --device auto computed on them
+        gpu += f", {m['gpus']} GPU(s) the workers used (--device auto)"
     return (f"{m['cpu']}, {m['cores']} cores{mem}{gpu}, {m['system']}; BLAS {m['blas']} (threads: "
             f"{m['blas_threads']}); MPI {' '.join(m['mpi'].split())}; Python {m['python']}, numpy {m['numpy']}, "
             f"h5py {m['h5py']}, mpi4py {m['mpi4py']}")
