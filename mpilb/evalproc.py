@@ -14,6 +14,8 @@ variables removed, so that nothing in it joins the job) builds the run's model a
 itself and then answers one request at a time: parameters in (raw float32), an
 :class:`~mpilb.training.Evaluation` and its seconds out (a pickle: once per epoch, off the
 hot path). Its errors come back as messages and are raised by :meth:`EvalProcess.result`.
+It ignores the signals a launcher or a batch system sends the job (Ctrl-C, preemption
+notices: rank 0 handles those) and ends when rank 0 closes its pipe or exits.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -58,6 +61,10 @@ def _read(stream) -> Optional[bytes]:
     return data if len(data) == n else None
 
 
+class EvalProcessGone(MpilbError):
+    """The evaluation process ended (killed, out of memory): evaluate in rank 0 instead."""
+
+
 class EvalProcess:
     """A child process that evaluates parameters of the run described by ``cfg`` and
     ``dataset``: :meth:`submit` one vector, then :meth:`done` / :meth:`result`."""
@@ -84,8 +91,8 @@ class EvalProcess:
         data = _read(self.proc.stdout)
         self.busy = False
         if data is None:
-            code = self.proc.poll()
-            raise MpilbError(f"the evaluation process ended (exit {code}); see its message above")
+            code = self.proc.wait()
+            raise EvalProcessGone(f"the evaluation process ended (exit {code})")
         kind, value = pickle.loads(data)
         if kind == "error":
             raise MpilbError(f"evaluation failed in its process:\n{value}")
@@ -102,6 +109,8 @@ class EvalProcess:
 
 def main() -> int:
     """The child: build the evaluator, then answer requests until stdin closes."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)   # the job's signals are rank 0's to act on
     src, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # anything a user's module prints must not corrupt the replies
     data = _read(src)

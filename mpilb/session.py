@@ -16,7 +16,7 @@ import numpy as np
 
 from . import checkpoint
 from .balancer import BalancerConfig, build_balancer
-from .evalproc import EvalProcess
+from .evalproc import EvalProcess, EvalProcessGone
 from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
@@ -100,6 +100,7 @@ class Session:
         self.eval_version = -1   # parameter version of the last evaluation
         self._eval_pool: Optional[ThreadPoolExecutor] = None
         self._eval_proc: Optional[EvalProcess] = None
+        self._submitted: Optional[np.ndarray] = None   # what the process evaluates
         self._pending = None     # an evaluation running in the background (evaluate_later)
 
     def start_background_evaluation(self, ranks_here: int) -> None:
@@ -132,10 +133,18 @@ class Session:
         :meth:`collect` logs the row and calls `then`. Only for models without state the
         server updates (BatchNorm statistics)."""
         self.collect(wait=True)
+        job = None
         if self._eval_proc is not None:
-            self._eval_proc.submit(params)   # (written to its pipe: a copy)
-            job = self._eval_proc
-        else:
+            self._submitted = np.array(params, copy=True)   # (kept should the process die)
+            try:
+                self._eval_proc.submit(params)
+                job = self._eval_proc
+            except OSError as exc:   # it died while idle: its pipe is closed
+                print(f"mpilb: warning: the evaluation process ended ({exc}); rank 0 "
+                      f"evaluates from now on", file=sys.stderr, flush=True)
+                self._eval_proc.close()
+                self._eval_proc = None
+        if job is None:
             if self._eval_pool is None:
                 self._eval_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpilb-eval")
             job = self._eval_pool.submit(self._timed, np.array(params, copy=True))
@@ -153,9 +162,16 @@ class Session:
             return False
         job, t, version, epoch, then = self._pending
         self._pending = None
-        ev, seconds = job.result()
-        if job is self._eval_proc:
-            self.evaluator.seconds += seconds   # (a thread counted its own)
+        try:
+            ev, seconds = job.result()
+        except EvalProcessGone as exc:
+            print(f"mpilb: warning: {exc}; rank 0 evaluates from now on", file=sys.stderr,
+                  flush=True)
+            self._eval_proc = None
+            ev, seconds = self._timed(self._submitted)
+        else:
+            if job is self._eval_proc:
+                self.evaluator.seconds += seconds   # (a thread counted its own)
         self._record(ev, t, version, epoch)
         if then is not None:
             then()

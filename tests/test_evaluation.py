@@ -153,3 +153,52 @@ def test_evaluations_get_a_process_where_rank_0_has_a_core_to_spare(
     monkeypatch.setenv("MPILB_EVAL_PROCESS", "1")
     s.start_background_evaluation(ranks_here)
     assert s._eval_proc is None
+
+
+def test_an_evaluation_process_that_dies_leaves_rank_0_evaluating(digits_dir, capsys):
+    """Killed (out of memory, a stray signal): the evaluation it had is done on rank 0, with
+    a warning, and so are the ones after it."""
+    import signal
+
+    from mpilb.config import build_config
+    from mpilb.dataset import open_dataset
+    from mpilb.evalproc import EvalProcess
+    from mpilb.session import Session
+    from mpilb.training import build_evaluator, config_model
+
+    cfg = build_config(cli_values={"data": digits_dir, "model": "mlp", "hidden": "16"})
+    ds = open_dataset(digits_dir)
+    model = config_model(cfg, ds)
+
+    class Log:
+        rows = []
+
+        def append(self, group, **row):
+            self.rows.append(row)
+
+    s = Session.__new__(Session)
+    s.evaluator, s.log, s._eval_pool, s._pending = build_evaluator(model, ds), Log(), None, None
+    s.accuracy, s.evaluation, s.eval_version, s._submitted = None, None, -1, None
+    s._eval_proc = EvalProcess(cfg, ds)
+    proc = s._eval_proc.proc
+    params = model.init_params(0)
+    s.evaluate_later(params, t=1.0, version=1, epoch=0)
+    assert s.collect(wait=True)
+    proc.send_signal(signal.SIGTERM)          # the job's signals are not the child's...
+    s.evaluate_later(params, t=2.0, version=2, epoch=1)
+    assert s.collect(wait=True) and s._eval_proc is not None   # ...it ignored that one
+    proc.send_signal(signal.SIGSTOP)          # (so that it cannot answer first)
+    s.evaluate_later(params, t=3.0, version=3, epoch=2)
+    proc.kill()                               # killed while evaluating
+    assert s.collect(wait=True) and s._eval_proc is None
+    s._eval_proc = EvalProcess(cfg, ds)
+    s._eval_proc.proc.kill()
+    s._eval_proc.proc.wait()
+    s.evaluate_later(params, t=4.0, version=4, epoch=3)        # dead while idle
+    assert s._eval_proc is None and s.collect(wait=True)
+    s.evaluate_later(params, t=5.0, version=5, epoch=4)        # on a thread from now on
+    assert s.collect(wait=True)
+    assert [r["version"] for r in Log.rows] == [1, 2, 3, 4, 5]
+    assert len({round(r["test_loss"], 6) for r in Log.rows}) == 1
+    assert "the evaluation process ended" in capsys.readouterr().err
+    s._eval_pool.shutdown()
