@@ -11,15 +11,19 @@ and on a node with a core to spare, its own core.
 
 The child (``python -m mpilb.evalproc``, started once per run with the MPI launcher's
 variables removed, so that nothing in it joins the job) builds the run's model and test set
-itself and then answers one request at a time: parameters in (raw float32), an
+itself and then answers one request at a time: parameters in, an
 :class:`~mpilb.training.Evaluation` and its seconds out (a pickle: once per epoch, off the
-hot path). Its errors come back as messages and are raised by :meth:`EvalProcess.result`.
+hot path). On Linux the parameters travel through an anonymous shared mapping (a memfd
+the child inherits, gone when both have closed it, whatever way they end): rank 0 copies
+them there and writes an empty request, so a large model costs rank 0 one memcpy, not a
+pipe transfer paced by the child's reads. Elsewhere they go through the pipe. Its errors come back as messages and are raised by :meth:`EvalProcess.result`.
 It ignores the signals a launcher or a batch system sends the job (Ctrl-C, preemption
 notices: rank 0 handles those) and ends when rank 0 closes its pipe or exits.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 import select
@@ -69,17 +73,41 @@ class EvalProcess:
     """A child process that evaluates parameters of the run described by ``cfg`` and
     ``dataset``: :meth:`submit` one vector, then :meth:`done` / :meth:`result`."""
 
-    def __init__(self, cfg, dataset):
-        self.proc = subprocess.Popen([sys.executable, "-m", "mpilb.evalproc"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=child_env(os.environ))
-        _write(self.proc.stdin, pickle.dumps((dict(cfg.values), dataset)))
+    def __init__(self, cfg, dataset, num_params: int):
+        self.shared: Optional[np.ndarray] = None   # the parameters' shared mapping (Linux)
+        self._last: Optional[bytes] = None         # else the bytes last sent
+        fd = -1
+        if hasattr(os, "memfd_create") and num_params > 0:
+            fd = os.memfd_create("mpilb-eval-params")
+            os.ftruncate(fd, 4 * num_params)
+            self._map = mmap.mmap(fd, 4 * num_params)
+            self.shared = np.frombuffer(self._map, dtype=np.float32)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "mpilb.evalproc"],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         env=child_env(os.environ),
+                                         pass_fds=(fd,) if fd >= 0 else ())
+        finally:
+            if fd >= 0:
+                os.close(fd)   # (the mapping and the child's copy keep it)
+        _write(self.proc.stdin, pickle.dumps((dict(cfg.values), dataset, fd, num_params)))
         self.busy = False
 
     def submit(self, params: np.ndarray) -> None:
         assert not self.busy, "one evaluation at a time"
-        _write(self.proc.stdin, np.ascontiguousarray(params, dtype=np.float32).tobytes())
+        if self.shared is not None and params.size == self.shared.size:
+            np.copyto(self.shared, params, casting="same_kind")
+            _write(self.proc.stdin, b"")
+        else:
+            self._last = np.ascontiguousarray(params, dtype=np.float32).tobytes()
+            _write(self.proc.stdin, self._last)
         self.busy = True
+
+    def submitted(self) -> np.ndarray:
+        """A copy of the parameters last submitted (to evaluate them elsewhere)."""
+        if self._last is None:
+            return self.shared.copy()
+        return np.frombuffer(self._last, dtype=np.float32).copy()
 
     def done(self) -> bool:
         """The result can be read without waiting."""
@@ -120,7 +148,10 @@ def main() -> int:
         from .config import Config
         from .training import build_evaluator, config_model
 
-        values, dataset = pickle.loads(data)
+        values, dataset, fd, num_params = pickle.loads(data)
+        shared = None
+        if fd >= 0:
+            shared = np.frombuffer(mmap.mmap(fd, 4 * num_params), dtype=np.float32)
         evaluator = build_evaluator(config_model(Config(values), dataset), dataset)
     except Exception:
         evaluator, setup_error = None, traceback.format_exc()
@@ -130,7 +161,8 @@ def main() -> int:
             continue
         try:
             before = evaluator.seconds
-            ev = evaluator.evaluate(np.frombuffer(data, dtype=np.float32).copy())
+            params = shared.copy() if data == b"" else np.frombuffer(data, dtype=np.float32).copy()
+            ev = evaluator.evaluate(params)
             _write(out, pickle.dumps(("ok", (ev, evaluator.seconds - before))))
         except Exception:
             _write(out, pickle.dumps(("error", traceback.format_exc())))

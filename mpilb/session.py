@@ -100,7 +100,6 @@ class Session:
         self.eval_version = -1   # parameter version of the last evaluation
         self._eval_pool: Optional[ThreadPoolExecutor] = None
         self._eval_proc: Optional[EvalProcess] = None
-        self._submitted: Optional[np.ndarray] = None   # what the process evaluates
         self._pending = None     # an evaluation running in the background (evaluate_later)
 
     def start_background_evaluation(self, ranks_here: int) -> None:
@@ -116,7 +115,7 @@ class Session:
         if choice == "0" or (choice != "1" and cpus <= ranks_here):
             return
         try:
-            self._eval_proc = EvalProcess(self.cfg, self.dataset)
+            self._eval_proc = EvalProcess(self.cfg, self.dataset, self.model.num_params)
         except OSError as exc:
             print(f"mpilb: warning: no evaluation process ({exc}); evaluating on a thread",
                   file=sys.stderr, flush=True)
@@ -135,7 +134,6 @@ class Session:
         self.collect(wait=True)
         job = None
         if self._eval_proc is not None:
-            self._submitted = np.array(params, copy=True)   # (kept should the process die)
             try:
                 self._eval_proc.submit(params)
                 job = self._eval_proc
@@ -168,7 +166,7 @@ class Session:
             print(f"mpilb: warning: {exc}; rank 0 evaluates from now on", file=sys.stderr,
                   flush=True)
             self._eval_proc = None
-            ev, seconds = self._timed(self._submitted)
+            ev, seconds = self._timed(job.submitted())
         else:
             if job is self._eval_proc:
                 self.evaluator.seconds += seconds   # (a thread counted its own)

@@ -2,6 +2,8 @@
 
 import math
 
+import os
+
 import numpy as np
 import pytest
 
@@ -110,20 +112,23 @@ def test_the_evaluation_process_matches_rank_0_and_reports_its_errors(digits_dir
     env = child_env({"PMI_RANK": "0", "PMI_FD": "7", "OMPI_COMM_WORLD_RANK": "0",
                      "SLURM_PROCID": "0", "OMP_NUM_THREADS": "1", "PATH": "/bin"})
     assert env == {"OMP_NUM_THREADS": "1", "PATH": "/bin"}   # nothing by which it joins the job
-    proc = EvalProcess(cfg, ds)
-    try:
-        proc.submit(params)
-        ev, seconds = proc.result()
-        assert (ev.loss, ev.accuracy) == pytest.approx((here.loss, here.accuracy), rel=1e-6)
-        assert seconds > 0 and not proc.busy
-        proc.submit(params[:-1])   # a vector of the wrong length: its error comes back
-        with pytest.raises(MpilbError, match="evaluation failed in its process"):
-            proc.result()
-        proc.submit(params * 0)    # and the process serves on
-        assert proc.result()[0].loss == pytest.approx(np.log(10), rel=1e-3)
-    finally:
-        proc.close()
-    assert proc.proc.returncode == 0
+    for size in (model.num_params, 0):   # through shared memory (Linux), through the pipe
+        proc = EvalProcess(cfg, ds, size)
+        assert (proc.shared is not None) == (size > 0 and hasattr(os, "memfd_create"))
+        try:
+            proc.submit(params)
+            ev, seconds = proc.result()
+            assert (ev.loss, ev.accuracy) == pytest.approx((here.loss, here.accuracy), rel=1e-6)
+            assert seconds > 0 and not proc.busy
+            np.testing.assert_array_equal(proc.submitted(), params)
+            proc.submit(params[:-1])   # a vector of the wrong length: its error comes back
+            with pytest.raises(MpilbError, match="evaluation failed in its process"):
+                proc.result()
+            proc.submit(params * 0)    # and the process serves on
+            assert proc.result()[0].loss == pytest.approx(np.log(10), rel=1e-3)
+        finally:
+            proc.close()
+        assert proc.proc.returncode == 0
 
 
 @pytest.mark.parametrize("cpus, ranks_here, setting, expect", [
@@ -137,7 +142,7 @@ def test_evaluations_get_a_process_where_rank_0_has_a_core_to_spare(
     from mpilb import session as S
 
     started = []
-    monkeypatch.setattr(S, "EvalProcess", lambda cfg, ds: started.append(cfg) or "proc")
+    monkeypatch.setattr(S, "EvalProcess", lambda cfg, ds, n: started.append(cfg) or "proc")
     monkeypatch.setattr(S.os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
     if setting is None:
         monkeypatch.delenv("MPILB_EVAL_PROCESS", raising=False)
@@ -145,7 +150,7 @@ def test_evaluations_get_a_process_where_rank_0_has_a_core_to_spare(
         monkeypatch.setenv("MPILB_EVAL_PROCESS", setting)
     s = S.Session.__new__(S.Session)
     s.cfg, s.dataset, s._eval_proc = "cfg", "ds", None
-    s.model = type("M", (), {"num_state": 0})()
+    s.model = type("M", (), {"num_state": 0, "num_params": 10})()
     s.start_background_evaluation(ranks_here)
     assert ("process" if s._eval_proc == "proc" else "thread") == expect
     s.model.num_state = 3           # BatchNorm statistics: evaluated where they are, always
@@ -178,8 +183,8 @@ def test_an_evaluation_process_that_dies_leaves_rank_0_evaluating(digits_dir, ca
 
     s = Session.__new__(Session)
     s.evaluator, s.log, s._eval_pool, s._pending = build_evaluator(model, ds), Log(), None, None
-    s.accuracy, s.evaluation, s.eval_version, s._submitted = None, None, -1, None
-    s._eval_proc = EvalProcess(cfg, ds)
+    s.accuracy, s.evaluation, s.eval_version = None, None, -1
+    s._eval_proc = EvalProcess(cfg, ds, model.num_params)
     proc = s._eval_proc.proc
     params = model.init_params(0)
     s.evaluate_later(params, t=1.0, version=1, epoch=0)
@@ -191,7 +196,7 @@ def test_an_evaluation_process_that_dies_leaves_rank_0_evaluating(digits_dir, ca
     s.evaluate_later(params, t=3.0, version=3, epoch=2)
     proc.kill()                               # killed while evaluating
     assert s.collect(wait=True) and s._eval_proc is None
-    s._eval_proc = EvalProcess(cfg, ds)
+    s._eval_proc = EvalProcess(cfg, ds, 0)                    # (through the pipe)
     s._eval_proc.proc.kill()
     s._eval_proc.proc.wait()
     s.evaluate_later(params, t=4.0, version=4, epoch=3)        # dead while idle
