@@ -6,8 +6,8 @@ lock: each NumPy call of an optimizer step gives the lock up and waits to get it
 to Python's switch interval (5 ms) while the evaluation's Python holds it. Measured on a
 16-core node (rank 0 on a core of its own, three workers on its GPU, `mlp 256,256`, batch
 512): a push that arrived during an evaluation took 5-20 ms instead of 0.3 ms to be
-applied, and the fast workers' mean round trip was 3.3 ms where its median was 1.0 ms. A process has its own interpreter,
-and on a node with a core to spare, its own core.
+applied, and the fast workers' mean round trip was 3.3 ms where its median was 1.0 ms. A
+process has its own interpreter, and on a node with a core to spare, its own core.
 
 The child (``python -m mpilb.evalproc``, started once per run with the MPI launcher's
 variables removed, so that nothing in it joins the job) builds the run's model and test set
@@ -16,9 +16,10 @@ itself and then answers one request at a time: parameters in, an
 hot path). On Linux the parameters travel through an anonymous shared mapping (a memfd
 the child inherits, gone when both have closed it, whatever way they end): rank 0 copies
 them there and writes an empty request, so a large model costs rank 0 one memcpy, not a
-pipe transfer paced by the child's reads. Elsewhere they go through the pipe. Its errors come back as messages and are raised by :meth:`EvalProcess.result`.
-It ignores the signals a launcher or a batch system sends the job (Ctrl-C, preemption
-notices: rank 0 handles those) and ends when rank 0 closes its pipe or exits.
+pipe transfer paced by the child's reads. Elsewhere they go through the pipe. Its errors
+come back as messages and are raised by :meth:`EvalProcess.result`. It ignores the signals
+a launcher or a batch system sends the job (Ctrl-C, preemption notices: rank 0 handles
+those) and ends when rank 0 closes its pipe or exits.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ class EvalProcess:
         assert not self.busy, "one evaluation at a time"
         if self.shared is not None and params.size == self.shared.size:
             np.copyto(self.shared, params, casting="same_kind")
+            self._last = None
             _write(self.proc.stdin, b"")
         else:
             self._last = np.ascontiguousarray(params, dtype=np.float32).tobytes()
