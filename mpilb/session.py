@@ -111,7 +111,8 @@ class Session:
         if self.model.num_state:
             return   # (statistics the pushes update are evaluated where they are)
         choice = os.environ.get("MPILB_EVAL_PROCESS", "auto")
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                else os.cpu_count() or 1)
         if choice == "0" or (choice != "1" and cpus <= ranks_here):
             return
         try:
