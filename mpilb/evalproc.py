@@ -91,7 +91,9 @@ class EvalProcess:
         finally:
             if fd >= 0:
                 os.close(fd)   # (the mapping and the child's copy keep it)
-        _write(self.proc.stdin, pickle.dumps((dict(cfg.values), dataset, fd, num_params)))
+        # with rank 0's import path: a user's model may come from a directory it added
+        _write(self.proc.stdin, pickle.dumps((dict(cfg.values), dataset, fd, num_params,
+                                              list(sys.path))))
         self.busy = False
 
     def submit(self, params: np.ndarray) -> None:
@@ -150,7 +152,8 @@ def main() -> int:
         from .config import Config
         from .training import build_evaluator, config_model
 
-        values, dataset, fd, num_params = pickle.loads(data)
+        values, dataset, fd, num_params, path = pickle.loads(data)
+        sys.path[:] = path + [p for p in sys.path if p not in path]
         shared = None
         if fd >= 0:
             shared = np.frombuffer(mmap.mmap(fd, 4 * num_params), dtype=np.float32)

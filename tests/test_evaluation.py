@@ -207,3 +207,29 @@ def test_an_evaluation_process_that_dies_leaves_rank_0_evaluating(digits_dir, ca
     assert len({round(r["test_loss"], 6) for r in Log.rows}) == 1
     assert "the evaluation process ended" in capsys.readouterr().err
     s._eval_pool.shutdown()
+
+
+def test_the_evaluation_process_imports_user_models_from_rank_0s_path(digits_dir, monkeypatch):
+    """A model from a directory the user's script put on sys.path (mpilb.train from a
+    script) is importable in the evaluation process too."""
+    from pathlib import Path
+
+    from mpilb.config import build_config
+    from mpilb.dataset import open_dataset
+    from mpilb.evalproc import EvalProcess
+    from mpilb.training import build_evaluator, config_model
+
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    monkeypatch.syspath_prepend(examples)            # not on PYTHONPATH: only in this process
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    cfg = build_config(cli_values={"data": digits_dir, "model": "mymodels:Linear"})
+    ds = open_dataset(digits_dir)
+    model = config_model(cfg, ds)
+    params = model.init_params(cfg.seed)
+    proc = EvalProcess(cfg, ds, model.num_params)
+    try:
+        proc.submit(params)
+        ev, _ = proc.result()
+    finally:
+        proc.close()
+    assert ev.loss == pytest.approx(build_evaluator(model, ds).evaluate(params).loss, rel=1e-6)
