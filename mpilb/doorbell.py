@@ -32,6 +32,7 @@ from .waiting import Backoff
 
 OWED_S = 2e-3       # after a ring, poll finely this long for the message it announced
 OWED_NAP_S = 5e-3   # then wake at least this often until it comes (see Doorbell.rest)
+POKE_PROGRESS_S = 0.5e-3   # a poke has rank 0 progress its sends this long (server/loop.py)
 RING = struct.Struct("<ii")   # (sender's rank, the number of its message to this rank)
 
 

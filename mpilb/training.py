@@ -176,6 +176,11 @@ class StopRule:
     target_metric: Optional[float] = None
     reason: str = ""
 
+    @property
+    def waits_on_evaluations(self) -> bool:
+        """A --target-* stop: an epoch's evaluation decides whether the run goes on."""
+        return self.target_accuracy is not None or self.target_metric is not None
+
     def check(self, epochs_done: int, elapsed: float, evaluation=None) -> bool:
         if isinstance(evaluation, Evaluation):
             accuracy, metric = evaluation.decides

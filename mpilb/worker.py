@@ -83,9 +83,9 @@ class TimeSincePush:
         return fields
 
 
-# While a reply's parameters are still arriving, rank 0 is asked again this often to
-# progress them (it does for 0.5 ms after each poke: server.loop.ParameterServer.PROGRESS_S).
-POKE_EVERY_S = 0.4e-3
+# While a reply's parameters are still arriving, rank 0 is asked again to progress them
+# before the progress a poke buys runs out (0.4 ms).
+POKE_EVERY_S = 0.8 * doorbell.POKE_PROGRESS_S
 
 
 class Worker:

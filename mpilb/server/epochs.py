@@ -95,8 +95,7 @@ class Epochs:
         imbalance = (max(finishes) - min(finishes)) if finishes else 0.0
         self.log.append("epochs", epoch=stats.epoch, t_start=stats.t_start, t_end=stats.t_end,
                         samples=stats.samples, utilization=util, imbalance_s=imbalance)
-        if (self.stop.target_accuracy is None and self.stop.target_metric is None
-                and not self.stop.check(stats.epoch + 1, t)):
+        if not self.stop.waits_on_evaluations and not self.stop.check(stats.epoch + 1, t):
             # The run goes on whatever this evaluation says: hand out the next epoch first,
             # and evaluate while serving the workers (on the straggler benchmark every
             # worker used to wait 0.12 s for it at each epoch's end).

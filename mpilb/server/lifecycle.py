@@ -40,7 +40,7 @@ class Lifecycle:
             self._post_recv(w)
             w.go_idle()
         self.stores.start(self.resumed.version if self.resumed else 0)
-        if self.stop.target_accuracy is None and self.stop.target_metric is None:
+        if not self.stop.waits_on_evaluations:
             # epochs' evaluations will run beside the pushes (epochs.py): their process
             # starts now, to be ready by the first epoch's end
             self.session.start_background_evaluation(self.ranks_here)

@@ -39,7 +39,8 @@ from .tasks import TaskLedger
 class ParameterServer(Epochs, Lifecycle, Chores):
     """Rank 0 of a multi-rank run."""
 
-    PROGRESS_S = 0.5e-3   # replies in flight are progressed this long after a send or a poke
+    # replies in flight are progressed this long after a send or a poke
+    PROGRESS_S = doorbell.POKE_PROGRESS_S
 
     def __init__(self, cfg, dataset, comm, run_attrs: dict):
         self.cfg = cfg
