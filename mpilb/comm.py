@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Optional
 
-from .waiting import Backoff, WaitEstimate  # noqa: F401 - part of this module's API
+from .waiting import Backoff
 from .wire import TAG_ERROR, TAG_PREEMPT
 
 try:

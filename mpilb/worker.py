@@ -28,6 +28,7 @@ from .inject import Injector, parse_injects
 from .row_exchange import RowExchange, held_shards
 from .shards import ShardStore
 from .training import PREEMPTED, USR1_NOTICE, config_model
+from .waiting import WaitEstimate
 from . import wire
 from .wire import Cmd
 
@@ -58,7 +59,7 @@ class TimeSincePush:
     def __init__(self):
         self.comm_s = self.idle_s = 0.0
         self.io_reported = 0.0
-        self.reply_wait = C.WaitEstimate()   # push -> reply
+        self.reply_wait = WaitEstimate()   # push -> reply
 
     def reply_window(self, counts_as_idle: bool) -> tuple[Optional[float], float]:
         """(due, grace) for the wait for the server's next message."""

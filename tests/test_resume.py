@@ -7,7 +7,6 @@ independently of the server's own counters, or the resume is refused with one li
 from __future__ import annotations
 
 import hashlib
-import json
 import shutil
 
 import h5py

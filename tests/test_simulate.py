@@ -8,7 +8,7 @@ from mpilb.balancer import BALANCERS
 from mpilb.cli import main
 from mpilb.runlog import RunLog
 from mpilb.simulate.run import simulate
-from mpilb.simulate.cluster import Profile, Stores, constant, parse_rates
+from mpilb.simulate.cluster import Stores, constant, parse_rates
 from mpilb.inject import parse_injects
 from mpilb.errors import UsageError
 
