@@ -4,6 +4,7 @@
 import pytest
 
 from mpilb import comm as C
+from mpilb.waiting import WaitEstimate
 
 
 class Clock:
@@ -63,7 +64,7 @@ def test_backoff_due_in_the_past_falls_back_to_growing_sleeps(monkeypatch):
 
 
 def test_wait_estimate_tracks_the_short_waits():
-    est = C.WaitEstimate()
+    est = WaitEstimate()
     assert est.window(5.0) == (None, 0.0)
     # waits of 1 ms with every fifth one 5 ms: the estimate stays near the short ones
     for i in range(200):
