@@ -37,13 +37,17 @@ class Run:
     cols: dict = field(default_factory=dict)
     wall_s: float = 0.0
     loadavg: float = 0.0     # the machine's 1-minute load average when the run ended
+    ranks: int = WORKERS + 1
+    env: dict = field(default_factory=dict)   # variables set for the run
 
     @property
     def command(self) -> str:
         """The run's command line, with the dataset and the log by their base names."""
         args = [os.path.basename(a) if prev == "--data" else a
                 for prev, a in zip([""] + self.args, self.args)]
-        return "mpiexec -n 4 mpilb train " + " ".join(args + ["--log", os.path.basename(self.log)])
+        env = "".join(f"{k}={v} " for k, v in sorted(self.env.items()))
+        return (f"{env}mpiexec -n {self.ranks} mpilb train "
+                + " ".join(args + ["--log", os.path.basename(self.log)]))
 
     def mean_epoch(self) -> float:
         return float(np.mean(self.summary["epoch_s"]))
@@ -98,8 +102,9 @@ class Bench:
         self.samples_per_epoch = int(sum(ds.shard_sizes))
         return ds
 
-    def train(self, label: str, *args: str) -> Run:
-        """One `mpiexec -n 4 mpilb train` run; exits the script if it fails."""
+    def train(self, label: str, *args: str, ranks: int = WORKERS + 1, env: dict | None = None) -> Run:
+        """One `mpiexec -n 4 mpilb train` run (`ranks`: another size; `env`: variables to
+        set for it); exits the script if it fails."""
         from mpilb.report import summarize_log
         from mpilb.runlog import read_columns
 
@@ -110,14 +115,16 @@ class Bench:
             if os.path.exists(old):
                 os.remove(old)
         argv = ["--data", self.data, *self.model, "--no-progress", *map(str, args)]
-        cmd = [mpiexec(), "-n", str(WORKERS + 1), sys.executable, "-m", "mpilb", "train",
+        cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpilb", "train",
                *argv, "--log", log]
         t0 = time.perf_counter()
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.opts.run_timeout)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.opts.run_timeout,
+                             env=dict(os.environ, **(env or {})))
         wall = time.perf_counter() - t0
         if res.returncode != 0:
             sys.exit(f"run {label} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
-        run = self.run_class(label, argv, log, wall_s=wall, loadavg=os.getloadavg()[0])
+        run = self.run_class(label, argv, log, wall_s=wall, loadavg=os.getloadavg()[0],
+                             ranks=ranks, env=dict(env or {}))
         run.summary = summarize_log(log)
         _, run.cols = read_columns(log)
         self.runs.append(run)

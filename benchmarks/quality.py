@@ -27,6 +27,11 @@ One server and three workers (``mpiexec -n 4``), async, ``load`` unless said oth
   (d) ``--store local --replicas 2`` with rank 2 hung mid-epoch (``2:hang@1``, ``--worker-timeout
       1``) and rank 1 a slow reader, so rows are in flight: exit 3, status degraded, exact
       coverage (every repeat).
+  (e) a CPU per rank: one server and one worker (``mpiexec -n 2``; skipped on a machine with
+      fewer than 2 CPUs), the models of (a) and (b) for 1 epoch, with the default waits
+      (which poll for a moment before they sleep where each rank has a CPU: cores.py) and
+      with ``MPILB_SPIN=0`` (sleep between polls, as where ranks share CPUs), back to back:
+      the worker's communication seconds per push and the samples/s, default ÷ sleeping.
 
 Ratios are taken within a repeat (runs back to back), then the median, min and max over
 repeats are shown and written to ``benchmarks/results/quality.json`` (``--out``; see
@@ -282,11 +287,50 @@ class Bench:
                         [float(x) for x in ok], digits=0, target=">= 1", decide="all")
 
 
+    # ---------------------------------------------------------------- (e)
+    def own_cpus(self) -> None:
+        from mpilb.cores import usable_cpus
+
+        if usable_cpus() < 2:
+            print("(e) skipped: fewer than 2 CPUs, so the ranks cannot have one each")
+            return
+        print("(e) a CPU per rank: 1 server + 1 worker, 1 epoch, default waits and MPILB_SPIN=0")
+        cases = (("a", self.big, "mlp 256,256, batch 512"), ("b", self.small, "mlp 128, batch 128"))
+        for key, b, what in cases:
+            b.prepare()
+            runs = {"default": [], "sleep": []}
+            for r in range(self.opts.repeats):
+                for how, env in (("sleep", {"MPILB_SPIN": "0"}), ("default", {})):
+                    runs[how].append(b.train(f"e-{key}-{how}-r{r}", "--epochs", 1, ranks=2, env=env))
+            per_push = {how: [w["comm_s"] / max(1, x.summary["updates"]) * 1e3
+                              for x in rs for w in x.summary["per_worker"]] for how, rs in runs.items()}
+            speed = [(y.summary["samples"] / sum(y.summary["epoch_s"]))
+                     / (x.summary["samples"] / sum(x.summary["epoch_s"]))
+                     for x, y in zip(runs["sleep"], runs["default"])]
+            self.results[f"e{key}"] = {"comm_ms_per_push": {h: spread(v) for h, v in per_push.items()},
+                                      "default_over_sleep": spread(speed)}
+            for how in ("sleep", "default"):
+                print("  " + show(f"{key}: {how} waits, worker comm ms per push",
+                                  self.results[f"e{key}"]["comm_ms_per_push"][how], 3))
+            print("  " + show(f"{key}: samples/s, default ÷ MPILB_SPIN=0", self.results[f"e{key}"]["default_over_sleep"]))
+            g = self.res.group(f"(e{key}) a CPU per rank: 1 server + 1 worker ({what}, 1 epoch)",
+                               runs["default"][0].command)
+            self.res.figure(g, f"e{key}.comm_ms_sleep", "worker comm per push, MPILB_SPIN=0",
+                            per_push["sleep"], unit="ms", digits=3, command=runs["sleep"][0].command)
+            self.res.figure(g, f"e{key}.comm_ms", "worker comm per push, default waits",
+                            per_push["default"], unit="ms", digits=3)
+            self.res.figure(g, f"e{key}.speedup", "samples/s, default ÷ MPILB_SPIN=0", speed)
+            self.res.figure(g, f"e{key}.efficiency", "efficiency (÷ ideal), default waits",
+                            [efficiency(x) for x in runs["default"]])
+            self.res.figure(g, f"e{key}.efficiency_sleep", "efficiency (÷ ideal), MPILB_SPIN=0",
+                            [efficiency(x) for x in runs["sleep"]])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "mpilb-quality"))
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default="a,b,c,d", help="scenarios to run, comma-separated")
+    ap.add_argument("--only", default="a,b,c,d,e", help="scenarios to run, comma-separated")
     ap.add_argument("--run-timeout", type=float, default=300.0)
     _results.add_output_args(ap, NAME)
     opts = ap.parse_args(argv)
@@ -299,7 +343,8 @@ def main(argv=None) -> int:
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     bench = Bench(opts)
-    steps = {"a": bench.straggler, "b": bench.local_store, "c": bench.slow_reader, "d": bench.lost_holder}
+    steps = {"a": bench.straggler, "b": bench.local_store, "c": bench.slow_reader, "d": bench.lost_holder,
+             "e": bench.own_cpus}
     for key in opts.only.split(","):
         steps[key]()
     _runs.print_targets(bench.res.checks())

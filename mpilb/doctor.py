@@ -331,6 +331,21 @@ def _doorbell_line(peers: set, facts: list[dict], out: Findings) -> str:
             f"the others poll)")
 
 
+def _waits_line(spins: list[bool]) -> str:
+    """Which ranks poll before they sleep when they wait for a message (cores.py)."""
+    from .cores import SPIN_S
+
+    spin = [r for r, s in enumerate(spins) if s]
+    rest = [r for r, s in enumerate(spins) if not s]
+    forced = {"1": " (MPILB_SPIN=1)", "0": " (MPILB_SPIN=0)"}.get(os.environ.get("MPILB_SPIN", ""), "")
+    if not rest:
+        return f"every rank polls {SPIN_S * 1e3:g} ms before it sleeps{forced or ' (a CPU each)'}"
+    if not spin:
+        return f"every rank sleeps between polls{forced or ' (ranks share CPUs)'}"
+    return (f"rank(s) {_ranks(spin)} poll {SPIN_S * 1e3:g} ms before they sleep (a CPU each); "
+            f"rank(s) {_ranks(rest)} sleep between polls (they share CPUs)")
+
+
 def _format_pingpong(results) -> list[str]:
     return [f"rank 0 <-> {peer}: latency {lat * 1e6:.2f} us ({PING_BYTES} B), "
             f"bandwidth {bw / 1e9:.2f} GB/s ({BANDWIDTH_BYTES // 2**20} MiB)"
@@ -341,11 +356,12 @@ def doctor() -> int:
     """Entry point of `mpilb doctor` on every rank; rank 0 prints. Returns the exit code."""
     from . import __version__
     from . import comm as C
-    from . import doorbell
+    from . import cores, doorbell
 
     comm, rank, size = C.world()
     facts = comm.gather(_rank_facts(comm), root=0)
     bell = doorbell.open_job(comm, rank, size)
+    spins = comm.gather(cores.start_waits(comm), root=0)
     seconds = min(PAIR_SECONDS, TOTAL_PING_SECONDS / max(1, size - 1))
     results = ping_pong(comm, seconds) if size > 1 else []
     if rank != 0:
@@ -387,6 +403,7 @@ def doctor() -> int:
         ("HDF5 file locking", locking),
         ("CUDA-aware MPI", _cuda_aware_line(cuda_aware, {f["cuda_support"] for f in workers})),
         ("doorbells", _doorbell_line(bell.peers, facts, out)),
+        ("waits", _waits_line(spins)),
     ]
     width = max(len(k) for k, _ in rows)
     print(f"mpilb doctor: {size} rank(s)")

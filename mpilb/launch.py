@@ -138,6 +138,9 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     from . import doorbell
 
     doorbell.open_job(comm, rank, size)   # rank 0 and the ranks on its node ring each other
+    from . import cores
+
+    cores.start_waits(comm)   # where a rank has a CPU of its own, its waits poll before they sleep
 
     def make_role():
         from .dataset import open_dataset

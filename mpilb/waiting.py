@@ -1,7 +1,10 @@
-"""Waiting without spinning: a backoff schedule and an estimate of recurring waits (pure).
+"""Waiting without spinning a shared core: a backoff schedule and an estimate of recurring
+waits (pure).
 
 MPICH's blocking waits spin a core. On an oversubscribed node a spinning rank steals the CPU
-the workers need, so every wait polls with :class:`Backoff` instead (comm.py uses it).
+the workers need, so every wait polls with :class:`Backoff` instead (comm.py uses it). A
+rank with a CPU to itself (cores.py) polls without sleeping for the first
+:attr:`Backoff.spin_s` seconds of each wait, where a reply usually comes, and sleeps after.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ class Backoff:
     of a core, for a notice 0.5 % sooner.
     """
 
+    # Seconds a wait polls without sleeping, from reset(): set for the whole process once
+    # it is known to have a CPU to itself (cores.py); 0 (sleep between polls) otherwise.
+    spin_s = 0.0
+
     def __init__(self, start: float = 20e-6, cap: float = 1e-3, fine: float = 50e-6,
                  far: float = 10e-3, fine_max: float = 250e-6, share: float = 0.005,
                  bell=None):
@@ -48,6 +55,7 @@ class Backoff:
         self.due: Optional[float] = None
         self.grace = 0.0
         self.poll = fine
+        self.spin_until = 0.0
 
     def reset(self, due: Optional[float] = None, grace: float = 0.0,
               span: Optional[float] = None) -> None:
@@ -58,11 +66,15 @@ class Backoff:
         self.due = due
         self.grace = grace
         self.poll = self.fine
+        if self.spin_s:
+            self.spin_until = time.monotonic() + self.spin_s
         if due is not None:
             span = due - time.monotonic() if span is None else span
             self.poll = min(self.fine_max, max(self.fine, span * self.share))
 
     def sleep(self) -> None:
+        if self.spin_s and time.monotonic() < self.spin_until:
+            return   # a CPU of its own: poll on
         if self.due is not None:
             ahead = self.due - time.monotonic()
             if ahead > self.poll:

@@ -15,6 +15,8 @@ class Clock:
         self.sleeps = []
         monkeypatch.setattr(C.time, "monotonic", lambda: self.now)
         monkeypatch.setattr(C.time, "sleep", self.sleep)
+        # (an in-process run before this test may have made waits poll first: cores.py)
+        monkeypatch.setattr(C.Backoff, "spin_s", 0.0)
 
     def sleep(self, s):
         self.sleeps.append(s)
@@ -113,3 +115,21 @@ def test_open_mpi_version_text_loses_its_nul_before_it_reaches_the_run_log(monke
     with h5py.File(tmp_path / "log.h5", "w") as f:
         f.attrs["mpi"] = C.library_version()
         f.attrs["library"] = info["library"]
+
+
+def test_backoff_on_a_cpu_of_its_own_polls_before_it_sleeps(monkeypatch):
+    clock = Clock(monkeypatch)
+    monkeypatch.setattr(C.Backoff, "spin_s", 2e-3)
+    b = C.Backoff(start=20e-6, cap=1e-3)
+    b.reset()
+    polls = 0
+    while not clock.sleeps:
+        b.sleep()
+        polls += 1
+        clock.now += 10e-6   # a poll (an MPI test) takes a moment
+    # no sleep in the first 2 ms of the wait, then the usual schedule from its start
+    assert clock.now >= 100.0 + 2e-3 and polls >= 2e-3 / 10e-6
+    assert clock.sleeps == [pytest.approx(20e-6)]
+    b.reset()   # every wait polls first again
+    b.sleep()
+    assert len(clock.sleeps) == 1

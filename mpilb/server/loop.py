@@ -291,7 +291,7 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         # Every worker rings when it pushes: sleep until one does (or the chores are due)
         # instead of polling for pushes on a schedule.
         rung = all(self.bell.rings_with(w.rank) for w in order)
-        progress_until = 0.0
+        progress_until = spin_until = 0.0
         chores_s = self.CHORES_RUNG_S if rung else self.CHORES_S
         next_chores = chores_at = 0.0
         while not (self.stop.reason and self._all_stopped()):
@@ -307,6 +307,11 @@ class ParameterServer(Epochs, Lifecycle, Chores):
                         reqs[i] = w.link.recv_req
                 self.backoff.reset(*self._next_push_due())
                 progress_until = time.monotonic() + self.PROGRESS_S
+                spin_until = time.monotonic() + self.backoff.spin_s
+            elif time.monotonic() < spin_until:
+                # a CPU of its own (cores.py): poll on for the next push without sleeping,
+                # keeping the list of replies in flight short
+                self.outbox.in_flight()
             elif self.outbox.in_flight() and (not rung or time.monotonic() < progress_until):
                 # A reply still being transferred may need this rank's MPI progress (a
                 # message copied through shared memory in pieces): keep progressing it,
