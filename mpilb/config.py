@@ -208,6 +208,10 @@ class Config:
     """Validated training configuration (attribute per option)."""
 
     values: dict = field(default_factory=dict)
+    # where each option the user set came from: "" the command line, else the config
+    # file's path (only in the Config that build_config returns; for refusing or warning
+    # about an option with no effect, see no_effect)
+    given: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -315,7 +319,7 @@ def load_toml(path: str) -> dict:
     for key, value in raw.items():
         name = key.replace("-", "_")
         if name not in OPTION_BY_NAME and name != "model_args":
-            raise UsageError(f"{path}: unknown key {key!r}{closest(name, OPTION_BY_NAME)}")
+            raise UsageError(unknown_key(path, key))
         if name == "model_args":   # [model_args] table: the --model-arg KEY=VALUE pairs
             if not isinstance(value, dict):
                 raise UsageError(f"{path}: model_args must be a table, e.g. [model_args] width = 64")
@@ -326,6 +330,17 @@ def load_toml(path: str) -> dict:
             raise UsageError(f"{path}: key {key!r} must be a value, not a table")
         out[name] = value
     return out
+
+
+def unknown_key(path, key: str) -> str:
+    """The message for an unknown key of a config file: the closest known key if there is
+    one, else every valid key (DESIGN.md: the error names the key and the allowed values)."""
+    keys = sorted([*OPTION_BY_NAME, "model_args"])
+    hint = closest(key.replace("-", "_"), keys)
+    if hint:
+        return (f"{path}: unknown key {key!r}{hint}; valid keys are the `mpilb train` options "
+                "with underscores (docs/configuration.md)")
+    return f"{path}: unknown key {key!r}; valid keys: {', '.join(keys)}"
 
 
 def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] = None,
@@ -354,7 +369,9 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
         opt = OPTION_BY_NAME[name]
         values[name] = _coerce(opt, raw, "")
         _validate_value(opt, values[name], "")
-    cfg = Config(values)
+    given = {name: source for name in (file_values or {})}
+    given.update({name: "" for name in (cli_values or {})})
+    cfg = Config(values, given)
     parse_hidden(values["hidden"])
     _check_combinations(cfg)
     for warning in _check_no_effect(cfg, file_values or {}, cli_values or {}, source):
@@ -386,6 +403,20 @@ def _check_no_effect(cfg: Config, file_values: dict, cli_values: dict, source: s
                         f"{_show(other, cfg.values[other], '' if decided_on_cli else source)} "
                         f"({why}); ignored")
     return warnings
+
+
+def no_effect(cfg: Config, name: str, given_what: str, why: str) -> None:
+    """An option that has no effect given something other than an option (the dataset):
+    refused when set on the command line, a warning when set in a config file, nothing
+    when it is not set (the same rule as :data:`NO_EFFECT`)."""
+    source = cfg.given.get(name)
+    if source is None or cfg.values.get(name) is None:
+        return
+    if source == "":
+        raise UsageError(f"{_show(name, cfg.values[name], '')} has no effect with {given_what}: "
+                         f"{why}")
+    _warn(f"{source}: {_show(name, cfg.values[name], source)} has no effect with {given_what}: "
+          f"{why}; ignored")
 
 
 def _warn(text: str) -> None:

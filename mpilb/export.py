@@ -43,6 +43,7 @@ def read_checkpoint(path) -> TrainedCheckpoint:
     except OSError as exc:
         raise UsageError(f"{path}: not a readable checkpoint ({exc})") from None
     with f:
+        not_checkpoint(path, f.attrs)
         try:
             return TrainedCheckpoint(
                 path=str(path), params=f["params"][()],
@@ -51,6 +52,24 @@ def read_checkpoint(path) -> TrainedCheckpoint:
                 dataset=json.loads(f.attrs["dataset"]))
         except KeyError as exc:
             raise UsageError(f"{path}: not an mpilb checkpoint (missing {exc})") from None
+
+
+def not_checkpoint(path, attrs) -> None:
+    """UsageError saying what the file is when it is a run log or another HDF5 file rather
+    than a checkpoint (a run log names the checkpoint its run left, when there is one)."""
+    from .paths import default_checkpoint
+    from .runlog import checkpoint_of_log, file_kind
+
+    kind = file_kind(attrs)
+    if kind == "log":
+        ckpt = checkpoint_of_log(str(path), attrs)
+        use = (f"use its run's checkpoint {ckpt}" if ckpt else
+               f"its run's checkpoint ({default_checkpoint(str(path))} by default) was not "
+               "found; give the checkpoint file the run wrote")
+        raise UsageError(f"{path}: an mpilb run log, not a checkpoint; {use}")
+    if kind == "other":
+        raise UsageError(f"{path}: not an mpilb checkpoint: an HDF5 file without a "
+                         "checkpoint's attributes (a dataset shard?)")
 
 
 def build_from_checkpoint(ckpt: TrainedCheckpoint, model=None):

@@ -44,5 +44,7 @@ def reference_markdown() -> str:
               "| option | depends on | why |", "| --- | --- | --- |"]
     for name, _, other, why in NO_EFFECT:
         lines.append(f"| `{OPTION_BY_NAME[name].flag}` | `{OPTION_BY_NAME[other].flag}` | {why} |")
+    lines.append("| `--target-accuracy` | the dataset | accuracy is measured for classifiers only: "
+                 "on float targets (regression, `num_classes` 0) use `--target-metric` |")
     lines.append("")
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from typing import Optional
 import numpy as np
 
 from .errors import UsageError
-from .runlog import read_columns, write_csv
+from .runlog import file_kind, read_columns, write_csv
 
 SUMMARY_KEYS = (
     "status", "mode", "balancer", "batch_policy", "store", "correction", "workers", "wall_s",
@@ -214,8 +214,8 @@ def open_log(path: str) -> tuple[dict, dict]:
         raise UsageError(f"{path}: is a directory, not a run log") from None
     except (OSError, KeyError, ValueError, TypeError, RuntimeError) as exc:   # damaged file
         raise UsageError(f"{path}: not a readable mpilb run log ({type(exc).__name__}: {exc})") from None
-    if "status" not in attrs:
-        what = ("an mpilb checkpoint" if "model" in attrs and "format" in attrs else
+    if file_kind(attrs) != "log":
+        what = ("an mpilb checkpoint" if file_kind(attrs) == "checkpoint" else
                 "an HDF5 file without a run log's attributes (a dataset shard?)")
         raise UsageError(f"{path}: not an mpilb run log: {what}")
     return attrs, cols

@@ -216,6 +216,32 @@ class RunLog:
         self.release()
 
 
+def file_kind(attrs) -> str:
+    """What an mpilb HDF5 file is, from its root attributes: "log" (a run log),
+    "checkpoint", or "other" (e.g. a dataset shard)."""
+    if "status" in attrs:
+        return "log"
+    if "model" in attrs and "format" in attrs:
+        return "checkpoint"
+    return "other"
+
+
+def checkpoint_of_log(path: str, attrs) -> Optional[str]:
+    """The checkpoint a run log's run wrote, if it exists: the one in its config, else the
+    default beside the log (`runs/003.h5` -> `runs/003.ckpt.h5`)."""
+    from .paths import default_checkpoint
+
+    candidates = []
+    try:
+        recorded = json.loads(attrs["config"]).get("checkpoint")
+        if recorded:
+            candidates.append(str(recorded))
+    except (KeyError, ValueError, TypeError, AttributeError):
+        pass
+    candidates.append(default_checkpoint(path))
+    return next((c for c in candidates if Path(c).is_file()), None)
+
+
 def open_for_reading(path: str) -> h5py.File:
     """Open a run log read-only. A log left by a killed run is still marked as open by its
     SWMR writer and only opens as a SWMR reader; every other file is opened plainly first,

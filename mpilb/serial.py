@@ -18,6 +18,7 @@ from .balancer import build_balancer
 from .errors import MpilbError
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
+from .models import initial_params
 from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
@@ -37,7 +38,7 @@ class SerialTrainer:
         self.dataset = dataset
         self.backend = select_backend(cfg.device, 0)
         self.model = config_model(cfg, dataset)
-        host_params = self.model.init_params(cfg.seed)
+        host_params = initial_params(self.model, cfg.seed, cfg.model)
         self.optimizer = config_optimizer(cfg, self.model.num_params, xp=self.backend.xp)
         self.balancer = build_balancer(cfg.balancer, [0], dataset.shard_sizes, balancer_config(cfg))
         self.tracker = EpochTracker(dataset.shard_sizes)

@@ -17,6 +17,7 @@ import numpy as np
 from . import checkpoint
 from .balancer import BalancerConfig, build_balancer
 from .evalproc import EvalProcess, EvalProcessGone
+from .models import initial_params
 from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
@@ -72,7 +73,7 @@ class Session:
         self.cfg = cfg
         self.dataset = dataset
         self.model = config_model(cfg, dataset)
-        self.params = self.model.init_params(cfg.seed)
+        self.params = initial_params(self.model, cfg.seed, cfg.model)
         self.optimizer = config_optimizer(cfg, self.model.num_params, xp=xp)
         self.balancer = build_balancer(cfg.balancer, ranks, dataset.shard_sizes,
                                        balancer_config(cfg), holders)

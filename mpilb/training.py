@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from .config import Config
+from .config import Config, no_effect
 from .errors import MpilbError, UsageError
 
 # Set by the SIGTERM handler (any rank; SIGUSR1 too in a one-rank run): checkpoint and stop.
@@ -255,5 +255,9 @@ def check_world(cfg: Config, world_size: int, dataset) -> None:
     workers = max(1, world_size - cfg.servers)
     if cfg.store == "local" and cfg.replicas > workers:
         raise UsageError(f"--replicas {cfg.replicas} exceeds the {workers} worker rank(s) of this job")
+    if not dataset.num_classes:
+        no_effect(cfg, "target_accuracy", f"regression data ({dataset.root} holds float "
+                  "targets, num_classes 0)", "accuracy is measured for classifiers only; "
+                  "use --target-metric V to stop on the model's metric (e.g. r2)")
     if cfg.model == "cnn" and len(dataset.sample_shape) not in (1, 3):
         raise UsageError(f"--model cnn needs image-shaped samples (C,H,W); {dataset.root} has shape {tuple(dataset.sample_shape)}")

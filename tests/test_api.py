@@ -78,3 +78,27 @@ def test_torch_script_under_mpiexec_export_reproduces_accuracy(tmp_path, digits_
     res = python(code, digits_dir, EXAMPLES, tmp_path / "net.pt")
     assert res.returncode == 0, res.stderr
     assert float(res.stdout) == logged
+
+
+def test_a_run_log_given_as_a_checkpoint_names_the_checkpoint(tmp_path):
+    """`mpilb evaluate RUN.h5` (or export): the file is a run log, and its run's
+    checkpoint, when it exists, is named; another HDF5 file is said not to be one."""
+    from mpilb.errors import UsageError
+    from mpilb.export import read_checkpoint
+
+    log = tmp_path / "run.h5"
+    with h5py.File(log, "w") as f:
+        f.attrs["status"] = "finished"
+        f.attrs["config"] = json.dumps({"checkpoint": str(tmp_path / "elsewhere.ckpt.h5")})
+    with pytest.raises(UsageError) as err:
+        read_checkpoint(log)
+    assert str(err.value).startswith(f"{log}: an mpilb run log, not a checkpoint; ")
+    assert "run.ckpt.h5 by default) was not found" in str(err.value)
+    (tmp_path / "run.ckpt.h5").write_bytes(b"")
+    with pytest.raises(UsageError, match="use its run's checkpoint .*run.ckpt.h5$"):
+        read_checkpoint(log)
+    shard = tmp_path / "shard.h5"
+    with h5py.File(shard, "w") as f:
+        f["x"] = np.zeros((2, 3), np.float32)
+    with pytest.raises(UsageError, match="not an mpilb checkpoint: an HDF5 file without"):
+        read_checkpoint(shard)

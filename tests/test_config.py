@@ -30,6 +30,37 @@ def test_unknown_key_names_closest(tmp_path):
         load_toml(str(f))
 
 
+def test_unknown_key_without_a_close_one_lists_the_valid_keys(tmp_path):
+    f = tmp_path / "c1.toml"
+    f.write_text("bogus_key = 3\n")
+    with pytest.raises(UsageError) as err:
+        load_toml(str(f))
+    text = str(err.value)
+    assert text.startswith(f"{f}: unknown key 'bogus_key'; valid keys: balancer, batch, ")
+    assert all(o.name in text for o in OPTIONS) and "model_args" in text
+
+
+def test_target_accuracy_on_regression_data_is_refused_or_warned(tmp_path, capsys):
+    """--target-accuracy does nothing on float targets: refused on the command line
+    (pointing to --target-metric), a warning from a config file, like NO_EFFECT."""
+    from types import SimpleNamespace
+
+    from mpilb.training import check_world
+
+    regression = SimpleNamespace(num_classes=0, root="reg", sample_shape=(5,))
+    with pytest.raises(UsageError, match=r"--target-accuracy 0\.9 has no effect with regression "
+                       r"data \(reg holds float targets.*use --target-metric"):
+        check_world(build_config({}, {"target_accuracy": "0.9"}), 2, regression)
+    f = tmp_path / "c.toml"
+    f.write_text("target_accuracy = 0.9\n")
+    check_world(build_config(load_toml(str(f)), {}, source=str(f)), 2, regression)
+    assert "c.toml: target_accuracy = 0.9 has no effect with regression data" in capsys.readouterr().err
+    check_world(build_config({}, {"target_metric": "0.9"}), 2, regression)   # the right one
+    classes = SimpleNamespace(num_classes=10, root="d", sample_shape=(64,))
+    check_world(build_config({}, {"target_accuracy": "0.9"}), 2, classes)
+    assert capsys.readouterr().err == ""
+
+
 def test_unknown_cli_option_names_closest():
     with pytest.raises(UsageError, match="did you mean 'balancer'"):
         build_config({}, {"balancr": "load"})

@@ -233,3 +233,35 @@ def test_the_evaluation_process_imports_user_models_from_rank_0s_path(digits_dir
     finally:
         proc.close()
     assert ev.loss == pytest.approx(build_evaluator(model, ds).evaluate(params).loss, rel=1e-6)
+
+
+def test_the_evaluation_process_loads_a_file_model_that_imports_its_neighbour(digits_dir, tmp_path,
+                                                                             monkeypatch):
+    """`--model DIR/net.py:Net` with `from mymodels import Linear` in it and mymodels.py in
+    DIR (not on PYTHONPATH, not on rank 0's path when the child starts): the evaluation
+    process builds the model itself and gets rank 0's figures."""
+    import sys
+    from pathlib import Path
+
+    from mpilb.config import build_config
+    from mpilb.dataset import open_dataset
+    from mpilb.evalproc import EvalProcess
+    from mpilb.training import build_evaluator, config_model
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    (tmp_path / "mymodels.py").write_text((examples / "mymodels.py").read_text())
+    (tmp_path / "net.py").write_text("from mymodels import Linear\n\nclass Net(Linear):\n    pass\n")
+    cfg = build_config(cli_values={"data": digits_dir, "model": f"{tmp_path / 'net.py'}:Net"})
+    ds = open_dataset(digits_dir)
+    model = config_model(cfg, ds)
+    params = model.init_params(cfg.seed) + 0.01
+    sys.path[:] = [p for p in sys.path if p != str(tmp_path.resolve())]   # the child's own doing
+    proc = EvalProcess(cfg, ds, model.num_params)
+    try:
+        proc.submit(params)
+        ev, _ = proc.result()
+    finally:
+        proc.close()
+    assert ev.loss == pytest.approx(build_evaluator(model, ds).evaluate(params).loss, rel=1e-6)

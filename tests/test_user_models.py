@@ -186,3 +186,77 @@ def test_constructor_error_under_mpiexec_is_one_line_from_rank_0(tmp_path, digit
     assert res.returncode == 2, res.stderr
     line = one_error_line(res)
     assert "net.py:Net() raised ValueError: cannot make 10 outputs" in line
+
+
+def test_file_model_imports_the_modules_beside_it(tmp_path, monkeypatch):
+    """`FILE.py:NAME` may import a module next to it (as a script can); afterwards the
+    folder stays importable, last on sys.path, so it shadows no installed package."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    folder = tmp_path / "models"
+    folder.mkdir()
+    write(folder, "neighbour_base_mod.py", """
+        import mpilb
+
+        class Base(mpilb.Model):
+            def __init__(self, num_classes):
+                self.num_params = num_classes
+        """)
+    net = write(folder, "net.py", """
+        from neighbour_base_mod import Base
+
+        class Net(Base):
+            pass
+        """)
+    monkeypatch.delitem(sys.modules, "neighbour_base_mod", raising=False)
+    model = build_model(f"{net}:Net", (4,), 3)
+    assert model.num_params == 3 and type(model).__mro__[1].__name__ == "Base"
+    assert sys.path[-1] == str(folder.resolve()) and sys.path.count(str(folder.resolve())) == 1
+    sys.modules.pop("neighbour_base_mod", None)
+
+
+@pytest.mark.parametrize("name,says", [
+    ("softmax", "the built-in softmax takes no options (it has no hidden layers)"),
+    ("cnn", "the built-in cnn takes no options"),
+    ("mlp", "the built-in mlp takes only --hidden"),
+])
+def test_model_arg_on_a_builtin_says_what_it_takes(name, says):
+    with pytest.raises(UsageError) as err:
+        build_model(name, (1, 8, 8), 10, model_args={"width": 3})
+    assert says in str(err.value) and "--model-arg applies to user models" in str(err.value)
+    if name != "mlp":
+        assert "--hidden" not in str(err.value)
+
+
+BAD_INIT = """
+    import numpy as np
+    from mymodels import Linear
+
+    class Bad(Linear):
+        def init_params(self, seed):
+            return np.zeros(self.num_params + 3, dtype=np.float32)
+    """
+
+
+def test_init_params_of_the_wrong_length_is_named(tmp_path):
+    from mpilb.models import initial_params
+
+    (tmp_path / "mymodels.py").write_text((EXAMPLES / "mymodels.py").read_text())
+    bad = write(tmp_path, "bad.py", BAD_INIT)
+    spec = f"{bad}:Bad"
+    model = build_model(spec, (1, 8, 8), 10)
+    with pytest.raises(UsageError) as err:
+        initial_params(model, 0, spec)
+    assert str(err.value) == (f"--model {spec}: Bad.init_params(0) returned {model.num_params + 3} "
+                              f"values but num_params is {model.num_params}; they must agree")
+
+
+def test_init_params_of_the_wrong_length_under_mpiexec_is_one_line_exit_2(tmp_path, digits_dir):
+    """The tester's case: a model beside the module it imports (no PYTHONPATH) whose
+    init_params returns 653 values for 650 parameters, on 3 ranks."""
+    (tmp_path / "mymodels.py").write_text((EXAMPLES / "mymodels.py").read_text())
+    bad = write(tmp_path, "bad.py", BAD_INIT)
+    res = mpirun.run(3, "train", "--data", digits_dir, "--model", f"{bad}:Bad", "--epochs", "1",
+                     "--log", tmp_path / "r.h5", timeout=120)
+    assert res.returncode == 2, res.stderr
+    line = one_error_line(res)
+    assert "bad.py:Bad: Bad.init_params(0) returned 653 values but num_params is 650" in line

@@ -8,10 +8,17 @@ from __future__ import annotations
 from mpilb.errors import UsageError
 from mpilb.models.base import Model, accuracy, r2_score
 from mpilb.models.builtin import CNN, MLP, MODELS, FlatClassifier, Softmax, build_builtin, register_model
-from mpilb.models.user import build_user_model, is_user_spec, parse_model_args
+from mpilb.models.user import build_user_model, initial_params, is_user_spec, parse_model_args
 
 __all__ = ["CNN", "MLP", "MODELS", "FlatClassifier", "Model", "Softmax", "accuracy",
-           "build_model", "build_user_model", "parse_model_args", "r2_score", "register_model"]
+           "build_model", "build_user_model", "initial_params", "parse_model_args", "r2_score", "register_model"]
+
+# What each built-in can be given, for the message refusing --model-arg on a built-in.
+BUILTIN_OPTIONS = {
+    "mlp": "the built-in mlp takes only --hidden (its layer sizes, e.g. --hidden 256,128)",
+    "softmax": "the built-in softmax takes no options (it has no hidden layers)",
+    "cnn": "the built-in cnn takes no options (its layers are fixed)",
+}
 
 
 def build_model(name: str, input_shape: tuple, num_classes: int, hidden=(256, 128), *,
@@ -34,8 +41,8 @@ def build_model(name: str, input_shape: tuple, num_classes: int, hidden=(256, 12
     if is_user_spec(name):
         return build_user_model(name, input_shape, num_classes, target_shape, model_args, seed)
     if model_args:
-        raise UsageError(f"--model-arg applies to user models (FILE.py:NAME); the built-in {name} "
-                         "takes --hidden")
+        raise UsageError(f"--model-arg applies to user models (FILE.py:NAME); "
+                         f"{BUILTIN_OPTIONS.get(name, f'the built-in {name} takes no options')}")
     if name in MODELS and int(num_classes) == 0:
         raise UsageError(f"--model {name} is a classifier, but the dataset holds float targets "
                          "(regression); use a model of your own (--model FILE.py:NAME, see "

@@ -64,6 +64,12 @@ def _load_file(spec: str, path: Path):
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module   # dataclasses and pickling look their module up here
+    # As for a script, the file's directory is importable (`from mymodels import Linear`
+    # next to it): first on sys.path while the file runs, last afterwards, so that imports
+    # made later (in the constructor, in the evaluation process, which gets rank 0's path)
+    # still find it without its files shadowing installed packages.
+    folder = str(path.resolve().parent)
+    sys.path.insert(0, folder)
     try:
         module_spec.loader.exec_module(module)
     except ModuleNotFoundError as exc:
@@ -74,6 +80,11 @@ def _load_file(spec: str, path: Path):
     except Exception as exc:  # noqa: BLE001 - the user's module, reported in one line
         del sys.modules[name]
         raise UsageError(f"--model {spec}: {path} raised {type(exc).__name__}: {exc}") from None
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)   # (the first occurrence: the one inserted above)
+        if folder not in sys.path:
+            sys.path.append(folder)
     return module
 
 
@@ -189,3 +200,33 @@ def build_user_model(spec, input_shape, num_classes: int, target_shape=(), model
     if not isinstance(n, (int, np.integer)) or n < 1:
         raise UsageError(f"--model {spec}: {where} has num_params {n!r}; a model needs at least one parameter")
     return instance
+
+
+def initial_params(model: Model, seed: int, spec) -> np.ndarray:
+    """``model.init_params(seed)``, checked: a flat vector of ``model.num_params`` values.
+
+    Raises:
+        UsageError: naming the model (``--model SPEC``) when ``init_params`` raises or
+            returns the wrong number of values, instead of a shape error deep in the server.
+    """
+    label = type(model).__qualname__
+    try:
+        params = model.init_params(seed)
+    except UsageError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the user's code, one line
+        raise UsageError(f"--model {spec}: {label}.init_params({seed}) raised "
+                         f"{type(exc).__name__}: {exc}") from None
+    shape = getattr(params, "shape", None)
+    if shape is None:
+        params = np.asarray(params, dtype=np.float32)
+        shape = params.shape
+    n = int(model.num_params)
+    size = int(np.prod(shape, dtype=np.int64))
+    if size != n:
+        raise UsageError(f"--model {spec}: {label}.init_params({seed}) returned {size} values "
+                         f"but num_params is {n}; they must agree")
+    if tuple(shape) != (n,):
+        raise UsageError(f"--model {spec}: {label}.init_params({seed}) returned an array of "
+                         f"shape {tuple(shape)}; expected a flat vector of num_params = {n} values")
+    return params
