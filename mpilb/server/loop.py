@@ -257,9 +257,22 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         self._release_held()
 
     def _release_held(self) -> None:
+        """Send the held replies the rule lets go now (after another reply went, or a loss).
+
+        A held worker was topped up when it pushed, but much may have changed since: the
+        epoch it pushed in may have ended meanwhile (the one who ended it was the push that
+        released it). It is topped up again, as a sync round's members are, before its reply
+        goes out: else, owed nothing, it would go idle with the new epoch's shards still
+        queued for it (_begin_epoch hands them only to workers idle at the time), and with
+        the others done (a fixed plan, or no steal that pays) every worker would wait for
+        the next rebalance's _wake_idle with the epoch unfinished."""
         if not self.rule.holds_replies:
             return
         for o in self.rule.releasable(self.present()):
+            if self.stop.reason:
+                self._reply(o, Cmd.STOP)
+                continue
+            self._top_up(o)
             self._send_reply(o)
 
     def _close_round(self) -> None:
