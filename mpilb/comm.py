@@ -204,5 +204,16 @@ def poll_preempt(comm) -> Optional[tuple[int, int]]:
     return None
 
 
+def finished(req: "MPI.Request") -> bool:
+    """Test a request whose peer may be gone: MPI's report of a failed transfer (a dead
+    rank, under a launcher that keeps the others running) counts as finished."""
+    try:
+        return req.Test()
+    except MPI.Exception:
+        return True
+
+
 Request = MPI.Request
+REQUEST_NULL = MPI.REQUEST_NULL
+MPIError = MPI.Exception
 ANY_SOURCE = MPI.ANY_SOURCE

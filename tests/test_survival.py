@@ -156,3 +156,76 @@ def test_rank0_stopped_for_twice_the_timeout_loses_no_worker(synth_dir, tmp_path
     assert code == 0, (code, out, err)
     s = summarize_log(str(tmp_path / "run.h5"))
     assert s["status"] == "finished" and s["lost_workers"] == [], err
+
+
+# ---------------------------------------------------------------- the parts, without MPI
+class _Peer:
+    def __init__(self, rank):
+        self.rank, self.step, self.lost = rank, 0, False
+        self.link = type("Link", (), {"recv_req": None})()
+
+
+def test_a_usr1_vote_counts_only_pushes_sent_after_the_signal():
+    """A worker that died right after a push has that push still on its way: it must not
+    count as heard from, or Hydra's notice of its death is taken for a preemption."""
+    from mpilb.server.chores import Chores
+    from mpilb.training import PREEMPTED
+
+    class Server(Chores):
+        preempted = False
+        peers = {1: _Peer(1), 2: _Peer(2)}
+
+        def present(self):
+            return list(self.peers.values())
+
+        def now(self):
+            return 1.0
+
+    server = Server()
+    PREEMPTED.clear()
+    try:
+        server._usr1_from(0)
+        for p in server.peers.values():
+            p.step += 1            # each one's push in flight at the signal arrives
+        server._judge_usr1()
+        assert not PREEMPTED.is_set()
+        server.peers[1].step += 1  # rank 1 pushed again: alive; rank 2 not yet
+        server._judge_usr1()
+        assert not PREEMPTED.is_set()
+        server._usr1_from(2)       # rank 2 reports the signal itself: everyone alive
+        server._judge_usr1()
+        assert PREEMPTED.is_set()
+    finally:
+        PREEMPTED.clear()
+
+
+def test_a_receive_mpi_fails_declares_its_worker_lost_at_once():
+    """Under -disable-auto-cleanup MPICH may fail a dead worker's receive (MPI_ERR_IN_STATUS
+    from Testsome) instead of leaving it pending: that worker is lost, the rest go on."""
+    from mpilb import comm as C
+    from mpilb.server.loop import ParameterServer
+
+    class Req:
+        def __init__(self, outcome):
+            self.outcome = outcome
+
+        def Test(self):
+            if self.outcome == "fail":
+                raise C.MPIError(C.MPI.ERR_OTHER)
+            return self.outcome == "done"
+
+    lost = []
+
+    class Server:
+        _failed_receives = ParameterServer._failed_receives
+
+        def _declare_lost(self, w, why=""):
+            lost.append((w.rank, why))
+            w.lost = True
+
+    order = [_Peer(1), _Peer(2), _Peer(3)]
+    reqs = [Req("done"), Req("fail"), Req("pending")]
+    assert Server()._failed_receives(order, reqs) == [0]
+    assert [r for r, _ in lost] == [2] and "ended (MPI: " in lost[0][1]
+    assert reqs[1] == C.REQUEST_NULL and order[1].link.recv_req == C.REQUEST_NULL
+    assert C.finished(Req("fail")) and not C.finished(Req("pending"))

@@ -228,9 +228,10 @@ class Chores:
             raise RuntimeError(f"epoch {self.epoch}: every worker is idle but {missing} samples "
                                f"were never handed out (balancer {self.cfg.balancer})")
 
-    def _declare_lost(self, w) -> None:
-        print(f"mpilb: rank {w.rank} silent for {self.cfg.worker_timeout:g} s: declared lost; "
-              f"its shards go to the other workers", file=sys.stderr, flush=True)
+    def _declare_lost(self, w, why: str = "") -> None:
+        why = why or f"silent for {self.cfg.worker_timeout:g} s"
+        print(f"mpilb: rank {w.rank} {why}: declared lost; its shards go to the other workers",
+              file=sys.stderr, flush=True)
         vote = getattr(self, "_usr1", None)
         if vote is not None and w.rank in vote["expect"]:
             self._usr1 = None
@@ -269,9 +270,13 @@ class Chores:
     def _usr1_from(self, rank: int) -> None:
         """SIGUSR1 reached `rank` (0: this one). Slurm's `--signal` preemption and Hydra's
         notice that a rank died look alike; a vote tells them apart: every worker present at
-        the signal must be heard from again (a push, or its own report of the signal) before
-        any of them is declared lost. Then no rank died and it is a preemption. An idle
-        worker that died is never heard from; it is timed, and lost, once it has work."""
+        the signal must be heard from again (two pushes, or its own report of the signal)
+        before any of them is declared lost. Then no rank died and it is a preemption. One
+        push is not enough: a worker that died right after pushing has that push still on its
+        way (a worker has one unanswered push at most), and counting it made Hydra's notice
+        of the death a preemption (exit 0, `preempted`, in 1 of 5 runs of the survival
+        command in docs/faults.md). An idle worker that died is never heard from; it is
+        timed, and lost, once it has work."""
         vote = getattr(self, "_usr1", None)
         if vote is None:
             present = self.present()
@@ -285,7 +290,7 @@ class Chores:
         if vote is None or self.preempted:
             return
         for r in vote["expect"] - vote["heard"]:
-            if self.peers[r].step > vote["steps"][r]:
+            if self.peers[r].step > vote["steps"][r] + 1:   # a push sent after the signal
                 vote["heard"].add(r)
         if vote["heard"] >= vote["expect"]:
             self._usr1 = None

@@ -209,6 +209,23 @@ class ParameterServer(Epochs, Lifecycle, Chores):
             self._end_epoch()
         self._respond(w)
 
+    def _failed_receives(self, order: list, reqs: list) -> list[int]:
+        """MPI failed a receive of pushes: where the launcher keeps the job running after
+        a rank's process ended (MPICH's -disable-auto-cleanup), MPICH may say so here, as
+        MPI_ERR_IN_STATUS from Testsome, instead of leaving the receive pending. Test each
+        receive on its own: a worker whose receive failed is gone, and is declared lost now
+        (not after --worker-timeout). Returns the receives that completed."""
+        done = []
+        for i, w in enumerate(order):
+            try:
+                if reqs[i].Test():
+                    done.append(i)
+            except C.MPIError as exc:
+                reqs[i] = w.link.recv_req = C.REQUEST_NULL
+                if not w.lost:
+                    self._declare_lost(w, f"ended (MPI: {exc.Get_error_string().strip()})")
+        return [i for i in done if not order[i].lost]
+
     def _reject(self, w: Peer, push: wire.PushMsg) -> None:
         """Workers send the mean gradient and check it is finite themselves (in parallel,
         off the server's hot path); a non-finite one is recomputed once, then fatal."""
@@ -308,7 +325,10 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         chores_s = self.CHORES_RUNG_S if rung else self.CHORES_S
         next_chores = chores_at = 0.0
         while not (self.stop.reason and self._all_stopped()):
-            done = C.Request.Testsome(reqs)
+            try:
+                done = C.Request.Testsome(reqs)
+            except C.MPIError:   # a worker's process ended (see _failed_receives)
+                done = self._failed_receives(order, reqs)
             if done:
                 for i in done:
                     w = order[i]
@@ -350,11 +370,12 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         C.drain(self.comm)
         deadline = time.monotonic() + 5.0   # replies and parameters (a lost worker's never complete)
         for req in self.store.pending() + self.outbox.sending:
-            C.wait(req, timeout=max(0.0, deadline - time.monotonic()))
+            while not C.finished(req) and time.monotonic() < deadline:
+                C.Backoff.short()
         for i, w in enumerate(order):
             if w.link.reply_req is not None and not w.lost:
                 C.wait(w.link.reply_req, timeout=5.0)
-            if reqs[i] is not None and not reqs[i].Test():
+            if reqs[i] is not None and not C.finished(reqs[i]):
                 reqs[i].Cancel()   # the receive preposted for a push that never came
                 C.wait(reqs[i], timeout=1.0)
         # Every run ends with its final parameters in the checkpoint; a preemption that

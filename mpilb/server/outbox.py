@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 
+from .. import comm as C
 from .. import wire
 from ..wire import Cmd
 
@@ -84,5 +85,5 @@ class Outbox:
 
     def in_flight(self) -> bool:
         """True while some send is still under way (and MPI needs progress)."""
-        self.sending = [r for r in self.sending if not r.Test()]
+        self.sending = [r for r in self.sending if not C.finished(r)]
         return bool(self.sending)
