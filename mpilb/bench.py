@@ -216,7 +216,7 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
         raise UsageError(f"bench ps: --servers {servers} exceeds --params {params}")
     from . import cores
 
-    cores.start_waits(comm)   # the waits of `mpilb train` on this machine, for both loops
+    cores.start_waits(comm, servers)   # the waits of `mpilb train` here, for both loops
     lr = 1e-6
     # Use the server's actual parameter count (softmax: 10*(features+1)) for both loops.
     n = (max(1, params // 10 - 1)) * 10 + 10

@@ -1,10 +1,15 @@
 """The CPUs a rank may use, and whether it has one to itself.
 
-A rank whose node has at least one CPU per rank of the job there polls for its messages
+A worker whose node has at least one CPU per rank of the job there polls for its messages
 without sleeping for a moment at the start of each wait (:attr:`waiting.Backoff.spin_s`):
-a sleep and the wake-up that ends it cost ~0.1-0.2 ms on a virtual machine, several times
-per push round trip. Where ranks outnumber CPUs they share them, and a polling rank would
-take the CPU from the rank it waits for, so every wait sleeps as before.
+a sleep and the wake-up that ends it cost ~0.1-0.2 ms on a virtual machine, once at each
+end of a push's round trip. A parameter store (rank 0, and ranks 1..K-1 with ``--servers K``)
+polls on after each push it handles, which with several workers is all the time, so it
+does so only where its node has a CPU more than that: its own threads (the evaluation) and
+the workers' (their shard readers) need CPU too. With one worker and the server on two
+CPUs, a polling server made the worker's steps a third slower: its reader thread lost
+the CPU it had while the server slept. Where ranks outnumber CPUs they share them, and a
+polling rank would take the CPU from the rank it waits for, so every wait sleeps as before.
 ``MPILB_SPIN=1`` or ``0`` forces the choice (``auto``, the default, decides as above).
 """
 
@@ -72,34 +77,37 @@ def usable_cpus() -> int:
     return max(1, n)
 
 
-def own_core(me: tuple, everyone: list) -> bool:
+def own_core(me: tuple, everyone: list, spare: int = 0) -> bool:
     """Whether the rank described by `me` has a CPU to itself, given every rank's
     ``(host, cpus, usable)`` (`cpus`: a sorted list of CPU numbers, or None): the ranks on
-    its host whose CPUs overlap its own must be no more than the CPUs it may use."""
+    its host whose CPUs overlap its own, plus `spare` CPUs, must be no more than the CPUs
+    it may use."""
     host, cpus, usable = me
     mine = set(cpus) if cpus is not None else None
     sharing = sum(1 for h, c, _ in everyone
                   if h == host and (mine is None or c is None or mine & set(c)))
-    return sharing <= usable
+    return sharing + spare <= usable
 
 
-def spin_here(comm) -> bool:
-    """Collective: True on the ranks that have a CPU to themselves (see :func:`own_core`),
-    unless ``MPILB_SPIN`` says otherwise."""
+def spinning(comm, servers: int = 1) -> list[bool]:
+    """Collective: for every rank, whether its waits poll first: a worker where it has a
+    CPU to itself, a store (ranks below `servers`) where its node has one more (see the
+    module's docstring); ``MPILB_SPIN=1`` or ``0`` on a rank decides for it."""
     cpus = cpu_set()
-    me = (socket.gethostname(), sorted(cpus) if cpus is not None else None, usable_cpus())
+    me = (socket.gethostname(), sorted(cpus) if cpus is not None else None, usable_cpus(),
+          os.environ.get("MPILB_SPIN", "auto"))
     everyone = comm.allgather(me)
-    choice = os.environ.get("MPILB_SPIN", "auto")
-    if choice in ("0", "1"):
-        return choice == "1"
-    return own_core(me, everyone)
+    facts = [e[:3] for e in everyone]
+    return [choice == "1" if choice in ("0", "1")
+            else own_core(e[:3], facts, spare=1 if r < servers else 0)
+            for r, (e, choice) in enumerate(zip(everyone, (e[3] for e in everyone)))]
 
 
-def start_waits(comm) -> bool:
+def start_waits(comm, servers: int = 1) -> list[bool]:
     """Collective: make this process's waits poll for :data:`SPIN_S` seconds before they
-    sleep where it has a CPU to itself (:func:`spin_here`). Returns whether they do."""
+    sleep where :func:`spinning` says so. Returns every rank's answer."""
     from .waiting import Backoff
 
-    spin = spin_here(comm)
-    Backoff.spin_s = SPIN_S if spin else 0.0
-    return spin
+    spins = spinning(comm, servers)
+    Backoff.spin_s = SPIN_S if spins[comm.Get_rank()] else 0.0
+    return spins

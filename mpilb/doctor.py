@@ -337,13 +337,16 @@ def _waits_line(spins: list[bool]) -> str:
 
     spin = [r for r, s in enumerate(spins) if s]
     rest = [r for r, s in enumerate(spins) if not s]
-    forced = {"1": " (MPILB_SPIN=1)", "0": " (MPILB_SPIN=0)"}.get(os.environ.get("MPILB_SPIN", ""), "")
+    if os.environ.get("MPILB_SPIN") in ("0", "1"):
+        why = f" (MPILB_SPIN={os.environ['MPILB_SPIN']} on rank 0)"
+    else:
+        why = " (rank 0 needs a CPU more than the ranks on its node, a worker one each)"
     if not rest:
-        return f"every rank polls {SPIN_S * 1e3:g} ms before it sleeps{forced or ' (a CPU each)'}"
+        return f"every rank polls {SPIN_S * 1e3:g} ms before it sleeps{why}"
     if not spin:
-        return f"every rank sleeps between polls{forced or ' (ranks share CPUs)'}"
-    return (f"rank(s) {_ranks(spin)} poll {SPIN_S * 1e3:g} ms before they sleep (a CPU each); "
-            f"rank(s) {_ranks(rest)} sleep between polls (they share CPUs)")
+        return f"every rank sleeps between polls{why}"
+    return (f"rank(s) {_ranks(spin)} poll {SPIN_S * 1e3:g} ms before they sleep, "
+            f"rank(s) {_ranks(rest)} sleep between polls{why}")
 
 
 def _format_pingpong(results) -> list[str]:
@@ -361,7 +364,7 @@ def doctor() -> int:
     comm, rank, size = C.world()
     facts = comm.gather(_rank_facts(comm), root=0)
     bell = doorbell.open_job(comm, rank, size)
-    spins = comm.gather(cores.start_waits(comm), root=0)
+    spins = cores.start_waits(comm)
     seconds = min(PAIR_SECONDS, TOTAL_PING_SECONDS / max(1, size - 1))
     results = ping_pong(comm, seconds) if size > 1 else []
     if rank != 0:

@@ -140,7 +140,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     doorbell.open_job(comm, rank, size)   # rank 0 and the ranks on its node ring each other
     from . import cores
 
-    cores.start_waits(comm)   # where a rank has a CPU of its own, its waits poll before they sleep
+    cores.start_waits(comm, cfg.servers)   # where a rank has a CPU of its own, waits poll first
 
     def make_role():
         from .dataset import open_dataset

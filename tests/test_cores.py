@@ -64,24 +64,38 @@ def test_a_control_group_quota_caps_the_cpus(tmp_path, monkeypatch):
     assert cores.usable_cpus() == 1   # a CPU and a half cannot keep two ranks busy
 
 
-class OneRank:
+class Job:
     """allgather for a job of `n` ranks like this one on one host, none bound."""
 
-    def __init__(self, n):
+    def __init__(self, n, rank=0):
         self.n = n
+        self.rank = rank
+
+    def Get_rank(self):
+        return self.rank
 
     def allgather(self, me):
         return [me] * self.n
+
+
+def test_a_store_polls_only_with_a_cpu_to_spare(monkeypatch):
+    monkeypatch.delenv("MPILB_SPIN", raising=False)
+    monkeypatch.setattr(cores, "cpu_set", lambda: frozenset({0, 1}))
+    monkeypatch.setattr(cores, "usable_cpus", lambda: 2)
+    assert cores.spinning(Job(2)) == [False, True]             # the server and a worker, 2 CPUs
+    assert cores.spinning(Job(2), servers=2) == [False, False]
+    assert cores.spinning(Job(1)) == [True]                    # one rank, a CPU to spare
+    assert cores.spinning(Job(3)) == [False, False, False]
 
 
 @pytest.mark.parametrize("choice, n, spins", [("auto", 1, True), ("auto", 64, False),
                                               ("1", 64, True), ("0", 1, False)])
 def test_start_waits_follows_the_rule_unless_told(monkeypatch, choice, n, spins):
     monkeypatch.setenv("MPILB_SPIN", choice)
-    monkeypatch.setattr(cores, "usable_cpus", lambda: 1 if n == 1 else 2)
+    monkeypatch.setattr(cores, "usable_cpus", lambda: 2)
     monkeypatch.setattr(cores, "cpu_set", lambda: frozenset({0, 1}))
     monkeypatch.setattr(Backoff, "spin_s", 0.0)
-    assert cores.start_waits(OneRank(n)) is spins
+    assert cores.start_waits(Job(n, rank=n - 1))[-1] is spins
     assert Backoff.spin_s == (cores.SPIN_S if spins else 0.0)
 
 
@@ -93,10 +107,10 @@ def test_this_machine_gives_a_sane_answer():
 def test_doctor_says_which_ranks_poll_first():
     res = mpirun.run(2, "doctor", timeout=120)
     line = next(l for l in res.stdout.splitlines() if l.strip().startswith("waits"))
-    if cores.usable_cpus() >= 2:
-        assert "every rank polls 10 ms before it sleeps (a CPU each)" in line, res.stdout
+    if cores.usable_cpus() == 2:   # a CPU each, none to spare for rank 0
+        assert "rank(s) 1 poll 10 ms before they sleep, rank(s) 0 sleep between polls" in line, line
     res = mpirun.run(2, "doctor", timeout=120, MPILB_SPIN="0")
-    assert "every rank sleeps between polls (MPILB_SPIN=0)" in res.stdout, res.stdout
+    assert "every rank sleeps between polls (MPILB_SPIN=0 on rank 0)" in res.stdout, res.stdout
 
 
 @pytest.mark.mpi
