@@ -198,3 +198,16 @@ def test_ssp_bound_0_epochs_do_not_wait_for_the_rebalance(digits_dir, tmp_path, 
     _, cols = read_columns(str(log))
     seconds = cols["epochs"]["t_end"] - cols["epochs"]["t_start"]
     assert seconds.max() < 5.0, seconds
+
+
+def test_a_worker_woken_mid_epoch_starts_at_the_busy_ones_lowest_step():
+    """Its own count, left behind while it idled, would have ssp hold the others until it
+    caught up (as an epoch's start already knew)."""
+    sim = Sim("ssp", 1, "load", [64] * 12, {1: 1.0, 2: 1.0})
+    s = sim.server
+    busy, idle = s.peers[1], s.peers[2]
+    s.ledger.take_back(2)   # (its shards back in the balancer's queue for it)
+    idle.go_idle()
+    idle.step, busy.step = 1, 9
+    s._wake_idle()
+    assert not idle.idle and idle.step == 9

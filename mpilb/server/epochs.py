@@ -58,6 +58,15 @@ class Epochs:
         for w in self.present():
             w.epoch_busy = 0.0
             w.epoch_finish = None
+        self._wake_idle()
+
+    def _wake_idle(self) -> None:
+        """Send work to idle workers that the balancer has given shards to (e.g. by a move).
+        A woken worker's step count starts at the busy ones' lowest, as at an epoch's start:
+        its old count, left behind while it idled, would have ssp hold every other worker
+        until it caught up."""
+        if self.stop.reason:
+            return
         floor = min((w.step for w in self.present() if not w.idle), default=None)
         for w in self.present():
             if w.idle:
@@ -65,17 +74,6 @@ class Epochs:
                 if self.ledger.of[w.rank].assigns:
                     if floor is not None:
                         w.step = max(w.step, floor)
-                    w.wake()
-                    self._reply(w)
-
-    def _wake_idle(self) -> None:
-        """Send work to idle workers that the balancer has given shards to (e.g. by a move)."""
-        if self.stop.reason:
-            return
-        for w in self.present():
-            if w.idle:
-                self._top_up(w)
-                if self.ledger.of[w.rank].assigns:
                     w.wake()
                     self._reply(w)
 
