@@ -315,9 +315,9 @@ class Bench:
             print("  " + show(f"{key}: samples/s, default ÷ MPILB_SPIN=0", self.results[f"e{key}"]["default_over_sleep"]))
             g = self.res.group(f"(e{key}) a CPU per rank: 1 server + 1 worker ({what}, 1 epoch)",
                                runs["default"][0].command)
-            self.res.figure(g, f"e{key}.comm_ms_sleep", "worker comm per push, MPILB_SPIN=0",
+            self.res.figure(g, f"e{key}.comm_ms_sleep", "worker comm per push (ms), MPILB_SPIN=0",
                             per_push["sleep"], unit="ms", digits=3, command=runs["sleep"][0].command)
-            self.res.figure(g, f"e{key}.comm_ms", "worker comm per push, default waits",
+            self.res.figure(g, f"e{key}.comm_ms", "worker comm per push (ms), default waits",
                             per_push["default"], unit="ms", digits=3)
             self.res.figure(g, f"e{key}.speedup", "samples/s, default ÷ MPILB_SPIN=0", speed)
             self.res.figure(g, f"e{key}.efficiency", "efficiency (÷ ideal), default waits",
