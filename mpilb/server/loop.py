@@ -369,9 +369,11 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         self._log_worker_rows()
         C.drain(self.comm)
         deadline = time.monotonic() + 5.0   # replies and parameters (a lost worker's never complete)
+        backoff = C.Backoff()
         for req in self.store.pending() + self.outbox.sending:
+            backoff.reset()
             while not C.finished(req) and time.monotonic() < deadline:
-                C.Backoff.short()
+                backoff.sleep()
         for i, w in enumerate(order):
             if w.link.reply_req is not None and not w.lost:
                 C.wait(w.link.reply_req, timeout=5.0)
