@@ -88,16 +88,18 @@ def run_simulate(args) -> int:
                      BATCH_POLICIES)
     servers = _counts(args.servers, "servers", str(base.pop("servers", 1)))
     results = []
+    if not args.json:   # rows as they come: a large cluster takes a while per configuration
+        print("\n".join(table_head(clusters)), flush=True)
     for label, profiles, sizes, replay, extra in clusters:
         for bal, mode, pol, k in itertools.product(balancers, modes, policies, servers):
             cfg = SimConfig(balancer=bal, mode=mode, batch_policy=pol, servers=k, **base)
             res = run(cfg, profiles, sizes, replay)
             res.update(extra)
             results.append(res)
+            if not args.json:
+                print(table_row(res), flush=True)
     if args.json:
         print(json.dumps(results))
-    else:
-        print(format_table(results, clusters))
     if args.plot:
         from .plot import plot_results
 
@@ -155,7 +157,7 @@ def _clusters(args):
             if shards < 1 or samples < shards:
                 raise UsageError(f"--samples {samples} cannot fill --shards {shards} (need >= 1 each)")
             sizes = [samples // shards + (1 if i < samples % shards else 0) for i in range(shards)]
-            clusters.append((f"{n} workers", profiles, sizes, False, {}))
+            clusters.append((f"--rates {args.rates}", profiles, sizes, False, {}))
         rules = parse_injects(args.inject, max(len(c[1]) for c in clusters) + 1)
         cfg.update(params=params, inject=rules, seed=seed)
     for key in ("batch", "min_batch", "max_batch", "rebalance_interval", "worker_timeout",
@@ -182,26 +184,32 @@ def _clusters(args):
 
 def format_table(results: list[dict], clusters) -> str:
     """One row per configuration, with the measured figures first when replaying."""
+    return "\n".join([*table_head(clusters), *map(table_row, results)])
+
+
+def table_head(clusters) -> list[str]:
+    """What is simulated (and, replaying, what the run measured), then the column names."""
     lines = []
     for label, profiles, sizes, replay, extra in clusters:
-        what = "replay of" if replay else "cluster:"
+        what = "replay of" if replay else "cluster with"
         lines.append(f"{what} {label}: {len(profiles)} workers, {len(sizes)} shards, "
                      f"{sum(sizes)} samples per epoch")
         if replay:
             lines.append(f"measured: epoch_s {extra['measured_epoch_s']:.3f}, "
                          f"utilization {extra['measured_utilization']:.3f}")
-    head = f"{'workers':>7} {'balancer':<12} {'batch_policy':<12} {'mode':<5} {'servers':>7} " + \
-        " ".join(f"{c:>13}" for c in COLUMNS)
-    lines.append(head)
-    for r in results:
-        vals = []
-        for c in COLUMNS:
-            v = r[c]
-            vals.append(f"{'-':>13}" if v is None else f"{v:>13d}" if isinstance(v, int)
-                        else f"{v:>13.3f}")
-        lines.append(f"{r['workers']:>7} {r['balancer']:<12} {r['batch_policy']:<12} "
-                     f"{r['mode']:<5} {r['servers']:>7} " + " ".join(vals))
-    return "\n".join(lines)
+    lines.append(f"{'workers':>7} {'balancer':<12} {'batch_policy':<12} {'mode':<5} {'servers':>7} "
+                 + " ".join(f"{c:>13}" for c in COLUMNS))
+    return lines
+
+
+def table_row(r: dict) -> str:
+    vals = []
+    for c in COLUMNS:
+        v = r[c]
+        vals.append(f"{'-':>13}" if v is None else f"{v:>13d}" if isinstance(v, int)
+                    else f"{v:>13.3f}")
+    return (f"{r['workers']:>7} {r['balancer']:<12} {r['batch_policy']:<12} "
+            f"{r['mode']:<5} {r['servers']:>7} " + " ".join(vals))
 
 
 if __name__ == "__main__":  # pragma: no cover
