@@ -229,3 +229,23 @@ def test_a_receive_mpi_fails_declares_its_worker_lost_at_once():
     assert [r for r, _ in lost] == [2] and "ended (MPI: " in lost[0][1]
     assert reqs[1] == C.REQUEST_NULL and order[1].link.recv_req == C.REQUEST_NULL
     assert C.finished(Req("fail")) and not C.finished(Req("pending"))
+
+
+def test_a_failed_send_to_a_dead_worker_frees_its_parameter_buffer():
+    """The server's ParamStore tests its sends with comm.finished: a send MPI failed (its
+    worker died) is done, and does not raise out of the optimizer step."""
+    import numpy as np
+
+    from mpilb import comm as C
+    from mpilb.corrections import build_correction
+    from mpilb.optimizers import build_optimizer
+    from mpilb.server.modes import ParamStore
+
+    class FailedSend:
+        def Test(self):
+            raise C.MPIError(C.MPI.ERR_OTHER)
+
+    store = ParamStore(np.zeros(4, np.float32), build_optimizer("sgd", 4, lr=0.5),
+                       build_correction("none"), nominal_batch=1, finished=C.finished)
+    store.sending(FailedSend(), rank=2)
+    assert store._target() == store.cur and store.pending() == []

@@ -69,11 +69,15 @@ class ParamStore:
         new_buffer: () -> a new vector for the ring (the server's are the payloads of push
             message buffers, so that any of them can receive a push; `params` is copied into
             one). None: plain vectors, and `params` itself is the first.
+        finished: request -> whether a send is done (the server's counts a send that MPI
+            failed, to a dead worker, as done: comm.finished); default ``req.Test()``.
     """
 
     def __init__(self, params: np.ndarray, optimizer, correction, nominal_batch: int,
                  keep_sent: int = 0, schedule: Optional[Callable[[int], float]] = None,
-                 new_buffer: Optional[Callable[[], np.ndarray]] = None):
+                 new_buffer: Optional[Callable[[], np.ndarray]] = None,
+                 finished: Optional[Callable[[object], bool]] = None):
+        self.finished = finished or (lambda req: req.Test())
         if new_buffer is not None:
             first = new_buffer()
             first[...] = params
@@ -126,14 +130,14 @@ class ParamStore:
         return None
 
     def _busy(self, i: int) -> bool:
-        self.sends[i] = [r for r in self.sends[i] if not r.Test()]
+        self.sends[i] = [r for r in self.sends[i] if not self.finished(r)]
         if self.sends[i]:
             return True
         return any(self.versions[i] in kept for kept in self.sent.values())
 
     def _target(self) -> int:
         """The buffer the next step writes: the current one unless a send still reads it."""
-        self.sends[self.cur] = [r for r in self.sends[self.cur] if not r.Test()]
+        self.sends[self.cur] = [r for r in self.sends[self.cur] if not self.finished(r)]
         if not self.sends[self.cur]:
             return self.cur
         for i in range(len(self.ring)):

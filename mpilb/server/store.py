@@ -74,7 +74,7 @@ def slice_store(cfg, params: np.ndarray, optimizer, new_buffer=None) -> ParamSto
     correction = build_correction(cfg.correction, cfg.dc_lambda)
     keep = (2 if cfg.pipeline else 1) if correction.needs_old_params else 0
     return ParamStore(params, optimizer, correction, cfg.batch, keep_sent=keep,
-                      new_buffer=new_buffer)
+                      new_buffer=new_buffer, finished=C.finished)
 
 
 def _send_state(comm, dest: int, tag: int, params, optimizer, lo: int, hi: int) -> None:
