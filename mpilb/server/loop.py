@@ -368,9 +368,15 @@ class ParameterServer(Epochs, Lifecycle, Chores):
             self._evaluate()
         self._log_worker_rows()
         C.drain(self.comm)
-        deadline = time.monotonic() + 5.0   # replies and parameters (a lost worker's never complete)
+        # replies and parameters still in flight; a lost worker's last reply never completes
+        # (a hung worker does not receive it): not waited for, else a degraded run ended 5 s
+        # after its last epoch
+        gone = {id(r) for w in order if w.lost for r in (w.link.reply_req, w.link.params_req)}
+        deadline = time.monotonic() + 5.0
         backoff = C.Backoff()
         for req in self.store.pending() + self.outbox.sending:
+            if id(req) in gone:
+                continue
             backoff.reset()
             while not C.finished(req) and time.monotonic() < deadline:
                 backoff.sleep()
