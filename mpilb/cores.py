@@ -98,9 +98,8 @@ def spinning(comm, servers: int = 1) -> list[bool]:
           os.environ.get("MPILB_SPIN", "auto"))
     everyone = comm.allgather(me)
     facts = [e[:3] for e in everyone]
-    return [choice == "1" if choice in ("0", "1")
-            else own_core(e[:3], facts, spare=1 if r < servers else 0)
-            for r, (e, choice) in enumerate(zip(everyone, (e[3] for e in everyone)))]
+    return [e[3] == "1" if e[3] in ("0", "1") else own_core(e[:3], facts, spare=int(r < servers))
+            for r, e in enumerate(everyone)]
 
 
 def start_waits(comm, servers: int = 1) -> list[bool]:
