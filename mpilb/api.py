@@ -66,6 +66,11 @@ def train(model=None, data=None, **options) -> Optional[dict]:
         MpilbError: the run failed.
     """
     _blas_threads()
+    from .config import OPTION_BY_NAME, closest
+
+    for key in options:   # named as the caller wrote them, not as command-line options
+        if key not in OPTION_BY_NAME and key != "model_args":
+            raise UsageError(f"mpilb.train: unknown keyword {key!r}{closest(key, OPTION_BY_NAME)}")
     values: dict[str, Any] = dict(options)
     model_args = values.pop("model_args", None)
     if model_args:

@@ -102,3 +102,10 @@ def test_a_run_log_given_as_a_checkpoint_names_the_checkpoint(tmp_path):
         f["x"] = np.zeros((2, 3), np.float32)
     with pytest.raises(UsageError, match="not an mpilb checkpoint: an HDF5 file without"):
         read_checkpoint(shard)
+
+
+def test_an_unknown_keyword_is_named_as_written():
+    import mpilb
+
+    with pytest.raises(mpilb.UsageError, match=r"mpilb.train: unknown keyword 'epochz' \(did you mean 'epochs'\?\)"):
+        mpilb.train(model="mlp", data="unused", epochz=3)
