@@ -216,8 +216,7 @@ def test_the_evaluation_process_imports_user_models_from_rank_0s_path(digits_dir
 
     from mpilb.config import build_config
     from mpilb.dataset import open_dataset
-    from mpilb.evalproc import EvalProcess
-    from mpilb.training import build_evaluator, config_model
+    from mpilb.training import config_model
 
     examples = str(Path(__file__).resolve().parents[1] / "examples")
     monkeypatch.syspath_prepend(examples)            # not on PYTHONPATH: only in this process
@@ -226,13 +225,7 @@ def test_the_evaluation_process_imports_user_models_from_rank_0s_path(digits_dir
     ds = open_dataset(digits_dir)
     model = config_model(cfg, ds)
     params = model.init_params(cfg.seed)
-    proc = EvalProcess(cfg, ds, model.num_params)
-    try:
-        proc.submit(params)
-        ev, _ = proc.result()
-    finally:
-        proc.close()
-    assert ev.loss == pytest.approx(build_evaluator(model, ds).evaluate(params).loss, rel=1e-6)
+    assert_child_evaluates_as_rank_0(cfg, ds, model, params)
 
 
 def test_the_evaluation_process_loads_a_file_model_that_imports_its_neighbour(digits_dir, tmp_path,
@@ -245,8 +238,7 @@ def test_the_evaluation_process_loads_a_file_model_that_imports_its_neighbour(di
 
     from mpilb.config import build_config
     from mpilb.dataset import open_dataset
-    from mpilb.evalproc import EvalProcess
-    from mpilb.training import build_evaluator, config_model
+    from mpilb.training import config_model
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delenv("PYTHONPATH", raising=False)
@@ -258,6 +250,14 @@ def test_the_evaluation_process_loads_a_file_model_that_imports_its_neighbour(di
     model = config_model(cfg, ds)
     params = model.init_params(cfg.seed) + 0.01
     sys.path[:] = [p for p in sys.path if p != str(tmp_path.resolve())]   # the child's own doing
+    assert_child_evaluates_as_rank_0(cfg, ds, model, params)
+
+
+def assert_child_evaluates_as_rank_0(cfg, ds, model, params):
+    """The evaluation process, building the model from `cfg` itself, gets rank 0's loss."""
+    from mpilb.evalproc import EvalProcess
+    from mpilb.training import build_evaluator
+
     proc = EvalProcess(cfg, ds, model.num_params)
     try:
         proc.submit(params)
