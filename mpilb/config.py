@@ -369,12 +369,12 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
         opt = OPTION_BY_NAME[name]
         values[name] = _coerce(opt, raw, "")
         _validate_value(opt, values[name], "")
-    given = {name: source for name in (file_values or {})}
+    given = {name: source or "the config file" for name in (file_values or {})}
     given.update({name: "" for name in (cli_values or {})})
     cfg = Config(values, given)
     parse_hidden(values["hidden"])
     _check_combinations(cfg)
-    for warning in _check_no_effect(cfg, file_values or {}, cli_values or {}, source):
+    for warning in _check_no_effect(cfg):
         _warn(warning)
     return cfg
 
@@ -387,15 +387,17 @@ def _show(name: str, value: Any, source: str) -> str:
     return f"{OPTION_BY_NAME[name].flag} {value}"
 
 
-def _check_no_effect(cfg: Config, file_values: dict, cli_values: dict, source: str) -> list[str]:
+def _check_no_effect(cfg: Config) -> list[str]:
     """UsageError for an option set on the command line that has no effect (see NO_EFFECT);
-    the warnings for such options set in the config file."""
+    the warnings for such options set in the config file (where each came from:
+    ``cfg.given``)."""
     warnings = []
     for name, applies, other, why in NO_EFFECT:
-        if applies(cfg) or (name not in cli_values and name not in file_values):
+        if applies(cfg) or name not in cfg.given:
             continue
-        decided_on_cli = other in cli_values or other not in file_values
-        if name in cli_values:
+        source = cfg.given[name] or cfg.given.get(other, "")
+        decided_on_cli = cfg.given.get(other, "") == ""
+        if cfg.given[name] == "":
             raise UsageError(f"{_show(name, cfg.values[name], '')} has no effect with "
                              f"{_show(other, cfg.values[other], '' if decided_on_cli else source)}"
                              f" ({why}); drop it or change {OPTION_BY_NAME[other].flag}")
