@@ -47,9 +47,13 @@ def wait(req: "MPI.Request", backoff: Optional[Backoff] = None, timeout: Optiona
 
 
 def complete(req: "MPI.Request") -> None:
-    """Finish a request whose transfer is under way: keep MPI progressing, yield the core."""
+    """Finish a request whose transfer is under way: keep MPI progressing, yielding the
+    core after the first few polls (Backoff.FREE_POLLS)."""
+    polls = 0
     while not req.Test():
-        time.sleep(0)
+        polls += 1
+        if polls > Backoff.FREE_POLLS:
+            time.sleep(0)
 
 
 def recv_when_ready(comm, buf, source: int, tag: int, backoff: Optional[Backoff] = None,

@@ -54,6 +54,7 @@ class Doorbell:
         self.owed: set[int] = set()   # senders with a rung message not taken yet
         self.owed_until = 0.0
         self.owed_nap = 0.0
+        self.owed_polls = 0           # polls left before the first sleep (Backoff.FREE_POLLS)
         self.poked = False            # a peer asked for this rank's MPI progress (poke)
 
     @property
@@ -108,6 +109,7 @@ class Doorbell:
                     self.owed.add(sender)
                     self.owed_until = time.monotonic() + OWED_S
                     self.owed_nap = 0.25e-3
+                    self.owed_polls = Backoff.FREE_POLLS
         return len(rings)
 
     def took(self, sender: int) -> None:
@@ -118,7 +120,8 @@ class Doorbell:
 
     def rest(self, longest: float) -> None:
         """Wait for a message whose sender rings: while a rung message has not been taken
-        (it is on its way, not yet visible to MPI) poll, finely for `OWED_S`, then with naps
+        (it is on its way, not yet visible to MPI) poll, at once for the first
+        `Backoff.FREE_POLLS` calls after its ring, finely for `OWED_S`, then with naps
         growing to `OWED_NAP_S`; else sleep until the next ring, `longest` seconds at most.
 
         A rung message that is late is not given up on: it was sent, and a transfer that
@@ -128,6 +131,9 @@ class Doorbell:
         each push whose transfer was still under way: one worker's epoch took 14.6 s
         instead of 1.6.) :meth:`forget` ends the wait for a sender that is gone."""
         if self.owed:
+            if self.owed_polls:   # the message may be a progress call away: no sleep yet
+                self.owed_polls -= 1
+                return
             if time.monotonic() < self.owed_until:
                 Backoff.short()
                 return

@@ -38,6 +38,13 @@ class Backoff:
     # Seconds a wait polls without sleeping, from reset(): set for the whole process once
     # it is known to have a CPU to itself (cores.py); 0 (sleep between polls) otherwise.
     spin_s = 0.0
+    # Polls after reset() that do not sleep. MPICH's progress moves a message through
+    # stages, about one per call (the envelope, then the shared-memory read and its
+    # acknowledgement): a reply sent milliseconds earlier was seen on the 2nd or 3rd probe
+    # (1 or 2 misses, ~4 us). Sleeping after such a miss cost, where ranks share CPUs, a
+    # turn of the scheduler: the median wait for a reply already there went from 0.03 ms
+    # to 0.24, its 90th percentile from 0.04 to 3.9 ms.
+    FREE_POLLS = 3
 
     def __init__(self, start: float = 20e-6, cap: float = 1e-3, fine: float = 50e-6,
                  far: float = 10e-3, fine_max: float = 250e-6, share: float = 0.005,
@@ -56,6 +63,7 @@ class Backoff:
         self.grace = 0.0
         self.poll = fine
         self.spin_until = 0.0
+        self.free = self.FREE_POLLS
 
     def reset(self, due: Optional[float] = None, grace: float = 0.0,
               span: Optional[float] = None) -> None:
@@ -63,6 +71,7 @@ class Backoff:
         of fine polling after it; `span`: how long that wait is in all (sets the polling
         interval; default: from now to `due`)."""
         self.delay = self.start
+        self.free = self.FREE_POLLS
         self.due = due
         self.grace = grace
         self.poll = self.fine
@@ -73,6 +82,9 @@ class Backoff:
             self.poll = min(self.fine_max, max(self.fine, span * self.share))
 
     def sleep(self) -> None:
+        if self.free:
+            self.free -= 1
+            return   # the message may be a progress call away (FREE_POLLS)
         if self.spin_s and time.monotonic() < self.spin_until:
             return   # a CPU of its own: poll on
         if self.due is not None:

@@ -17,6 +17,8 @@ class Clock:
         monkeypatch.setattr(C.time, "sleep", self.sleep)
         # (an in-process run before this test may have made waits poll first: cores.py)
         monkeypatch.setattr(C.Backoff, "spin_s", 0.0)
+        # the schedules below start at the first sleep (see the free-polls test)
+        monkeypatch.setattr(C.Backoff, "FREE_POLLS", 0)
 
     def sleep(self, s):
         self.sleeps.append(s)
@@ -115,6 +117,25 @@ def test_open_mpi_version_text_loses_its_nul_before_it_reaches_the_run_log(monke
     with h5py.File(tmp_path / "log.h5", "w") as f:
         f.attrs["mpi"] = C.library_version()
         f.attrs["library"] = info["library"]
+
+
+def test_backoff_polls_a_few_times_at_once_before_its_first_sleep(monkeypatch):
+    """A message already sent is often a progress call or two away: each wait's first
+    polls do not sleep (a sleep on a busy node costs a scheduler's turn)."""
+    clock = Clock(monkeypatch)
+    monkeypatch.setattr(C.Backoff, "FREE_POLLS", 3)
+    b = C.Backoff(start=20e-6, cap=1e-3)
+    b.reset()
+    for _ in range(3):
+        b.sleep()
+    assert clock.sleeps == []
+    b.sleep()
+    b.sleep()
+    assert clock.sleeps == pytest.approx([20e-6, 40e-6])   # then the usual schedule
+    b.reset()   # every wait has its free polls again
+    for _ in range(3):
+        b.sleep()
+    assert len(clock.sleeps) == 2
 
 
 def test_backoff_on_a_cpu_of_its_own_polls_before_it_sleeps(monkeypatch):

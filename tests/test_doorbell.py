@@ -70,7 +70,10 @@ def test_rest_polls_for_an_announced_message_until_it_comes(pair, monkeypatch):
     assert server.wait(1.0) == 1
     slept = []
     monkeypatch.setattr(doorbell.time, "sleep", lambda s: slept.append(s))
-    server.rest(10.0)                     # announced, not taken: a short poll, no long sleep
+    for _ in range(doorbell.Backoff.FREE_POLLS):
+        server.rest(10.0)                 # announced, not taken: polled again at once...
+    assert slept == []
+    server.rest(10.0)                     # ...then with short sleeps, no long one
     assert slept == [1e-6]
     monkeypatch.undo()
     server.owed_until = time.monotonic() - 1.0   # late (its sender lost its core a while)
