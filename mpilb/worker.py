@@ -119,13 +119,19 @@ class Worker:
                           for _ in range(2 if cfg.pipeline else 1)]
         self.recv_buf = self._message()
         # Where the message payload is already on the compute device (CPU, or CUDA-aware
-        # GPU) and nothing reads the parameters while the next reply arrives (no
-        # pipelining), the parameters live in the reply buffer itself: no copy per step.
+        # GPU), the parameters are used where they were received: no copy per step. With
+        # --pipeline 1 the next reply arrives while the parameters are in use, so replies
+        # alternate between two buffers: the one not computed on receives (`spare_buf`
+        # holds the parameters in use).
         self.device_payload = self.on_cpu or self.cuda_aware
-        if self.device_payload and not cfg.pipeline:
-            self.params = self.recv_buf[2]
-        else:
+        self.spare_buf = None
+        if not self.device_payload:
             self.params = self.backend.xp.zeros(self.n, dtype=np.float32)
+        elif cfg.pipeline:
+            self.spare_buf = self._message()
+            self.params = self.spare_buf[2]
+        else:
+            self.params = self.recv_buf[2]
         self.version = 0
         self.batch = cfg.batch
         self.step = 0
@@ -206,6 +212,7 @@ class Worker:
         if reply.cmd == Cmd.PARAMS:
             self._finish_pulls()
             self._settle_pushes()
+            self._take_params()
         self.times.waited(time.perf_counter() - t0, reply.held_s, counts_as_idle)
         if reply.cmd == Cmd.STOP:
             raise StopWorker
@@ -225,12 +232,17 @@ class Worker:
             # after the assignments: a cut may concern a task handed out in this very reply
             self.feed.truncate(*reply.cut)
         self.rows.serve(reply.orders)
+
+    def _take_params(self) -> None:
+        """The parameters just received become the ones computed on."""
         payload = self.recv_buf[2]
-        if self.params is not payload:
-            if self.device_payload:
-                self.backend.xp.copyto(self.params, payload)
-            else:
-                self.params.set(payload)   # host (pinned) -> device
+        if self.params is payload:
+            return   # received in place
+        if self.spare_buf is not None:   # pipelined: the other buffer receives next
+            self.recv_buf, self.spare_buf = self.spare_buf, self.recv_buf
+            self.params = payload
+        else:
+            self.params.set(payload)   # host (pinned) -> device
 
     def _push(self, msg, done: Computed, next_range) -> None:
         buf, hdr, _ = msg
