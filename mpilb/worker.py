@@ -144,6 +144,7 @@ class Worker:
         # --servers K: store s holds parameters [bounds[s], bounds[s+1]) (wire.cut_slices)
         self.bounds = wire.cut_slices(self.n, cfg.servers, wire.layer_sizes(self.model))
         self.pulls: Optional[list] = None   # receives of the next reply's slices, posted early
+        self.early_reply = None   # a reply's header read while blocked for rows (pipelined)
         self.times = TimeSincePush()
         self.retry = False
         self.signals_sent: set = set()
@@ -202,9 +203,13 @@ class Worker:
         due, grace = self.times.reply_window(counts_as_idle)
         hdr = self.recv_buf[1]
         while True:
-            C.recv_when_ready(self.comm, self.recv_buf[0], 0, wire.TAG_REPLY, self.backoff,
-                              on_poll=self._check_fault, due=due, grace=grace)
-            self._header_from_buffer(self.recv_buf)
+            if self.early_reply is not None:   # read while blocked for rows (pipelined)
+                hdr[:] = self.early_reply
+                self.early_reply = None
+            else:
+                C.recv_when_ready(self.comm, self.recv_buf[0], 0, wire.TAG_REPLY, self.backoff,
+                                  on_poll=self._check_fault, due=due, grace=grace)
+                self._header_from_buffer(self.recv_buf)
             if wire.command(hdr) != Cmd.ORDERS:
                 break
             self.rows.serve(wire.decode_orders(hdr))   # rows another rank needs; the reply is still to come
@@ -283,12 +288,13 @@ class Worker:
     def _orders_while_blocked(self) -> None:
         """Waiting for rows: serve send orders the server sends meanwhile. Two workers
         waiting for rows from each other (both re-sourced after a lost holder) would
-        otherwise wait for ever. Without pipelining no reply can be on its way now (this
-        rank has not pushed), so a message from rank 0 here is ORDERS (header only: the
-        parameters in the reply buffer are untouched)."""
+        otherwise wait for ever, or until one was declared lost for its silence. Without
+        pipelining no reply can be on its way now (this rank has not pushed), so a message
+        from rank 0 here is ORDERS (header only: the parameters are untouched). With
+        --pipeline 1 the reply to the push in flight may come first: its header is kept for
+        :meth:`_wait_reply` (its parameters wait in MPI for the pulls), and the orders
+        behind it are served as they come."""
         self._check_fault()
-        if self.cfg.pipeline:
-            return   # a reply may be on its way: it must be read by _wait_reply
         msg = self.comm.improbe(source=0, tag=wire.TAG_REPLY)
         if msg is None:
             return
@@ -296,10 +302,14 @@ class Worker:
         C.complete(msg.Irecv(self.recv_buf[0]))
         self._header_from_buffer(self.recv_buf)
         hdr = self.recv_buf[1]
-        if wire.command(hdr) != Cmd.ORDERS:
+        if wire.command(hdr) == Cmd.ORDERS:
+            self.rows.serve(wire.decode_orders(hdr))
+        elif self.cfg.pipeline and self.early_reply is None:
+            self.early_reply = hdr.copy()
+        else:
             raise RuntimeError(f"rank {self.rank}: message {wire.command(hdr)} from rank 0 while "
-                               f"waiting for shard rows (only ORDERS can come then)")
-        self.rows.serve(wire.decode_orders(hdr))
+                               f"waiting for shard rows (only ORDERS can come then, and with "
+                               f"--pipeline 1 one reply)")
 
     def _check_fault(self) -> None:
         self.rows.progress()

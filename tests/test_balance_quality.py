@@ -66,15 +66,18 @@ def test_no_part_way_move_from_a_donor_whose_rows_are_in_flight():
 
 
 @pytest.mark.mpi
-def test_local_store_replicas_survive_a_lost_holder(synth_dir, tmp_path):
+@pytest.mark.parametrize("pipeline", ["0", "1"])
+def test_local_store_replicas_survive_a_lost_holder(synth_dir, tmp_path, pipeline):
     """--store local --replicas 2 and a rank hung mid-epoch: exit 3, degraded, every sample
-    exactly once (rows the lost rank owed come from the other copy)."""
+    exactly once (rows the lost rank owed come from the other copy); also pipelined, where
+    a worker blocked for rows must serve the send orders behind its reply (see
+    test_worker_parts: quality.py's case (d) pipelined lost its slow reader in 3 of 4 runs)."""
     log = tmp_path / "run.h5"
     res = mpirun.run(4, "train", "--data", synth_dir, "--model", "mlp", "--hidden", "32",
                      "--batch", "32", "--epochs", "4", "--store", "local", "--replicas", "2",
                      # hung 0.3 s in: on a quiet machine the whole run takes about 1 s
                      "--inject", "2:hang@0.3", "--inject", "1:readbw=2", "--worker-timeout", "3",
-                     "--no-progress", "--log", log, timeout=120)
+                     "--pipeline", pipeline, "--no-progress", "--log", log, timeout=120)
     assert res.returncode == 3, res.stderr
     s = summarize_log(str(log))
     assert s["status"] == "degraded" and s["lost_workers"] == [2] and s["epochs_completed"] == 4

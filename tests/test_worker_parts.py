@@ -134,3 +134,70 @@ def test_parameters_still_arriving_keep_poking_rank_0(monkeypatch):
     gaps = np.diff([t for _, t in pokes])
     assert len(pokes) >= 4 and gaps.max() <= W.POKE_EVERY_S + 1e-4 + 1e-9   # poked all along
     assert gaps.min() >= W.POKE_EVERY_S - 1e-9                             # but not at every poll
+
+
+class FakeMessage:
+    """A matched probe whose receive copies a prepared header into the buffer."""
+
+    def __init__(self, header):
+        self.header = header
+
+    def Irecv(self, buf):
+        buf[:self.header.nbytes] = self.header.view(np.uint8)
+        return SimpleNamespace(Test=lambda: True)
+
+
+def _pipelined_worker(messages, served):
+    from mpilb import wire
+    from mpilb.worker import Worker
+
+    w = object.__new__(Worker)
+    w.rank, w.cuda_aware, w.early_reply = 1, False, None
+    w.cfg = SimpleNamespace(pipeline=1)
+    w.comm = SimpleNamespace(improbe=lambda source, tag: messages.pop(0) if messages else None)
+    w.bell = SimpleNamespace(took=lambda rank: None)
+    w.rows = SimpleNamespace(progress=lambda: None, serve=lambda orders: served.extend(orders))
+    w.injector = SimpleNamespace(fault=lambda now: None)
+    w.signals_sent, w.preempt_reqs = set(), []
+    w.recv_buf, w.spare_buf = wire.new_message(4), wire.new_message(4)
+    w.params = w.spare_buf[2]
+    return w
+
+
+def test_a_pipelined_worker_blocked_for_rows_serves_the_orders_behind_its_reply(monkeypatch):
+    """With --pipeline 1 the reply to the push in flight can reach a worker that waits for
+    rows (to compute its next batch). It used to read nothing then, so send orders queued
+    behind the reply went unserved: two re-sourced workers waiting for each other's rows
+    stalled until one was declared lost (3 of 4 runs of quality.py's case (d) pipelined)."""
+    from mpilb import wire
+    from mpilb import worker as W
+
+    reply = wire.new_header()
+    wire.encode_reply(reply, wire.Cmd.PARAMS, version=7, batch=32, assigns=[(0, 5, 0, 64, -1, 0)])
+    orders = wire.new_header()
+    wire.encode_orders(orders, [(0, 3, 0, 100, 2, TAG_SHARD_BASE + 3)])
+    served = []
+    w = _pipelined_worker([FakeMessage(reply), FakeMessage(orders)], served)
+    w._orders_while_blocked()                 # the reply: kept for _wait_reply
+    assert served == [] and w.early_reply is not None
+    w._orders_while_blocked()                 # the orders behind it: served now
+    assert [(o.shard, o.dst) for o in served] == [(3, 2)]
+
+    # _wait_reply then takes the kept reply without receiving it again
+    assigned = []
+    monkeypatch.setattr(W, "C", SimpleNamespace(Request=SimpleNamespace(Testall=lambda reqs: True),
+                                                complete=lambda req: None))
+    w.comm = SimpleNamespace(improbe=lambda source, tag: pytest.fail("received twice"))
+    w.times, w.pulls, w.push_reqs, w.held = W.TimeSincePush(), ["a pull"], [], None
+    w.backoff = SimpleNamespace(reset=lambda: None, sleep=lambda: None)
+    w.feed = SimpleNamespace(assign=lambda *a: assigned.append(a), drop=lambda: None)
+    before = w.recv_buf
+    w._wait_reply(counts_as_idle=False)
+    assert w.version == 7 and w.batch == 32 and assigned == [(0, 5, 0, 64, None)]
+    assert w.early_reply is None and w.params is before[2]   # the buffers swapped
+
+    # a second reply while blocked cannot be (one push in flight at most)
+    w.comm = SimpleNamespace(improbe=lambda source, tag: FakeMessage(reply))
+    w._orders_while_blocked()
+    with pytest.raises(RuntimeError, match="while waiting for shard rows"):
+        w._orders_while_blocked()
