@@ -114,9 +114,9 @@ class Bench:
             for p in (0, 1):
                 runs[p].append(b.train(f"a-p{p}-r{r}", "--epochs", 2, "--inject", STRAGGLER,
                                        "--pipeline", p))
-        from mpilb.config import OPTION_BY_NAME
+        from mpilb.config import build_config
 
-        default = int(OPTION_BY_NAME["pipeline"].default)
+        default = int(build_config().pipeline)   # async's default
         out = {f"pipeline{p}": {"efficiency": spread(efficiency(x) for x in runs[p]),
                                 "comm_share": spread(comm_share(x) for x in runs[p]),
                                 "samples_per_s": spread(x.summary["samples"] / sum(x.summary["epoch_s"])

@@ -75,6 +75,7 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
         shown = "none" if opt.default is None or opt.default == [] else opt.default
         if opt.type is bool:
             shown = opt.flag if opt.default else "--no-" + opt.flag[2:]
+        shown = opt.default_text or shown
         text = opt.help if "default" in opt.help else f"{opt.help} (default: {shown})"
         kw = dict(dest=opt.name, default=argparse.SUPPRESS, help=text.replace("%", "%%"))
         if opt.type is bool:

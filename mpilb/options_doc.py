@@ -30,7 +30,7 @@ def reference_markdown() -> str:
                   "| --- | --- | --- | --- | --- |"]
         for o in opts:
             allowed = ", ".join(f"`{c}`" for c in o.choices) if o.choices else (o.check[1] if o.check else "")
-            default = "—" if o.default is None else f"`{o.default}`"
+            default = o.default_text or ("—" if o.default is None else f"`{o.default}`")
             lines.append(f"| `{o.flag}` | {o.type.__name__} | {default} | {allowed} | {o.help} |")
         lines.append("")
     lines += ["## Options that have no effect", "",

@@ -10,7 +10,19 @@ def test_defaults_match_design():
     cfg = build_config()
     assert cfg.mode == "async" and cfg.balancer == "load" and cfg.batch_policy == "fixed"
     assert cfg.store == "shared" and cfg.correction == "none" and cfg.dc_lambda == 0.04
-    assert cfg.replicas == 1 and cfg.pipeline == 0 and cfg.inject == []
+    assert cfg.replicas == 1 and cfg.pipeline == 1 and cfg.inject == []
+
+
+@pytest.mark.parametrize("values,pipeline", [
+    ({}, 1), ({"correction": "dc"}, 1),          # async computes ahead by default
+    ({"mode": "ssp"}, 0), ({"mode": "sync"}, 0),  # ssp keeps its bound exact; sync cannot
+    ({"correction": "inverse"}, 0),               # it would divide the lr by twice the staleness
+    ({"pipeline": "0"}, 0), ({"mode": "ssp", "pipeline": "1"}, 1),   # as given
+    ({"correction": "inverse", "pipeline": "1"}, 1),
+])
+def test_the_pipeline_default_follows_the_mode(values, pipeline):
+    assert build_config({}, values).pipeline == pipeline
+    assert build_config(values, {}, source="run.toml").pipeline == pipeline   # from a file too
 
 
 def test_toml_with_dashes_or_underscores_and_cli_override(tmp_path):
@@ -122,8 +134,10 @@ def test_parse_hidden():
 def test_every_option_has_help_and_a_valid_default():
     for opt in OPTIONS:
         assert opt.help
-        if opt.choices is not None:
+        if opt.choices is not None and opt.default_text is None:
             assert opt.default in opt.choices
+        if opt.default_text is not None:   # decided by build_config from other options
+            assert opt.default is None and build_config().values[opt.name] in opt.choices
 
 
 def test_configuration_reference_is_current():

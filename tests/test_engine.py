@@ -33,8 +33,8 @@ def assert_exact_coverage(summary):
     ("--mode", "sync"),
     ("--correction", "inverse"),
     ("--correction", "dc"),
-    ("--pipeline", "1"),
-], ids=["async", "ssp", "sync", "inverse", "dc", "pipeline"])
+    ("--pipeline", "0"),
+], ids=["async", "ssp", "sync", "inverse", "dc", "unpipelined"])
 def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     log = tmp_path / "run.h5"
     res = mpirun.run(4, "train", "--data", digits_dir, *DIGITS_RUN, "--log", log, *extra)
@@ -42,11 +42,9 @@ def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     s = summarize_log(str(log))
     assert s["status"] == "finished"
     assert s["workers"] == 3 and s["epochs_completed"] == 20
-    if "--pipeline" in extra:
-        # one more step of staleness by design: it gets there, its last snapshot is noisier
-        assert s["best_test_accuracy"] >= 0.95 and s["final_test_accuracy"] >= 0.93, s
-    else:   # the modes and corrections: the final parameters reach 0.95
-        assert s["final_test_accuracy"] >= 0.95, s["final_test_accuracy"]
+    # the modes and corrections (async ones pipelined by default): the final
+    # parameters reach 0.95
+    assert s["final_test_accuracy"] >= 0.95, s["final_test_accuracy"]
     assert_exact_coverage(s)
     assert {w["rank"] for w in s["per_worker"]} == {1, 2, 3}
     assert all(w["samples"] > 0 for w in s["per_worker"])
