@@ -145,7 +145,10 @@ class ShardFeed:
                 and end - self._offset <= len(self._x):
             a, b = start - self._offset, end - self._offset
             return np.ascontiguousarray(self._host(self._x[a:b])), np.ascontiguousarray(self._host(self._y[a:b]))
-        data, _ = self.store.get(epoch, shard)
+        data, waited = self.store.get(epoch, shard)
+        # The read is this rank's I/O like any other: in its reports, so that a slow reader's
+        # rate says what sending rows costs it (rank 0 picks senders by it: holder_for).
+        self.io_s += waited
         return np.ascontiguousarray(data.x[start:end]), np.ascontiguousarray(data.y[start:end])
 
     def _host(self, a):

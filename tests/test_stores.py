@@ -63,6 +63,17 @@ def test_feed_ranges_truncation_and_remote_rows(small_dataset):
     store.close()
 
 
+def test_rows_read_for_another_rank_count_as_this_ranks_io(small_dataset):
+    """A holder's reads for others are its I/O: a slow reader whose own reads the prefetch
+    hid looked fast to rank 0, which then picked it to send every shard's rows, and its
+    receivers waited 2-3 s an epoch (`--store local --replicas 2 --inject 2:readbw=10`)."""
+    store = ShardStore(small_dataset, seed=3, io_delay=lambda nbytes, elapsed: 0.05)
+    feed = ShardFeed(store, select_backend("cpu"))
+    feed.rows(0, 2, 0, 10)                 # not this rank's current shard: read now
+    assert feed.io_s >= 0.05
+    store.close()
+
+
 def test_a_cut_stops_the_task_that_holds_its_position(small_dataset):
     """Two tasks of one shard (two gaps of a requeued shard): a cut meant for the queued
     lower range neither stops the current upper one (which is past it) nor wipes another
