@@ -110,7 +110,7 @@ class ShardStore:
                 if not 0 <= shard < len(self.dataset.shards):
                     raise IndexError(f"shard {shard} out of range (dataset has {len(self.dataset.shards)})")
                 path = self.dataset.shard_path(shard)
-                f = open_h5(path)
+                f = open_h5(path, chunk_cache=False)   # whole shards: each chunk read once
                 try:
                     check_h5_layout(f, path, self.dataset.shards[shard].samples, self.dataset.sample_shape,
                                     self.dataset.label_dtype, self.dataset.target_shape)

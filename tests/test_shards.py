@@ -196,3 +196,10 @@ def test_close_idempotent_and_final(small_dataset):
     store.close()
     with pytest.raises(RuntimeError, match="closed"):
         store.prefetch(0, 0)
+
+
+def test_shard_files_opened_without_chunk_cache(store):
+    """Training reads each chunk once: the store's files get no chunk cache (its setup cost
+    page faults and CPU at every shard's first read, for nothing reused)."""
+    store.read(0)
+    assert store._files[0].id.get_access_plist().get_cache()[2] == 0
