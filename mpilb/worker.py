@@ -330,10 +330,13 @@ class Worker:
         out = msg[2][:self.n] if self.device_payload else None
         loss, grad, compute_s = self.step_fn(self.params, batch, out=out)
         # Push the mean gradient: the division and the finiteness check happen here, in
-        # parallel on every worker, instead of on the server's hot path.
+        # parallel on every worker, instead of on the server's hot path. They are compute
+        # (~0.12 ms a step for 270k parameters, ~2 % of a run that fell in no bucket).
+        t0 = time.perf_counter()
         grad *= np.float32(1.0 / batch.size)
         xp = self.backend.xp
         nonfinite = not np.isfinite(loss) or not bool(xp.isfinite(grad).all())
+        compute_s += time.perf_counter() - t0
         if not self.device_payload:
             self.backend.to_host(grad, out=msg[2][:self.n])   # stage through pinned host memory
         if self.model.num_state:
