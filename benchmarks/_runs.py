@@ -7,6 +7,7 @@ dataset are handled here once.
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,7 @@ class Run:
     loadavg: float = 0.0     # the machine's 1-minute load average when the run ended
     ranks: int = WORKERS + 1
     env: dict = field(default_factory=dict)   # variables set for the run
+    cpu_s: float = 0.0       # CPU seconds (user + system) of the whole job, start-up included
 
     @property
     def command(self) -> str:
@@ -118,13 +120,18 @@ class Bench:
         cmd = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpilb", "train",
                *argv, "--log", log]
         t0 = time.perf_counter()
+        # mpiexec waits for its proxy and the proxy for the ranks, so the ranks' CPU time
+        # reaches this process's children's usage when the run ends
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=self.opts.run_timeout,
                              env=dict(os.environ, **(env or {})))
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
         wall = time.perf_counter() - t0
         if res.returncode != 0:
             sys.exit(f"run {label} failed (exit {res.returncode}):\n{res.stderr[-3000:]}")
         run = self.run_class(label, argv, log, wall_s=wall, loadavg=os.getloadavg()[0],
-                             ranks=ranks, env=dict(env or {}))
+                             ranks=ranks, env=dict(env or {}),
+                             cpu_s=(after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime))
         run.summary = summarize_log(log)
         _, run.cols = read_columns(log)
         self.runs.append(run)

@@ -8,7 +8,10 @@ One server and three workers (``mpiexec -n 4``), async, ``load`` unless said oth
   (a) the straggler: synthetic 120000 x 784 (48 shards), ``mlp --hidden 256,256 --batch
       512``, ``--inject 3:compute=4``, 2 epochs, with ``--pipeline 0`` and ``--pipeline 1``
       back to back. Also when the first plan on measured rates was made (the first
-      ``workers/`` row: the first rebalance), target about 0.5 s. Efficiency = samples applied per second of the epochs ÷ the ideal, the
+      ``workers/`` row: the first rebalance), target about 0.5 s, and the share of the
+      machine's CPUs the job kept busy during an epoch (the default run's CPU seconds,
+      from the launcher's child usage, less those of the same command for 1 epoch, over
+      the CPUs times the difference in training time). Efficiency = samples applied per second of the epochs ÷ the ideal, the
       sum over workers of samples / (compute_s + io_s) from the run's summary (each
       worker's own rate while busy). Target >= 0.85 with the default pipeline setting; the
       samples/s ratio pipeline 1 ÷ pipeline 0 says which should be the default for async.
@@ -83,6 +86,19 @@ def efficiency(run: _runs.Run) -> float:
     return (s["samples"] / sum(s["epoch_s"])) / ideal
 
 
+def usable_cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def cores_busy(two: _runs.Run, one: _runs.Run) -> float:
+    """The share of the machine's CPUs the job kept busy during its second epoch: the
+    difference of a 2-epoch and a 1-epoch run's CPU seconds (start-up and the end cancel)
+    over the CPUs times the difference of their training times. Near 1, the workers'
+    waits are waits for a CPU as much as for a message."""
+    cpus = usable_cpus()
+    return (two.cpu_s - one.cpu_s) / (cpus * (two.summary["train_s"] - one.summary["train_s"]))
+
+
 def comm_share(run: _runs.Run) -> float:
     """The fast workers' communication seconds ÷ their compute + I/O + comm + idle seconds."""
     ws = [w for w in run.summary["per_worker"] if w["rank"] != 3]
@@ -109,14 +125,16 @@ class Bench:
         b = self.big
         b.prepare()
         print(f"(a) {STRAGGLER}, 2 epochs, --pipeline 0 and 1, {self.opts.repeats} repeats")
+        from mpilb.config import build_config
+
+        default = int(build_config().pipeline)   # async's default
         runs = {0: [], 1: []}
+        short = []   # the default for 1 epoch: what an epoch costs the CPUs (cores_busy)
         for r in range(self.opts.repeats):
             for p in (0, 1):
                 runs[p].append(b.train(f"a-p{p}-r{r}", "--epochs", 2, "--inject", STRAGGLER,
                                        "--pipeline", p))
-        from mpilb.config import build_config
-
-        default = int(build_config().pipeline)   # async's default
+            short.append(b.train(f"a-1epoch-r{r}", "--epochs", 1, "--inject", STRAGGLER))
         out = {f"pipeline{p}": {"efficiency": spread(efficiency(x) for x in runs[p]),
                                 "comm_share": spread(comm_share(x) for x in runs[p]),
                                 "samples_per_s": spread(x.summary["samples"] / sum(x.summary["epoch_s"])
@@ -126,6 +144,7 @@ class Bench:
             (y.summary["samples"] / sum(y.summary["epoch_s"])) / (x.summary["samples"] / sum(x.summary["epoch_s"]))
             for x, y in zip(runs[0], runs[1]))
         out["default_pipeline"] = default
+        out["cores_busy"] = spread(cores_busy(two, one) for two, one in zip(runs[default], short))
         # the first rebalance on measured rates (its workers/ rows), seconds into training
         out["first_plan_s"] = spread(float(np.min(x.cols["workers"]["t"])) for x in runs[0] + runs[1])
         self.results["a"] = out
@@ -134,6 +153,7 @@ class Bench:
             print("  " + show(f"pipeline {p} fast workers' comm share", out[f"pipeline{p}"]["comm_share"]))
         print("  " + show("samples/s pipeline 1 / pipeline 0", out["pipeline1_over_0"]))
         print("  " + show("first plan on measured rates, s into training", out["first_plan_s"]))
+        print("  " + show("share of the CPUs busy during an epoch (default)", out["cores_busy"]))
         g = self.res.group(f"(a) the straggler ({STRAGGLER}, 120000 x 784, mlp 256,256, batch 512, "
                            f"2 epochs)", runs[0][0].command)
         eff = lambda x: efficiency(x)  # noqa: E731
@@ -149,6 +169,9 @@ class Bench:
                         out["pipeline1_over_0"]["values"])
         self.res.figure(g, "a.first_plan_s", "first plan on measured rates, s into training",
                         out["first_plan_s"]["values"], unit="s", target="<= 0.5")
+        self.res.figure(g, "a.cores_busy", f"share of the {usable_cpus()} CPUs busy during an "
+                        f"epoch, default (2-epoch run against a 1-epoch run)",
+                        out["cores_busy"]["values"], command=short[0].command)
 
     # ---------------------------------------------------------------- (b)
     def local_store(self) -> None:
