@@ -87,7 +87,10 @@ def efficiency(run: _runs.Run) -> float:
 
 
 def usable_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The CPUs the job may use: affinity, capped by a control group's quota (cores.py)."""
+    from mpilb.cores import usable_cpus as usable
+
+    return usable()
 
 
 def cores_busy(two: _runs.Run, one: _runs.Run) -> float:
