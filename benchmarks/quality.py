@@ -86,19 +86,11 @@ def efficiency(run: _runs.Run) -> float:
     return (s["samples"] / sum(s["epoch_s"])) / ideal
 
 
-def usable_cpus() -> int:
-    """The CPUs the job may use: affinity, capped by a control group's quota (cores.py)."""
-    from mpilb.cores import usable_cpus as usable
-
-    return usable()
-
-
-def cores_busy(two: _runs.Run, one: _runs.Run) -> float:
-    """The share of the machine's CPUs the job kept busy during its second epoch: the
+def cores_busy(two: _runs.Run, one: _runs.Run, cpus: int) -> float:
+    """The share of the machine's `cpus` the job kept busy during its second epoch: the
     difference of a 2-epoch and a 1-epoch run's CPU seconds (start-up and the end cancel)
     over the CPUs times the difference of their training times. Near 1, the workers'
     waits are waits for a CPU as much as for a message."""
-    cpus = usable_cpus()
     return (two.cpu_s - one.cpu_s) / (cpus * (two.summary["train_s"] - one.summary["train_s"]))
 
 
@@ -129,8 +121,10 @@ class Bench:
         b.prepare()
         print(f"(a) {STRAGGLER}, 2 epochs, --pipeline 0 and 1, {self.opts.repeats} repeats")
         from mpilb.config import build_config
+        from mpilb.cores import usable_cpus
 
         default = int(build_config().pipeline)   # async's default
+        cpus = usable_cpus()   # affinity, capped by a control group's quota
         runs = {0: [], 1: []}
         short = []   # the default for 1 epoch: what an epoch costs the CPUs (cores_busy)
         for r in range(self.opts.repeats):
@@ -147,7 +141,7 @@ class Bench:
             (y.summary["samples"] / sum(y.summary["epoch_s"])) / (x.summary["samples"] / sum(x.summary["epoch_s"]))
             for x, y in zip(runs[0], runs[1]))
         out["default_pipeline"] = default
-        out["cores_busy"] = spread(cores_busy(two, one) for two, one in zip(runs[default], short))
+        out["cores_busy"] = spread(cores_busy(two, one, cpus) for two, one in zip(runs[default], short))
         # the first rebalance on measured rates (its workers/ rows), seconds into training
         out["first_plan_s"] = spread(float(np.min(x.cols["workers"]["t"])) for x in runs[0] + runs[1])
         self.results["a"] = out
@@ -172,7 +166,7 @@ class Bench:
                         out["pipeline1_over_0"]["values"])
         self.res.figure(g, "a.first_plan_s", "first plan on measured rates, s into training",
                         out["first_plan_s"]["values"], unit="s", target="<= 0.5")
-        self.res.figure(g, "a.cores_busy", f"share of the {usable_cpus()} CPUs busy during an "
+        self.res.figure(g, "a.cores_busy", f"share of the {cpus} CPUs busy during an "
                         f"epoch, default (2-epoch run against a 1-epoch run)",
                         out["cores_busy"]["values"], command=short[0].command)
 
