@@ -43,13 +43,14 @@ def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     s = summarize_log(str(log))
     assert s["status"] == "finished"
     assert s["workers"] == 3 and s["epochs_completed"] == 20
-    # the modes and corrections: the final parameters reach 0.95, or 0.94 where
+    # the modes and corrections: the final parameters reach 0.95, or 0.92 where
     # async computes ahead (its default, --pipeline 1: gradients 4.5 versions stale on
-    # average instead of 1.9), whose final accuracy spreads wider: 0.953-0.978 over ten
-    # runs with no correction or dc, against 0.969-0.975 over six with --pipeline 0
+    # average instead of 1.9), whose final accuracy spreads wider: 0.936-0.978 (median
+    # 0.969, two under 0.95) over 33 runs with no correction or dc, against 0.967-0.975
+    # over 14 with --pipeline 0
     with h5py.File(log, "r") as f:
         pipelined = bool(run_config(dict(f.attrs))["pipeline"])   # as the run resolved it
-    assert s["final_test_accuracy"] >= (0.94 if pipelined else 0.95), s["final_test_accuracy"]
+    assert s["final_test_accuracy"] >= (0.92 if pipelined else 0.95), s["final_test_accuracy"]
     assert_exact_coverage(s)
     assert {w["rank"] for w in s["per_worker"]} == {1, 2, 3}
     assert all(w["samples"] > 0 for w in s["per_worker"])
