@@ -76,8 +76,9 @@ class Checkpoint:
 
 
 def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epoch: int,
-         tracker, balancer, train_s: float) -> None:
-    """Write a checkpoint atomically (tmp file, flush, fsync, rename)."""
+         tracker, balancer, train_s: float, run_id: str) -> None:
+    """Write a checkpoint atomically (tmp file, flush, fsync, rename). ``run_id`` is the
+    run's id, also in its log: ``--resume`` refuses a checkpoint of another run."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     remove_stale_temps(path)
@@ -87,6 +88,7 @@ def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epo
             f.attrs["mpilb_version"] = __version__
             f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             f.attrs["config"] = cfg.to_json()
+            f.attrs["run_id"] = run_id
             f.attrs["model"] = json.dumps(model_signature(model))
             f.attrs["dataset"] = json.dumps(dataset_signature(dataset))
             counts = tracker.counts

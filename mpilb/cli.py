@@ -172,9 +172,13 @@ def build_parser() -> Parser:
     exp = sub.add_parser("export", help="trained weights out of a checkpoint")
     exp.add_argument("checkpoint", metavar="CKPT.h5")
     exp.add_argument("out", metavar="OUT.pt|OUT.npz")
+    exp.add_argument("--model", metavar="SPEC", help="the run's user model (FILE.py:NAME or "
+                     "module:NAME); a checkpoint's own model name is never imported")
     ev = sub.add_parser("evaluate", help="test metrics of a checkpoint")
     ev.add_argument("checkpoint", metavar="CKPT.h5")
     ev.add_argument("--data", required=True, metavar="DIR")
+    ev.add_argument("--model", metavar="SPEC", help="the run's user model (FILE.py:NAME or "
+                    "module:NAME); a checkpoint's own model name is never imported")
     ev.add_argument("--json", action="store_true")
 
     sub.add_parser("doctor", help="check the MPI, HDF5 and GPU setup")
@@ -236,14 +240,14 @@ def _dispatch(args) -> int:
     if args.command == "export":
         from .export import export
 
-        print(export(args.checkpoint, args.out))
+        print(export(args.checkpoint, args.out, model=args.model))
         return 0
     if args.command == "evaluate":
         import json
 
         from .export import evaluate_checkpoint
 
-        result = evaluate_checkpoint(args.checkpoint, args.data)
+        result = evaluate_checkpoint(args.checkpoint, args.data, model=args.model)
         print(json.dumps(result) if args.json else
               f"{args.checkpoint} on {args.data}: " + ", ".join(
                   f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items()))

@@ -19,6 +19,10 @@ import numpy as np
 from .errors import UsageError
 
 
+class UntrustedModel(UsageError):
+    """The checkpoint names user code that the user has not named."""
+
+
 @dataclass
 class TrainedCheckpoint:
     path: str
@@ -76,15 +80,20 @@ def build_from_checkpoint(ckpt: TrainedCheckpoint, model=None):
     """The model the checkpoint's run built (or ``model``, checked against it)."""
     from .api import _model_spec
     from .config import parse_hidden
-    from .models import build_model, parse_model_args
+    from .models import build_model, is_user_spec, parse_model_args
 
     cfg = ckpt.config
-    spec = cfg.get("model", "mlp")
+    spec = str(cfg.get("model", "mlp"))
     if model is not None:
         spec = _model_spec(model)
     elif spec.startswith("python:"):
         raise UsageError(f"{ckpt.path}: the run trained a model handed to mpilb.train "
                          f"({spec[7:]}); pass it: mpilb.load({ckpt.path!r}, model={spec[7:]})")
+    elif is_user_spec(spec):
+        # A checkpoint is data: the code it names is only run when the user names it too.
+        raise UntrustedModel(f"{ckpt.path}: the run trained the user model {spec}; a "
+                             f"checkpoint's own model name is never imported: name the model "
+                             f"yourself with --model {spec} (mpilb.load(..., model=...))")
     data = ckpt.dataset
     built = build_model(spec, tuple(data["sample_shape"]), int(data["num_classes"]),
                         parse_hidden(cfg.get("hidden", "256,128")),

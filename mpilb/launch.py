@@ -100,7 +100,7 @@ def _validate(config_file, cli_values, world_size, all_args):
     from .dataset import verify_dataset
     from .inject import parse_injects
     from .server.store import check_servers
-    from .paths import check_paths, resolve_data
+    from .paths import check_paths, resolve_data, run_identity
     from .training import check_world, config_model, hold_out_validation
 
     file_values = load_toml(config_file) if config_file else {}
@@ -114,11 +114,12 @@ def _validate(config_file, cli_values, world_size, all_args):
     model = config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
     check_servers(cfg, world_size, model.num_params, model.num_state)
     check_paths(cfg, dataset, config_file)   # the log and checkpoint names, once decided
+    run_id = run_identity(cfg)   # on --resume: the log and the checkpoint are one run's
     if cfg.device == "gpu" and world_size == 1:
         from .backend import select_backend
 
         select_backend("gpu", 0)
-    return cfg.values, data_dir
+    return cfg.values, data_dir, run_id
 
 
 def _start(comm, rank: int, size: int, config_file, cli_values: dict):
@@ -131,7 +132,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     all_args = comm.allgather((config_file, cli_values))
     verdict = together(comm, rank, lambda: _validate(config_file, cli_values, size, all_args)
                        if rank == 0 else None)
-    values, data_dir = comm.bcast(verdict, root=0)
+    values, data_dir, run_id = comm.bcast(verdict, root=0)
     cfg = Config(dict(values))
     hosts = C.hostnames(comm)
     mpi_library = C.library_version()
@@ -149,7 +150,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
         # rank 0 checked the files just now
         dataset = hold_out_validation(cfg, open_dataset(data_dir, check_files=False))
         run_attrs = {"config": json.dumps(dict(cfg.values, data=data_dir), sort_keys=True),
-                     "mpi_library": mpi_library, "world_size": size,
+                     "run_id": run_id, "mpi_library": mpi_library, "world_size": size,
                      "hostnames": json.dumps(hosts)}
         if size == 1:
             from .serial import SerialTrainer
@@ -227,7 +228,8 @@ def train(config_file, cli_values: dict, raise_errors: bool = False,
 
 
 def _install_signal_handlers(size: int) -> None:
-    """SIGTERM/SIGUSR1 (Slurm preemption, time limit, `scancel --signal`): checkpoint and stop.
+    """SIGTERM/SIGUSR1 (Slurm preemption, time limit, `scancel --signal`) and Ctrl-C: checkpoint
+    and stop.
     In a multi-rank job SIGUSR1 is only a notice until rank 0 has ruled out a failed rank
     (see training.USR1_NOTICE)."""
     import signal

@@ -77,7 +77,8 @@ def next_run_log(directory: str = RUNS_DIR) -> str:
     except OSError as exc:
         raise UsageError(f"cannot create {d.resolve()} for the run log ({exc.strerror}): "
                          f"pass --log RUN.h5") from None
-    taken = [int(p.stem) for p in d.glob("*.h5") if p.stem.isdigit()]
+    # a number is taken by its log, or by a checkpoint left without one (NNN.ckpt.h5)
+    taken = [int(p.name.split(".")[0]) for p in d.glob("*.h5") if p.name.split(".")[0].isdigit()]
     n = max(taken, default=0) + 1
     while True:
         path = d / f"{n:03d}.h5"
@@ -167,3 +168,50 @@ def check_writable_dir(path: str, option: str) -> None:
         os.unlink(probe)
     except OSError as exc:
         raise UsageError(f"{option} {path}: cannot write in {parent} ({exc.strerror})") from None
+
+
+def run_identity(cfg: Config) -> str:
+    """The id that ties a run's log and checkpoint together: a new one for a new run; on
+    --resume the one its log and checkpoint share.
+
+    Raises:
+        UsageError: on --resume, a log that is missing or unreadable (its coverage cannot
+            be continued), or a checkpoint written by another run than the log's.
+    """
+    import uuid
+    from pathlib import Path
+
+    if not cfg.resume:
+        return uuid.uuid4().hex
+    from .runlog import file_kind, open_for_reading
+
+    log, ckpt = cfg.log, cfg.checkpoint
+    if not Path(log).is_file():
+        raise UsageError(f"--resume: the run log {log} does not exist: without it the run's "
+                         f"coverage cannot be continued (the checkpoint {ckpt} still holds "
+                         f"its weights: mpilb export); start a new run")
+    try:
+        with open_for_reading(log) as f:
+            log_attrs = dict(f.attrs)
+    except OSError as exc:
+        raise UsageError(f"--resume: the run log {log} is damaged ({exc}); its coverage cannot "
+                         f"be continued: start a new run") from None
+    if file_kind(log_attrs) != "log":
+        raise UsageError(f"--resume: {log} is not an mpilb run log")
+    try:
+        import h5py
+
+        with h5py.File(ckpt, "r", locking=False) as f:
+            ckpt_id = f.attrs.get("run_id")
+    except OSError:
+        return _text(log_attrs.get("run_id")) or uuid.uuid4().hex   # checkpoint.load says why
+    log_id, ckpt_id = _text(log_attrs.get("run_id")), _text(ckpt_id)
+    if log_id != ckpt_id:
+        raise UsageError(f"--resume: the checkpoint {ckpt} was written by another run than the "
+                         f"log {log} (run id {ckpt_id or 'none'} vs {log_id or 'none'}): resume "
+                         f"with the checkpoint that run wrote, or start a new run")
+    return log_id or uuid.uuid4().hex   # logs and checkpoints of mpilb before run ids
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else (str(value) if value else "")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -21,7 +22,7 @@ import h5py
 import numpy as np
 
 from . import __version__
-from .errors import UsageError
+from .errors import MpilbError, UsageError
 
 SCHEMA: dict[str, dict[str, str]] = {
     "updates": {"t": "f8", "worker": "i4", "version": "i8", "staleness": "i4", "batch": "i4",
@@ -62,17 +63,23 @@ class RunLog:
     """
 
     def __init__(self, path: str, attrs: dict, flush_interval: float = 2.0,
-                 resume_at: Optional[float] = None):
+                 resume_at: Optional[float] = None, checkpoint: Optional[str] = None):
         self.path = str(path)
         self.flush_interval = flush_interval
+        self.run_id = str(attrs.get("run_id", ""))
         parent = Path(self.path).resolve().parent
         if not parent.is_dir():
             raise UsageError(f"--log {self.path}: directory {parent} does not exist")
         if not os.access(parent, os.W_OK):
             raise UsageError(f"--log {self.path}: directory {parent} is not writable")
         self._locks: list[int] = []
+        self._lock_files: list[str] = []
+        if checkpoint:          # one run per checkpoint (first: a refusal creates no log)
+            self._lock(_lock_file(checkpoint), f"--checkpoint {checkpoint}", "checkpoint")
         self._lock(self.path)   # before anything is read or written: one writer per log
         carried = self._carry_over(resume_at) if resume_at is not None else None
+        if carried is None and checkpoint and Path(checkpoint).is_file():
+            _discard_replaced(checkpoint)   # --overwrite: the replaced run's weights go too
         # A resumed run's log is rebuilt beside the old one and renamed over it, so that a
         # kill during the rebuild leaves the old log intact.
         target = self.path if carried is None else f"{self.path}.resume{os.getpid()}"
@@ -102,30 +109,40 @@ class RunLog:
             os.replace(target, self.path)
         self._start_swmr()
 
-    def _lock(self, path: str) -> None:
+    def _lock(self, path: str, what: Optional[str] = None, noun: str = "log") -> None:
         """Hold an exclusive lock on `path` (created if absent) until the summary is written
-        or this process ends: a second run naming the same log is refused at start-up
-        instead of both writing one file. HDF5's own locking is off (SWMR readers, parallel
-        file systems), so the lock is a separate flock on the file."""
+        or this process ends: a second run naming the same log (or checkpoint) is refused at
+        start-up instead of both writing one file. HDF5's own locking is off (SWMR readers,
+        parallel file systems), so the lock is a separate flock on the file; a checkpoint,
+        replaced by a rename at each write, is locked through a file beside it."""
         import fcntl
 
+        what = what or f"--log {path}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise UsageError(f"--log {path}: cannot create the run log ({exc.strerror})") from None
+            self.release()
+            raise UsageError(f"{what}: cannot create the run {noun} ({exc.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             self.release()
-            raise UsageError(f"--log {path}: another mpilb run is writing this log now (it "
-                             f"holds its lock): wait for it to end or give another --log") from None
+            raise UsageError(f"{what}: another mpilb run is writing this {noun} now (it holds "
+                             f"its lock): wait for it to end or give another {what.split()[0]}") from None
         except OSError:   # a file system without locks: nothing to hold
             pass
         self._locks.append(fd)
+        if noun != "log":
+            self._lock_files.append(path)
 
     def release(self) -> None:
         """Let another run open this log (after the summary; also at process exit)."""
+        while self._lock_files:
+            try:
+                os.unlink(self._lock_files.pop())
+            except OSError:
+                pass
         while self._locks:
             os.close(self._locks.pop())
 
@@ -141,12 +158,12 @@ class RunLog:
         The old file is read, not edited: a run that was killed leaves its file marked as
         open for writing, which HDF5 refuses to open for writing again.
         """
-        if not Path(self.path).exists():
-            return None
         try:
             attrs, cols = read_columns(self.path)
-        except OSError:
-            return None
+        except OSError as exc:   # (refused at start-up: paths.run_identity)
+            self.release()
+            raise UsageError(f"--resume: cannot read the run log {self.path} ({exc}): its "
+                             f"coverage cannot be continued") from None
         for group in SCHEMA:
             tcol = "t_end" if group == "epochs" else "t"
             keep = int(np.searchsorted(cols[group][tcol], resume_at, side="right"))
@@ -201,13 +218,42 @@ class RunLog:
             return
         assert status in STATUSES, status
         self.flush()
+        removed = self._removed()
         self._file.close()
         self.closed = True
+        if removed is not None:
+            self._write_back(removed)
         with h5py.File(self.path, "a", locking=False) as f:
             f.attrs["status"] = status
             f.attrs["end_time"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
             for key, value in (attrs or {}).items():
                 f.attrs[key] = value
+
+    def _removed(self):
+        """The open file when the log was deleted (or replaced) at its path while the run
+        wrote it, else None. Its rows still live in the open file: :meth:`close` writes
+        them back to the path, so that the summary and the report read the run's rows."""
+        fd = self._file.id.get_vfd_handle()
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                return None
+        except FileNotFoundError:
+            pass
+        return open(f"/proc/self/fd/{fd}", "rb")   # keeps the deleted file once closed
+
+    def _write_back(self, src) -> None:
+        import shutil
+
+        tmp = f"{self.path}.restore{os.getpid()}"
+        try:
+            with src, open(tmp, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            raise MpilbError(f"--log {self.path}: the run log was deleted during the run and "
+                             f"cannot be written again ({exc.strerror})") from None
+        print(f"mpilb: warning: the run log {self.path} was deleted or replaced during the "
+              f"run; written again from the open file", file=sys.stderr, flush=True)
 
     def write_summary(self, summary: dict) -> None:
         """Store the summary object (DESIGN.md: `summary` with attribute `json`)."""
@@ -346,3 +392,20 @@ def write_csv(cols: dict[str, dict[str, np.ndarray]], out_dir) -> list[str]:
             raise UsageError(f"--csv {out_dir}: cannot write {path.name} ({exc.strerror})") from None
         written.append(str(path))
     return written
+
+
+def _lock_file(checkpoint: str) -> str:
+    p = Path(checkpoint)
+    return str(p.with_name(f".{p.name}.lock"))
+
+
+def _discard_replaced(checkpoint: str) -> None:
+    """Remove the checkpoint of the run a new one replaces (``--overwrite``), so that no
+    file beside the new log holds another run's weights; only an mpilb checkpoint."""
+    try:
+        with h5py.File(checkpoint, "r", locking=False) as f:
+            kind = file_kind(f.attrs)
+    except OSError:
+        return
+    if kind == "checkpoint":
+        os.unlink(checkpoint)

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Optional
 
-from . import checkpoint
+from . import checkpoint, signals
 from .backend import select_backend
 from .balancer import build_balancer
 from .errors import MpilbError
@@ -66,7 +66,8 @@ class SerialTrainer:
                                  metric=self.model.metric)
         # the progress display and --tensorboard see every row of the run log
         self.log = tapped(RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
-                                resume_at=self.resumed.train_s if self.resumed else None),
+                                resume_at=self.resumed.train_s if self.resumed else None,
+                                checkpoint=cfg.checkpoint),
                          self.progress, tap_for(cfg))
         self.eval_version = -1
         self.version = self.resumed.version if self.resumed else 0
@@ -173,7 +174,7 @@ class SerialTrainer:
         """Timers between steps; True when training must stop now."""
         mono = time.monotonic()
         if PREEMPTED.is_set():
-            print("mpilb: preemption signal: checkpointing and stopping", file=sys.stderr, flush=True)
+            print(f"mpilb: {signals.stop_text()}: checkpointing and stopping", file=sys.stderr, flush=True)
             self._checkpoint()
             self.stop.reason = "preempted"
             return True
@@ -227,7 +228,7 @@ class SerialTrainer:
         checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
                         params=self.backend.to_host(self.params), optimizer=self.optimizer,
                         version=self.version, epoch=self.epoch, tracker=self.tracker,
-                        balancer=self.balancer, train_s=self.now())
+                        balancer=self.balancer, train_s=self.now(), run_id=self.log.run_id)
 
     def finish(self, status: str) -> dict:
         self.store.close()

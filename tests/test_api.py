@@ -42,14 +42,14 @@ def test_numpy_model_object_through_the_api_then_load(tmp_path, digits_dir):
     assert len(line) == 1, res.stdout           # rank 0 alone gets the summary
     acc, missing = float(line[0].split()[1]), int(line[0].split()[2])
     assert acc > 0.8 and missing == 0
-    load = ("import sys, mpilb, h5py\nsys.path.insert(0, sys.argv[2])\nm = mpilb.load('a.ckpt.h5')\n"
+    load = ("import sys, mpilb, h5py\nsys.path.insert(0, sys.argv[2])\nm = mpilb.load('a.ckpt.h5', model='mymodels:Linear')\n"
             "f = h5py.File(sys.argv[1] + '/test.h5')\n"
             "print(type(m).__name__, m.evaluate(m.params, f['x'][()], f['y'][()])['accuracy'])\n")
     res = python(load, digits_dir, EXAMPLES, cwd=tmp_path, PYTHONPATH=f"{ROOT}:{EXAMPLES}")
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["Linear", str(acc)]
     res = mpirun.run(0, "evaluate", tmp_path / "a.ckpt.h5", "--data", digits_dir, "--json",
-                     PYTHONPATH=f"{ROOT}:{EXAMPLES}")
+                     "--model", "mymodels:Linear", PYTHONPATH=f"{ROOT}:{EXAMPLES}")
     assert res.returncode == 0 and json.loads(res.stdout)["accuracy"] == acc, res.stderr
     res = mpirun.run(0, "export", tmp_path / "a.ckpt.h5", tmp_path / "w.npz")
     with np.load(tmp_path / "w.npz") as w:

@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Optional
 
-from .. import checkpoint
+from .. import checkpoint, signals
 from .. import comm as C
 from ..training import PREEMPTED, USR1_NOTICE
 
@@ -306,12 +306,12 @@ class Chores:
         checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
                         params=self.params, optimizer=self.optimizer, version=self.version,
                         epoch=self.epoch, tracker=self.tracker, balancer=self.balancer,
-                        train_s=self.now())
+                        train_s=self.now(), run_id=self.log.run_id)
 
     def _preempt(self) -> None:
         """SIGTERM/SIGUSR1 on some rank: checkpoint, tell every worker to stop, exit 0."""
         self.preempted = True
-        print("mpilb: preemption signal: checkpointing and stopping", file=sys.stderr, flush=True)
+        print(f"mpilb: {signals.stop_text()}: checkpointing and stopping", file=sys.stderr, flush=True)
         if not self.stop.reason:
             self._checkpoint()
         self.stop.reason = self.stop.reason or "preempted"

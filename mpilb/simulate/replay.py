@@ -109,6 +109,10 @@ def _dataset(config: dict):
 def _params(config: dict, dataset) -> int | None:
     if dataset is None:
         return None
+    from ..models import is_user_spec
+
+    if is_user_spec(config.get("model")):
+        return None    # never import code a run log names: ask for --params instead
     try:
         from ..config import parse_hidden
         from ..models import build_model
