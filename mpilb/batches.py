@@ -14,6 +14,8 @@ from typing import Optional
 
 import numpy as np
 
+from .errors import UsageError
+
 
 @dataclass
 class Batch:
@@ -185,10 +187,12 @@ class GradientStep:
         inj = self.injector if self.injector is not None and self.injector.rules else None
         if inj is not None:
             inj.begin_step(time.monotonic())
+        target = self.grad if out is None else out
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             # a diverging run is caught by the finiteness check, once, not by a warning per rank
-            loss, grad = self.model.loss_and_grad(params, batch.x, batch.y,
-                                                  self.grad if out is None else out)
+            loss, grad = self.model.loss_and_grad(params, batch.x, batch.y, target)
+        if grad is not target:   # returned its own array instead of writing `out`: take it
+            grad = gradient_into(self.model, grad, target, self.backend)
         self.backend.synchronize()
         compute_s = time.perf_counter() - t0
         if inj is not None:
@@ -198,3 +202,24 @@ class GradientStep:
                 time.sleep(extra)
                 compute_s += time.perf_counter() - t1   # what the sleep really took
         return float(loss), grad, compute_s
+
+
+def gradient_into(model, grad, target, backend):
+    """A gradient the model returned instead of writing ``out``, copied into ``target``
+    (what is sent is the message buffer), after checking it has one value per parameter.
+
+    Raises:
+        UsageError: a gradient of another length (one line, naming the model).
+    """
+    size = getattr(grad, "size", None)
+    if size != target.size:
+        label = type(model).__qualname__
+        raise UsageError(f"--model: {label}.loss_and_grad returned a gradient of "
+                         f"{size if size is not None else type(grad).__name__} values; "
+                         f"num_params is {target.size}: return (loss, gradient) with one "
+                         f"value per parameter, written into `out` when it is given")
+    if isinstance(target, np.ndarray):   # a host message buffer
+        target[...] = np.asarray(backend.to_host(grad), dtype=target.dtype).reshape(target.shape)
+    else:
+        target[...] = backend.xp.asarray(grad, dtype=target.dtype).reshape(target.shape)
+    return target

@@ -171,18 +171,19 @@ def wtime() -> float:
     return MPI.Wtime()
 
 
-def send_error(comm, text: str) -> None:
-    """Tell rank 0 this rank failed (pickled; rare)."""
-    req = comm.isend(text, dest=0, tag=TAG_ERROR)
+def send_error(comm, text: str, code: int = 1) -> None:
+    """Tell rank 0 this rank failed, and the job's exit code for it (pickled; rare)."""
+    req = comm.isend((text, code), dest=0, tag=TAG_ERROR)
     wait(req, timeout=2.0)
 
 
-def poll_error(comm) -> Optional[tuple[int, str]]:
-    """(rank, text) of a worker's error report, if one is waiting."""
+def poll_error(comm) -> Optional[tuple[int, str, int]]:
+    """(rank, text, exit code) of a worker's error report, if one is waiting."""
     status = MPI.Status()
     if comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG_ERROR, status=status):
         src = status.Get_source()
-        return src, comm.recv(source=src, tag=TAG_ERROR)
+        text, code = comm.recv(source=src, tag=TAG_ERROR)
+        return src, text, code
     return None
 
 

@@ -128,6 +128,11 @@ class Dataset:
         """
         return self.load_file(self.test_file, self.test_samples)
 
+    def first_rows(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The first ``n`` samples of the first training shard (a probe's batch)."""
+        with open_h5(self.shard_path(0)) as f:
+            return f["x"][:n], f["y"][:n]
+
     def load_file(self, name: str, samples: int) -> tuple[np.ndarray, np.ndarray]:
         """Read one whole file of the dataset (the test set, a validation shard), validated."""
         path = self.root / name

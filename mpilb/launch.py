@@ -101,7 +101,7 @@ def _validate(config_file, cli_values, world_size, all_args):
     from .inject import parse_injects
     from .server.store import check_servers
     from .paths import check_paths, resolve_data, run_identity
-    from .training import check_world, config_model, hold_out_validation
+    from .training import check_model_step, check_world, config_model, hold_out_validation
 
     file_values = load_toml(config_file) if config_file else {}
     cfg = build_config(file_values, cli_values, source=config_file or "")
@@ -112,6 +112,7 @@ def _validate(config_file, cli_values, world_size, all_args):
     dataset = hold_out_validation(cfg, verify_dataset(data_dir, cached=True))
     check_world(cfg, world_size, dataset)
     model = config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
+    check_model_step(cfg, model, dataset)
     check_servers(cfg, world_size, model.num_params, model.num_state)
     check_paths(cfg, dataset, config_file)   # the log and checkpoint names, once decided
     run_id = run_identity(cfg)   # on --resume: the log and the checkpoint are one run's
@@ -224,7 +225,7 @@ def train(config_file, cli_values: dict, raise_errors: bool = False,
         raise
     except BaseException as exc:  # noqa: BLE001 - any failure must end the whole job
         _fail(exc, comm, rank, size)
-        return 1
+        return exit_code(exc)
 
 
 def _install_signal_handlers(size: int) -> None:
@@ -267,7 +268,7 @@ def _fail(exc: BaseException, comm, rank: int, size: int) -> None:
         C.abort(1)
         return
     # A worker: let rank 0 record the failure and end the job; if it cannot, end it here.
-    C.send_error(comm, text.removeprefix(f"rank {rank}: "))
+    C.send_error(comm, text.removeprefix(f"rank {rank}: "), exit_code(exc))
     time.sleep(5.0)
     print(f"mpilb: error: {text}", file=sys.stderr, flush=True)
-    C.abort(1)
+    C.abort(exit_code(exc))

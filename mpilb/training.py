@@ -243,6 +243,29 @@ def config_model(cfg: Config, dataset):
                        model_args=parse_model_args(cfg.model_arg), seed=cfg.seed)
 
 
+def check_model_step(cfg: Config, model, dataset) -> None:
+    """One gradient of two training samples on the CPU at start-up, so that a model whose
+    gradient has the wrong length is one line (exit 2) before any rank trains, not an
+    abort from a worker. Only that protocol check decides here: a model that cannot run on
+    NumPy arrays (a CuPy-only one on a GPU run) is left to the workers."""
+    from .backend import select_backend
+    from .batches import gradient_into
+    from .models import initial_params
+
+    x, y = dataset.first_rows(2)
+    params = initial_params(model, cfg.seed, cfg.model)
+    out = np.zeros(model.num_params, dtype=np.float32)
+    try:
+        with np.errstate(all="ignore"):
+            _, grad = model.loss_and_grad(params, x, y, out)
+    except UsageError:
+        raise
+    except Exception:  # noqa: BLE001 - the workers report the model's own errors
+        return
+    if grad is not out:
+        gradient_into(model, grad, out, select_backend("cpu", 0))
+
+
 def config_optimizer(cfg: Config, num_params: int, xp=np):
     from .optimizers import build_optimizer
 

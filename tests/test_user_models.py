@@ -148,7 +148,7 @@ def test_numpy_user_model_regression_and_resume_refuses_another_model(tmp_path, 
             pass
         """)
     res = mpirun.run(0, "train", "--data", regression_dir, "--model", f"{other}:Other",
-                     "--log", tmp_path / "b.h5", "--checkpoint", ckpt, "--resume",
+                     "--log", tmp_path / "a.h5", "--checkpoint", ckpt, "--resume",
                      PYTHONPATH=f"{EXAMPLES}:{Path(__file__).resolve().parent.parent}")
     assert res.returncode == 2 and "holds a different model" in one_error_line(res)
 
@@ -260,3 +260,41 @@ def test_init_params_of_the_wrong_length_under_mpiexec_is_one_line_exit_2(tmp_pa
     assert res.returncode == 2, res.stderr
     line = one_error_line(res)
     assert "bad.py:Bad: Bad.init_params(0) returned 653 values but num_params is 650" in line
+
+
+RETURNS_OWN = """
+    import numpy as np
+    import mpilb
+    from mymodels import Linear
+
+    class Returns(Linear):
+        '''Ignores `out` and returns a gradient array of its own (SHORT values fewer).'''
+        SHORT = 0
+
+        def loss_and_grad(self, params, x, y, out=None):
+            loss, grad = super().loss_and_grad(params, x, y, None)
+            return loss, grad[:grad.size - self.SHORT].copy()
+
+    class Short(Returns):
+        SHORT = 3
+"""
+
+
+@pytest.mark.mpi
+def test_a_model_that_returns_its_gradient_trains_under_mpi(tmp_path, digits_dir):
+    """A model returning its gradient instead of writing `out` trained nothing under MPI
+    (0.084 accuracy, exit 0, while serially 0.92): the returned array is what is sent now,
+    and one of the wrong length is one line, exit 2."""
+    from mpilb.report import summarize_log
+
+    src = write(tmp_path, "ret.py", RETURNS_OWN)
+    env = {"PYTHONPATH": str(EXAMPLES)}
+    res = mpirun.run(3, "train", "--data", digits_dir, "--model", f"{src}:Returns", "--epochs", 3,
+                     "--lr", 0.2, "--no-progress", "--log", tmp_path / "r.h5", timeout=120, **env)
+    assert res.returncode == 0, res.stderr
+    assert summarize_log(str(tmp_path / "r.h5"))["final_test_accuracy"] > 0.8
+    res = mpirun.run(3, "train", "--data", digits_dir, "--model", f"{src}:Short", "--epochs", 3,
+                     "--no-progress", "--log", tmp_path / "s.h5", timeout=120, **env)
+    assert res.returncode == 2, res.stderr
+    line = one_error_line(res)
+    assert "Short.loss_and_grad returned a gradient of 647 values; num_params is 650" in line

@@ -23,10 +23,11 @@ WARMUP_FIRST_S = 0.25    # after the first rates, rebalance after 0.25, 0.5, 1 .
 
 
 class WorkerFailed(Exception):
-    def __init__(self, rank: int, text: str):
+    def __init__(self, rank: int, text: str, code: int = 1):
         super().__init__(f"rank {rank}: {text}")
         self.rank = rank
         self.text = text
+        self.code = code   # 2: the user's input (e.g. a model that breaks the protocol)
 
 
 class Chores:

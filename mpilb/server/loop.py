@@ -405,8 +405,8 @@ def serve(server: ParameterServer) -> int:
             server.finish("failed")
         finally:
             print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
-            C.abort(1)
-            os._exit(1)
+            C.abort(exc.code)
+            os._exit(exc.code)
     except BaseException:
         try:
             server.finish("failed")
