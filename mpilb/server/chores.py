@@ -63,6 +63,7 @@ class Chores:
         mono = time.monotonic()
         if mono >= self._next_liveness:   # silence is judged in seconds: 20 times a second
             self._next_liveness = mono + self.LIVENESS_S
+            self.remote.watch(mono)   # a silent store ends the run before its workers are judged
             self._check_lost()
             self._check_stalled()
         self._timers()
@@ -209,6 +210,8 @@ class Chores:
     def _silent(self) -> list:
         mono = time.monotonic()
         out = []
+        if self.remote.doubtful(mono):
+            return out   # workers may be waiting on a store's reply: the store is judged first
         for w in self.present():
             if w.idle or w.held:
                 continue

@@ -23,7 +23,10 @@ class StoreGroup:
 
         self.session = session
         self.bounds = store_bounds(cfg, session.model)
-        self.remote = RemoteStores(comm, self.bounds)   # no-ops with K = 1
+        from ..training import PREEMPTED
+
+        # no-ops with K = 1; a stalled store is lost after --worker-timeout, at once on a stop
+        self.remote = RemoteStores(comm, self.bounds, cfg.worker_timeout, PREEMPTED.is_set)
         self.sliced = cfg.servers > 1
         n0 = self.bounds[1]
         # a push to rank 0 carries its slice of the gradient, then the model's state

@@ -64,7 +64,8 @@ class Lifecycle:
         self.log.close("failed")
 
     def finish(self, status: str) -> dict:
-        servers = self.stores.end(self.log, self.now(), wait=status != "failed")
+        servers = self.stores.end(self.log, self.now(),
+                                  wait=status != "failed" and not self.store_lost)
         attrs = {
             "servers": json.dumps(servers),
             "train_s": getattr(self, "train_s", self.now()),

@@ -23,6 +23,7 @@ from typing import Optional
 from .. import comm as C
 from .. import doorbell, wire
 from ..session import Session, files_line, format_final
+from ..training import PREEMPTED
 from ..shards import placement
 from ..wire import Cmd
 from .chores import Chores, WorkerFailed
@@ -33,6 +34,7 @@ from .outbox import Outbox
 from .peers import Link, Peer
 from .sitout import SitOut
 from .group import StoreGroup
+from .store import StoreLost
 from .tasks import TaskLedger
 
 
@@ -81,6 +83,7 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         self.rejected = 0
         self.sized_early = False
         self.preempted = False
+        self.store_lost = False   # a parameter store stopped answering: the run ends
         self.checkpointed_at: Optional[int] = None   # version of the last checkpoint written
         self.backoff = C.Backoff(bell=self.bell)
 
@@ -399,6 +402,19 @@ def serve(server: ParameterServer) -> int:
     """Run the server; returns the exit code (0 finished, 3 degraded)."""
     try:
         status = server.run()
+    except StoreLost as exc:
+        # its slice is gone: end the job (a stop asked for meanwhile ends it as one, exit 0,
+        # with the last checkpoint, which a store that keeps silent cannot add to)
+        server.train_s, server.store_lost = server.now(), True
+        code = 0 if PREEMPTED.is_set() else 1
+        print(f"mpilb: error: {exc}" if code else
+              f"mpilb: stopped: {exc}; the checkpoint {server.cfg.checkpoint} is the last one "
+              f"written before", file=sys.stderr, flush=True)
+        try:
+            server.finish("preempted" if code == 0 else "failed")
+        finally:
+            C.abort(code)
+            os._exit(code)
     except WorkerFailed as exc:
         server.train_s = server.now()
         try:

@@ -28,10 +28,26 @@ import numpy as np
 from .. import comm as C
 from .. import wire
 from ..corrections import build_correction
+from ..errors import MpilbError
 from ..wire import Op
 from .modes import ParamStore
 
 END_TIMEOUT_S = 30.0
+PING_S = 0.25        # how often rank 0 asks every store for its counters (its liveness)
+DOUBT_S = 0.75       # a store this late with an answer may hold up the workers' replies
+GIVE_UP_S = 3.0      # how long a stop (SIGTERM) still waits for a store that keeps silent
+
+
+class StoreLost(MpilbError):
+    """A parameter store did not answer for --worker-timeout s: its slice is lost, and the
+    run cannot go on (exit 1; a stop asked for meanwhile ends it as preempted)."""
+
+    def __init__(self, rank: int, what: str, timeout: float):
+        super().__init__(f"rank {rank} (a parameter store) did not answer {what} for "
+                         f"{timeout:g} s: stalled, or its node unreachable; its slice of the "
+                         f"parameters is lost and the run ends (--resume continues from the "
+                         f"last checkpoint)")
+        self.rank = rank
 
 
 def check_servers(cfg, world_size: int, num_params: int, num_state: int = 0) -> None:
@@ -248,7 +264,7 @@ class RemoteStores:
         bounds: slice bounds (store_bounds).
     """
 
-    def __init__(self, comm, bounds: list[int]):
+    def __init__(self, comm, bounds: list[int], timeout: float = 60.0, give_up=None):
         self.comm = comm
         self.bounds = bounds
         self.ranks = list(range(1, len(bounds) - 1))
@@ -257,6 +273,39 @@ class RemoteStores:
         self.stats = {s: np.zeros(wire.STATS_FIELDS, np.float64) for s in self.ranks}
         self.stats_reqs: dict = {}
         self.last: dict = {s: np.zeros(wire.STATS_FIELDS) for s in self.ranks}
+        # liveness: no wait on a store without a deadline (--worker-timeout), and none that a
+        # stop (SIGTERM) cannot cut short: `give_up()` True ends a wait at once
+        self.timeout = timeout
+        self.give_up = give_up or (lambda: False)
+        self.asked_at = 0.0              # when the counters now awaited were asked for
+        self.unlogged: dict = {}         # increments received between two log rows
+
+    def _wait(self, req, store: int, what: str) -> None:
+        """Wait for `req` from `store` up to the deadline; StoreLost after it (or at once
+        when `give_up()` says a stop is asked for while the store keeps silent)."""
+        start = time.monotonic()
+        while not C.wait(req, timeout=0.25):
+            now = time.monotonic()
+            if now > start + self.timeout or (self.give_up() and now > start + GIVE_UP_S):
+                req.Cancel()
+                raise StoreLost(store, what, self.timeout)
+
+    def watch(self, mono: float) -> None:
+        """Liveness, every few tens of ms: StoreLost for a store whose counters, asked for
+        --worker-timeout s ago, have not come; else ask again every PING_S."""
+        if not self.ranks:
+            return
+        for s, inc in self._poll().items():
+            self.unlogged[s] = self.unlogged.get(s, 0) + inc
+        if self.stats_reqs and mono - self.asked_at > self.timeout:
+            raise StoreLost(min(self.stats_reqs), "for its counters", self.timeout)
+        if not self.stats_reqs and mono - self.asked_at >= PING_S:
+            self.request_stats()
+
+    def doubtful(self, mono: float) -> bool:
+        """A store is late with its counters: workers silent now may be waiting on it (it
+        is judged first, see watch)."""
+        return bool(self.stats_reqs) and mono - self.asked_at > DOUBT_S
 
     def _command(self, op: Op, rank: int = -1, batch: int = 0, staleness: int = 0,
                  version: int = 0, lr: float = 1.0) -> None:
@@ -310,31 +359,42 @@ class RemoteStores:
         for s in self.ranks:
             lo, hi = self.bounds[s], self.bounds[s + 1]
             buf = np.empty(hi - lo, np.float32)
-            C.wait(self.comm.Irecv(buf, source=s, tag=wire.TAG_GATHER))
+            self._wait(self.comm.Irecv(buf, source=s, tag=wire.TAG_GATHER), s, "with its slice")
             params[lo:hi] = buf
             if optimizer is not None:
                 for name in optimizer._buffers:
-                    C.wait(self.comm.Irecv(buf, source=s, tag=wire.TAG_GATHER))
+                    self._wait(self.comm.Irecv(buf, source=s, tag=wire.TAG_GATHER), s,
+                               "with its optimizer state")
                     optimizer.load_state_slice(name, lo, hi, buf)
                 steps = np.zeros(1, np.float64)   # the same count as rank 0's
-                C.wait(self.comm.Irecv(steps, source=s, tag=wire.TAG_GATHER))
+                self._wait(self.comm.Irecv(steps, source=s, tag=wire.TAG_GATHER), s,
+                           "with its optimizer state")
 
     # ----------------------------------------------------------------- counters
     def request_stats(self) -> None:
-        """Ask every store for its counters (they come back with poll_stats)."""
+        """Ask every store for its counters (they come back with poll_stats), unless they
+        are still owed from an earlier request."""
+        if self.stats_reqs:
+            return
         self._command(Op.STATS)
+        self.asked_at = time.monotonic()
         for s in self.ranks:
-            if s not in self.stats_reqs:
-                self.stats_reqs[s] = self.comm.Irecv(self.stats[s], source=s, tag=wire.TAG_STATS)
+            self.stats_reqs[s] = self.comm.Irecv(self.stats[s], source=s, tag=wire.TAG_STATS)
 
-    def poll_stats(self) -> dict:
-        """{store: counter increments since its last report} of the reports arrived."""
+    def _poll(self) -> dict:
         out = {}
         for s, req in list(self.stats_reqs.items()):
             if req.Test():
                 del self.stats_reqs[s]
                 out[s] = self.stats[s] - self.last[s]
                 self.last[s] = self.stats[s].copy()
+        return out
+
+    def poll_stats(self) -> dict:
+        """{store: counter increments since its last logged report} of the reports arrived."""
+        for s, inc in self._poll().items():
+            self.unlogged[s] = self.unlogged.get(s, 0) + inc
+        out, self.unlogged = self.unlogged, {}
         return out
 
     def end(self) -> dict:
