@@ -60,6 +60,7 @@ class ClusterBox:
         self.keep = keep
         self.dir = registry.box_dir(self.name)
         self.holders: list[int] = []
+        self.owner_pid = os.getpid()
         self._up = False
 
     # ------------------------------------------------------------ names
@@ -119,6 +120,7 @@ class ClusterBox:
             raise UsageError(f"box {self.name} exists already: `python -m mpilb.clusterbox "
                              f"down {self.name}` removes it")
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.owner_pid = os.getpid()
         owner = None if self.keep else {"pid": os.getpid(), "start": registry.start_time(os.getpid())}
         registry.write_state(self.name, {"name": self.name, "nodes": self.nodes,
                                          "rates": self.rates, "owner": owner, "holders": []})
@@ -268,6 +270,8 @@ _SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 def _down_all() -> None:
     for box in list(_LIVE):
+        if box.owner_pid != os.getpid():
+            continue   # a forked child exiting: the box is its parent's
         try:
             box.down()
         except Exception as exc:   # at exit: say what is left, keep tearing down the rest

@@ -3,6 +3,7 @@ return codes checked, and the check that they and root are there."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
@@ -17,8 +18,11 @@ class BoxError(MpilbError):
     """A command building, using or tearing down a box failed (exit code 1)."""
 
 
+@functools.lru_cache(maxsize=None)
 def missing() -> str | None:
-    """Why a box cannot be built here (one line), or None when it can."""
+    """Why a box cannot be built here (one line), or None when it can: tools, root, and a
+    trial in a throwaway network namespace (a container without CAP_SYS_ADMIN, a kernel
+    without veth, bridge or tbf fail it)."""
     if os.name != "posix" or not os.path.isdir("/proc/self/ns"):
         return "a cluster box needs Linux namespaces (/proc/self/ns)"
     absent = [t for t in TOOLS if shutil.which(t) is None]
@@ -27,6 +31,16 @@ def missing() -> str | None:
                 "(apt-get install iproute2 util-linux)")
     if os.geteuid() != 0:
         return "a cluster box needs root (network and mount namespaces): run it with sudo"
+    trial = ("ip link add bxa type veth peer name bxb && ip link add bxbr type bridge && "
+             "tc qdisc add dev bxa root tbf rate 1mbit burst 32k latency 50ms")
+    try:
+        res = subprocess.run(["unshare", "--net", "--uts", "--mount", "sh", "-c", trial],
+                             capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "a cluster box needs namespaces: a trial `unshare --net ...` did not finish"
+    if res.returncode != 0:
+        err = (res.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"this machine cannot build a cluster box (namespaces, veth, bridge, tbf): {err}"
     return None
 
 
