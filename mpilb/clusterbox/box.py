@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from typing import Sequence
 
 from ..errors import UsageError
@@ -145,7 +144,6 @@ class ClusterBox:
     def _build(self) -> None:
         hosts = "127.0.0.1\tlocalhost\n" + "".join(
             f"{self.address(k)}\t{self.host(k)}\n" for k in range(self.nodes))
-        (self.dir / "hosts").write_text(hosts)
         os.makedirs(self.local_dir, exist_ok=True)
         bridge = self.netns(None)
         sh("ip", "netns", "add", bridge)
@@ -166,6 +164,7 @@ class ClusterBox:
                 shape(ns, NODE_DEV, self.rates[k])        # node -> bridge
                 shape(bridge, f"v{k}", self.rates[k])     # bridge -> node
             os.makedirs(self.dir / f"node{k}" / "local", exist_ok=True)
+            (self.dir / f"node{k}" / "hosts").write_text(hosts)
             self.holders.append(self._hold(k))
         state = registry.read_state(self.name) or {}
         state["holders"] = self.holders
@@ -175,12 +174,13 @@ class ClusterBox:
     def _hold(self, k: int) -> int:
         """Start node k's holder; its pid once the node's mounts and hostname are in place."""
         setup = (
-            'set -e; hostname "$1"; mount --bind "$2" /etc/hosts; '
+            'set -e; echo "$1" > /proc/sys/kernel/hostname; mount --bind "$2" /etc/hosts; '
             "mount -t tmpfs -o mode=1777 shm /dev/shm; "
             'mount --bind "$3" "$4"; echo ready; exec sleep infinity </dev/null >/dev/null 2>&1')
         cmd = ["ip", "netns", "exec", self.netns(k), "unshare", "--uts", "--mount",
                "--propagation", "private", "--", "sh", "-c", setup, "holder", self.host(k),
-               str(self.dir / "hosts"), str(self.dir / f"node{k}" / "local"), self.local_dir]
+               str(self.dir / f"node{k}" / "hosts"), str(self.dir / f"node{k}" / "local"),
+               self.local_dir]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
         timer = threading.Timer(20, proc.kill)

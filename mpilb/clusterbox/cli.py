@@ -91,8 +91,11 @@ def _dispatch(args, prog: str) -> int:
         if not names:
             raise UsageError("down: name a box (or --all)")
         for name in names:
-            for what in registry.teardown(registry.check_name(name)):
+            removed = registry.teardown(registry.check_name(name))
+            for what in removed:
                 print(f"removed {what}")
+            if not removed:
+                print(f"no box {name}")
         return 0
     if args.action == "status":
         return _status(args.names)

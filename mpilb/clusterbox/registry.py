@@ -101,7 +101,12 @@ def teardown(name: str) -> list[str]:
     removed = []
     for ns in namespaces(name):
         _kill_all(ns)
-        sh("ip", "netns", "delete", ns)
+        try:
+            sh("ip", "netns", "delete", ns)
+        except BoxError:
+            if ns in netns_list():
+                raise
+            continue   # another process tore it down meanwhile
         removed.append(ns)
     path = box_dir(name)
     if path.exists():

@@ -11,7 +11,7 @@ import subprocess
 
 from ..errors import MpilbError, UsageError
 
-TOOLS = ("ip", "tc", "unshare", "nsenter", "mount", "hostname")
+TOOLS = ("ip", "tc", "unshare", "nsenter", "mount")
 
 
 class BoxError(MpilbError):
