@@ -109,4 +109,4 @@ def shape(ns: str, dev: str, rate: str) -> None:
     that a 64 KB GSO packet fits) and 50 ms of queue."""
     burst = max(int(rate_bytes(rate) * 0.005), 128 * 1024)
     sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
-       "rate", rate, "burst", str(burst), "latency", "50ms")
+       "rate", rate.strip().lower(), "burst", str(burst), "latency", "50ms")
