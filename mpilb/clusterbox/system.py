@@ -1,0 +1,112 @@
+"""The commands a cluster box is built with (iproute2, util-linux), run as lists with their
+return codes checked, and the check that they and root are there."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+
+from ..errors import MpilbError, UsageError
+
+TOOLS = ("ip", "tc", "unshare", "nsenter", "mount")
+
+
+class BoxError(MpilbError):
+    """A command building, using or tearing down a box failed (exit code 1)."""
+
+
+@functools.lru_cache(maxsize=None)
+def missing() -> str | None:
+    """Why a box cannot be built here (one line), or None when it can: tools, root, and a
+    trial in a throwaway network namespace (a container without CAP_SYS_ADMIN, a kernel
+    without veth, bridge or tbf fail it)."""
+    if os.name != "posix" or not os.path.isdir("/proc/self/ns"):
+        return "a cluster box needs Linux namespaces (/proc/self/ns)"
+    absent = [t for t in TOOLS if shutil.which(t) is None]
+    if absent:
+        return (f"a cluster box needs {', '.join(absent)} on PATH "
+                "(apt-get install iproute2 util-linux)")
+    if os.geteuid() != 0:
+        return "a cluster box needs root (network and mount namespaces): run it with sudo"
+    trial = ("ip link add bxa type veth peer name bxb && ip link add bxbr type bridge && "
+             "tc qdisc add dev bxa root tbf rate 1mbit burst 32k latency 50ms")
+    try:
+        res = subprocess.run(["unshare", "--net", "--uts", "--mount", "sh", "-c", trial],
+                             capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return "a cluster box needs namespaces: a trial `unshare --net ...` did not finish"
+    if res.returncode != 0:
+        err = (res.stderr.strip().splitlines() or ["no message"])[-1]
+        return f"this machine cannot build a cluster box (namespaces, veth, bridge, tbf): {err}"
+    return None
+
+
+def require() -> None:
+    """Raise UsageError (exit code 2) naming what is missing."""
+    why = missing()
+    if why:
+        raise UsageError(why)
+
+
+def sh(*cmd: str, check: bool = True, timeout: float = 30, input: str | None = None) -> str:
+    """Run one command (a list, no shell); its stdout, or BoxError with its stderr."""
+    try:
+        res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
+                             input=input, stdin=None if input is not None else subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise BoxError(f"`{' '.join(cmd)}` did not finish within {timeout:g} s") from None
+    except FileNotFoundError:
+        raise UsageError(f"`{cmd[0]}` not found: apt-get install iproute2 util-linux") from None
+    if check and res.returncode != 0:
+        err = (res.stderr or res.stdout).strip().splitlines()
+        raise BoxError(f"`{' '.join(cmd)}` failed (exit {res.returncode}): "
+                       f"{err[-1] if err else 'no message'}")
+    return res.stdout
+
+
+# ---------------------------------------------------------------- namespaces
+
+def netns_list() -> list[str]:
+    """Names of the network namespaces `ip netns` knows (ids stripped)."""
+    return [line.split()[0] for line in sh("ip", "netns", "list").splitlines() if line.strip()]
+
+
+def netns_pids(ns: str) -> list[int]:
+    return [int(p) for p in sh("ip", "netns", "pids", ns, check=False).split() if p.isdigit()]
+
+
+def link_counters(ns: str, dev: str) -> dict:
+    """{"tx": bytes, "rx": bytes} that interface `dev` in namespace `ns` has sent/received."""
+    import json
+
+    (link,) = json.loads(sh("ip", "-n", ns, "-j", "-s", "link", "show", "dev", dev))
+    stats = link["stats64"]
+    return {"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"])}
+
+
+# ---------------------------------------------------------------- link rates
+
+# tc's rate units (tc(8) "RATES"); bytes per second per unit
+_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
+          "bps": 1, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12}
+_RATE = re.compile(r"^(\d+(?:\.\d+)?)(" + "|".join(_UNITS) + r")$")
+
+
+def rate_bytes(rate: str) -> float:
+    """Bytes per second of a tc rate such as "1gbit" or "100mbit" (UsageError if not one)."""
+    m = _RATE.match(str(rate).strip().lower())
+    if not m or float(m.group(1)) <= 0:
+        raise UsageError(f"link rate {rate!r}: give a tc rate such as 100mbit, 1gbit or "
+                         f"10mbps (units {', '.join(_UNITS)})")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def shape(ns: str, dev: str, rate: str) -> None:
+    """A token bucket on `dev`'s egress: `rate`, a burst of 5 ms of it (at least 128 KB, so
+    that a 64 KB GSO packet fits) and 50 ms of queue."""
+    burst = max(int(rate_bytes(rate) * 0.005), 128 * 1024)
+    sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
+       "rate", rate.strip().lower(), "burst", str(burst), "latency", "50ms")
