@@ -133,6 +133,17 @@ def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epo
         raise
 
 
+def rescue(path: Optional[str], save) -> str:
+    """Call `save()` after the run log failed; what the run's last line says of it."""
+    if not path:
+        return "no checkpoint (--checkpoint is off)"
+    try:
+        save()
+    except Exception as exc:  # noqa: BLE001 - the log's failure is the line's subject
+        return f"no checkpoint written either ({exc})"
+    return f"the checkpoint {path} holds the run's weights: free space, then --resume"
+
+
 def _free_bytes(directory: Path) -> float:
     try:
         st = os.statvfs(directory)

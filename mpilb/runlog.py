@@ -63,7 +63,8 @@ class RunLog:
     """
 
     def __init__(self, path: str, attrs: dict, flush_interval: float = 2.0,
-                 resume_at: Optional[float] = None, checkpoint: Optional[str] = None):
+                 resume_at: Optional[float] = None, checkpoint: Optional[str] = None,
+                 completed: Optional[list] = None):
         self.path = str(path)
         self.flush_interval = flush_interval
         self.run_id = str(attrs.get("run_id", ""))
@@ -77,7 +78,7 @@ class RunLog:
         if checkpoint:          # one run per checkpoint (first: a refusal creates no log)
             self._lock(_lock_file(checkpoint), f"--checkpoint {checkpoint}", "checkpoint")
         self._lock(self.path)   # before anything is read or written: one writer per log
-        carried = self._carry_over(resume_at) if resume_at is not None else None
+        carried = self._carry_over(resume_at, completed) if resume_at is not None else None
         if carried is None and checkpoint and Path(checkpoint).is_file():
             _discard_replaced(checkpoint)   # --overwrite: the replaced run's weights go too
         # A resumed run's log is rebuilt beside the old one and renamed over it, so that a
@@ -152,8 +153,10 @@ class RunLog:
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
-    def _carry_over(self, resume_at: float):
-        """Rows of the log being resumed up to the checkpoint (later work is done again).
+    def _carry_over(self, resume_at: float, completed: Optional[list] = None):
+        """Rows of the log being resumed up to the checkpoint (later work is done again);
+        epochs the checkpoint completed that the log lacks (its last rows could not be
+        written: a full disk) get their `epochs` row from the checkpoint's record.
 
         The old file is read, not edited: a run that was killed leaves its file marked as
         open for writing, which HDF5 refuses to open for writing again.
@@ -168,6 +171,17 @@ class RunLog:
             tcol = "t_end" if group == "epochs" else "t"
             keep = int(np.searchsorted(cols[group][tcol], resume_at, side="right"))
             cols[group] = {c: v[:keep] for c, v in cols[group].items()}
+        ep = cols["epochs"]
+        lacking = [e for e in completed or () if int(e["epoch"]) not in set(ep["epoch"].tolist())]
+        if lacking:
+            span = f"{lacking[0]['epoch']}..{lacking[-1]['epoch']}" if len(lacking) > 1 else lacking[0]["epoch"]
+            print(f"mpilb: warning: the run log {self.path} lacks the rows of {len(lacking)} "
+                  f"epoch(s) ({span}; they could not be written): their epochs/ rows come from "
+                  f"the checkpoint", file=sys.stderr, flush=True)
+            for col in ep:
+                ep[col] = np.concatenate([ep[col], [e.get(col, np.nan) for e in lacking]])
+            order = np.argsort(ep["epoch"], kind="stable")
+            cols["epochs"] = {c: np.asarray(v)[order] for c, v in ep.items()}
         return attrs, cols
 
     def _start_swmr(self) -> None:
@@ -194,9 +208,21 @@ class RunLog:
             self.flush()
 
     def flush(self) -> None:
-        """Write buffered rows and flush the file."""
+        """Write buffered rows and flush the file.
+
+        Raises:
+            LogWriteError: the file cannot be written (a full disk, a lost file system).
+        """
         if self.closed:
             return
+        try:
+            self._write_rows()
+        except (OSError, RuntimeError) as exc:   # h5py reports a full disk as either
+            self.closed = True   # HDF5's state is unknown now: nothing more is written
+            raise LogWriteError(self.path, exc) from None
+        self._last_flush = time.monotonic()
+
+    def _write_rows(self) -> None:
         for group, buf in self._buffers.items():
             n = len(next(iter(buf.values())))
             if n == 0:
@@ -210,7 +236,6 @@ class RunLog:
             for ds in self._dsets[group].values():
                 ds.flush()
         self._file.flush()
-        self._last_flush = time.monotonic()
 
     def close(self, status: str, attrs: Optional[dict] = None) -> None:
         """Flush, end SWMR writing, then record the final status and `attrs` at the root."""
@@ -223,11 +248,14 @@ class RunLog:
         self.closed = True
         if removed is not None:
             self._write_back(removed)
-        with h5py.File(self.path, "a", locking=False) as f:
-            f.attrs["status"] = status
-            f.attrs["end_time"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            for key, value in (attrs or {}).items():
-                f.attrs[key] = value
+        try:
+            with h5py.File(self.path, "a", locking=False) as f:
+                f.attrs["status"] = status
+                f.attrs["end_time"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+                for key, value in (attrs or {}).items():
+                    f.attrs[key] = value
+        except (OSError, RuntimeError) as exc:
+            raise LogWriteError(self.path, exc) from None
 
     def _removed(self):
         """The open file when the log was deleted (or replaced) at its path while the run
@@ -260,6 +288,26 @@ class RunLog:
         with h5py.File(self.path, "a", locking=False) as f:
             f.require_group("summary").attrs["json"] = json.dumps(summary)
         self.release()
+
+
+class LogWriteError(MpilbError):
+    """The run log cannot be written: the run ends, after a checkpoint where one can be
+    written (its disk may have room where the log's has none)."""
+
+    def __init__(self, path: str, exc: BaseException):
+        parent = Path(path).resolve().parent
+        try:
+            st = os.statvfs(parent)
+            free = f"; {st.f_bavail * st.f_frsize / 1e6:.1f} MB free there"
+        except OSError:
+            free = ""
+        import re
+
+        text = str(exc)   # h5py's RuntimeError quotes the system's message deep inside
+        quoted = re.search(r"error message = '([^']+)'", text)
+        reason = getattr(exc, "strerror", None) or (quoted.group(1) if quoted else
+                                                   text.splitlines()[0] if text else repr(exc))
+        super().__init__(f"--log {path}: cannot write the run log ({reason}{free})")
 
 
 def file_kind(attrs) -> str:

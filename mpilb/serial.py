@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from typing import Optional
@@ -21,7 +22,7 @@ from .inject import Injector, parse_injects
 from .models import initial_params
 from .progress import Progress, tapped
 from .report import summarize_log
-from .runlog import RunLog
+from .runlog import LogWriteError, RunLog
 from .session import balancer_config, files_line, format_final
 from .shards import ShardStore
 from .schedules import build_schedule
@@ -67,7 +68,8 @@ class SerialTrainer:
         # the progress display and --tensorboard see every row of the run log
         self.log = tapped(RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
                                 resume_at=self.resumed.train_s if self.resumed else None,
-                                checkpoint=cfg.checkpoint),
+                                checkpoint=cfg.checkpoint,
+                                completed=self.resumed.completed if self.resumed else None),
                          self.progress, tap_for(cfg))
         self.eval_version = -1
         self.version = self.resumed.version if self.resumed else 0
@@ -225,6 +227,9 @@ class SerialTrainer:
         if not self.cfg.checkpoint:
             return
         self.log.flush()
+        self._save_checkpoint()
+
+    def _save_checkpoint(self) -> None:
         checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
                         params=self.backend.to_host(self.params), optimizer=self.optimizer,
                         version=self.version, epoch=self.epoch, tracker=self.tracker,
@@ -249,9 +254,16 @@ def run_serial(trainer: SerialTrainer) -> int:
     """Train with one process. Returns the exit code."""
     status = "failed"
     try:
-        status = trainer.run()
-    finally:
-        summary = trainer.finish(status)
+        try:
+            status = trainer.run()
+        finally:
+            summary = trainer.finish(status)
+    except LogWriteError as exc:
+        trainer.store.close()
+        rescued = checkpoint.rescue(trainer.cfg.checkpoint, trainer._save_checkpoint)
+        print(f"mpilb: error: {exc}; {rescued}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)   # HDF5 would try (and fail) to flush the log's objects again at exit
     print(format_final(summary), flush=True)
     print(files_line(trainer.cfg), flush=True)
     return 0

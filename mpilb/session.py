@@ -95,7 +95,8 @@ class Session:
         # the progress display and --tensorboard see every row of the run log
         self.log = tapped(RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
                                 resume_at=self.resumed.train_s if self.resumed else None,
-                                checkpoint=cfg.checkpoint),
+                                checkpoint=cfg.checkpoint,
+                                completed=self.resumed.completed if self.resumed else None),
                          self.progress, tap_for(cfg))
         self.accuracy: Optional[float] = None   # the headline metric, for the progress line
         self.evaluation: Optional[Evaluation] = None   # what --target-* decide on

@@ -227,3 +227,44 @@ def test_ctrl_c_checkpoints_and_the_run_resumes(tmp_path, digits_dir):
     assert (tmp_path / "run.ckpt.h5").exists()
     res = mpirun.run(3, *train_args(digits_dir, log, "--epochs", 6, "--resume"), timeout=120)
     assert res.returncode == 0, res.stderr
+
+
+# ------------------------------------------------------------------ the log's disk full
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 400 kB tmpfs for the log (needs root; skipped otherwise)."""
+    d = tmp_path / "full"
+    d.mkdir()
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("a small tmpfs for the log needs root and mount")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(d)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    yield d
+    for _ in range(20):
+        if subprocess.run(["umount", str(d)], capture_output=True).returncode == 0:
+            break
+        time.sleep(0.25)
+
+
+@pytest.mark.parametrize("ranks", [0, 3])
+def test_a_full_log_disk_still_checkpoints_and_the_run_resumes(full_disk, tmp_path, digits_dir, ranks):
+    log, ckpt = full_disk / "run.h5", tmp_path / "c.ckpt.h5"
+    res = mpirun.run(ranks, *train_args(digits_dir, log, "--epochs", 100, "--checkpoint", ckpt),
+                     timeout=120)
+    assert res.returncode == 1, res.stderr
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("mpilb:") or "Traceback" in ln]
+    assert len(lines) == 1, res.stderr
+    assert (f"--log {log}: cannot write the run log (No space left on device" in lines[0]
+            and f"the checkpoint {ckpt} holds the run's weights" in lines[0]), lines[0]
+    with h5py.File(ckpt, "r") as f:
+        assert f["params"].shape[0] > 0
+    moved = tmp_path / "run.h5"   # space freed: the log moved to a disk with room
+    shutil.copy(log, moved)
+    res = mpirun.run(ranks, *train_args(digits_dir, moved, "--epochs", 100, "--checkpoint", ckpt,
+                                        "--resume"), timeout=120)
+    assert res.returncode == 0, res.stderr
+    s = summarize_log(str(moved))
+    assert s["epochs_completed"] == 100 and s["coverage"]["missing"] == 0

@@ -15,7 +15,10 @@ def __getattr__(name):
     if name == "WorkerFailed":
         from .chores import WorkerFailed
         return WorkerFailed
-    if name in ("ParameterServer", "serve"):
-        from . import loop
-        return getattr(loop, name)
+    if name == "ParameterServer":
+        from .loop import ParameterServer
+        return ParameterServer
+    if name == "serve":
+        from .ending import serve
+        return serve
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

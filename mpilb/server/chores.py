@@ -306,6 +306,14 @@ class Chores:
         if not self.cfg.checkpoint:
             return
         self.log.flush()   # the log holds everything up to the checkpoint: a resume continues it
+        self._save_checkpoint()
+
+    def rescue_checkpoint(self) -> str:
+        """The run log cannot be written: the weights go into the checkpoint all the same
+        (its disk may have room). Returns what the run's last line says of it."""
+        return checkpoint.rescue(self.cfg.checkpoint, self._save_checkpoint)
+
+    def _save_checkpoint(self) -> None:
         self.checkpointed_at = self.version
         checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
                         params=self.params, optimizer=self.optimizer, version=self.version,

@@ -15,18 +15,16 @@ lost workers and timers: rebalancing, evaluation, checkpoints, the stop rules.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from typing import Optional
 
 from .. import comm as C
 from .. import doorbell, wire
-from ..session import Session, files_line, format_final
-from ..training import PREEMPTED
+from ..session import Session
 from ..shards import placement
 from ..wire import Cmd
-from .chores import Chores, WorkerFailed
+from .chores import Chores
 from .epochs import Epochs
 from .lifecycle import Lifecycle
 from .modes import Update, build_rule
@@ -34,7 +32,6 @@ from .outbox import Outbox
 from .peers import Link, Peer
 from .sitout import SitOut
 from .group import StoreGroup
-from .store import StoreLost
 from .tasks import TaskLedger
 
 
@@ -396,47 +393,3 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         if self.preempted:
             return "preempted"
         return "degraded" if self.lost else "finished"
-
-
-def serve(server: ParameterServer) -> int:
-    """Run the server; returns the exit code (0 finished, 3 degraded)."""
-    try:
-        status = server.run()
-    except StoreLost as exc:
-        # its slice is gone: end the job (a stop asked for meanwhile ends it as one, exit 0,
-        # with the last checkpoint, which a store that keeps silent cannot add to)
-        server.train_s, server.store_lost = server.now(), True
-        code = 0 if PREEMPTED.is_set() else 1
-        print(f"mpilb: error: {exc}" if code else
-              f"mpilb: stopped: {exc}; the checkpoint {server.cfg.checkpoint} is the last one "
-              f"written before", file=sys.stderr, flush=True)
-        try:
-            server.finish("preempted" if code == 0 else "failed")
-        finally:
-            C.abort(code)
-            os._exit(code)
-    except WorkerFailed as exc:
-        server.train_s = server.now()
-        try:
-            server.finish("failed")
-        finally:
-            print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
-            C.abort(exc.code)
-            os._exit(exc.code)
-    except BaseException:
-        try:
-            server.finish("failed")
-        except Exception:  # noqa: BLE001 - the original error matters more
-            pass
-        raise
-    summary = server.finish(status)
-    print(format_final(summary), flush=True)
-    print(files_line(server.cfg), flush=True)
-    if server.lost:
-        # A lost (hung) rank never exits by itself and would keep the job alive. A preempted
-        # run stopped as asked (checkpoint written): exit 0, so that a requeue follows.
-        code = 0 if status == "preempted" else 3
-        sys.stdout.flush()
-        C.abort(code)
-        os._exit(code)
-    return 0

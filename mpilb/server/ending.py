@@ -1,0 +1,73 @@
+"""How rank 0's run ends: the exit code and the last lines for each way a run can end
+(finished, degraded, preempted, a lost store, a run log that cannot be written, a
+worker's error)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from .. import comm as C
+from ..runlog import LogWriteError
+from ..session import files_line, format_final
+from ..training import PREEMPTED
+from .chores import WorkerFailed
+from .loop import ParameterServer
+from .store import StoreLost
+
+
+def serve(server: ParameterServer) -> int:
+    """Run the server; returns the exit code (0 finished, 3 degraded)."""
+    try:
+        status = server.run()
+    except StoreLost as exc:
+        # its slice is gone: end the job (a stop asked for meanwhile ends it as one, exit 0,
+        # with the last checkpoint, which a store that keeps silent cannot add to)
+        server.train_s, server.store_lost = server.now(), True
+        code = 0 if PREEMPTED.is_set() else 1
+        print(f"mpilb: error: {exc}" if code else
+              f"mpilb: stopped: {exc}; the checkpoint {server.cfg.checkpoint} is the last one "
+              f"written before", file=sys.stderr, flush=True)
+        try:
+            server.finish("preempted" if code == 0 else "failed")
+        finally:
+            C.abort(code)
+            os._exit(code)
+    except LogWriteError as exc:
+        _log_failed(server, exc)
+    except WorkerFailed as exc:
+        server.train_s = server.now()
+        try:
+            server.finish("failed")
+        finally:
+            print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
+            C.abort(exc.code)
+            os._exit(exc.code)
+    except BaseException:
+        try:
+            server.finish("failed")
+        except Exception:  # noqa: BLE001 - the original error matters more
+            pass
+        raise
+    try:
+        summary = server.finish(status)
+    except LogWriteError as exc:
+        _log_failed(server, exc)
+    print(format_final(summary), flush=True)
+    print(files_line(server.cfg), flush=True)
+    if server.lost:
+        # A lost (hung) rank never exits by itself and would keep the job alive. A preempted
+        # run stopped as asked (checkpoint written): exit 0, so that a requeue follows.
+        code = 0 if status == "preempted" else 3
+        sys.stdout.flush()
+        C.abort(code)
+        os._exit(code)
+    return 0
+
+
+def _log_failed(server: ParameterServer, exc: LogWriteError) -> None:
+    """The run log cannot be written (a full disk): the weights into the checkpoint, one
+    line, and the job ends."""
+    print(f"mpilb: error: {exc}; {server.rescue_checkpoint()}", file=sys.stderr, flush=True)
+    C.abort(1)
+    os._exit(1)
