@@ -409,6 +409,156 @@ for _launcher in ("mpiexec -disable-auto-cleanup", "srun --no-kill (shim)"):
     case(f"crashed worker, {_launcher}")(_crash)
 
 
+# --------------------------------------------------------------------------- issue 32's cases
+def _checkpointed(d, data, *extra):
+    r = run(mpilb(4, *train(data, d, "--epochs", 2, *extra)), d)
+    assert r["code"] == 0, r["lines"]
+    return d / "run.ckpt.h5"
+
+
+@case("checkpoint edited to name os:system, evaluate")
+def _(d, data):
+    ckpt = _checkpointed(d, data)
+    with h5py.File(ckpt, "a") as f:
+        cfg = json.loads(f.attrs["config"])
+        cfg["model"], cfg["model_arg"] = "os:system", [f'command="touch {d / "ran"}"']
+        f.attrs["config"] = json.dumps(cfg)
+    r = run(mpilb(0, "evaluate", ckpt, "--data", data), d)
+    ran = (d / "ran").exists()
+    return r, one_line(r, 2) and not ran, f"code ran: {ran}"
+
+
+@case("--overwrite, rank 0 killed, --resume")
+def _(d, data):
+    _checkpointed(d, data)   # run A
+    c = Case(mpilb(4, *train(data, d, "--epochs", 200, "--overwrite", "--checkpoint-interval", 1000)), d)
+    pids = c.rank_pids(4)
+    c.wait_log_rows(d / "run.h5")
+    os.kill(pids[0], signal.SIGKILL)
+    b = c.end()
+    r = run(mpilb(4, *train(data, d, "--epochs", 20, "--resume")), d)
+    if r["code"] == 2:   # B wrote no checkpoint: A's went with A's log, nothing to resume
+        return r, one_line(r, 2), f"B: exit {b['code']}; nothing of A's resumed"
+    text, ok = exact(d / "run.h5", data)   # B's own checkpoint: a true resume of B
+    return r, ok and r["code"] == 0 and summary(d / "run.h5")["epochs_completed"] == 20, text
+
+
+@case("--resume with another run's --checkpoint")
+def _(d, data):
+    other = d / "other"
+    other.mkdir()
+    ckpt = _checkpointed(other, data)
+    _checkpointed(d, data)
+    before = digest(d / "run.h5")
+    r = run(mpilb(4, *train(data, d, "--epochs", 6, "--resume", "--checkpoint", ckpt)), d)
+    return r, one_line(r, 2) and digest(d / "run.h5") == before, ""
+
+
+@case("resume with a truncated log")
+def _(d, data):
+    _checkpointed(d, data)
+    (d / "run.h5").write_bytes((d / "run.h5").read_bytes()[:5000])
+    r = run(mpilb(4, *train(data, d, "--epochs", 10, "--resume")), d)
+    return r, one_line(r, 2), ""
+
+
+@case("log deleted mid-run")
+def _(d, data):
+    c = Case(mpilb(4, *train(data, d, "--epochs", 200, "--max-seconds", 4)), d)
+    c.wait_log_rows(d / "run.h5")
+    (d / "run.h5").unlink()
+    r = c.end()
+    s = summary(d / "run.h5")
+    return r, r["code"] == 0 and s["epochs_completed"] >= 1, f"{s['epochs_completed']} epochs in the log"
+
+
+@case("Ctrl-C (SIGINT to mpiexec), then --resume")
+def _(d, data):
+    c = Case(mpilb(4, *train(data, d, "--epochs", 200)), d)
+    c.wait_log_rows(d / "run.h5")
+    time.sleep(1.0)
+    os.kill(c.proc.pid, signal.SIGINT)
+    r = c.end()
+    s = summary(d / "run.h5")
+    again = run(mpilb(4, *train(data, d, "--epochs", s["epochs_completed"] + 1, "--resume")), d)
+    ok = r["code"] == 0 and s["status"] == "preempted" and again["code"] == 0
+    return r, ok, f"{s['status']}; resumed: exit {again['code']}"
+
+
+RETURNS = """
+import numpy as np
+from mpilb.models import MLP
+
+
+class Returns(MLP):
+    def __init__(self, input_shape, num_classes, short: int = 0):
+        super().__init__(input_shape, num_classes, (16,))
+        self.short = short
+
+    def loss_and_grad(self, params, x, y, out=None):
+        loss, grad = super().loss_and_grad(params, x, y, None)
+        return loss, grad[:grad.size - self.short].copy()
+"""
+
+
+@case("model returns its gradient (and one 3 short)")
+def _(d, data):
+    (d / "ret.py").write_text(RETURNS)
+    base = ["train", "--data", data, "--no-progress", "--epochs", 3, "--model", d / "ret.py:Returns"]
+    r = run(mpilb(4, *base, "--log", d / "run.h5"), d)
+    acc = summary(d / "run.h5")["final_test_accuracy"]
+    short = run(mpilb(4, *base, "--log", d / "s.h5", "--model-arg", "short=3"), d)
+    return short, r["code"] == 0 and acc > 0.5 and one_line(short, 2), f"accuracy {acc:.3f}"
+
+
+def _stalled_store(d, data, timeout, then_sigterm):
+    c = Case(mpilb(5, *train(data, d, "--epochs", 2000, "--servers", 2, "--worker-timeout", timeout,
+                             "--checkpoint-interval", 1)), d)
+    pids = c.rank_pids(5)
+    c.wait_log_rows(d / "run.h5")
+    time.sleep(1.0)
+    os.kill(pids[1], signal.SIGSTOP)
+    t = time.monotonic()
+    if then_sigterm:
+        time.sleep(1.0)
+        os.kill(c.proc.pid, signal.SIGTERM)
+    r = c.end()
+    try:
+        os.kill(pids[1], signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+    return r, time.monotonic() - t
+
+
+@case("parameter store stalled (SIGSTOP), --worker-timeout 5")
+def _(d, data):
+    r, took = _stalled_store(d, data, 5, False)
+    return r, one_line(r, 1) and took < 15, f"ended {took:.1f} s after the stall"
+
+
+@case("SIGTERM during a store stall")
+def _(d, data):
+    r, took = _stalled_store(d, data, 60, True)
+    s = summary(d / "run.h5")
+    return r, r["code"] == 0 and s["status"] == "preempted" and took < 31, f"{s['status']}, {took:.1f} s"
+
+
+@case("the log's disk full (400 kB tmpfs)")
+def _(d, data):
+    full = d / "full"
+    full.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(full)]).returncode:
+        return {"code": "-", "s": 0.0, "lines": [], "left": 0}, True, "skipped: no tmpfs (root)"
+    try:
+        r = run(mpilb(4, "train", "--data", data, "--hidden", 16, "--no-progress", "--epochs", 100,
+                      "--log", full / "run.h5", "--checkpoint", d / "c.ckpt.h5"), d)
+    finally:
+        time.sleep(0.5)
+        subprocess.run(["umount", str(full)])
+    ck = (d / "c.ckpt.h5").exists()
+    return r, one_line(r, 1) and ck, f"checkpoint written: {ck}"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", help="run the cases in this folder and keep it")
