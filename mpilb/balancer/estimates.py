@@ -173,6 +173,12 @@ class RateEstimates:
         """Samples per wall-clock second, communication included: what to split work by."""
         return 1.0 / (1.0 / self._planning_rate(worker) + self.overhead(worker))
 
+    def measured_rate(self, worker: int) -> float:
+        """:meth:`rate` with the worker's communication included (the time its updates take
+        to reach the server and the replies to come back): what a worker behind a slow
+        link really delivers, as the run log's ``workers/rate`` reports it."""
+        return 1.0 / (1.0 / max(self.rate(worker), 1e-12) + self.overhead(worker))
+
     def _planning_rate(self, worker: int) -> float:
         return max(self.predicted_rate(worker), 1e-12)
 

@@ -170,8 +170,8 @@ class Chores:
             if w.lost:
                 continue
             self.log.append("workers", t=t, worker=w.rank, batch=w.batch,
-                            rate=self.balancer.rate(w.rank),
-                            predicted_rate=self.balancer.predicted_rate(w.rank), **w.take_row())
+                            rate=self.balancer.measured_rate(w.rank),
+                            predicted_rate=self.balancer.effective_rate(w.rank), **w.take_row())
 
     # ----------------------------------------------------------------- liveness
     def _note_unwatched(self) -> None:
