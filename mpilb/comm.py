@@ -110,6 +110,24 @@ def library_version() -> str:
     return _library_text().splitlines()[0].strip()
 
 
+def library_file() -> str:
+    """Path of the MPI library this process loaded ('' if unknown: not Linux)."""
+    import re
+
+    try:
+        with open("/proc/self/maps") as fh:
+            found = re.search(r"\s(/\S*/lib(?:mpi|mpich|impi)[\w.-]*\.so[\w.]*)$", fh.read(), re.M)
+    except OSError:  # not Linux
+        return ""
+    return found.group(1) if found else ""
+
+
+def library_named() -> str:
+    """The MPI library in a few words for a message: its version line and its file."""
+    path = library_file()
+    return " ".join(library_version().split()) + (f" ({path})" if path else "")
+
+
 def mpi_info() -> dict:
     """What this process's MPI is, for `mpilb doctor` (local: no communication).
 
@@ -121,17 +139,10 @@ def mpi_info() -> dict:
     False, or None where the library has no such query).
     """
     import ctypes
-    import re
 
     names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
-    libmpi = ""
-    try:
-        with open("/proc/self/maps") as fh:
-            found = re.search(r"\s(/\S*/lib(?:mpi|mpich|impi)[\w.-]*\.so[\w.]*)$", fh.read(), re.M)
-        libmpi = found.group(1) if found else ""
-    except OSError:  # not Linux
-        pass
+    libmpi = library_file()
     cuda_support = None
     try:
         query = getattr(ctypes.CDLL(libmpi or None), "MPIX_Query_cuda_support", None)

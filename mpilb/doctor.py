@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from .launcher import launch
+
 PING_BYTES = 8
 BANDWIDTH_BYTES = 4 * 2**20
 PAIR_SECONDS = 1.0          # ping-pong time per (0, r) pair ...
@@ -75,27 +77,6 @@ def _rank_facts(comm) -> dict:
         "driver_gpus": _nvidia_smi_gpus() if gpus == 0 else None,
         "cuda_support": C.mpi_info()["cuda_support"],
     }
-
-
-def _launcher() -> tuple[str, int | None]:
-    """Which launcher started this process, and how many processes it says it started."""
-    env = os.environ
-
-    def count(name):
-        value = env.get(name, "")
-        return int(value) if value.isdigit() else None
-
-    if "OMPI_COMM_WORLD_SIZE" in env:
-        return "Open MPI mpirun", count("OMPI_COMM_WORLD_SIZE")
-    if "MPI_LOCALNRANKS" in env:   # set by MPICH's Hydra only
-        return "mpiexec (MPICH Hydra)", count("PMI_SIZE")
-    if "SLURM_STEP_ID" in env:
-        return f"srun --mpi={env.get('SLURM_MPI_TYPE', '?')}", count("PMI_SIZE") or count("SLURM_STEP_NUM_TASKS")
-    if "PMI_SIZE" in env:
-        return "a PMI launcher", count("PMI_SIZE")
-    if "PMIX_RANK" in env:
-        return "a PMIx launcher", None
-    return "none (singleton: one process without mpiexec)", None
 
 
 # ---------------------------------------------------------------- ping-pong
@@ -374,7 +355,8 @@ def doctor() -> int:
 
     out = Findings()
     info = C.mpi_info()
-    launcher, launched = _launcher()
+    job = launch()
+    launcher, launched = job.name, job.size
     _check_mpi(info, size, launcher, launched, out)
     if h5py.version.hdf5_built_version_tuple != h5py.version.hdf5_version_tuple:
         out.warn(f"h5py was built against HDF5 {'.'.join(map(str, h5py.version.hdf5_built_version_tuple))} "

@@ -13,6 +13,7 @@ import sysconfig
 import pytest
 
 from mpilb import doctor as D
+from mpilb.launcher import launch
 
 TIMEOUT = 120
 
@@ -190,5 +191,6 @@ def test_launcher_is_named_with_the_size_it_started(monkeypatch, env, label, siz
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    name, started = D._launcher()
+    job = launch()
+    name, started = job.name, job.size
     assert name.startswith(label) and started == size
