@@ -133,8 +133,9 @@ def mpi_info() -> dict:
 
     Keys: `library` (the library's version text), `standard` (MPI standard version the
     library implements) and `compiled_standard` (the one mpi4py was compiled for), `vendor`,
-    `mpi4py` (version), `mpi4py_mpicc` (the compiler mpi4py was built with; '' for a binary
-    wheel), `libmpi` (path of the loaded MPI library, '' if unknown), `thread_requested` and
+    `mpi4py` (version), `mpi4py_mpicc` (the compiler mpi4py was built with, as mpi4py 3 records it;
+    '' for a binary wheel and from mpi4py 4 on), `mpi4py_extension` (the file of the loaded
+    mpi4py.MPI extension), `libmpi` (path of the loaded MPI library, '' if unknown), `thread_requested` and
     `thread_level` (names), `cuda_support` (the library's MPIX_Query_cuda_support: True,
     False, or None where the library has no such query).
     """
@@ -159,6 +160,7 @@ def mpi_info() -> dict:
         "vendor": f"{vendor} {'.'.join(map(str, version))}",
         "mpi4py": mpi4py.__version__,
         "mpi4py_mpicc": mpi4py.get_config().get("mpicc", ""),
+        "mpi4py_extension": getattr(MPI, "__file__", "") or "",
         "libmpi": libmpi,
         "thread_requested": str(mpi4py.rc.thread_level),
         "thread_level": names.get(MPI.Query_thread(), str(MPI.Query_thread())),
