@@ -259,7 +259,8 @@ def format_summary(s: dict, path: str = "") -> str:
                  + (f", lost workers {s['lost_workers']}" if s["lost_workers"] else ""))
     if s["epoch_s"]:
         lines.append("  epoch   seconds  utilization")
-        for i, (t, u) in enumerate(zip(s["epoch_s"], s["utilization"])):
+        # numbered from 1, as the progress line does (the log's `epoch` index is i - 1)
+        for i, (t, u) in enumerate(zip(s["epoch_s"], s["utilization"]), start=1):
             lines.append(f"  {i:5d}  {t:8.2f}  {u:11.2f}")
     if len(s.get("servers", [])) > 1:
         lines.append("  store   params   updates  MB in  MB out  cpu_s")
