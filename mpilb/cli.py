@@ -1,7 +1,7 @@
 """The `mpilb` command: prepare, data, train, report, bench, doctor.
 
 Errors a user can fix (bad options, config, data) are one line from rank 0 and exit code 2;
-see DESIGN.md for the other exit codes.
+docs/cli.md lists the other exit codes.
 """
 
 from __future__ import annotations

@@ -340,7 +340,7 @@ def load_toml(path: str) -> dict:
 
 def unknown_key(path, key: str) -> str:
     """The message for an unknown key of a config file: the closest known key if there is
-    one, else every valid key (DESIGN.md: the error names the key and the allowed values)."""
+    one, else every valid key (docs/cli.md: the error names the key and the allowed values)."""
     keys = sorted([*OPTION_BY_NAME, "model_args"])
     hint = closest(key.replace("-", "_"), keys)
     if hint:

@@ -144,7 +144,7 @@ def _per_worker(world: int, up: dict, wk: dict, n_servers: int = 1) -> list[dict
 
 
 def summarize(attrs: dict, cols: dict) -> dict:
-    """Build DESIGN.md's summary object from a log's root attributes and columns."""
+    """Build the summary object (docs/logs.md, "Summary keys") from a log's root attributes and columns."""
     config = run_config(attrs)
     up, wk, ev, sh, ep = (cols[g] for g in ("updates", "workers", "eval", "shards", "epochs"))
     world = int(attrs.get("world_size", 1))
