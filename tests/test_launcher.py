@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from mpilb.launcher import launch, mismatch
 
 from mpirun import run
 
+ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = "Open MPI v4.1.4 (/usr/lib/x86_64-linux-gnu/libmpi.so.40)"
 # Every variable a launcher of either family (or Slurm) sets, removed for the subprocess runs.
 LAUNCHER_VARS = ("PMI_", "PMIX_", "OMPI_", "MPI_LOCALNRANKS", "MPI_LOCALRANKID", "HYDRA_",
@@ -57,7 +59,7 @@ def test_open_mpi_variables_win_over_slurms():
 
 def _train(tmp_path, digits_dir, env_extra, *args):
     env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_VARS)}
-    env.update(env_extra, PYTHONPATH=os.getcwd(), MPILB_CACHE=str(tmp_path / "cache"))
+    env.update(env_extra, PYTHONPATH=str(ROOT), MPILB_CACHE=str(tmp_path / "cache"))
     cmd = [sys.executable, "-m", "mpilb", "train", "--data", digits_dir, "--epochs", "1", *args]
     return subprocess.run(cmd, cwd=tmp_path / "work", env=env, capture_output=True, text=True,
                           timeout=120)
