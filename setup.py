@@ -19,6 +19,8 @@ setup(
     extras_require={
         "mpi": ["mpich"],
         "gpu": ["cupy-cuda12x"],
+        # PyPI's default torch is the CUDA build (several GB); CPU-only nodes install
+        # torch first: pip install torch --index-url https://download.pytorch.org/whl/cpu
         "torch": ["torch>=2.0"],
         "test": ["pytest>=7", "pytest-timeout>=2", "scikit-learn>=1.0", "hypothesis>=6",
                  "pandas>=1.5", "tensorboardX>=2.5", "tensorboard>=2.10"],

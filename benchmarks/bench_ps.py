@@ -3,7 +3,7 @@
     python benchmarks/bench_ps.py [--repeats 5] [--params 1000000] [--seconds 1.5]
 
 Each repeat runs ``mpiexec -n 4 mpilb bench ps --json --repeats 1`` once per optimizer
-(sgd, adam), alternating: one invocation times the bare loop of DESIGN.md (one preposted
+(sgd, adam), alternating: one invocation times the bare loop of docs/cli.md (one preposted
 Irecv per worker, Waitany, ``w -= lr*g``, Isend back) and then the real server against
 workers that compute nothing, so its ratio is measured within one run. The figures are the
 medians over the repeats, with their ranges; the targets are ratios of at least 0.9 for sgd

@@ -7,7 +7,7 @@ The data (features and target standardised: R^2 does not change under that) is w
 npz with float targets and prepared with `mpilb prepare npz`; Ridge is fitted on exactly the
 training shards mpilb trains on and scored on its test.h5. Target (issue 12): mpilb's median
 test R^2 within 0.05 of Ridge's. Results: benchmarks/results/regression_parity.json (rendered
-into docs/models.md by gendocs.py). Exit status: 0 when every target is met, 1 otherwise.
+into docs/benchmarks/models.md by gendocs.py). Exit status: 0 when every target is met, 1 otherwise.
 """
 
 from __future__ import annotations

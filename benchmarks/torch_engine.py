@@ -8,7 +8,7 @@ Prints one line per configuration (accuracy, coverage) and, for balancing, the m
 time after the first epoch of `--balancer load` against `--balancer static` with
 `--inject 3:compute=4` in the same script. Target (issue 12): every run exits 0 with exact
 coverage; load <= 0.7 x static. Results: benchmarks/results/torch_engine.json (rendered into
-docs/models.md by gendocs.py). Exit status: 0 when every target is met, 1 otherwise.
+docs/benchmarks/models.md by gendocs.py). Exit status: 0 when every target is met, 1 otherwise.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Both on the same module, batch and data, alternated REPEATS times (which goes fi
 from one repeat to the next, so that neither always runs on the other's warm caches); prints
 the median ratio and its spread per case and writes them to
 benchmarks/results/torch_overhead.json, from which ``python benchmarks/gendocs.py`` renders
-the table in docs/models.md. Target (issue 12): adapter / plain <= 1.1 for the digits CNN and
+the table in docs/benchmarks/models.md. Target (issue 12): adapter / plain <= 1.1 for the digits CNN and
 a 1M-parameter MLP at batch 64 and 256. Exit status: 0 when every target is met, 1 otherwise.
 """
 

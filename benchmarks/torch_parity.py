@@ -7,7 +7,7 @@ Both sides start from `Net()` built after `torch.manual_seed(seed)`, use SGD at 
 cross entropy over batches of --batch, and see each training sample once per epoch (mpilb:
 its shards, balanced over 3 workers, asynchronous; torch: one shuffled pass). Prints both
 test accuracies per seed and the difference of the medians, and writes them to
-benchmarks/results/torch_parity.json (rendered into docs/models.md by gendocs.py); targets
+benchmarks/results/torch_parity.json (rendered into docs/benchmarks/models.md by gendocs.py); targets
 (issue 12): mpilb's median >= 0.97 with exact coverage, within 1 point of the serial loop's.
 Exit status: 0 when every target is met, 1 otherwise.
 """

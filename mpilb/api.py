@@ -58,7 +58,7 @@ def train(model=None, data=None, **options) -> Optional[dict]:
             gives the model's keyword arguments (as ``--model-arg``).
 
     Returns:
-        The run's summary (DESIGN.md "Summary keys", as ``mpilb report --json``) on rank 0;
+        The run's summary (docs/logs.md, "Summary keys": the object ``mpilb report --json`` prints) on rank 0;
         None on the other ranks.
 
     Raises:

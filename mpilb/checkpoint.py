@@ -276,7 +276,7 @@ def check_plan(ck: Checkpoint, seed: int, dataset) -> None:
         differ = [k for k in want if saved.get(k) != want[k]]
         what = (f"--seed {saved.get('seed')}" if differ == ["seed"]
                 else "another sample plan (" + ", ".join(differ) + ")")
-        raise UsageError(f"--resume: {ck.path} stopped part-way through epoch {ck.epoch}, written "
+        raise UsageError(f"--resume: {ck.path} stopped part-way through epoch {ck.epoch + 1}, written "
                          f"with {what}; this run would map the epoch's remaining positions to "
                          f"other samples: resume with --seed {saved.get('seed')} (a new seed may "
                          f"be given at an epoch boundary)")

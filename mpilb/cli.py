@@ -1,7 +1,7 @@
 """The `mpilb` command: prepare, data, train, report, bench, doctor.
 
 Errors a user can fix (bad options, config, data) are one line from rank 0 and exit code 2;
-see DESIGN.md for the other exit codes.
+docs/cli.md lists the other exit codes.
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ def env_world_size() -> int:
 
 
 def env_rank() -> int:
-    return _env_int("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID") or 0
+    """This process's rank as the launcher announces it: only rank 0 prints usage errors
+    (also when a mismatched launcher gives every process a world of its own)."""
+    from .launcher import announced_rank
+
+    return announced_rank()
 
 
 # Several ranks share a node's cores: one BLAS thread per rank unless the user says otherwise.
@@ -36,9 +40,14 @@ if env_world_size() > 1:
 # A preemption signal (SIGTERM/SIGUSR1) while a training rank is still importing must not
 # kill it (exit 15, no checkpoint): note it now, `mpilb train` acts on it once running.
 if len(sys.argv) > 1 and sys.argv[1] == "train":
+    import warnings
+
     from .signals import catch_early
 
     catch_early()
+    # mpi4py's own warning about another MPI's launcher variables: `train` refuses that
+    # job with one line of its own that says what to do (launcher.mismatch)
+    warnings.filterwarnings("ignore", message="suspicious MPI execution environment")
 
 import argparse  # noqa: E402
 

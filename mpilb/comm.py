@@ -110,28 +110,40 @@ def library_version() -> str:
     return _library_text().splitlines()[0].strip()
 
 
+def library_file() -> str:
+    """Path of the MPI library this process loaded ('' if unknown: not Linux)."""
+    import re
+
+    try:
+        with open("/proc/self/maps") as fh:
+            found = re.search(r"\s(/\S*/lib(?:mpi|mpich|impi)[\w.-]*\.so[\w.]*)$", fh.read(), re.M)
+    except OSError:  # not Linux
+        return ""
+    return found.group(1) if found else ""
+
+
+def library_named() -> str:
+    """The MPI library in a few words for a message: its version line and its file."""
+    path = library_file()
+    return " ".join(library_version().split()) + (f" ({path})" if path else "")
+
+
 def mpi_info() -> dict:
     """What this process's MPI is, for `mpilb doctor` (local: no communication).
 
     Keys: `library` (the library's version text), `standard` (MPI standard version the
     library implements) and `compiled_standard` (the one mpi4py was compiled for), `vendor`,
-    `mpi4py` (version), `mpi4py_mpicc` (the compiler mpi4py was built with; '' for a binary
-    wheel), `libmpi` (path of the loaded MPI library, '' if unknown), `thread_requested` and
+    `mpi4py` (version), `mpi4py_mpicc` (the compiler mpi4py was built with, as mpi4py 3 records it;
+    '' for a binary wheel and from mpi4py 4 on), `mpi4py_extension` (the file of the loaded
+    mpi4py.MPI extension), `libmpi` (path of the loaded MPI library, '' if unknown), `thread_requested` and
     `thread_level` (names), `cuda_support` (the library's MPIX_Query_cuda_support: True,
     False, or None where the library has no such query).
     """
     import ctypes
-    import re
 
     names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
-    libmpi = ""
-    try:
-        with open("/proc/self/maps") as fh:
-            found = re.search(r"\s(/\S*/lib(?:mpi|mpich|impi)[\w.-]*\.so[\w.]*)$", fh.read(), re.M)
-        libmpi = found.group(1) if found else ""
-    except OSError:  # not Linux
-        pass
+    libmpi = library_file()
     cuda_support = None
     try:
         query = getattr(ctypes.CDLL(libmpi or None), "MPIX_Query_cuda_support", None)
@@ -148,6 +160,7 @@ def mpi_info() -> dict:
         "vendor": f"{vendor} {'.'.join(map(str, version))}",
         "mpi4py": mpi4py.__version__,
         "mpi4py_mpicc": mpi4py.get_config().get("mpicc", ""),
+        "mpi4py_extension": getattr(MPI, "__file__", "") or "",
         "libmpi": libmpi,
         "thread_requested": str(mpi4py.rc.thread_level),
         "thread_level": names.get(MPI.Query_thread(), str(MPI.Query_thread())),

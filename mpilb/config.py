@@ -161,8 +161,10 @@ OPTIONS: tuple[Option, ...] = (
            "used to decide", check=_UNIT, group="stopping", metavar="F"),
     Option("target_metric", float, None, "stop once the model's metric (accuracy, r2, ...) "
            "reaches this", group="stopping", metavar="V"),
-    Option("progress_interval", float, 5.0, "seconds between progress lines when stderr is not "
-           "a terminal (the first comes within 1 s)", check=_POSITIVE, group="output", metavar="S"),
+    Option("progress_interval", float, None, "seconds between progress lines when stderr is "
+           "not a terminal (the first comes within 1 s)", check=_OPTIONAL_POSITIVE,
+           group="output", metavar="S", default_text="5 when the launcher's output is a "
+           "terminal, 60 otherwise (a batch job's output file)"),
     Option("tensorboard", str, None, "also write TensorBoard scalars (loss, metric, rates, "
            "utilization, staleness) into DIR; needs `pip install 'mpilb[tensorboard]'`",
            group="output", metavar="DIR"),
@@ -338,7 +340,7 @@ def load_toml(path: str) -> dict:
 
 def unknown_key(path, key: str) -> str:
     """The message for an unknown key of a config file: the closest known key if there is
-    one, else every valid key (DESIGN.md: the error names the key and the allowed values)."""
+    one, else every valid key (docs/cli.md: the error names the key and the allowed values)."""
     keys = sorted([*OPTION_BY_NAME, "model_args"])
     hint = closest(key.replace("-", "_"), keys)
     if hint:

@@ -1,4 +1,4 @@
-"""Datasets on disk: HDF5 shards plus a JSON manifest (DESIGN.md, "Dataset format").
+"""Datasets on disk: HDF5 shards plus a JSON manifest (docs/data.md, "The dataset directory" and "HDF5 layout").
 
 A dataset is a directory holding ``manifest.json``, ``shard-00000.h5`` ... and ``test.h5``.
 Every HDF5 file has ``x`` (float32, chunked along samples) and ``y``: int64 class labels,

@@ -19,6 +19,9 @@ import time
 
 import numpy as np
 
+from .installation import same_installation
+from .launcher import launch
+
 PING_BYTES = 8
 BANDWIDTH_BYTES = 4 * 2**20
 PAIR_SECONDS = 1.0          # ping-pong time per (0, r) pair ...
@@ -75,27 +78,6 @@ def _rank_facts(comm) -> dict:
         "driver_gpus": _nvidia_smi_gpus() if gpus == 0 else None,
         "cuda_support": C.mpi_info()["cuda_support"],
     }
-
-
-def _launcher() -> tuple[str, int | None]:
-    """Which launcher started this process, and how many processes it says it started."""
-    env = os.environ
-
-    def count(name):
-        value = env.get(name, "")
-        return int(value) if value.isdigit() else None
-
-    if "OMPI_COMM_WORLD_SIZE" in env:
-        return "Open MPI mpirun", count("OMPI_COMM_WORLD_SIZE")
-    if "MPI_LOCALNRANKS" in env:   # set by MPICH's Hydra only
-        return "mpiexec (MPICH Hydra)", count("PMI_SIZE")
-    if "SLURM_STEP_ID" in env:
-        return f"srun --mpi={env.get('SLURM_MPI_TYPE', '?')}", count("PMI_SIZE") or count("SLURM_STEP_NUM_TASKS")
-    if "PMI_SIZE" in env:
-        return "a PMI launcher", count("PMI_SIZE")
-    if "PMIX_RANK" in env:
-        return "a PMIx launcher", None
-    return "none (singleton: one process without mpiexec)", None
 
 
 # ---------------------------------------------------------------- ping-pong
@@ -175,11 +157,6 @@ def _numbers(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split(".") if p.isdigit())
 
 
-def _prefix(path: str) -> str:
-    """Installation prefix of a bin/ or lib/ file: /opt/mpi/bin/mpiexec -> /opt/mpi."""
-    return os.path.dirname(os.path.dirname(os.path.realpath(path)))
-
-
 def _fs_type(path: str) -> str | None:
     """File system type of `path`, from /proc/mounts (longest matching mount point)."""
     try:
@@ -209,7 +186,8 @@ def _check_mpi(info: dict, size: int, launcher: str, launched: int | None, out: 
                   f"library implementing MPI {info['standard']} ({info['libmpi']}): rebuild it "
                   "against the MPI you run: pip install --no-binary mpi4py --force-reinstall mpi4py")
     mpicc = info["mpi4py_mpicc"]
-    if mpicc and info["libmpi"] and _prefix(shutil.which(mpicc) or mpicc) != _prefix(info["libmpi"]):
+    if mpicc and info["libmpi"] and not same_installation(shutil.which(mpicc) or mpicc,
+                                                          info["libmpi"], info.get("library", "")):
         out.warn(f"mpi4py was built with {mpicc} but runs with {info['libmpi']}; if these belong "
                  "to different MPI installations, load the MPI module mpi4py was built with, or "
                  "rebuild: pip install --no-binary mpi4py --force-reinstall mpi4py")
@@ -217,6 +195,25 @@ def _check_mpi(info: dict, size: int, launcher: str, launched: int | None, out: 
         out.error(f"MPI provides thread level {info['thread_level']}, mpilb asks for "
                   f"{info['thread_requested']} (the shard prefetch thread runs beside MPI): use an "
                   "MPI library built with thread support")
+
+
+def mpi4py_line(info: dict) -> str:
+    """The doctor's mpi4py row: its version and how it was built (installation.py)."""
+    from . import installation as I
+
+    wheels = {name: I.distribution(name) for name in I.MPI_WHEELS}
+    holder = I.wheel_holding(info["libmpi"], wheels) if info["libmpi"] else None
+    build = I.mpi4py_build(info["mpi4py_mpicc"], info.get("mpi4py_extension", ""),
+                           I.distribution("mpi4py"), holder)
+    return f"{info['mpi4py']} ({build})"
+
+
+def _check_build(mpi4py: str, launcher: str, out: Findings) -> None:
+    """A cluster job on the MPICH wheel from PyPI: it runs, without the site's fast paths."""
+    if launcher.startswith("srun") and "libmpi from the mpich wheel" in mpi4py:
+        out.warn("this Slurm job runs on the mpich wheel from PyPI (the [mpi] extra), which "
+                 "knows nothing of the cluster's interconnect: build mpi4py against the site's "
+                 "MPI (docs/slurm.md, 'Using the cluster's MPI instead of the bundled wheel')")
 
 
 def _check_hdf5(out: Findings) -> str:
@@ -374,8 +371,11 @@ def doctor() -> int:
 
     out = Findings()
     info = C.mpi_info()
-    launcher, launched = _launcher()
+    job = launch()
+    launcher, launched = job.name, job.size
     _check_mpi(info, size, launcher, launched, out)
+    mpi4py = mpi4py_line(info)
+    _check_build(mpi4py, launcher, out)
     if h5py.version.hdf5_built_version_tuple != h5py.version.hdf5_version_tuple:
         out.warn(f"h5py was built against HDF5 {'.'.join(map(str, h5py.version.hdf5_built_version_tuple))} "
                  f"but runs with {h5py.version.hdf5_version}: reinstall h5py for this HDF5")
@@ -392,13 +392,13 @@ def doctor() -> int:
         ("MPI library", " ".join(info["library"].splitlines()[0].split())),
         ("MPI standard", f"{info['standard']} (mpi4py compiled for {info['compiled_standard']})"),
         ("libmpi", info["libmpi"] or "unknown"),
-        ("mpiexec on PATH", (mpiexec + ("" if not info["libmpi"] or _prefix(mpiexec) == _prefix(info["libmpi"])
-                                        else " (another installation than libmpi)")) if mpiexec else "none"),
+        ("mpiexec on PATH", (mpiexec + ("" if not info["libmpi"] or same_installation(
+            mpiexec, info["libmpi"], info["library"]) else " (another installation than libmpi)"))
+            if mpiexec else "none"),
         ("launcher", launcher),
         ("world size", f"{size} rank(s) on {hosts} host(s)"),
         ("thread level", f"{info['thread_level']} (requested {info['thread_requested']})"),
-        ("mpi4py", info["mpi4py"] + (f" (built with {info['mpi4py_mpicc']})" if info["mpi4py_mpicc"]
-                                     else " (binary wheel)")),
+        ("mpi4py", mpi4py),
         ("h5py", _version("h5py")),
         ("HDF5", h5py.version.hdf5_version),
         ("numpy", np.__version__),

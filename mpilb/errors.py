@@ -1,4 +1,4 @@
-"""Exceptions that map to mpilb's exit codes (DESIGN.md: 2 usage/config/data, 1 other)."""
+"""Exceptions that map to mpilb's exit codes (docs/cli.md: 2 usage/config/data, 1 other)."""
 
 import os
 import traceback

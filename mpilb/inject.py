@@ -1,6 +1,6 @@
 """Injected heterogeneity: the ``--inject`` grammar and the per-rank :class:`Injector`.
 
-Experiments need slow, flaky or dead ranks on one homogeneous machine (DESIGN.md,
+Experiments need slow, flaky or dead ranks on one homogeneous machine (docs/cli.md,
 "Injected heterogeneity"). A spec reads ``RANKS:KIND[=VALUE][@START[-END]][,p=PROB]``:
 
 - RANKS: ``3``, ``1,3``, ``2-4`` or ``*`` (every worker). Ranks come before the colon, so the

@@ -184,6 +184,12 @@ def train(config_file, cli_values: dict, raise_errors: bool = False,
     from . import comm as C
 
     comm, rank, size = C.world()
+    if size == 1:
+        from .launcher import mismatch
+
+        problem = mismatch(size, C.library_named())
+        if problem:   # N one-process runs, each writing its own log: refuse before any file
+            raise UsageError(problem)
     _install_signal_handlers(size)   # a preemption during start-up stops the run once it starts
     try:
         cfg, role = _start(comm, rank, size, config_file, cli_values)

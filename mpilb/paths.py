@@ -1,7 +1,7 @@
 """Where a run reads and writes: the dataset it trains on, its log and its checkpoint.
 
 Kept apart from training.py (pure bookkeeping that the simulator shares), because these
-touch the file system and the dataset reader. DESIGN.md, "Run log": one log per run,
+touch the file system and the dataset reader. docs/logs.md: one log per run,
 `runs/NNN.h5` by default, existing files refused unless --resume or --overwrite, distinct
 paths, the checkpoint beside the log.
 """
@@ -101,7 +101,7 @@ def default_checkpoint(log: str) -> str:
 
 
 def check_paths(cfg: Config, dataset, config_file=None) -> None:
-    """Decide the log and checkpoint files (DESIGN.md, "Run log") and refuse names that would
+    """Decide the log and checkpoint files (docs/logs.md) and refuse names that would
     destroy something: an existing log or checkpoint (unless --resume or --overwrite), or one
     file named twice among --log, --checkpoint, the config file and the dataset's files.
     Fills in `cfg.log` (a new `runs/NNN.h5`) and `cfg.checkpoint` when they were not given.

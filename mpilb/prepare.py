@@ -1,6 +1,6 @@
 """Writing datasets: every ``mpilb prepare`` source, all through :func:`write_dataset`.
 
-The format is DESIGN.md's "Dataset format"; :mod:`mpilb.dataset` reads and verifies it.
+The format is docs/data.md's dataset directory and HDF5 layout; :mod:`mpilb.dataset` reads and verifies it.
 Writers stream: whatever the input's size, one block of rows and one open output file are in
 memory at a time.
 """

@@ -1,10 +1,17 @@
 """Live progress on rank 0: a tqdm bar on a terminal, a timestamped status line otherwise.
 
 Under ``mpiexec`` the launcher pipes every rank's stderr, so rank 0 almost never sees a
-terminal there: it then prints a line when training starts, one per ``--progress-interval``
-seconds, the first of them a second after the start (sooner for a shorter interval), and
-one last line when the run ends that agrees with the summary. The rate is computed over the samples applied by this
-process since it started, so a resumed run does not count its predecessor's samples.
+terminal there: it then prints a line when training starts and one per
+``--progress-interval`` seconds, the first of them a second after the start (sooner for a
+shorter interval). The interval defaults to 5 s when a terminal is upstream (an interactive
+``mpiexec``) and to 60 s in a batch job, whose output file would otherwise fill with lines.
+The run's one last line (``mpilb: finished: ...``, on standard output) is the driver's, not
+this display's. The rate is computed over the samples applied by this process since it
+started, so a resumed run does not count its predecessor's samples; the slowest and fastest
+workers' rates are their samples applied per second since the previous line, so that the
+workers' rates add up to the job's.
+
+Epochs are numbered from 1 here, as in ``mpilb report``; the run log stores the index from 0.
 
 Progress learns the training loss and the test metric from the run-log rows it is shown
 (:meth:`Progress.row`, fed by :class:`LogTap`), so the training loops only tell it where
@@ -13,12 +20,43 @@ they are in the epoch.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
-from typing import Optional, TextIO
+from typing import Iterable, Optional, TextIO
 
 # The first status line comes at most this many seconds after the start.
 FIRST_LINE_S = 1.0
+# --progress-interval's default: someone at a terminal, or a batch job's output file
+WATCHED_INTERVAL_S = 5.0
+BATCH_INTERVAL_S = 60.0
+
+
+def terminal_upstream(stream: TextIO, proc: str = "/proc") -> bool:
+    """Whether the lines written to `stream` end up on a terminal: `stream` is one, or it is
+    a pipe to a launcher (mpiexec, its proxy) whose standard error is one. The launcher's
+    plumbing is followed up the parent processes (Linux /proc) while it is pipes; a file
+    (a batch job's output), a socket or an unreadable process (slurmstepd) ends the search."""
+    if hasattr(stream, "isatty") and stream.isatty():
+        return True
+    try:
+        pid, target = os.getpid(), os.readlink(f"{proc}/self/fd/{stream.fileno()}")
+        for _ in range(8):
+            if not target.startswith("pipe:"):
+                return target.startswith(("/dev/pts/", "/dev/tty"))
+            with open(f"{proc}/{pid}/stat") as fh:
+                pid = int(fh.read().rsplit(")", 1)[1].split()[1])   # the parent
+            if pid <= 1:
+                return False
+            target = os.readlink(f"{proc}/{pid}/fd/2")
+    except (OSError, ValueError, IndexError, AttributeError):   # (io.UnsupportedOperation too)
+        return False
+    return False
+
+
+def default_interval(stream: TextIO) -> float:
+    """--progress-interval's default: 5 s when someone can watch, 60 s in a batch job."""
+    return WATCHED_INTERVAL_S if terminal_upstream(stream) else BATCH_INTERVAL_S
 
 
 class LogTap:
@@ -77,7 +115,8 @@ class Progress:
         enabled: False for --no-progress.
         total_epochs: epochs planned.
         samples_per_epoch: samples in one epoch.
-        interval: seconds between status lines (--progress-interval).
+        interval: seconds between status lines (--progress-interval); None: 5 s when a
+            terminal is upstream, else 60 s (:func:`default_interval`).
         stream: where to write (stderr).
         bar: True for a tqdm bar, False for lines; None: a bar when `stream` is a terminal.
         metric: name of the test metric ("accuracy").
@@ -86,26 +125,29 @@ class Progress:
     """
 
     def __init__(self, enabled: bool, total_epochs: int, samples_per_epoch: int,
-                 interval: float = 5.0, stream: Optional[TextIO] = None, bar: Optional[bool] = None,
+                 interval: Optional[float] = None, stream: Optional[TextIO] = None,
+                 bar: Optional[bool] = None,
                  metric: str = "accuracy", max_seconds: Optional[float] = None, clock=time.monotonic):
         self.enabled = enabled
         self.stream = stream or sys.stderr
         self.total = total_epochs * samples_per_epoch
         self.epochs = total_epochs
         self.per_epoch = samples_per_epoch
-        self.interval = interval
+        self.interval = default_interval(self.stream) if interval is None else interval
         self.metric_name = metric
         self.max_seconds = max_seconds
         self.clock = clock
         self.t0 = clock()
         self.train_t0 = 0.0          # training seconds already done before this process
         self.start_done: Optional[int] = None
-        self._next_line = self.t0 + min(FIRST_LINE_S, interval)
+        self._next_line = self.t0 + min(FIRST_LINE_S, self.interval)
         self.done = 0
         self.epoch = 0
         self.metric: Optional[float] = None
         self.lost: list[int] = []
-        self.workers: dict[int, float] = {}
+        self.workers: set[int] = set()        # the ranks working now
+        self._applied: dict[int, int] = {}    # samples each applied since the last line
+        self._window_t0 = self.t0
         self._loss_sum = 0.0          # sum of loss x batch since the last line
         self._loss_n = 0
         self.loss: Optional[float] = None
@@ -117,8 +159,9 @@ class Progress:
     # ------------------------------------------------------------------ inputs
     def begin(self, epoch: int, epoch_samples: int, train_s: float = 0.0) -> None:
         """Training starts (or resumes) here: rates count samples from this point on."""
-        self.t0 = self.clock()
+        self.t0 = self._window_t0 = self.clock()
         self._next_line = self.t0 + min(FIRST_LINE_S, self.interval)
+        self._applied = {}
         self.train_t0 = train_s
         self.epoch = epoch
         self.done = self.start_done = epoch * self.per_epoch + epoch_samples
@@ -136,27 +179,33 @@ class Progress:
                              file=self.stream, dynamic_ncols=True, leave=True)
 
     def row(self, group: str, row: dict) -> None:
-        """A run-log row: training loss (updates/), test metric (eval/), rates (workers/)."""
+        """A run-log row: training loss and each worker's applied samples (updates/), test
+        metric (eval/)."""
         if group == "updates":
             b = row.get("batch", 0)
             loss = row.get("loss", 0.0)
             if b and loss == loss:   # not NaN
                 self._loss_sum += loss * b
                 self._loss_n += b
+            if b and "worker" in row:
+                w = int(row["worker"])
+                self._applied[w] = self._applied.get(w, 0) + int(b)
         elif group == "eval":
             value = row.get("test_metric", row.get("test_accuracy"))
             if value is not None and value == value:
                 self.metric = float(value)
-        elif group == "workers" and row.get("rate"):
-            self.workers[int(row["worker"])] = float(row["rate"])
+        elif group == "workers":
+            self.workers.add(int(row["worker"]))
 
     def update(self, epoch: int, epoch_samples: int, version: int = 0,
-               accuracy: Optional[float] = None, workers: Optional[dict] = None,
+               accuracy: Optional[float] = None, workers: Optional[Iterable[int]] = None,
                lost: Optional[list] = None) -> None:
-        """Where training is: `epoch_samples` applied in `epoch` so far.
+        """Where training is: `epoch_samples` applied in `epoch` so far (`epoch` counts
+        from 0, as the log does).
 
-        `accuracy` (the test metric) and `workers` (rank -> samples/s) override what the
-        log rows said; `lost`: ranks declared lost.
+        `accuracy` (the test metric) overrides what the log rows said; `workers`: the ranks
+        working now (one that applied nothing since the last line shows a rate of 0);
+        `lost`: ranks declared lost.
         """
         if not self.enabled:
             return
@@ -164,8 +213,8 @@ class Progress:
             self.begin(epoch, epoch_samples)
         if accuracy is not None:
             self.metric = accuracy
-        if workers:
-            self.workers = dict(workers)
+        if workers is not None:
+            self.workers = set(workers)
         if lost is not None:
             self.lost = list(lost)
         self.epoch = epoch
@@ -208,6 +257,15 @@ class Progress:
             post["lost"] = ",".join(map(str, self.lost))
         return post
 
+    def worker_rates(self, now: float) -> dict[int, float]:
+        """Samples each worker applied per second since the previous line (they add up to
+        the job's rate over that time); the count starts again."""
+        seconds = max(1e-9, now - self._window_t0)
+        ranks = self.workers | set(self._applied)
+        rates = {r: self._applied.get(r, 0) / seconds for r in sorted(ranks)}
+        self._applied, self._window_t0 = {}, now
+        return rates
+
     def status_line(self, now: float) -> str:
         """One line: elapsed, epoch, samples, rate, ETA, loss, metric, rates, lost workers."""
         elapsed = now - self.t0
@@ -224,11 +282,11 @@ class Progress:
             parts.append(f"loss {loss:.4f}")
         if self.metric is not None:
             parts.append(f"{self.metric_name} {self.metric:.4f}")
-        if len(self.workers) > 1:
-            slow = min(self.workers, key=self.workers.get)
-            fast = max(self.workers, key=self.workers.get)
-            parts.append(f"slowest rank {slow} ({self.workers[slow]:,.0f}/s), "
-                         f"fastest rank {fast} ({self.workers[fast]:,.0f}/s)")
+        rates = self.worker_rates(now)
+        if len(rates) > 1:
+            slow, fast = min(rates, key=rates.get), max(rates, key=rates.get)
+            parts.append(f"slowest rank {slow} ({rates[slow]:,.0f}/s), "
+                         f"fastest rank {fast} ({rates[fast]:,.0f}/s)")
         if self.lost:
             parts.append(f"lost workers {self.lost}")
         return f"mpilb [{elapsed:7.1f} s] " + ", ".join(parts)
@@ -237,8 +295,10 @@ class Progress:
         print(line, file=self.stream, flush=True)
 
     def close(self, summary: Optional[dict] = None) -> None:
-        """End the display; with the run's summary, the last figures are the summary's."""
-        if not self.enabled:
+        """End the display; a bar ends on the summary's figures. Lines end without a line of
+        their own: the run's last line, on standard output, says how it ended (one
+        `finished`, not two that `2>&1` puts side by side)."""
+        if not self.enabled or self._bar is None:
             return
         if summary is not None:
             if summary.get("final_test_metric") is not None:
@@ -246,22 +306,6 @@ class Progress:
             if summary.get("final_train_loss") is not None:
                 self.loss, self._loss_n = summary["final_train_loss"], 0
             self.lost = list(summary.get("lost_workers") or [])
-        if self._bar is not None:
-            self._bar.set_postfix(self._postfix(), refresh=True)
-            self._bar.close()
-            self._bar = None
-        elif summary is not None:
-            self._print(self.final_line(summary))
-
-    def final_line(self, summary: dict) -> str:
-        """The last line: the summary's figures (over the whole run, resumptions included)."""
-        parts = [f"{summary['status']}: {summary['epochs_completed']}/{self.epochs} epochs",
-                 f"{summary['samples']} samples in {summary['train_s']:.1f} s",
-                 f"{summary['samples_per_s']:,.0f} samples/s"]
-        if self.loss is not None:
-            parts.append(f"loss {self.loss:.4f}")
-        if self.metric is not None:
-            parts.append(f"{self.metric_name} {self.metric:.4f}")
-        if self.lost:
-            parts.append(f"lost workers {self.lost}")
-        return f"mpilb [{self.clock() - self.t0:7.1f} s] " + ", ".join(parts)
+        self._bar.set_postfix(self._postfix(), refresh=True)
+        self._bar.close()
+        self._bar = None

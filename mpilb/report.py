@@ -144,7 +144,7 @@ def _per_worker(world: int, up: dict, wk: dict, n_servers: int = 1) -> list[dict
 
 
 def summarize(attrs: dict, cols: dict) -> dict:
-    """Build DESIGN.md's summary object from a log's root attributes and columns."""
+    """Build the summary object (docs/logs.md, "Summary keys") from a log's root attributes and columns."""
     config = run_config(attrs)
     up, wk, ev, sh, ep = (cols[g] for g in ("updates", "workers", "eval", "shards", "epochs"))
     world = int(attrs.get("world_size", 1))
@@ -259,7 +259,8 @@ def format_summary(s: dict, path: str = "") -> str:
                  + (f", lost workers {s['lost_workers']}" if s["lost_workers"] else ""))
     if s["epoch_s"]:
         lines.append("  epoch   seconds  utilization")
-        for i, (t, u) in enumerate(zip(s["epoch_s"], s["utilization"])):
+        # numbered from 1, as the progress line does (the log's `epoch` index is i - 1)
+        for i, (t, u) in enumerate(zip(s["epoch_s"], s["utilization"]), start=1):
             lines.append(f"  {i:5d}  {t:8.2f}  {u:11.2f}")
     if len(s.get("servers", [])) > 1:
         lines.append("  store   params   updates  MB in  MB out  cpu_s")

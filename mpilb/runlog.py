@@ -1,4 +1,4 @@
-"""The run log: one HDF5 file per run, written by rank 0 (schema in DESIGN.md).
+"""The run log: one HDF5 file per run, written by rank 0 (schema in docs/logs.md).
 
 Rows are buffered in memory and appended to chunked, resizable 1-D column datasets at most
 every `flush_interval` seconds, so logging costs a few numpy appends per update. The file is
@@ -284,7 +284,7 @@ class RunLog:
               f"run; written again from the open file", file=sys.stderr, flush=True)
 
     def write_summary(self, summary: dict) -> None:
-        """Store the summary object (DESIGN.md: `summary` with attribute `json`)."""
+        """Store the summary object (docs/logs.md: `summary` with attribute `json`)."""
         with h5py.File(self.path, "a", locking=False) as f:
             f.require_group("summary").attrs["json"] = json.dumps(summary)
         self.release()

@@ -138,7 +138,7 @@ class SerialTrainer:
                 return
         if not self.tracker.complete:
             missing = self.tracker.total - self.tracker.distinct
-            raise RuntimeError(f"epoch {epoch}: the plan ran out with {missing} samples never handed out")
+            raise RuntimeError(f"epoch {epoch + 1}: the plan ran out with {missing} samples never handed out")
         self._end_epoch()
 
     def _hand_out(self, epoch: int, ranges: dict) -> bool:

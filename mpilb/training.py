@@ -1,6 +1,6 @@
 """Pieces shared by the serial trainer and the parameter server.
 
-Epochs are strict (DESIGN.md): an epoch ends when every one of its samples has been applied
+Epochs are strict (docs/cli.md): an epoch ends when every one of its samples has been applied
 exactly once. A batch is a range [lo, hi) of positions in one shard's permuted order in one
 epoch, so the server can count coverage per sample with one small array per epoch.
 """
@@ -95,7 +95,7 @@ class EpochTracker:
         return stats
 
     def coverage(self) -> dict:
-        """DESIGN.md's `coverage` over completed epochs: `applied` counts distinct samples."""
+        """The summary's `coverage` (docs/logs.md) over completed epochs: `applied` counts distinct samples."""
         return {
             "expected": self.total * len(self.completed),
             "applied": sum(self.total - s.missing for s in self.completed),
@@ -124,7 +124,7 @@ class Evaluation:
         return self.accuracy, self.metric
 
     def columns(self) -> dict:
-        """The eval/ row's values (DESIGN.md run log)."""
+        """The eval/ row's values (docs/logs.md, `eval/`)."""
         return {"test_loss": self.loss, "test_accuracy": self.accuracy, "test_metric": self.metric,
                 "val_metric": float("nan") if self.val_metric is None else self.val_metric}
 

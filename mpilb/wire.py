@@ -6,7 +6,7 @@ is pickled in the hot path. This module names the header slots, the tags and the
 and encodes and decodes each kind of message into preallocated views. It imports numpy only:
 the server, the worker and the benchmark all use it, and tests pin its encoding byte for byte.
 
-Messages, per worker w (DESIGN.md):
+Messages, per worker w (docs/architecture.md, "Messages"):
   w -> server  PUSH    [header | gradient]  positions [lo, hi) of a shard it covered, timings
   server -> w  REPLY   [header] + PARAMS    version, batch size, tasks, send orders, a cut;
                                             then the parameters, one message per store

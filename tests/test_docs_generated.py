@@ -1,7 +1,7 @@
 """The measured tables in the docs are exactly what the benchmark result files hold.
 
-benchmarks/gendocs.py renders docs/benchmarks.md, balancing.md and data.md's generated
-blocks from benchmarks/results/*.json; these tests fail when a doc was edited by hand
+benchmarks/gendocs.py renders the generated blocks of docs/benchmarks.md, docs/benchmarks/*.md
+and the other pages in gendocs.DOCS from benchmarks/results/*.json; these tests fail when a doc was edited by hand
 between the markers, a result file changed without regenerating, a file was written by a
 --quick run, or a file's own verdicts do not follow from its figures. (A block whose result
 file does not exist yet says so and shows no figures.)

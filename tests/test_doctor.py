@@ -13,6 +13,7 @@ import sysconfig
 import pytest
 
 from mpilb import doctor as D
+from mpilb.launcher import launch
 
 TIMEOUT = 120
 
@@ -116,6 +117,91 @@ def test_launcher_world_mismatch_and_old_library_are_errors():
     assert any("thread level single" in e for e in out.errors)
 
 
+# ---------------------------------------------------------------- how mpi4py was built
+SOURCE_BUILD = {"tags": ["cp311-cp311-linux_x86_64"], "installer": "pip", "files": []}
+PYPI_WHEEL = {"tags": ["cp311-cp311-manylinux_2_5_x86_64"], "installer": "pip", "files": []}
+
+
+def _mpi4py_info(mpicc="", extension="MPI.cpython-311-x86_64-linux-gnu.so",
+                 libmpi="/opt/mpi/lib/libmpi.so.40"):
+    return dict(mpi4py="4.1.2", mpi4py_mpicc=mpicc, libmpi=libmpi,
+                mpi4py_extension=f"/venv/lib/python3.11/site-packages/mpi4py/{extension}")
+
+
+def test_a_source_built_mpi4py_4_is_not_called_a_binary_wheel(monkeypatch):
+    from mpilb import installation as I
+
+    dists = {"mpi4py": SOURCE_BUILD}
+    monkeypatch.setattr(I, "distribution", lambda name: dists.get(name, {}))
+    line = D.mpi4py_line(_mpi4py_info())
+    assert line.startswith("4.1.2 (built from source") and "wheel" not in line
+    # the binary wheels from PyPI: one extension per MPI ABI, a manylinux tag
+    dists = {"mpi4py": PYPI_WHEEL, "mpich": {"files": ["/venv/lib/libmpi.so.12"]}}
+    line = D.mpi4py_line(_mpi4py_info(extension="MPI.mpich.cpython-311-x86_64-linux-gnu.so",
+                                      libmpi="/venv/lib/libmpi.so.12"))
+    assert line == "4.1.2 (binary wheel for the mpich ABI, libmpi from the mpich wheel)"
+    line = D.mpi4py_line(_mpi4py_info(extension="MPI.openmpi.cpython-311-x86_64-linux-gnu.so"))
+    assert line == "4.1.2 (binary wheel for the openmpi ABI, the system's libmpi)"
+    # mpi4py 3 still records its compiler
+    assert D.mpi4py_line(_mpi4py_info(mpicc="/opt/mpi/bin/mpicc")) == (
+        "4.1.2 (built with /opt/mpi/bin/mpicc)")
+    dists = {"mpi4py": {"installer": "conda", "tags": [], "files": []}}
+    assert D.mpi4py_line(_mpi4py_info()) == "4.1.2 (conda package)"
+
+
+def test_a_slurm_job_on_the_mpich_wheel_is_told_to_use_the_sites_mpi():
+    out = D.Findings()
+    D._check_build("4.1.2 (binary wheel for the mpich ABI, libmpi from the mpich wheel)",
+                   "srun --mpi=pmi2", out)
+    assert len(out.warnings) == 1 and "docs/slurm.md" in out.warnings[0]
+    out = D.Findings()
+    D._check_build("4.1.2 (built from source (...))", "srun --mpi=pmix", out)
+    D._check_build("4.1.2 (binary wheel for the mpich ABI, libmpi from the mpich wheel)",
+                   "mpiexec (MPICH Hydra)", out)
+    assert not out.warnings
+
+
+def _debian_open_mpi(root):
+    """Debian's layout: /usr/bin/mpiexec -> /etc/alternatives/mpiexec -> mpiexec.openmpi ->
+    orterun, mpicc -> ... -> opal_wrapper, libmpi in the multiarch directory."""
+    (root / "usr/bin").mkdir(parents=True)
+    (root / "etc/alternatives").mkdir(parents=True)
+    lib = root / "usr/lib/x86_64-linux-gnu"
+    lib.mkdir(parents=True)
+    (lib / "libmpi.so.40.30.2").write_text("")
+    for tool, real in (("mpiexec", "orterun"), ("mpicc", "opal_wrapper")):
+        (root / "usr/bin" / real).write_text("")
+        (root / "usr/bin" / f"{tool}.openmpi").symlink_to(real)
+        (root / "etc/alternatives" / tool).symlink_to(root / "usr/bin" / f"{tool}.openmpi")
+        (root / "usr/bin" / tool).symlink_to(root / "etc/alternatives" / tool)
+    return lib / "libmpi.so.40.30.2"
+
+
+def test_debians_alternatives_symlinks_are_the_same_installation(tmp_path):
+    from mpilb.installation import same_installation
+
+    libmpi = str(_debian_open_mpi(tmp_path))
+    library = "Open MPI v4.1.4, package: Debian OpenMPI, ident: 4.1.4"
+    mpiexec, mpicc = str(tmp_path / "usr/bin/mpiexec"), str(tmp_path / "usr/bin/mpicc")
+    assert same_installation(mpiexec, libmpi, library)
+    info = dict(libmpi=libmpi, library=library, vendor="Open MPI 4.1.4", standard="3.1",
+                compiled_standard="3.1", mpi4py_mpicc=mpicc, thread_level="funneled",
+                thread_requested="funneled")
+    out = D.Findings()
+    D._check_mpi(info, 2, "Open MPI mpirun", 2, out)
+    assert not out.errors and not out.warnings
+    # what is another installation: another prefix, or MPICH's Hydra beside Open MPI's library
+    (tmp_path / "opt/mpich/bin").mkdir(parents=True)
+    (tmp_path / "opt/mpich/bin/mpiexec.hydra").write_text("")
+    assert not same_installation(str(tmp_path / "opt/mpich/bin/mpiexec.hydra"), libmpi, library)
+    (tmp_path / "usr/bin/mpiexec.hydra").write_text("")
+    assert not same_installation(str(tmp_path / "usr/bin/mpiexec.hydra"), libmpi, library)
+    out = D.Findings()
+    D._check_mpi(dict(info, mpi4py_mpicc=str(tmp_path / "opt/mpich/bin/mpiexec.hydra")), 2, "x",
+                 2, out)
+    assert len(out.warnings) == 1 and "different MPI installations" in out.warnings[0]
+
+
 def test_hdf5_locking(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     for value, expected in (("FALSE", "off"), ("BEST_EFFORT", "best effort")):
@@ -190,5 +276,6 @@ def test_launcher_is_named_with_the_size_it_started(monkeypatch, env, label, siz
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)
-    name, started = D._launcher()
+    job = launch()
+    name, started = job.name, job.size
     assert name.startswith(label) and started == size

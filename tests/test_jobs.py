@@ -194,6 +194,15 @@ def test_train_cpu(tmp_path, digits):
                        JOBS / "slurm/train_cpu.sbatch", "--data", digits, *TRAIN)
     attrs = assert_finished(tmp_path / f"mpilb-{job}.h5", 4, proc)
     assert attrs["config"]["device"] == "cpu"
+    # the job's output shows the run going on (no --no-progress), at the batch interval
+    assert re.search(r"^mpilb \[\s*0\.0 s\] epoch 1/1, 0/\d+ samples, training started$",
+                     proc.stderr, re.M), proc.stderr
+    assert attrs["config"]["progress"] and attrs["config"]["progress_interval"] is None
+
+
+def test_no_template_silences_progress():
+    for template in SBATCH_TEMPLATES:
+        assert "--no-progress" not in re.sub(r"#.*", "", template.read_text()), template.name
 
 
 @pytest.mark.mpi

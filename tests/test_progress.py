@@ -58,32 +58,100 @@ def test_rate_counts_only_this_process_after_a_resume():
 def test_loss_metric_and_lost_workers_come_from_log_rows():
     p, out, clock = make(interval=1.0, metric="accuracy")
     p.begin(0, 0)
-    p.row("updates", {"batch": 10, "loss": 2.0})
-    p.row("updates", {"batch": 30, "loss": 1.0})
+    p.row("updates", {"worker": 2, "batch": 150, "loss": 2.0})
+    p.row("updates", {"worker": 1, "batch": 450, "loss": 1.0})
     p.row("eval", {"test_loss": 0.9, "test_accuracy": 0.625})
-    p.row("workers", {"worker": 1, "rate": 400.0})
-    p.row("workers", {"worker": 2, "rate": 100.0})
+    p.row("workers", {"worker": 1, "rate": 4000.0})   # per busy second: not what is shown
+    p.row("workers", {"worker": 2, "rate": 1000.0})
     clock.t += 1.5
-    p.update(0, 400, lost=[3])
+    p.update(0, 600, lost=[3])
     line = lines(out)[1]
-    assert "loss 1.2500" in line                  # (10*2 + 30*1) / 40
+    assert "loss 1.2500" in line                  # (150*2 + 450*1) / 600
     assert "accuracy 0.6250" in line
-    assert "slowest rank 2 (100/s), fastest rank 1 (400/s)" in line
+    assert "slowest rank 2 (100/s), fastest rank 1 (300/s)" in line   # applied per second
     assert "lost workers [3]" in line
 
 
-def test_final_line_repeats_the_summary():
+def test_lines_end_without_a_finished_line_of_their_own():
+    # the run's status line is the driver's, on stdout: two `finished` lines collide in 2>&1
     p, out, clock = make(interval=10.0)
     p.begin(0, 0)
     p.row("eval", {"test_accuracy": 0.5})
     clock.t += 3
     p.update(1, 200)
+    before = lines(out)
     p.close({"status": "finished", "epochs_completed": 1, "samples": 1200, "train_s": 3.0,
              "samples_per_s": 400.0, "final_test_metric": 0.9471, "final_train_loss": 0.25,
              "lost_workers": []})
-    last = lines(out)[-1]
-    assert "finished: 1/4 epochs" in last and "400 samples/s" in last
-    assert "accuracy 0.9471" in last and "loss 0.2500" in last
+    assert lines(out) == before and not any("finished" in ln for ln in before)
+
+
+def test_worker_rates_are_per_wall_second_and_add_up_to_the_jobs():
+    p, out, clock = make(interval=2.0, epochs=1, per_epoch=100000)
+    p.begin(0, 0)
+    p.update(0, 0, workers=[1, 2, 3, 4])
+    applied = {1: 3000, 2: 1000, 3: 500}       # rank 4 applied nothing in this window
+    for w, n in applied.items():
+        for _ in range(n // 50):
+            p.row("updates", {"worker": w, "batch": 50, "loss": 1.0})
+    clock.t += 2.0
+    p.update(0, sum(applied.values()), workers=[1, 2, 3, 4])
+    line = lines(out)[-1]
+    assert "2,250 samples/s" in line               # 4500 samples in 2 s
+    assert "slowest rank 4 (0/s), fastest rank 1 (1,500/s)" in line
+    # the next window starts afresh
+    for _ in range(20):
+        p.row("updates", {"worker": 2, "batch": 50, "loss": 1.0})
+    clock.t += 2.0
+    p.update(0, 5500, workers=[1, 2, 3, 4])
+    assert "fastest rank 2 (500/s)" in lines(out)[-1]
+    rates = p.worker_rates(clock.t + 1.0)
+    assert rates == {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0}
+
+
+def _fake_proc(root, chain):
+    """A /proc with this process's stderr and its ancestors' as `chain` gives them:
+    [(pid, parent, stderr target)], this process first."""
+    import os
+
+    self_pid = os.getpid()
+    (root / "self" / "fd").mkdir(parents=True)
+    for i, (pid, parent, target) in enumerate(chain):
+        pid = self_pid if i == 0 else pid
+        (root / str(pid) / "fd").mkdir(parents=True)
+        (root / str(pid) / "stat").write_text(f"{pid} (x y) S {parent} 0 0\n")
+        (root / str(pid) / "fd" / "2").symlink_to(target)
+        if i == 0:
+            (root / "self" / "fd" / "2").symlink_to(target)
+
+
+class _Stderr:
+    def isatty(self):
+        return False
+
+    def fileno(self):
+        return 2
+
+
+@pytest.mark.parametrize("chain, watched", [
+    # an interactive mpiexec: rank -> proxy -> mpiexec, whose stderr is the terminal
+    ([(0, 901, "pipe:[11]"), (901, 900, "pipe:[12]"), (900, 800, "/dev/pts/3")], True),
+    # a batch job: mpiexec writes into the job's output file
+    ([(0, 901, "pipe:[11]"), (901, 900, "pipe:[12]"), (900, 800, "/scratch/slurm-7.out")], False),
+    # srun's tasks: the parent (slurmstepd, root's) cannot be read
+    ([(0, 77, "pipe:[11]")], False),
+    ([(0, 901, "/home/u/run.err")], False),
+])
+def test_default_interval_is_5_s_with_a_terminal_upstream_and_60_s_in_a_batch_job(
+        tmp_path, chain, watched):
+    from mpilb.progress import BATCH_INTERVAL_S, WATCHED_INTERVAL_S, default_interval, terminal_upstream
+
+    _fake_proc(tmp_path, chain)
+    assert terminal_upstream(_Stderr(), proc=str(tmp_path)) is watched
+    assert default_interval(io.StringIO()) == BATCH_INTERVAL_S   # no file behind it
+    assert (WATCHED_INTERVAL_S, BATCH_INTERVAL_S) == (5.0, 60.0)
+    p = Progress(True, 1, 10, stream=io.StringIO(), bar=False)
+    assert p.interval == BATCH_INTERVAL_S
 
 
 def test_bar_ends_on_the_summary_metric():

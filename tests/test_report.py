@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,8 +23,8 @@ from mpilb.plots import shard_spans, throughput, timeline_segments, write_plots
 from mpilb.report import SUMMARY_KEYS, summarize_log
 from mpilb.runlog import RunLog, read_columns
 
-# DESIGN.md, "Summary keys", spelled out here so that a change on either side shows.
-DESIGN_SUMMARY_KEYS = {
+# docs/logs.md, "Summary keys", spelled out here so that a change on either side shows.
+DOCUMENTED_SUMMARY_KEYS = {
     "status", "mode", "balancer", "batch_policy", "store", "correction", "workers", "wall_s",
     "train_s", "samples", "samples_per_s", "updates", "epochs_completed", "epoch_s",
     "utilization", "final_test_accuracy", "best_test_accuracy", "metric", "final_test_metric",
@@ -101,8 +102,8 @@ def report(*args, timeout: float = 180) -> subprocess.CompletedProcess:
 def test_summary_keys_match_design(tmp_path):
     path, expected = finished_log(tmp_path / "run.h5")
     s = summarize_log(path)
-    assert set(SUMMARY_KEYS) == DESIGN_SUMMARY_KEYS
-    assert set(s) == DESIGN_SUMMARY_KEYS
+    assert set(SUMMARY_KEYS) == DOCUMENTED_SUMMARY_KEYS
+    assert set(s) == DOCUMENTED_SUMMARY_KEYS
     assert s["status"] == "finished" and s["workers"] == 3
     assert s["updates"] == expected["updates"]
     assert s["samples"] == sum(expected["samples"].values())
@@ -162,7 +163,7 @@ def test_cli_json_parses(tmp_path):
     res = report(path, "--json")
     assert res.returncode == 0, res.stderr
     s = json.loads(res.stdout)
-    assert set(s) == DESIGN_SUMMARY_KEYS and len(s["per_worker"]) == 3
+    assert set(s) == DOCUMENTED_SUMMARY_KEYS and len(s["per_worker"]) == 3
 
 
 def test_cli_plots_written(tmp_path):
@@ -279,6 +280,28 @@ def test_serial_train_then_report(small_dataset, tmp_path):
     assert s["samples"] == 2 * 1600
     assert [w["rank"] for w in s["per_worker"]] == [0]
     assert all((tmp_path / "plots" / n).stat().st_size > 5000 for n in RUN_PLOTS)
+
+
+def test_one_finished_line_and_epochs_numbered_alike(small_dataset, tmp_path):
+    """Progress lines, the run's status line and the report as a user sees them together
+    (`2>&1`): one `finished`, epochs counted from 1 in the progress and the report alike,
+    while the log keeps the index from 0."""
+    log = tmp_path / "seen.h5"
+    res = subprocess.run(mpirun.mpilb_cmd(0, "train", "--data", small_dataset.root, "--model",
+                                          "softmax", "--epochs", 2, "--log", log,
+                                          "--progress-interval", "0.01"),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=120, env=mpirun.env())
+    assert res.returncode == 0, res.stdout
+    lines = res.stdout.splitlines()
+    assert [ln for ln in lines if re.search(r"\bfinished\b", ln)] == [
+        next(ln for ln in lines if ln.startswith("mpilb: finished: 2 epoch(s)"))]
+    shown = {int(n) for n in re.findall(r"epoch (\d+)/2", res.stdout)}
+    assert 1 in shown and shown <= {1, 2}
+    assert read_columns(str(log))[1]["epochs"]["epoch"].tolist() == [0, 1]
+    text = report(log).stdout.splitlines()
+    head = text.index("  epoch   seconds  utilization")
+    assert [int(row.split()[0]) for row in text[head + 1:head + 3]] == [1, 2]
 
 
 # ----------------------------------------------------------------------- figure helpers

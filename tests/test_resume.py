@@ -25,7 +25,7 @@ RANKS = {"mpi": 4, "one": 1}
 
 
 def recomputed_coverage(log: str, shard_sizes: list[int]) -> dict:
-    """DESIGN.md's coverage over the completed epochs, from updates/ (epoch, shard, lo, hi)."""
+    """The summary's coverage (docs/logs.md) over the completed epochs, from updates/ (epoch, shard, lo, hi)."""
     _, cols = read_columns(log)
     up, ep = cols["updates"], cols["epochs"]
     offsets = np.concatenate([[0], np.cumsum(shard_sizes)]).astype(np.int64)

@@ -1,5 +1,5 @@
 """Start-up under mpiexec: any failure on any rank is one line and a prompt end of the job;
-log and checkpoint names that would destroy a file are refused (DESIGN.md, "Run log")."""
+log and checkpoint names that would destroy a file are refused (docs/logs.md)."""
 
 from __future__ import annotations
 

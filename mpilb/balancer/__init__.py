@@ -1,8 +1,8 @@
 """Load-balancing policies: which worker consumes which shard, with what batch size.
 
 Pure Python: no MPI, no clocks (times are passed in), so the live server (rank 0), the unit
-tests and :mod:`mpilb.simulate` drive the same code. The protocol (DESIGN.md, "Training
-modes, corrections, balancing"):
+tests and :mod:`mpilb.simulate` drive the same code. What each policy does is in docs/cli.md
+("Modes, corrections, balancers") and docs/balancing.md; the protocol they share:
 
 - ``plan_epoch(epoch, order)`` at each epoch start builds the per-worker queues of
   *unstarted* shards; ``next_shard(w)`` hands one out when a worker needs a new current or

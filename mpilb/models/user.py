@@ -26,7 +26,9 @@ import numpy as np
 from mpilb.errors import UsageError
 from mpilb.models.base import Model
 
-TORCH_HINT = 'PyTorch is not installed: pip install "mpilb[torch]"'
+TORCH_HINT = ('PyTorch is not installed: pip install "mpilb[torch]" (on CPU-only nodes first '
+              'pip install torch --index-url https://download.pytorch.org/whl/cpu, ~0.2 GB '
+              'instead of the CUDA build\'s several GB)')
 # Objects handed to mpilb.train(model=...) are registered under "python:<key>".
 OBJECTS: dict[str, Any] = {}
 

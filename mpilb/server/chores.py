@@ -101,9 +101,8 @@ class Chores:
             self._begin_stop()
         self.log.maybe_flush()
         if self.progress.enabled:
-            rates = {w.rank: self.balancer.rate(w.rank) for w in self.present()}
             self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy,
-                                 rates, lost=self.lost)
+                                 [w.rank for w in self.present()], lost=self.lost)
 
     def _first_sizes_due(self) -> bool:
         """Proportional batches: size them as soon as every worker has taken a few steps,
@@ -229,7 +228,7 @@ class Chores:
         present = self.present()
         if present and all(w.idle for w in present) and not any(self.balancer.queued(w.rank) for w in present):
             missing = self.tracker.total - self.tracker.distinct
-            raise RuntimeError(f"epoch {self.epoch}: every worker is idle but {missing} samples "
+            raise RuntimeError(f"epoch {self.epoch + 1}: every worker is idle but {missing} samples "
                                f"were never handed out (balancer {self.cfg.balancer})")
 
     def _declare_lost(self, w, why: str = "") -> None:

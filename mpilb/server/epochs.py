@@ -1,6 +1,6 @@
 """Epochs on rank 0: plan, hand out, end, evaluate (a part of the parameter server).
 
-Epochs are strict (DESIGN.md): an epoch ends when every one of its samples has been applied
+Epochs are strict (docs/cli.md): an epoch ends when every one of its samples has been applied
 exactly once. At its start the balancer plans the shard queues and idle workers get tasks;
 at its end the `epochs/` row is logged, the model is evaluated and the stop rules decide.
 Mixed into :class:`~mpilb.server.loop.ParameterServer`.

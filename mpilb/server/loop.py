@@ -1,4 +1,4 @@
-"""The parameter server on rank 0: the protocol of DESIGN.md, one push at a time.
+"""The parameter server on rank 0: the protocol of docs/architecture.md, one push at a time.
 
 Per worker w (messages in wire.py):
   w -> server  PUSH    [header | gradient] the positions [lo, hi) of a shard it covered, timings

@@ -192,7 +192,7 @@ class Engine(EngineChores):
                 self._at(t + self.cfg.rebalance_interval, REBALANCE)
                 if not self.running and not self.pending_lost and not self.done:
                     # as the server's stall check: nobody computes and nothing can change
-                    raise RuntimeError(f"simulation stalled in epoch {self.epoch}: every worker "
+                    raise RuntimeError(f"simulation stalled in epoch {self.epoch + 1}: every worker "
                                        f"is idle but the epoch is not complete")
             else:
                 self.pending_lost -= 1

@@ -45,7 +45,7 @@ class Ledger:
         self.tracker.end(t)
 
     def coverage(self) -> dict:
-        """DESIGN.md's ``coverage`` over completed epochs."""
+        """The summary's ``coverage`` (docs/logs.md) over completed epochs."""
         return self.tracker.coverage()
 
     @property

@@ -1,6 +1,6 @@
 """``mpilb simulate --from RUN.h5``: a run's measured workers and settings, to replay.
 
-From the run log (DESIGN.md, "Run log"):
+From the run log (docs/logs.md):
 
 - per worker, a piecewise-constant trace from its ``workers/`` rows (one per rebalance
   interval): compute seconds per sample (``compute_s / samples``, injected slowdowns
