@@ -166,7 +166,8 @@ def build_parser() -> Parser:
     ps.add_argument("--seconds", type=float, default=2.0, help="length of each timed phase")
     ps.add_argument("--repeats", type=int, default=3, help="alternations of the two loops")
     ps.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam"))
-    ps.add_argument("--servers", type=int, default=1, help="parameter stores (ranks 0..K-1)")
+    ps.add_argument("--servers", default="1", metavar="K|per-node",
+                    help="parameter stores, placed by node as `mpilb train --servers` does")
     ps.add_argument("--json", action="store_true")
 
     exp = sub.add_parser("export", help="trained weights out of a checkpoint")
