@@ -1,4 +1,4 @@
-"""The `mpilb` command: prepare, data, train, report, bench, doctor.
+"""The `mpilb` command: prepare, data, train, report, bench, doctor, box, ...
 
 Errors a user can fix (bad options, config, data) are one line from rank 0 and exit code 2;
 see DESIGN.md for the other exit codes.
@@ -183,6 +183,9 @@ def build_parser() -> Parser:
     ev.add_argument("--json", action="store_true")
 
     sub.add_parser("doctor", help="check the MPI, HDF5 and GPU setup")
+    # listed here; main() hands every word after `box` to the box's own parser
+    sub.add_parser("box", add_help=False, help="a cluster in a box: N emulated nodes on this "
+                   "machine to run mpiexec across (root; docs/cluster.md)")
 
     from .simulate.main import add_arguments as simulate_arguments
 
@@ -193,6 +196,10 @@ def build_parser() -> Parser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if list(argv[:1]) == ["box"]:   # up, run, down, status, cleanup: mpilb.clusterbox's parser
+        from .clusterbox import main as box_main
+
+        return box_main(list(argv[1:]), prog="mpilb box")
     try:
         args = build_parser().parse_args(argv)
         return _dispatch(args)
