@@ -42,6 +42,7 @@ class Replay:
     faults: list = field(default_factory=list)
     measured_epoch_s: list[float] = field(default_factory=list)
     measured_utilization: list[float] = field(default_factory=list)
+    servers: int = 1   # the run's parameter stores (its `stores`, or --servers K)
 
 
 def load_run(path: str, params: int | None = None) -> Replay:
@@ -90,7 +91,7 @@ def load_run(path: str, params: int | None = None) -> Replay:
     ep = cols["epochs"]
     return Replay(path, config, profiles, shard_sizes, params, row_bytes, faults,
                   [float(e - s) for s, e in zip(ep["t_start"], ep["t_end"])],
-                  [float(u) for u in ep["utilization"]])
+                  [float(u) for u in ep["utilization"]], servers)
 
 
 def _reason(exc: Exception) -> str:
