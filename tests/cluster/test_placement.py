@@ -1,7 +1,8 @@
 """Parameter stores placed by node, on three emulated nodes (mpilb.clusterbox): the run log
 records every rank's node, `--servers 2` under the block layout has its stores on two nodes,
 `--servers per-node` one on each, with exact coverage; `bench ps --servers per-node` places
-its stores the same way; `mpilb report` shows the layout without a warning."""
+its stores the same way; `mpilb report` shows the layout without a warning, `mpilb doctor`
+the job's layout."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def test_stores_are_placed_by_node_on_three_nodes(digits_dir, tmp_path):
         bench = box.mpiexec(["-hosts", BLOCK, *MPILB, "bench", "ps", "--params", "10000",
                              "--seconds", "0.3", "--repeats", "1", "--servers", "per-node",
                              "--json"], timeout=120, env=mpirun.env())
+        doctor = box.mpiexec(["-hosts", BLOCK, *MPILB, "doctor"], timeout=120, env=mpirun.env())
     for k, res in runs.items():
         assert res.returncode == 0, (k, res.stderr)
     for k, stores in (("2", [0, 2]), ("per-node", [0, 2, 4])):
@@ -73,3 +75,9 @@ def test_stores_are_placed_by_node_on_three_nodes(digits_dir, tmp_path):
     assert "node 1 (n1): rank(s) 2 store, 3" in report.stdout
     assert "store 2 <-> workers: shared memory 3; network 1, 4, 5" in report.stdout
     assert "warning" not in report.stdout
+    # doctor shows the job's layout, and where --servers would put the stores
+    assert doctor.returncode == 0, doctor.stdout + doctor.stderr
+    assert "  6 rank(s) on 3 node(s); parameter store(s) on rank(s) 0\n" in doctor.stdout
+    assert "  node 2 (n2): rank(s) 4, 5\n" in doctor.stdout
+    assert "  store 0 <-> workers: shared memory 1; network 2-5\n" in doctor.stdout
+    assert "  stores with --servers per-node: ranks 0, 2, 4\n" in doctor.stdout
