@@ -97,10 +97,10 @@ def _bare_worker(comm, n: int) -> None:
         C.complete(send)
 
 
-def _null_worker(comm, n: int, bounds: list) -> None:
+def _null_worker(comm, n: int, bounds: list, stores: list) -> None:
     """The worker protocol without computing: push zero-cost gradients of the tasks assigned,
     honouring their ends, cuts and drops (so coverage stays exact, as with real workers).
-    Slices go to their stores (`bounds`, --servers) as real workers send them."""
+    Slices go to their stores (`bounds`, the store ranks `stores`) as real workers send them."""
     push_buf, push_hdr, push_payload = wire.new_message(n)
     push_payload[:] = 1e-3
     recv_buf, recv_hdr, recv_params = wire.new_message(n)
@@ -109,11 +109,10 @@ def _null_worker(comm, n: int, bounds: list) -> None:
     step = 0
     pulls = None
     pushes: list = []
-    stores = range(len(bounds) - 1)
     while True:
         if pulls is None:
-            pulls = [comm.Irecv(recv_params[bounds[s]:bounds[s + 1]], source=s, tag=wire.TAG_PARAMS)
-                     for s in stores]
+            pulls = [comm.Irecv(recv_params[bounds[s]:bounds[s + 1]], source=r, tag=wire.TAG_PARAMS)
+                     for s, r in enumerate(stores)]
         C.recv_when_ready(comm, recv_buf[:wire.HEADER_BYTES], 0, wire.TAG_REPLY, backoff)
         reply = wire.decode_reply(recv_hdr)
         for req in pushes:   # done: the server replied (as a real worker, it did not wait)
@@ -148,8 +147,8 @@ def _null_worker(comm, n: int, bounds: list) -> None:
         wire.encode_push(push_hdr, step=step, version=reply.version, epoch=epoch, shard=shard,
                          lo=lo, hi=hi, batch=hi - lo, loss=0.0, compute_s=0.0, io_s=0.0,
                          comm_s=0.0, idle_s=0.0, nonfinite=False, t=0.0)
-        pushes = [comm.Isend(push_payload[bounds[s]:bounds[s + 1]], dest=s, tag=wire.TAG_GRAD)
-                  for s in stores if s > 0]
+        pushes = [comm.Isend(push_payload[bounds[s]:bounds[s + 1]], dest=r, tag=wire.TAG_GRAD)
+                  for s, r in enumerate(stores) if s > 0]
         pushes.append(comm.Isend(push_buf[:wire.HEADER_BYTES + 4 * bounds[1]], dest=0,
                                  tag=wire.TAG_PUSH))
         step += 1
@@ -158,31 +157,33 @@ def _null_worker(comm, n: int, bounds: list) -> None:
 _NULL_SHARD = 1_000_000
 
 
-def _bench_config(n: int, seconds: float, optimizer: str, lr: float, servers: int, log: str):
+def _bench_config(n: int, seconds: float, optimizer: str, lr: float, stores: list, log: str):
     from .config import build_config
 
-    return build_config({}, {"model": "softmax", "optimizer": optimizer, "lr": lr,
-                             "epochs": 1, "max_seconds": seconds, "eval_interval": 1e9,
-                             "rebalance_interval": 1.0, "progress": False, "servers": servers,
-                             "log": log, "data": "<bench>"})
+    cfg = build_config({}, {"model": "softmax", "optimizer": optimizer, "lr": lr,
+                            "epochs": 1, "max_seconds": seconds, "eval_interval": 1e9,
+                            "rebalance_interval": 1.0, "progress": False,
+                            "servers": len(stores), "log": log, "data": "<bench>"})
+    cfg.store_ranks = tuple(stores)
+    return cfg
 
 
 def _bench_dataset(n: int, workers: int) -> _BenchDataset:
     return _BenchDataset(max(1, n // 10 - 1), [_NULL_SHARD] * (2 * workers + 2))
 
 
-def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, servers: int) -> dict:
+def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: list) -> dict:
     """One timed run of the real server (rank 0), its stores and null workers (every rank).
     Rank 0 returns {updates_per_s, server_cpu_s, train_s, updates, servers: [...]}."""
     from .server.store import StoreRank, store_bounds
     from .training import config_model
 
     rank, size = comm.Get_rank(), comm.Get_size()
-    dataset = _bench_dataset(n, size - servers)
+    dataset = _bench_dataset(n, size - len(stores))
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _bench_config(n, seconds, optimizer, lr, servers, os.path.join(tmp, "bench.h5"))
-        if rank >= servers:
-            _null_worker(comm, n, store_bounds(cfg, config_model(cfg, dataset)))
+        cfg = _bench_config(n, seconds, optimizer, lr, stores, os.path.join(tmp, "bench.h5"))
+        if rank not in stores:
+            _null_worker(comm, n, store_bounds(cfg, config_model(cfg, dataset)), stores)
             return {}
         if rank > 0:
             StoreRank(cfg, dataset, comm, rank).run()
@@ -198,25 +199,39 @@ def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, servers: 
 
 
 def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sgd",
-             as_json: bool = False, repeats: int = 3, servers: int = 1) -> int:
+             as_json: bool = False, repeats: int = 3, servers=1) -> int:
     """Run both loops on every rank, alternating `repeats` times; rank 0 prints medians
-    (the ratio is the median of the per-pair ratios). With `servers` K > 1 the real server
-    has K parameter stores (ranks 0..K-1); the bare loop stays one server, P-1 workers."""
+    (the ratio is the median of the per-pair ratios). With `servers` K > 1 (or "per-node")
+    the real server has that many parameter stores, placed by node as `mpilb train` places
+    them (topology.store_ranks); the bare loop stays one server, P-1 workers."""
+    from .topology import PER_NODE, store_ranks
+
     comm, rank, size = C.world()
+    nodes = C.nodes(comm)
     if size < 2:
         if rank == 0:
             raise UsageError("bench ps needs at least 2 ranks: mpiexec -n 4 mpilb bench ps")
         return 2
     if params < 10 or seconds <= 0 or repeats < 1:
         raise UsageError("bench ps: --params must be >= 10, --seconds > 0 and --repeats >= 1")
-    if servers < 1 or servers >= size:
+    if servers != PER_NODE:
+        try:
+            servers = int(servers)
+        except ValueError:
+            raise UsageError(f"bench ps: --servers {servers!r}: expected an integer or "
+                             f"{PER_NODE}") from None
+    if servers != PER_NODE and (servers < 1 or servers >= size):
         raise UsageError(f"bench ps: --servers {servers} must be >= 1 and leave a worker "
                          f"(this job has {size} ranks)")
-    if servers > params:
+    stores = store_ranks(nodes, servers)
+    if len(stores) >= size:
+        raise UsageError(f"bench ps: --servers {servers} leaves no worker: each of the job's "
+                         f"{len(stores)} nodes has one rank (start more ranks per node)")
+    if len(stores) > params:
         raise UsageError(f"bench ps: --servers {servers} exceeds --params {params}")
     from . import cores
 
-    cores.start_waits(comm, servers)   # the waits of `mpilb train` here, for both loops
+    cores.start_waits(comm, stores)   # the waits of `mpilb train` here, for both loops
     lr = 1e-6
     # Use the server's actual parameter count (softmax: 10*(features+1)) for both loops.
     n = (max(1, params // 10 - 1)) * 10 + 10
@@ -228,7 +243,7 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
         else:
             _bare_worker(comm, n)
         C.wait(comm.Ibarrier())
-        run = _real_run(comm, n, seconds, optimizer, lr, servers)
+        run = _real_run(comm, n, seconds, optimizer, lr, stores)
         if rank == 0:
             runs.append(run)
             rates.append(run["updates_per_s"])
@@ -238,7 +253,7 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
     rate, baseline = statistics.median(rates), statistics.median(baselines)
     result = {
         "params": n,
-        "workers": size - servers,
+        "workers": size - len(stores),
         "optimizer": optimizer,
         "updates_per_s": rate,
         "gb_per_s": rate * n * 4 * 2 / 1e9,
@@ -247,13 +262,16 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
         "ratios": [r / b for r, b in zip(rates, baselines)],
         "repeats": repeats,
         "servers": servers,
+        "stores": stores,   # their ranks
+        "nodes": nodes,     # node index by rank
         "runs": runs,   # per repeat: updates/s, rank 0's CPU seconds, per-store counters
     }
     if as_json:
         print(json.dumps(result))
     else:
-        print(f"parameter server ({servers} store{'s' if servers > 1 else ''}), {n} float32 "
-              f"params, {size - servers} workers, {optimizer}: "
+        k, where = len(stores), len(set(nodes))
+        print(f"parameter server ({k} store{'s' if k > 1 else ''} on {where} node"
+              f"{'s' if where > 1 else ''}), {n} float32 params, {size - k} workers, {optimizer}: "
               f"{rate:.0f} updates/s ({result['gb_per_s']:.2f} GB/s in+out); bare loop "
               f"{baseline:.0f} updates/s; ratio {result['ratio']:.2f} (medians of {repeats})")
     sys.stdout.flush()

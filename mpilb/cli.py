@@ -1,4 +1,4 @@
-"""The `mpilb` command: prepare, data, train, report, bench, doctor.
+"""The `mpilb` command: prepare, data, train, report, bench, doctor, box, ...
 
 Errors a user can fix (bad options, config, data) are one line from rank 0 and exit code 2;
 docs/cli.md lists the other exit codes.
@@ -175,7 +175,8 @@ def build_parser() -> Parser:
     ps.add_argument("--seconds", type=float, default=2.0, help="length of each timed phase")
     ps.add_argument("--repeats", type=int, default=3, help="alternations of the two loops")
     ps.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam"))
-    ps.add_argument("--servers", type=int, default=1, help="parameter stores (ranks 0..K-1)")
+    ps.add_argument("--servers", default="1", metavar="K|per-node",
+                    help="parameter stores, placed by node as `mpilb train --servers` does")
     ps.add_argument("--json", action="store_true")
 
     exp = sub.add_parser("export", help="trained weights out of a checkpoint")
@@ -191,6 +192,9 @@ def build_parser() -> Parser:
     ev.add_argument("--json", action="store_true")
 
     sub.add_parser("doctor", help="check the MPI, HDF5 and GPU setup")
+    # listed here; main() hands every word after `box` to the box's own parser
+    sub.add_parser("box", add_help=False, help="a cluster in a box: N emulated nodes on this "
+                   "machine to run mpiexec across (root; docs/cluster.md)")
 
     from .simulate.main import add_arguments as simulate_arguments
 
@@ -201,6 +205,10 @@ def build_parser() -> Parser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if list(argv[:1]) == ["box"]:   # up, run, down, status, cleanup: mpilb.clusterbox's parser
+        from .clusterbox import main as box_main
+
+        return box_main(list(argv[1:]), prog="mpilb box")
     try:
         args = build_parser().parse_args(argv)
         return _dispatch(args)

@@ -99,6 +99,21 @@ def local_rank(comm=None) -> int:
         node.Free()
 
 
+def nodes(comm=None) -> list[int]:
+    """Node index of every rank, in rank order (collective): the ranks that share memory
+    (COMM_TYPE_SHARED) are one node, and nodes are numbered in order of their lowest rank,
+    so rank 0 is on node 0 (topology.number_nodes)."""
+    from .topology import number_nodes
+
+    comm = comm or MPI.COMM_WORLD
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    try:
+        lowest = node.allreduce(comm.Get_rank(), op=MPI.MIN)
+    finally:
+        node.Free()
+    return number_nodes(comm.allgather(lowest))
+
+
 def _library_text() -> str:
     """The MPI library's version text, without the NUL terminator that Open MPI includes
     (HDF5 refuses strings with NULs in them, and the run log records this text)."""

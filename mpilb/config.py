@@ -37,6 +37,7 @@ class Option:
         group: heading in the configuration reference.
         default_text: the default as the reference and ``--help`` show it, where it depends
             on other options (`default` is then None and build_config decides).
+        words: values allowed beside those of `type` (`--servers per-node`), kept as text.
     """
 
     name: str
@@ -48,6 +49,7 @@ class Option:
     group: str = "training"
     metavar: Optional[str] = None
     default_text: Optional[str] = None
+    words: tuple = ()
 
     @property
     def flag(self) -> str:
@@ -170,9 +172,12 @@ OPTIONS: tuple[Option, ...] = (
            group="output", metavar="DIR"),
     Option("overwrite", bool, False, "replace an existing --log (and its checkpoint) instead "
            "of refusing to start", group="output"),
-    Option("servers", int, 1, "parameter stores: ranks 0..K-1 each hold a slice of the "
-           "parameters (rank 0 also coordinates); workers are ranks K..P-1",
-           check=_POSITIVE_INT, group="mode", metavar="K"),
+    Option("servers", int, 1, "parameter stores, each holding a slice of the parameters "
+           "(rank 0 is one and coordinates), the other ranks work: K stores go on K different "
+           "nodes (each node's lowest rank; on one node ranks 0..K-1), per-node puts one "
+           "beside the workers of every node (docs/scaling.md)",
+           check=(lambda v: v == "per-node" or v >= 1, "an integer >= 1 or per-node"),
+           group="mode", metavar="K|per-node", words=("per-node",)),
 )
 
 # Options that do nothing given another option's value: (option, applies(cfg), the option
@@ -218,6 +223,8 @@ class Config:
     # file's path (only in the Config that build_config returns; for refusing or warning
     # about an option with no effect, see no_effect)
     given: dict = field(default_factory=dict, compare=False, repr=False)
+    # the parameter stores' ranks, placed by node at start-up (launch.py; topology.stores_of)
+    store_ranks: tuple = field(default=(), compare=False, repr=False)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -262,6 +269,8 @@ def _coerce(opt: Option, value: Any, source: str) -> Any:
     where = f"{source}: {opt.name}" if source else opt.flag
     if value is None:
         return None
+    if isinstance(value, str) and value.strip() in opt.words:
+        return value.strip()
     try:
         if opt.type is bool:
             if isinstance(value, bool):
@@ -288,6 +297,7 @@ def _coerce(opt: Option, value: Any, source: str) -> Any:
     except (TypeError, ValueError):
         kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
                 list: "a list of strings"}[opt.type]
+        kind += "".join(f" or {w}" for w in opt.words)
         raise UsageError(f"{where} = {value!r}: expected {kind}") from None
 
 

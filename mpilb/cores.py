@@ -3,7 +3,7 @@
 A worker whose node has at least one CPU per rank of the job there polls for its messages
 without sleeping for a moment at the start of each wait (:attr:`waiting.Backoff.spin_s`):
 a sleep and the wake-up that ends it cost ~0.1-0.2 ms on a virtual machine, once at each
-end of a push's round trip. A parameter store (rank 0, and ranks 1..K-1 with ``--servers K``)
+end of a push's round trip. A parameter store (rank 0, and the other store ranks of ``--servers K``)
 polls on after each push it handles, which with several workers is all the time, so it
 does so only where its node has a CPU more than that: its own threads (the evaluation) and
 the workers' (their shard readers) need CPU too. With one worker and the server on two
@@ -89,24 +89,24 @@ def own_core(me: tuple, everyone: list, spare: int = 0) -> bool:
     return sharing + spare <= usable
 
 
-def spinning(comm, servers: int = 1) -> list[bool]:
+def spinning(comm, stores=(0,)) -> list[bool]:
     """Collective: for every rank, whether its waits poll first: a worker where it has a
-    CPU to itself, a store (ranks below `servers`) where its node has one more (see the
+    CPU to itself, a store (the ranks in `stores`) where its node has one more (see the
     module's docstring); ``MPILB_SPIN=1`` or ``0`` on a rank decides for it."""
     cpus = cpu_set()
     me = (socket.gethostname(), sorted(cpus) if cpus is not None else None, usable_cpus(),
           os.environ.get("MPILB_SPIN", "auto"))
     everyone = comm.allgather(me)
     facts = [e[:3] for e in everyone]
-    return [e[3] == "1" if e[3] in ("0", "1") else own_core(e[:3], facts, spare=int(r < servers))
+    return [e[3] == "1" if e[3] in ("0", "1") else own_core(e[:3], facts, spare=int(r in stores))
             for r, e in enumerate(everyone)]
 
 
-def start_waits(comm, servers: int = 1) -> list[bool]:
+def start_waits(comm, stores=(0,)) -> list[bool]:
     """Collective: make this process's waits poll for :data:`SPIN_S` seconds before they
     sleep where :func:`spinning` says so. Returns every rank's answer."""
     from .waiting import Backoff
 
-    spins = spinning(comm, servers)
+    spins = spinning(comm, stores)
     Backoff.spin_s = SPIN_S if spins[comm.Get_rank()] else 0.0
     return spins

@@ -346,6 +346,17 @@ def _waits_line(spins: list[bool]) -> str:
             f"rank(s) {_ranks(rest)} sleep between polls{why}")
 
 
+def layout_section(nodes: list[int], hosts: list[str]) -> list[str]:
+    """The job's nodes and which pairs talk through shared memory or the network, with the
+    one store of --servers 1, and where --servers K / per-node would put theirs."""
+    from .topology import layout_lines, span, store_ranks
+
+    n = max(nodes) + 1
+    where = [f"--servers {k}: ranks {span(store_ranks(nodes, k))}" for k in range(2, min(n, 3) + 1)]
+    where.append(f"--servers per-node: ranks {span(store_ranks(nodes, 'per-node'))}")
+    return layout_lines(nodes, [0], hosts) + [f"stores with {w}" for w in where]
+
+
 def _format_pingpong(results) -> list[str]:
     return [f"rank 0 <-> {peer}: latency {lat * 1e6:.2f} us ({PING_BYTES} B), "
             f"bandwidth {bw / 1e9:.2f} GB/s ({BANDWIDTH_BYTES // 2**20} MiB)"
@@ -360,6 +371,7 @@ def doctor() -> int:
 
     comm, rank, size = C.world()
     facts = comm.gather(_rank_facts(comm), root=0)
+    nodes = C.nodes(comm)
     bell = doorbell.open_job(comm, rank, size)
     spins = cores.start_waits(comm)
     seconds = min(PAIR_SECONDS, TOTAL_PING_SECONDS / max(1, size - 1))
@@ -415,6 +427,10 @@ def doctor() -> int:
     print("GPUs:")
     for line in gpu_lines:
         print(f"  {line}")
+    if size > 1:
+        print("layout (with --servers 1):")
+        for line in layout_section(nodes, [f["host"] for f in facts]):
+            print(f"  {line}")
     print("ping-pong:")
     if results:
         for line in _format_pingpong(results):

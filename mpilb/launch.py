@@ -95,16 +95,18 @@ def _same_options(mine: tuple, all_args: list) -> None:
                          f"every rank of the job must get the same options")
 
 
-def _validate(config_file, cli_values, world_size, all_args):
+def _validate(config_file, cli_values, world_size, all_args, nodes):
     from .config import build_config, load_toml
     from .dataset import verify_dataset
     from .inject import parse_injects
     from .server.store import check_servers
     from .paths import check_paths, resolve_data, run_identity
+    from .topology import store_ranks
     from .training import check_model_step, check_world, config_model, hold_out_validation
 
     file_values = load_toml(config_file) if config_file else {}
     cfg = build_config(file_values, cli_values, source=config_file or "")
+    cfg.store_ranks = tuple(store_ranks(nodes, cfg.servers))
     _same_options(all_args[0], all_args)
     parse_injects(cfg.inject, world_size)
     data_dir = resolve_data(cfg)
@@ -113,7 +115,7 @@ def _validate(config_file, cli_values, world_size, all_args):
     check_world(cfg, world_size, dataset)
     model = config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
     check_model_step(cfg, model, dataset)
-    check_servers(cfg, world_size, model.num_params, model.num_state)
+    check_servers(cfg, world_size, model.num_params, model.num_state, nodes)
     check_paths(cfg, dataset, config_file)   # the log and checkpoint names, once decided
     run_id = run_identity(cfg)   # on --resume: the log and the checkpoint are one run's
     if cfg.device == "gpu" and world_size == 1:
@@ -129,12 +131,16 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
 
     from . import comm as C
     from .config import Config
+    from .topology import placement_note, store_ranks
 
     all_args = comm.allgather((config_file, cli_values))
-    verdict = together(comm, rank, lambda: _validate(config_file, cli_values, size, all_args)
-                       if rank == 0 else None)
+    nodes = C.nodes(comm)   # node index by rank: where the parameter stores go
+    verdict = together(comm, rank, lambda: _validate(config_file, cli_values, size, all_args,
+                                                     nodes) if rank == 0 else None)
     values, data_dir, run_id = comm.bcast(verdict, root=0)
     cfg = Config(dict(values))
+    # the same list on every rank: computed from the same node split and option
+    cfg.store_ranks = tuple(store_ranks(nodes, cfg.servers))
     hosts = C.hostnames(comm)
     mpi_library = C.library_version()
     from . import doorbell
@@ -142,7 +148,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     doorbell.open_job(comm, rank, size)   # rank 0 and the ranks on its node ring each other
     from . import cores
 
-    cores.start_waits(comm, cfg.servers)   # where a rank has a CPU of its own, waits poll first
+    cores.start_waits(comm, cfg.store_ranks)   # where a rank has a CPU of its own, waits poll first
 
     def make_role():
         from .dataset import open_dataset
@@ -152,7 +158,8 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
         dataset = hold_out_validation(cfg, open_dataset(data_dir, check_files=False))
         run_attrs = {"config": json.dumps(dict(cfg.values, data=data_dir), sort_keys=True),
                      "run_id": run_id, "mpi_library": mpi_library, "world_size": size,
-                     "hostnames": json.dumps(hosts)}
+                     "hostnames": json.dumps(hosts), "nodes": json.dumps(nodes),
+                     "stores": json.dumps(list(cfg.store_ranks))}
         if size == 1:
             from .serial import SerialTrainer
 
@@ -161,7 +168,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
             from .server import ParameterServer
 
             return ParameterServer(cfg, dataset, comm, run_attrs)
-        if rank < cfg.servers:
+        if rank in cfg.store_ranks:
             from .server.store import StoreRank
 
             return StoreRank(cfg, dataset, comm, rank)
@@ -170,6 +177,9 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
         return Worker(cfg, dataset, comm, rank)
 
     role = together(comm, rank, make_role, on_fail=lambda r: getattr(r, "abandon", lambda: None)())
+    note = placement_note(nodes, cfg.servers) if size > 1 else None
+    if rank == 0 and note:
+        print(f"mpilb: {note}", file=sys.stderr, flush=True)
     return cfg, role
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from .errors import UsageError
 from .runlog import file_kind, read_columns, write_csv
+from .topology import crowded, default_stores, layout_lines, number_nodes
 
 SUMMARY_KEYS = (
     "status", "mode", "balancer", "batch_policy", "store", "correction", "workers", "wall_s",
@@ -51,9 +52,43 @@ def _json_attr(attrs: dict, key: str, default):
 def run_config(attrs: dict) -> dict:
     """The run's configuration (root attribute `config`), with `workers` added."""
     config = dict(_json_attr(attrs, "config", {}))
-    # ranks 0..K-1 hold parameters (--servers K), the others work
-    config["workers"] = max(1, int(attrs.get("world_size", 1)) - int(config.get("servers") or 1))
+    # the store ranks hold parameters (--servers), the others work
+    config["workers"] = max(1, int(attrs.get("world_size", 1)) - len(store_ranks(attrs, config)))
     return config
+
+
+def store_ranks(attrs: dict, config: Optional[dict] = None) -> list[int]:
+    """The run's parameter-store ranks: root attribute `stores`, else (a log written before
+    stores were placed by node) ranks 0..K-1 of --servers K."""
+    stores = _json_attr(attrs, "stores", None)
+    if stores:
+        return [int(r) for r in stores]
+    config = _json_attr(attrs, "config", {}) if config is None else config
+    return default_stores(config.get("servers") or 1)
+
+
+def node_layout(attrs: dict) -> list[int]:
+    """Node index of every rank: root attribute `nodes`, else numbered from `hostnames`
+    (a log written before nodes were recorded), else one node."""
+    nodes = _json_attr(attrs, "nodes", None)
+    if nodes:
+        return [int(n) for n in nodes]
+    hosts = _json_attr(attrs, "hostnames", None)
+    world = int(attrs.get("world_size", 1))
+    return number_nodes(hosts) if hosts and len(hosts) == world else [0] * world
+
+
+def format_layout(attrs: dict) -> list[str]:
+    """The report's layout lines (nodes, stores, shared memory vs network) and warnings;
+    none for a one-rank run."""
+    nodes = node_layout(attrs)
+    if len(nodes) < 2:
+        return []
+    stores = [r for r in store_ranks(attrs) if r < len(nodes)]
+    hosts = _json_attr(attrs, "hostnames", None)
+    lines = ["  layout: " + line for line in layout_lines(nodes, stores, hosts)[:1]]
+    lines += ["    " + line for line in layout_lines(nodes, stores, hosts)[1:]]
+    return lines + [f"  warning: {w}" for w in crowded(nodes, stores)]
 
 
 def loss_window(n: int) -> int:
@@ -122,10 +157,10 @@ def _time_to_target(config: dict, name: str, ev: dict, metric: np.ndarray) -> Op
     return None
 
 
-def _per_worker(world: int, up: dict, wk: dict, n_servers: int = 1) -> list[dict]:
+def _per_worker(world: int, up: dict, wk: dict, stores=(0,)) -> list[dict]:
     ranks = sorted(set(int(w) for w in wk["worker"])) if wk["worker"].size else []
     if world > 1:
-        ranks = sorted(set(ranks) | set(range(n_servers, world)))
+        ranks = sorted(set(ranks) | (set(range(world)) - set(stores)))
     out = []
     for r in ranks:
         m = wk["worker"] == r
@@ -187,7 +222,7 @@ def summarize(attrs: dict, cols: dict) -> dict:
         "coverage": _json_attr(attrs, "coverage",
                                {"expected": 0, "applied": 0, "duplicates": 0, "missing": 0}),
         "server_cpu_s": float(attrs.get("server_cpu_s", 0.0)),
-        "per_worker": _per_worker(world, up, wk, int(config.get("servers") or 1)),
+        "per_worker": _per_worker(world, up, wk, store_ranks(attrs, config)),
         "servers": _servers(attrs, cols["servers"]),
     }
 
@@ -357,5 +392,5 @@ def run_report(paths: list[str], as_json: bool = False, plots: Optional[str] = N
     if as_json:
         print(json.dumps(summaries[0], indent=2))
     else:
-        print(format_summary(summaries[0], paths[0]))
+        print("\n".join([format_summary(summaries[0], paths[0]), *format_layout(logs[0][0])]))
     return 0

@@ -15,13 +15,13 @@ import numpy as np
 
 from . import comm as C
 from .shards import holders_of, placement
+from .topology import workers_of
 from .wire import resource_tag
 
 
-def held_shards(num_shards: int, rank: int, size: int, servers: int, replicas: int) -> set[int]:
-    """The shards `rank` holds a copy of with `--store local` (workers are ranks servers..size-1)."""
-    ranks = list(range(servers, size))
-    return {s for s, hs in placement(num_shards, ranks, replicas).items() if rank in hs}
+def held_shards(num_shards: int, rank: int, workers: list[int], replicas: int) -> set[int]:
+    """The shards `rank` holds a copy of with `--store local` (`workers`: the worker ranks)."""
+    return {s for s, hs in placement(num_shards, workers, replicas).items() if rank in hs}
 
 
 class RemoteRows:
@@ -80,7 +80,7 @@ class RowExchange:
     def __init__(self, comm, rank: int, cfg, dataset, feed, backoff, on_poll):
         self.comm = comm
         self.rank = rank
-        self.servers, self.replicas = cfg.servers, cfg.replicas
+        self.workers, self.replicas = workers_of(cfg, comm.Get_size()), cfg.replicas
         self.feed = feed
         self.backoff = backoff
         self.on_poll = on_poll
@@ -112,9 +112,9 @@ class RowExchange:
         """Who may send a shard's rows: `src`, then (replicas) the other holders."""
         sources = [(src, tag)]
         if self.replicas > 1:
-            ranks = list(range(self.servers, self.comm.Get_size()))
             alt = resource_tag(tag)
-            sources += [(h, alt) for h in holders_of(shard, self.num_shards, ranks, self.replicas)
+            sources += [(h, alt) for h in holders_of(shard, self.num_shards, self.workers,
+                                                     self.replicas)
                         if h not in (src, self.rank)]
         return sources
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from .config import Config, no_effect
 from .errors import MpilbError, UsageError
+from .topology import workers_of
 
 # Set by the SIGTERM handler (any rank; SIGUSR1 too in a one-rank run): checkpoint and stop.
 PREEMPTED = threading.Event()
@@ -275,7 +276,7 @@ def config_optimizer(cfg: Config, num_params: int, xp=np):
 
 def check_world(cfg: Config, world_size: int, dataset) -> None:
     """Combinations that depend on the job size or the data."""
-    workers = max(1, world_size - cfg.servers)
+    workers = max(1, len(workers_of(cfg, world_size)))
     if cfg.store == "local" and cfg.replicas > workers:
         raise UsageError(f"--replicas {cfg.replicas} exceeds the {workers} worker rank(s) of this job")
     if not dataset.num_classes:

@@ -27,6 +27,7 @@ from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
 from .row_exchange import RowExchange, held_shards
 from .shards import ShardStore
+from .topology import stores_of, workers_of
 from .training import PREEMPTED, USR1_NOTICE, config_model
 from .waiting import WaitEstimate
 from . import wire
@@ -101,8 +102,8 @@ class Worker:
         inj = self.injector
         self.held = None
         if cfg.store == "local":
-            self.held = held_shards(len(dataset.shard_sizes), rank, comm.Get_size(),
-                                    cfg.servers, cfg.replicas)
+            self.held = held_shards(len(dataset.shard_sizes), rank,
+                                    workers_of(cfg, comm.Get_size()), cfg.replicas)
         self.store = ShardStore(dataset, seed=cfg.seed,
                                 io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
                                 cache_mb=cfg.cache_mb, shards=self.held)
@@ -141,8 +142,9 @@ class Worker:
         self.rows = RowExchange(comm, rank, cfg, dataset, self.feed, self.backoff,
                                 on_poll=self._orders_while_blocked)
         self.push_reqs: list = []
-        # --servers K: store s holds parameters [bounds[s], bounds[s+1]) (wire.cut_slices)
-        self.bounds = wire.cut_slices(self.n, cfg.servers, wire.layer_sizes(self.model))
+        # --servers K: store s (rank stores[s]) holds parameters [bounds[s], bounds[s+1])
+        self.stores = stores_of(cfg)
+        self.bounds = wire.cut_slices(self.n, len(self.stores), wire.layer_sizes(self.model))
         self.pulls: Optional[list] = None   # receives of the next reply's slices, posted early
         self.early_reply = None   # a reply's header read while blocked for rows (pipelined)
         self.times = TimeSincePush()
@@ -177,8 +179,8 @@ class Worker:
         """Post the receives of every store's slice of the next reply's parameters."""
         if self.pulls is None:
             payload, b = self.recv_buf[2], self.bounds
-            self.pulls = [self.comm.Irecv(payload[b[s]:b[s + 1]], source=s, tag=wire.TAG_PARAMS)
-                          for s in range(len(b) - 1)]
+            self.pulls = [self.comm.Irecv(payload[b[s]:b[s + 1]], source=r, tag=wire.TAG_PARAMS)
+                          for s, r in enumerate(self.stores)]
 
     def _finish_pulls(self) -> None:
         """The slices follow a PARAMS header: wait for all of them (no spinning). Rank 0
@@ -262,8 +264,8 @@ class Worker:
         self._header_to_buffer(msg)
         b = self.bounds
         # every store's slice at once; rank 0 gets the header with slice 0
-        self.push_reqs = [self.comm.Isend(msg[2][b[s]:b[s + 1]], dest=s, tag=wire.TAG_GRAD)
-                          for s in range(1, len(b) - 1)]
+        self.push_reqs = [self.comm.Isend(msg[2][b[s]:b[s + 1]], dest=r, tag=wire.TAG_GRAD)
+                          for s, r in enumerate(self.stores) if s]
         # (with one store, followed by the model's state: the server keeps the latest)
         state = self.model.num_state if len(b) == 2 else 0
         self.push_reqs.append(self.comm.Isend(buf[:wire.HEADER_BYTES + 4 * (b[1] + state)],

@@ -108,3 +108,14 @@ def test_unknown_config_key_in_file(tmp_path, digits_dir):
     res = mpirun.run(0, "train", cfg, "--data", digits_dir)
     assert res.returncode == 2
     assert "'model'" in one_error_line(res)
+
+
+def test_box_is_the_cluster_box_command_line(tmp_path):
+    """`mpilb box ...` is `python -m mpilb.clusterbox ...` under mpilb's name."""
+    res = mpirun.run(0, "box", "--help")
+    assert res.returncode == 0 and res.stdout.startswith("usage: mpilb box ")
+    assert "{up,run,down,status,cleanup}" in res.stdout
+    res = mpirun.run(0, "box", "frob")          # refused before the tools are looked for
+    assert res.returncode == 2 and len(res.stderr.strip().splitlines()) == 1
+    assert res.stderr.startswith("mpilb box: error: argument action: invalid choice: 'frob'")
+    assert "box " in mpirun.run(0, "--help").stdout

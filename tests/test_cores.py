@@ -83,7 +83,7 @@ def test_a_store_polls_only_with_a_cpu_to_spare(monkeypatch):
     monkeypatch.setattr(cores, "cpu_set", lambda: frozenset({0, 1}))
     monkeypatch.setattr(cores, "usable_cpus", lambda: 2)
     assert cores.spinning(Job(2)) == [False, True]             # the server and a worker, 2 CPUs
-    assert cores.spinning(Job(2), servers=2) == [False, False]
+    assert cores.spinning(Job(2), stores=[0, 1]) == [False, False]
     assert cores.spinning(Job(1)) == [True]                    # one rank, a CPU to spare
     assert cores.spinning(Job(3)) == [False, False, False]
 

@@ -241,6 +241,20 @@ def test_doctor_under_mpiexec():
     assert out.count("mpilb doctor:") == 1, "only rank 0 prints"
     if sys.platform.startswith("linux"):
         assert re.search(r"^  doorbells +rank 0 <-> 1 of 1 rank", out, re.M)
+    # the layout of the job: one node here, its two ranks talk through shared memory
+    assert re.search(r"^  2 rank\(s\) on 1 node\(s\); parameter store\(s\) on rank\(s\) 0$",
+                     out, re.M)
+    assert re.search(r"^  store 0 <-> workers: shared memory 1; network none$", out, re.M)
+
+
+def test_layout_section_names_the_nodes_and_where_stores_would_go():
+    from mpilb.doctor import layout_section
+
+    lines = layout_section([0, 0, 1, 1, 2, 2], ["a", "a", "b", "b", "c", "c"])
+    assert "node 2 (c): rank(s) 4, 5" in lines
+    assert "store 0 <-> workers: shared memory 1; network 2-5" in lines
+    assert lines[-3:] == ["stores with --servers 2: ranks 0, 2", "stores with --servers 3: "
+                          "ranks 0, 2, 4", "stores with --servers per-node: ranks 0, 2, 4"]
 
 
 @pytest.mark.mpi

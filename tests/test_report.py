@@ -140,7 +140,12 @@ def test_text_report_shows_loss_and_metric(tmp_path):
     res = report(path)
     assert res.returncode == 0, res.stderr
     assert "train loss 0.0" in res.stdout and "test accuracy: final 0.6000" in res.stdout
-    assert "train_loss" in res.stdout.splitlines()[-4]
+    lines = res.stdout.splitlines()
+    # the per-worker table (header and three workers), then the job's layout
+    assert "train_loss" in lines[-7] and lines[-4].startswith("     3 ")
+    assert lines[-3:] == ["  layout: 4 rank(s) on 1 node(s); parameter store(s) on rank(s) 0",
+                          "    node 0 (h): rank(s) 0 store, 1, 2, 3",
+                          "    store 0 <-> workers: shared memory 1-3; network none"]
 
 
 def test_per_worker_entries(tmp_path):

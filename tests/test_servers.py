@@ -213,3 +213,16 @@ def test_bad_servers_exit_2_one_line(digits_dir, tmp_path, n, servers, needle):
     assert res.returncode == 2
     errors = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and needle in errors[0], res.stderr
+
+
+@pytest.mark.mpi
+def test_per_node_on_one_node_is_one_store_and_says_so(digits_dir, tmp_path):
+    res, log, _ = train(4, digits_dir, tmp_path, "pernode", "per-node", "--model", "softmax",
+                        "--epochs", "1")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.splitlines()[0] == ("mpilb: --servers per-node: the job is on one node, "
+                                          "so one parameter store (rank 0)")
+    with h5py.File(log, "r") as f:
+        assert f.attrs["nodes"] == "[0, 0, 0, 0]" and f.attrs["stores"] == "[0]"
+    s = summarize_log(str(log))
+    assert [v["rank"] for v in s["servers"]] == [0] and s["workers"] == 3 and exact(s)

@@ -73,7 +73,7 @@ def test_held_shards_follow_the_placement():
     ranks = [1, 2, 3, 4]
     p = placement(8, ranks, 2)
     for r in ranks:
-        assert held_shards(8, r, 5, servers=1, replicas=2) == {s for s, hs in p.items() if r in hs}
+        assert held_shards(8, r, ranks, replicas=2) == {s for s, hs in p.items() if r in hs}
 
 
 def test_expect_posts_receives_from_the_sender_then_the_other_holders():

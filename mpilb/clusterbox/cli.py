@@ -85,7 +85,7 @@ def _dispatch(args, prog: str) -> int:
               "removes it")
         return 0
     if args.action == "run":
-        return _run(args)
+        return _run(args, prog)
     if args.action == "down":
         names = registry.boxes() if args.all else args.names
         if not names:
@@ -105,17 +105,18 @@ def _dispatch(args, prog: str) -> int:
     return 0
 
 
-def _run(args) -> int:
+def _run(args, prog: str = PROG) -> int:
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not cmd:
         raise UsageError("run: give the command to run, after --")
     if args.box:
-        return _run_in(ClusterBox.attach(args.box), args.node, cmd, args.timeout)
+        return _run_in(ClusterBox.attach(args.box), args.node, cmd, args.timeout, prog)
     with ClusterBox(args.nodes, _rates(args.link_rate)) as box:
-        return _run_in(box, args.node, cmd, args.timeout)
+        return _run_in(box, args.node, cmd, args.timeout, prog)
 
 
-def _run_in(box: ClusterBox, node: int, cmd: list, timeout: float | None) -> int:
+def _run_in(box: ClusterBox, node: int, cmd: list, timeout: float | None,
+            prog: str = PROG) -> int:
     if not 0 <= node < box.nodes:
         raise UsageError(f"--node {node}: box {box.name} has nodes 0-{box.nodes - 1}")
     if cmd[0] == "mpiexec":
@@ -126,7 +127,7 @@ def _run_in(box: ClusterBox, node: int, cmd: list, timeout: float | None) -> int
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
-        print(f"{PROG} run: killed after {timeout:g} s", file=sys.stderr)
+        print(f"{prog} run: killed after {timeout:g} s", file=sys.stderr)
         return 124
     finally:
         if proc.poll() is None:

@@ -8,6 +8,7 @@ import time
 import numpy as np
 
 from .. import wire
+from ..topology import stores_of
 from .store import RemoteStores, slice_store, store_bounds
 
 
@@ -22,12 +23,14 @@ class StoreGroup:
         from ..training import config_optimizer
 
         self.session = session
+        self.ranks = stores_of(cfg)   # the store ranks, in slice order (rank 0 first)
         self.bounds = store_bounds(cfg, session.model)
         from ..training import PREEMPTED
 
         # no-ops with K = 1; a stalled store is lost after --worker-timeout, at once on a stop
-        self.remote = RemoteStores(comm, self.bounds, cfg.worker_timeout, PREEMPTED.is_set)
-        self.sliced = cfg.servers > 1
+        self.remote = RemoteStores(comm, self.bounds, cfg.worker_timeout, PREEMPTED.is_set,
+                                   self.ranks)
+        self.sliced = len(self.ranks) > 1
         n0 = self.bounds[1]
         # a push to rank 0 carries its slice of the gradient, then the model's state
         self.push_floats = n0 + session.model.num_state
@@ -42,7 +45,7 @@ class StoreGroup:
                                      new_buffer)
         self.cpu0 = time.process_time()
         self.last = np.zeros(5)
-        self.totals = {s: np.zeros(5) for s in range(len(self.bounds) - 1)}
+        self.totals = {r: np.zeros(5) for r in self.ranks}
 
     @property
     def n0(self) -> int:
@@ -84,7 +87,7 @@ class StoreGroup:
         inc, self.last = now - self.last, now
         return inc
 
-    def _row(self, log, t: float, server: int, inc) -> None:
+    def _row(self, log, t: float, server: int, inc) -> None:   # server: the store's rank
         self.totals[server] += inc[:5]
         log.append("servers", t=t, server=server, updates=int(inc[0]), bytes_in=int(inc[1]),
                    bytes_out=int(inc[2]), apply_s=float(inc[3]), cpu_s=float(inc[4]))
@@ -105,5 +108,5 @@ class StoreGroup:
         if self.sliced and wait:
             for s, inc in self.remote.end().items():
                 self._row(log, t, s, inc)
-        return [{"rank": s, "params": self.bounds[s + 1] - self.bounds[s]}
-                for s in range(len(self.bounds) - 1)]
+        return [{"rank": r, "params": self.bounds[s + 1] - self.bounds[s]}
+                for s, r in enumerate(self.ranks)]

@@ -23,6 +23,7 @@ from .. import comm as C
 from .. import doorbell, wire
 from ..session import Session
 from ..shards import placement
+from ..topology import workers_of
 from ..wire import Cmd
 from .chores import Chores
 from .epochs import Epochs
@@ -46,7 +47,7 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         self.dataset = dataset
         self.comm = comm
         self.size = comm.Get_size()
-        self.ranks = list(range(cfg.servers, self.size))   # ranks 0..K-1 hold parameters
+        self.ranks = workers_of(cfg, self.size)   # the others hold parameters (--servers)
         holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.replicas)
                    if cfg.store == "local" else None)
         self.session = s = Session(cfg, dataset, run_attrs, self.ranks, holders)

@@ -1,6 +1,7 @@
-"""Parameter stores beyond rank 0 (--servers K): ranks 1..K-1, and rank 0's handle on them.
+"""Parameter stores beyond rank 0 (--servers K): the other store ranks, and rank 0's handle on them.
 
-Ranks 0..K-1 each hold a contiguous slice [bounds[s], bounds[s+1]) of the flat parameter
+The K store ranks (topology.store_ranks: one per node where there are K nodes, ranks
+0..K-1 on one node; store 0 is rank 0) each hold a contiguous slice [bounds[s], bounds[s+1]) of the flat parameter
 vector (wire.cut_slices: balanced by floats, cut at layer boundaries when that costs under
 5 %), with the optimizer state and the staleness correction of that slice. A worker sends
 each store its slice of every gradient (TAG_GRAD) and the header to rank 0 alone; it pulls
@@ -13,8 +14,8 @@ a worker its slice, forget a lost worker. Every store therefore applies the same
 in the same order as rank 0: with sync rounds the sliced parameters are the same floats as
 one store's. A command is 64 bytes; the slices carry the bytes, so rank 0 moves 1/K of them.
 
-    StoreRank(cfg, dataset, comm, rank).run()    # rank s in 1..K-1, until Op.END
-    RemoteStores(comm, bounds, optimizer)          # on rank 0 (in its StoreGroup, group.py)
+    StoreRank(cfg, dataset, comm, rank).run()    # a store rank other than 0, until Op.END
+    RemoteStores(comm, bounds, stores)             # on rank 0 (in its StoreGroup, group.py)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .. import comm as C
 from .. import wire
 from ..corrections import build_correction
 from ..errors import MpilbError
+from ..topology import PER_NODE, span, store_ranks, stores_of, workers_of
 from ..wire import Op
 from .modes import ParamStore
 
@@ -50,38 +52,47 @@ class StoreLost(MpilbError):
         self.rank = rank
 
 
-def check_servers(cfg, world_size: int, num_params: int, num_state: int = 0) -> None:
-    """--servers K: at least one worker rank left, and at least one float per store."""
+def check_servers(cfg, world_size: int, num_params: int, num_state: int = 0,
+                  nodes: Optional[list] = None) -> None:
+    """--servers K or per-node on the node layout `nodes` (node index by rank; default one
+    node): at least one worker rank left, and at least one float per store."""
     from ..errors import UsageError
-
-    k = cfg.servers
-    if k > 1 and num_state:
-        raise UsageError(f"--servers {k}: this model has {num_state} state values (buffers such "
-                         f"as BatchNorm statistics), which travel to rank 0 with each push; "
-                         f"several parameter stores do not carry them yet: use --servers 1")
-    if world_size > 1 and k >= world_size:
-        raise UsageError(f"--servers {k} leaves no worker: this job has {world_size} ranks "
-                         f"(ranks 0..{k - 1} would all be parameter stores); use --servers "
-                         f"{max(1, world_size - 1)} or fewer, or more ranks")
-    if world_size == 1 and k > 1:
-        raise UsageError(f"--servers {k} needs an MPI job of more than {k} ranks "
-                         f"(mpiexec -n P with P > {k}); a one-rank run trains serially")
-    if k > num_params:
-        raise UsageError(f"--servers {k} exceeds the model's {num_params} parameters "
-                         f"(each store needs at least one)")
     from ..inject import parse_inject
 
+    nodes = list(nodes) if nodes else [0] * world_size
+    stores = store_ranks(nodes, cfg.servers)
+    k, shown = len(stores), cfg.servers
+    if k > 1 and num_state:
+        raise UsageError(f"--servers {shown}: this model has {num_state} state values (buffers "
+                         f"such as BatchNorm statistics), which travel to rank 0 with each push; "
+                         f"several parameter stores do not carry them yet: use --servers 1")
+    if world_size > 1 and shown == PER_NODE and k >= world_size:
+        raise UsageError(f"--servers per-node leaves no worker: each of the job's {k} nodes has "
+                         f"one rank, which would be its store; start more ranks per node "
+                         f"(mpiexec -ppn 2, or -hosts n0:2,...) or give --servers K")
+    if world_size > 1 and shown != PER_NODE and int(shown) >= world_size:
+        raise UsageError(f"--servers {shown} leaves no worker: this job has {world_size} ranks "
+                         f"(ranks 0..{int(shown) - 1} would all be parameter stores); use "
+                         f"--servers {max(1, world_size - 1)} or fewer, or more ranks")
+    if world_size == 1 and shown != PER_NODE and int(shown) > 1:
+        raise UsageError(f"--servers {shown} needs an MPI job of more than {shown} ranks "
+                         f"(mpiexec -n P with P > {shown}); a one-rank run trains serially")
+    if k > num_params:
+        raise UsageError(f"--servers {shown} exceeds the model's {num_params} parameters "
+                         f"(each store needs at least one)")
     for text in getattr(cfg, "inject", None) or ():
         for rank in sorted(parse_inject(text).ranks or ()):
-            if 0 < rank < k:
+            if rank in stores[1:]:
+                workers = [r for r in range(world_size) if r not in stores]
                 raise UsageError(f"--inject {text!r}: rank {rank} is a parameter store "
-                                 f"(--servers {k}), not a worker; target workers "
-                                 f"{k}..{world_size - 1}")
+                                 f"(--servers {shown}: ranks {span(stores)}), not a worker; "
+                                 f"target workers {span(workers)}")
 
 
 def store_bounds(cfg, model) -> list[int]:
-    """Slice bounds of the --servers stores for `model` (the same on every rank)."""
-    return wire.cut_slices(model.num_params, cfg.servers, wire.layer_sizes(model))
+    """Slice bounds of the --servers stores for `model` (the same on every rank): store s
+    (rank stores_of(cfg)[s]) holds [bounds[s], bounds[s+1])."""
+    return wire.cut_slices(model.num_params, len(stores_of(cfg)), wire.layer_sizes(model))
 
 
 def slice_store(cfg, params: np.ndarray, optimizer, new_buffer=None) -> ParamStore:
@@ -109,7 +120,8 @@ def _recv_state(comm, source: int, tag: int, params, optimizer, lo: int, hi: int
 
 
 class StoreRank:
-    """Rank s in 1..K-1: its slice, applied and sent as rank 0's commands say."""
+    """A store rank other than 0 (store s of stores_of(cfg)): its slice, applied and sent as
+    rank 0's commands say."""
 
     def __init__(self, cfg, dataset, comm, rank: int):
         from ..training import config_model, config_optimizer
@@ -118,9 +130,10 @@ class StoreRank:
         self.rank = rank
         model = config_model(cfg, dataset)
         self.bounds = store_bounds(cfg, model)
-        self.n = self.bounds[rank + 1] - self.bounds[rank]
+        s = stores_of(cfg).index(rank)
+        self.n = self.bounds[s + 1] - self.bounds[s]
         self.store = slice_store(cfg, np.zeros(self.n, np.float32), config_optimizer(cfg, self.n))
-        self.workers = list(range(cfg.servers, comm.Get_size()))
+        self.workers = workers_of(cfg, comm.Get_size())
         self.grads = {w: np.empty(self.n, np.float32) for w in self.workers}
         self.recvs: dict = {}
         self.round = np.zeros(self.n, np.float32)
@@ -256,18 +269,22 @@ class StoreRank:
 
 
 class RemoteStores:
-    """Rank 0's handle on stores 1..K-1: commands in the order rank 0 decides (with K = 1
-    there are none, and every command is a no-op).
+    """Rank 0's handle on the other stores: commands in the order rank 0 decides (with K = 1
+    there are none, and every command is a no-op). Everything here is keyed by store rank.
 
     Args:
         comm: the world communicator.
         bounds: slice bounds (store_bounds).
+        stores: the store ranks, in slice order (stores_of; default ranks 0..K-1).
     """
 
-    def __init__(self, comm, bounds: list[int], timeout: float = 60.0, give_up=None):
+    def __init__(self, comm, bounds: list[int], timeout: float = 60.0, give_up=None,
+                 stores: Optional[list] = None):
         self.comm = comm
-        self.bounds = bounds
-        self.ranks = list(range(1, len(bounds) - 1))
+        stores = list(stores) if stores is not None else list(range(len(bounds) - 1))
+        self.ranks = stores[1:]
+        # the slice [lo, hi) of each store rank
+        self.slices = {r: (bounds[s], bounds[s + 1]) for s, r in enumerate(stores)}
         self.ctrl = np.zeros(wire.CTRL_FIELDS, np.float64)
         self.owed: set[int] = set()   # workers whose last push has no command yet
         self.stats = {s: np.zeros(wire.STATS_FIELDS, np.float64) for s in self.ranks}
@@ -349,15 +366,14 @@ class RemoteStores:
         for s in self.ranks:
             wire.encode_ctrl(self.ctrl, Op.LOAD, batch=optimizer.steps, version=version)
             self.comm.Send(self.ctrl, dest=s, tag=wire.TAG_CTRL)
-            _send_state(self.comm, s, wire.TAG_GATHER, params, optimizer, self.bounds[s],
-                        self.bounds[s + 1])
+            _send_state(self.comm, s, wire.TAG_GATHER, params, optimizer, *self.slices[s])
 
     def gather(self, params: np.ndarray, optimizer=None) -> None:
         """Fill `params` (and the optimizer state, if given) with every store's slice
         (slice 0 is rank 0's own: the caller fills it)."""
         self._command(Op.GATHER, batch=1 if optimizer is not None else 0)
         for s in self.ranks:
-            lo, hi = self.bounds[s], self.bounds[s + 1]
+            lo, hi = self.slices[s]
             buf = np.empty(hi - lo, np.float32)
             self._wait(self.comm.Irecv(buf, source=s, tag=wire.TAG_GATHER), s, "with its slice")
             params[lo:hi] = buf

@@ -126,7 +126,7 @@ def _clusters(args):
             raise UsageError(f"--from {args.from_log}: cannot rebuild the model to count its "
                              f"parameters; give --params")
         cfg.update(balancer=rc.get("balancer", "load"), mode=rc.get("mode", "async"),
-                   batch_policy=rc.get("batch_policy", "fixed"), servers=rc.get("servers", 1),
+                   batch_policy=rc.get("batch_policy", "fixed"), servers=run.servers,
                    batch=rc.get("batch", 32), min_batch=rc.get("min_batch", 1),
                    max_batch=rc.get("max_batch", 4096), sit_out=bool(rc.get("sit_out", 1)),
                    rebalance_interval=rc.get("rebalance_interval", 2.0),

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..inject import parse_injects
+from ..topology import default_stores
 from .cluster import Profile, Stores
 
 
@@ -41,6 +42,7 @@ class Replay:
     faults: list = field(default_factory=list)
     measured_epoch_s: list[float] = field(default_factory=list)
     measured_utilization: list[float] = field(default_factory=list)
+    servers: int = 1   # the run's parameter stores (its `stores`, or --servers K)
 
 
 def load_run(path: str, params: int | None = None) -> Replay:
@@ -64,7 +66,10 @@ def load_run(path: str, params: int | None = None) -> Replay:
                          f"{len(cols['epochs']['epoch'])} epochs logged); replay a run that "
                          f"completed at least one epoch")
     world = int(attrs.get("world_size", 0))
-    servers = int(config.get("servers", 1) or 1)
+    # the stores' ranks (root attribute `stores`), else --servers K on one node
+    stores = attrs.get("stores")
+    servers = (len(json.loads(stores)) if isinstance(stores, str) and stores.startswith("[")
+               else len(default_stores(config.get("servers", 1) or 1)))
     ranks = sorted({int(r) for r in cols["workers"]["worker"]})
     if not ranks or world < 2:
         raise UsageError(f"--from {path}: no worker rows (a serial run has nothing to balance)")
@@ -86,7 +91,7 @@ def load_run(path: str, params: int | None = None) -> Replay:
     ep = cols["epochs"]
     return Replay(path, config, profiles, shard_sizes, params, row_bytes, faults,
                   [float(e - s) for s, e in zip(ep["t_start"], ep["t_end"])],
-                  [float(u) for u in ep["utilization"]])
+                  [float(u) for u in ep["utilization"]], servers)
 
 
 def _reason(exc: Exception) -> str:
