@@ -42,7 +42,10 @@ def command(balancer: str, seconds: float) -> list[str]:
     return words
 
 
-def one_repeat(seconds: float, cache: str) -> dict:
+PLOT = os.path.join(_results.REPO, "docs", "img", "straggler-rates.png")
+
+
+def one_repeat(seconds: float, cache: str, plot: bool = False) -> dict:
     from mpilb.runlog import read_columns
 
     d = tempfile.mkdtemp(prefix="mpilb-demo-")
@@ -62,6 +65,10 @@ def one_repeat(seconds: float, cache: str) -> dict:
             if b == "load":
                 out["drop"] = float(np.median(after) / np.max(before)) if before.size and after.size else float("nan")
         out["ratio"] = out["load_epoch_s"] / out["static_epoch_s"]
+        if plot:   # the README's picture: the load run's rates.png
+            subprocess.run([sys.executable, "-m", "mpilb", "report", "load.h5", "--plots", "plots"],
+                           cwd=d, check=True, capture_output=True)
+            shutil.copy(os.path.join(d, "plots", "rates.png"), PLOT)
         print(f"  load {out['load_epoch_s']:.3f} s/epoch, static {out['static_epoch_s']:.3f}: "
               f"ratio {out['ratio']:.2f}; rank 3's rate after/before {out['drop']:.2f}", flush=True)
         return out
@@ -83,7 +90,7 @@ def main(argv=None) -> int:
     try:
         for r in range(opts.repeats):
             print(f"repeat {r + 1} of {opts.repeats}")
-            runs.append(one_repeat(opts.seconds, cache))
+            runs.append(one_repeat(opts.seconds, cache, plot=r == opts.repeats - 1 and not opts.quick))
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     g = res.group("The README's two commands, `load` then `static`", DEMO.format(b="load|static"))

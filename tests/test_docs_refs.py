@@ -65,3 +65,14 @@ def test_the_cpu_only_torch_install_is_given(page):
 def test_how_to_pages_carry_no_generated_tables(page):
     # measurements are on the benchmark pages (docs/benchmarks.md, docs/benchmarks/*.md)
     assert "BEGIN generated" not in (ROOT / page).read_text()
+
+
+def test_the_readme_demo_is_the_command_its_benchmark_runs():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import readme_demo
+
+    readme = (ROOT / "README.md").read_text()
+    for b in ("load", "static"):
+        assert readme_demo.DEMO.format(b=b) in readme

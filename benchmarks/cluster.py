@@ -1,0 +1,208 @@
+"""mpilb across nodes, on the cluster in a box (3 nodes, links shaped to 1 Gbit/s).
+
+    python benchmarks/cluster.py [--repeats 3] [--link-rate 1gbit]
+
+Needs root (the box: network namespaces, tc). Every case runs in one box, its repeats
+alternating, and its ratios are taken within a repeat:
+
+(a) `bench ps --params 1000000`, one store (rank 0 on n0) serving 4 null workers on the
+    two other nodes (`-hosts n0:1,n1:2,n2:2`): updates/s against the wire bound (rank 0's
+    link carries every push in and every reply out: rate ÷ 4 MB per update).
+(b) the same with 2 ranks per node and `--servers per-node` (a store beside each node's
+    worker): aggregate updates/s against its wire bound (the busiest link's bytes per
+    update, each direction, from the layout), and against (a).
+(c) `--servers 2` under the block layout `-hosts n0:2,n1:2,n2:2`: where its stores are.
+(d) training, 4 workers on 2 nodes (`-hosts n0:1,n1:2,n2:2`), the torch MLP 256-256-256-10
+    on 784 features, batch 512: samples/s of mpilb async and sync against PyTorch DDP (gloo)
+    on the same module and links (DDP's processes on n1 and n2), and the share of a fast
+    worker's time spent communicating.
+(e) slow workers (every worker sleeps 50 ms a step): rank 0's CPU seconds ÷ wall seconds
+    with the workers on other nodes, and on rank 0's node.
+Writes benchmarks/results/cluster.json; exit 0 when every target is met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
+import _runs  # noqa: E402
+
+NAME = "cluster"
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+PY = sys.executable
+PARAMS = 1_000_000
+TORCH_MODEL = ["--model", os.path.join(REPO, "examples", "torch_mlp.py") + ":MLP",
+               "--model-arg", "hidden=256", "--model-arg", "layers=3"]
+
+
+def wire_bound(hosts: str, stores: list[int], rate_bytes: float, params: int) -> float:
+    """Aggregate updates/s that the busiest link allows when every worker pushes at the same
+    pace: each push sends every store its slice and each reply brings it back, and a slice
+    crosses the worker's link and its store's unless the two share a node."""
+    nodes = []
+    for k, part in enumerate(hosts.split(",")):
+        nodes += [k] * int(part.split(":")[1])
+    workers = [r for r in range(len(nodes)) if r not in stores]
+    per_store = 4.0 * params / len(stores)
+    out = np.zeros(max(nodes) + 1)   # bytes per update leaving each node (in: the same)
+    for w in workers:
+        for s in stores:
+            if nodes[w] != nodes[s]:
+                out[nodes[w]] += per_store / len(workers)   # the push's slice
+                out[nodes[s]] += per_store / len(workers)   # the reply's slice
+    return rate_bytes / out.max()
+
+
+def bench_ps(box, hosts: str, *extra) -> dict:
+    res = box.mpiexec(["-hosts", hosts, PY, "-m", "mpilb", "bench", "ps", "--json", "--repeats", "1",
+                       "--params", str(PARAMS), "--seconds", "3", *extra], timeout=300, cwd=REPO)
+    if res.returncode != 0:
+        sys.exit(f"bench ps {hosts} {extra}: exit {res.returncode}\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def train(box, d: str, hosts: str, log: str, *args) -> dict:
+    from mpilb.report import summarize_log
+    from mpilb.runlog import read_columns
+
+    res = box.mpiexec(["-hosts", hosts, PY, "-m", "mpilb", "train", "--no-progress", "--log", log,
+                       "--overwrite", *args], timeout=600, cwd=d)
+    if res.returncode != 0:
+        sys.exit(f"train {hosts} {args}: exit {res.returncode}\n{res.stderr[-2000:]}")
+    attrs, cols = read_columns(log)
+    return {"summary": summarize_log(log), "attrs": attrs, "cols": cols}
+
+
+def comm_share(run: dict, ranks) -> float:
+    """The least communicating of ``ranks``: comm ÷ (compute + I/O + comm + idle)."""
+    wk = run["cols"]["workers"]
+    shares = []
+    for r in ranks:
+        m = wk["worker"] == r
+        parts = [float(wk[c][m].sum()) for c in ("compute_s", "io_s", "comm_s", "idle_s")]
+        shares.append(parts[2] / sum(parts) if sum(parts) else float("nan"))
+    return min(shares)
+
+
+def ddp(box, data: str, epochs: int) -> dict:
+    res = box.mpiexec(["-hosts", "n1:2,n2:2", "-genv", "MASTER_ADDR", "n1", "-genv", "MASTER_PORT",
+                       "29511", "-genv", "GLOO_SOCKET_IFNAME", "eth0", PY,
+                       os.path.join(HERE, "_ddp.py"), data, str(epochs), "512", "256", "3"],
+                      timeout=600, cwd=REPO)
+    if res.returncode != 0:
+        sys.exit(f"DDP: exit {res.returncode}\n{res.stderr[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    from mpilb.clusterbox import ClusterBox, missing
+    from mpilb.clusterbox.system import rate_bytes
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--link-rate", default="1gbit")
+    ap.add_argument("--epochs", type=int, default=4, help="of the training case")
+    _results.add_output_args(ap, NAME)
+    opts = ap.parse_args(argv)
+    why = missing()
+    if why:
+        sys.exit(f"no cluster box here: {why}")
+    if opts.quick:
+        opts.repeats, opts.epochs = 1, 2
+    has_torch = subprocess.run([PY, "-c", "import torch"], capture_output=True).returncode == 0
+    work = tempfile.mkdtemp(prefix="mpilb-cluster-")
+    data = os.path.join(work, "synth784")
+    subprocess.run([PY, "-m", "mpilb", "prepare", "synthetic", data, "--samples", "30000",
+                    "--features", "784", "--classes", "10", "--shards", "24", "--seed", "7"],
+                   check=True, capture_output=True)
+    digits = _runs.digits_dataset(os.path.join(work, "digits"))
+    bps = rate_bytes(opts.link_rate)
+    res = _results.Results(NAME, f"mpilb on 3 nodes of the cluster in a box, links {opts.link_rate}", opts)
+    rows = {k: [] for k in ("a", "a_bound", "b", "b_bound", "b_over_a", "c_nodes", "c", "c_one",
+                            "async", "sync", "ddp", "async_ddp", "sync_ddp", "comm",
+                            "cpu_remote", "cpu_local")}
+    with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
+        for rep in range(opts.repeats):
+            print(f"repeat {rep + 1} of {opts.repeats}", flush=True)
+            a = bench_ps(box, "n0:1,n1:2,n2:2")
+            b = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "per-node")
+            one = bench_ps(box, "n0:2,n1:2,n2:2")
+            c = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "2")
+            ab = wire_bound("n0:1,n1:2,n2:2", [0], bps, PARAMS)
+            bb = wire_bound("n0:2,n1:2,n2:2", list(b.get("stores", [0, 2, 4])), bps, PARAMS)
+            rows["a"].append(a["updates_per_s"]); rows["a_bound"].append(a["updates_per_s"] / ab)
+            rows["b"].append(b["updates_per_s"]); rows["b_bound"].append(b["updates_per_s"] / bb)
+            rows["b_over_a"].append(b["updates_per_s"] / a["updates_per_s"])
+            nodes = c.get("nodes") or []
+            rows["c_nodes"].append(len({nodes[s] for s in c.get("stores", [])}) if nodes else 1)
+            rows["c"].append(c["updates_per_s"]); rows["c_one"].append(c["updates_per_s"] / one["updates_per_s"])
+            print(f"  (a) {a['updates_per_s']:.1f} updates/s = {rows['a_bound'][-1]:.2f} of {ab:.1f}; "
+                  f"(b) {b['updates_per_s']:.1f} = {rows['b_bound'][-1]:.2f} of {bb:.1f}, "
+                  f"{rows['b_over_a'][-1]:.2f}x (a); (c) stores {c.get('stores')} on "
+                  f"{rows['c_nodes'][-1]} nodes, {rows['c_one'][-1]:.2f}x one store", flush=True)
+            if has_torch:
+                args = ["--data", data, *TORCH_MODEL, "--batch", "512", "--epochs", str(opts.epochs),
+                        "--lr", "0.05", "--optimizer", "momentum"]
+                ra = train(box, work, "n0:1,n1:2,n2:2", os.path.join(work, "async.h5"), *args)
+                rs = train(box, work, "n0:1,n1:2,n2:2", os.path.join(work, "sync.h5"), *args,
+                           "--mode", "sync")
+                dd = ddp(box, data, opts.epochs)
+                for key, r in (("async", ra), ("sync", rs)):
+                    rows[key].append(r["summary"]["samples_per_s"])
+                    rows[f"{key}_ddp"].append(r["summary"]["samples_per_s"] / dd["samples_per_s"])
+                rows["ddp"].append(dd["samples_per_s"])
+                rows["comm"].append(comm_share(ra, range(1, 5)))
+                print(f"  (d) async {rows['async'][-1]:.0f}, sync {rows['sync'][-1]:.0f}, DDP "
+                      f"{dd['samples_per_s']:.0f} samples/s; fast worker comm share "
+                      f"{rows['comm'][-1]:.2f}", flush=True)
+            slow = ["--data", digits, "--model", "softmax", "--batch", "32", "--epochs", "3",
+                    "--inject", "*:delay=0.05"]
+            for key, hosts in (("cpu_remote", "n0:1,n1:2,n2:1"), ("cpu_local", "n0:4")):
+                r = train(box, work, hosts, os.path.join(work, f"{key}.h5"), *slow)
+                at = r["attrs"]
+                rows[key].append(float(at["server_cpu_s"]) / float(at["wall_s"]))
+            print(f"  (e) rank 0 CPU/wall: workers remote {rows['cpu_remote'][-1]:.3f}, on its node "
+                  f"{rows['cpu_local'][-1]:.3f}", flush=True)
+    g = res.group("(a)-(c) `mpilb bench ps --params 1000000`, null workers",
+                  "mpilb box run --nodes 3 --link-rate 1gbit -- mpiexec -hosts HOSTS python -m mpilb bench ps --params 1000000 --seconds 3")
+    res.figure(g, "a", "(a) one store, 4 remote workers: updates/s", rows["a"], unit="updates/s", digits=1)
+    res.figure(g, "a_bound", "(a) ÷ its wire bound", rows["a_bound"], unit="x")
+    res.figure(g, "b", "(b) `--servers per-node`, 2 ranks per node: updates/s", rows["b"], unit="updates/s", digits=1)
+    res.figure(g, "b_bound", "(b) ÷ its wire bound", rows["b_bound"], unit="x", target=">= 0.8")
+    res.figure(g, "b_over_a", "(b) ÷ (a)", rows["b_over_a"], unit="x", target=">= 1.8")
+    res.figure(g, "c_nodes", "(c) `--servers 2`, block layout: nodes its stores are on", rows["c_nodes"],
+               digits=0, target=">= 2", decide="all")
+    res.figure(g, "c_one", "(c) ÷ one store, same layout", rows["c_one"], unit="x")
+    if rows["async"]:
+        g = res.group("(d) training: torch MLP 256-256-256-10, 784 features, batch 512, 4 workers on n1, n2",
+                      "mpiexec -hosts n0:1,n1:2,n2:2 mpilb train --model examples/torch_mlp.py:MLP --model-arg hidden=256 --model-arg layers=3 --batch 512 --optimizer momentum --lr 0.05")
+        res.figure(g, "ddp", "PyTorch DDP (gloo), same module, 4 processes on n1, n2: samples/s", rows["ddp"],
+                   unit="samples/s", digits=0)
+        res.figure(g, "async", "mpilb async: samples/s", rows["async"], unit="samples/s", digits=0)
+        res.figure(g, "async_ddp", "mpilb async ÷ DDP", rows["async_ddp"], unit="x", target=">= 1.0")
+        res.figure(g, "sync", "mpilb `--mode sync`: samples/s", rows["sync"], unit="samples/s", digits=0)
+        res.figure(g, "sync_ddp", "mpilb sync ÷ DDP", rows["sync_ddp"], unit="x")
+        res.figure(g, "comm", "async: a fast worker's share of time communicating", rows["comm"], unit="x",
+                   target="<= 0.25")
+    g = res.group("(e) slow workers: `--model softmax --batch 32 --epochs 3 --inject '*:delay=0.05'` on digits", "")
+    res.figure(g, "cpu_remote", "rank 0 CPU ÷ wall, workers on n1, n2", rows["cpu_remote"], unit="x",
+               digits=3, target="<= 0.05")
+    res.figure(g, "cpu_local", "rank 0 CPU ÷ wall, workers on rank 0's node", rows["cpu_local"], unit="x",
+               digits=3)
+    _runs.print_targets(res.checks())
+    res.write(_results.out_path(opts, NAME))
+    return 0 if res.all_met() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
