@@ -23,6 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _runs  # noqa: E402
 from torch_mlp import MLP  # noqa: E402
 
 
@@ -30,16 +32,7 @@ def load(data: str):
     from mpilb.dataset import open_dataset
 
     ds = open_dataset(data)
-    xs, ys = [], []
-    import h5py
-
-    for i in range(len(ds.shards)):
-        with h5py.File(ds.shard_path(i), "r") as f:
-            xs.append(f["x"][()])
-            ys.append(f["y"][()])
-    xt, yt = ds.load_test()
-    return (np.concatenate(xs), np.concatenate(ys), xt, yt, tuple(ds.sample_shape),
-            ds.num_classes)
+    return (*_runs.load_arrays(ds), tuple(ds.sample_shape), ds.num_classes)
 
 
 def main() -> int:

@@ -163,6 +163,20 @@ def marked_processes(entry: bytes) -> dict[int, dict]:
             found[int(p)] = dict(kv.split(b"=", 1) for kv in env if b"=" in kv)
     return found
 
+def load_arrays(ds):
+    """Every training shard and the test set of an opened dataset, in memory:
+    ``(x, y, x_test, y_test)`` (for baselines outside mpilb, e.g. plain PyTorch)."""
+    import h5py
+
+    xs, ys = [], []
+    for i in range(len(ds.shards)):
+        with h5py.File(ds.shard_path(i), "r") as f:
+            xs.append(f["x"][()])
+            ys.append(f["y"][()])
+    xt, yt = ds.load_test()
+    return np.concatenate(xs), np.concatenate(ys), xt, yt
+
+
 def digits_dataset(root: str) -> str:
     """scikit-learn's digits as a dataset under `root` (8 shards), made once and reused."""
     data = os.path.join(root, "digits")

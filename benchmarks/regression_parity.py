@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _results  # noqa: E402
-from _runs import mpiexec, print_targets  # noqa: E402
+from _runs import load_arrays, mpiexec, print_targets  # noqa: E402
 
 
 def main() -> int:
@@ -42,7 +42,6 @@ def main() -> int:
     if opts.quick:
         opts.epochs, opts.seeds = 2, 1
     os.makedirs(opts.dir, exist_ok=True)
-    import h5py
     from sklearn.datasets import load_diabetes
     from sklearn.linear_model import Ridge
     from sklearn.metrics import r2_score
@@ -58,13 +57,8 @@ def main() -> int:
     data_dir = os.path.join(opts.dir, "diabetes")
     ds = prepare_npz(npz, data_dir, shards=4, test_fraction=0.2, seed=0)
     ds = open_dataset(data_dir)
-    xs, ys = [], []
-    for i in range(len(ds.shards)):
-        with h5py.File(ds.shard_path(i), "r") as f:
-            xs.append(f["x"][()])
-            ys.append(f["y"][()])
-    xt, yt = ds.load_test()
-    ridge = r2_score(yt, Ridge(alpha=1.0).fit(np.concatenate(xs), np.concatenate(ys)).predict(xt))
+    x_train, y_train, xt, yt = load_arrays(ds)
+    ridge = r2_score(yt, Ridge(alpha=1.0).fit(x_train, y_train).predict(xt))
     print(f"diabetes: {ds.total_samples} train / {ds.test_samples} test samples, float targets; "
           f"Ridge(alpha=1) test R^2 {ridge:.4f}; load average {os.getloadavg()[0]:.1f}")
     scores, exact = [], True

@@ -28,19 +28,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _results  # noqa: E402
-from _runs import digits_dataset, mpiexec, print_targets  # noqa: E402
-
-
-def load(ds):
-    import h5py
-
-    xs, ys = [], []
-    for i in range(len(ds.shards)):
-        with h5py.File(ds.shard_path(i), "r") as f:
-            xs.append(f["x"][()])
-            ys.append(f["y"][()])
-    xt, yt = ds.load_test()
-    return np.concatenate(xs), np.concatenate(ys), xt, yt
+from _runs import digits_dataset, load_arrays, mpiexec, print_targets  # noqa: E402
 
 
 def serial_torch(data, seed: int, epochs: int, lr: float, batch: int) -> float:
@@ -99,7 +87,7 @@ def main() -> int:
     from mpilb.dataset import open_dataset
 
     data_dir = digits_dataset(opts.dir)
-    data = load(open_dataset(data_dir))
+    data = load_arrays(open_dataset(data_dir))
     ours, theirs, exact = [], [], True
     print(f"digits CNN, {opts.epochs} epochs, lr {opts.lr}, batch {opts.batch}; "
           f"load average {os.getloadavg()[0]:.1f}")
