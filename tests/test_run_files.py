@@ -187,10 +187,9 @@ def test_a_log_deleted_during_the_run_is_written_back(tmp_path):
         assert list(f["epochs/epoch"][()]) == [0, 1] and f.attrs["status"] == "finished"
 
 
-def test_a_log_deleted_mid_run_still_ends_with_its_epochs(tmp_path, digits_dir):
-    log = tmp_path / "run.h5"
-    proc = subprocess.Popen(mpirun.mpilb_cmd(3, *train_args(digits_dir, log, "--epochs", 200,
-                                                            "--max-seconds", 4)),
+def training(data, log, *extra) -> subprocess.Popen:
+    """A 3-rank run started in the background, returned once it has trained a while."""
+    proc = subprocess.Popen(mpirun.mpilb_cmd(3, *train_args(data, log, *extra)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=mpirun.env())
     deadline = time.monotonic() + 60
@@ -198,6 +197,12 @@ def test_a_log_deleted_mid_run_still_ends_with_its_epochs(tmp_path, digits_dir):
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.2)
     time.sleep(1.0)
+    return proc
+
+
+def test_a_log_deleted_mid_run_still_ends_with_its_epochs(tmp_path, digits_dir):
+    log = tmp_path / "run.h5"
+    proc = training(digits_dir, log, "--epochs", 200, "--max-seconds", 4)
     log.unlink()
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
@@ -210,14 +215,7 @@ def test_a_log_deleted_mid_run_still_ends_with_its_epochs(tmp_path, digits_dir):
 
 def test_ctrl_c_checkpoints_and_the_run_resumes(tmp_path, digits_dir):
     log = tmp_path / "run.h5"
-    proc = subprocess.Popen(mpirun.mpilb_cmd(3, *train_args(digits_dir, log, "--epochs", 400)),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=mpirun.env())
-    deadline = time.monotonic() + 60
-    while not log.exists() or log.stat().st_size < 20000:
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.2)
-    time.sleep(1.0)
+    proc = training(digits_dir, log, "--epochs", 400)
     proc.send_signal(signal.SIGINT)   # what a terminal's Ctrl-C sends mpiexec
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
