@@ -29,6 +29,7 @@ from .row_exchange import RowExchange, held_shards
 from .shards import ShardStore
 from .training import PREEMPTED, USR1_NOTICE, config_model
 from .waiting import WaitEstimate
+from .watchdog import Rank0Watch
 from . import wire
 from .wire import Cmd
 
@@ -149,6 +150,7 @@ class Worker:
         self.retry = False
         self.signals_sent: set = set()
         self.preempt_reqs: list = []
+        self.rank0 = Rank0Watch(cfg.worker_timeout, rank)   # ends this rank if rank 0 is gone
 
     def _message(self, floats: Optional[int] = None):
         """(buffer MPI sends/receives, host header, payload on the compute device or host)."""
@@ -193,6 +195,7 @@ class Worker:
                 self.bell.poke(0)
                 poked = now
             self.rows.progress()
+            self.rank0.check()
             self.backoff.sleep()
         self.pulls = None
 
@@ -202,14 +205,16 @@ class Worker:
         self._post_pulls()
         due, grace = self.times.reply_window(counts_as_idle)
         hdr = self.recv_buf[1]
+        self.rank0.waiting()
         while True:
             if self.early_reply is not None:   # read while blocked for rows (pipelined)
                 hdr[:] = self.early_reply
                 self.early_reply = None
             else:
                 C.recv_when_ready(self.comm, self.recv_buf[0], 0, wire.TAG_REPLY, self.backoff,
-                                  on_poll=self._check_fault, due=due, grace=grace)
+                                  on_poll=self._poll_waiting, due=due, grace=grace)
                 self._header_from_buffer(self.recv_buf)
+                self.rank0.heard()
             if wire.command(hdr) != Cmd.ORDERS:
                 break
             self.rows.serve(wire.decode_orders(hdr))   # rows another rank needs; the reply is still to come
@@ -294,10 +299,11 @@ class Worker:
         --pipeline 1 the reply to the push in flight may come first: its header is kept for
         :meth:`_wait_reply` (its parameters wait in MPI for the pulls), and the orders
         behind it are served as they come."""
-        self._check_fault()
+        self._poll_waiting()
         msg = self.comm.improbe(source=0, tag=wire.TAG_REPLY)
         if msg is None:
             return
+        self.rank0.heard()
         self.bell.took(0)
         C.complete(msg.Irecv(self.recv_buf[0]))
         self._header_from_buffer(self.recv_buf)
@@ -310,6 +316,11 @@ class Worker:
             raise RuntimeError(f"rank {self.rank}: message {wire.command(hdr)} from rank 0 while "
                                f"waiting for shard rows (only ORDERS can come then, and with "
                                f"--pipeline 1 one reply)")
+
+    def _poll_waiting(self) -> None:
+        """Between polls of a wait for rank 0 (or for rows): faults, and rank 0's silence."""
+        self._check_fault()
+        self.rank0.check()
 
     def _check_fault(self) -> None:
         self.rows.progress()
@@ -329,6 +340,7 @@ class Worker:
         self._check_fault()
         out = msg[2][:self.n] if self.device_payload else None
         loss, grad, compute_s = self.step_fn(self.params, batch, out=out)
+        self.rank0.waiting()   # this rank's own step is no silence of rank 0
         # Push the mean gradient: the division and the finiteness check happen here, in
         # parallel on every worker, instead of on the server's hot path. They are compute
         # (~0.12 ms a step for 270k parameters, ~2 % of a run that fell in no bucket).

@@ -181,6 +181,45 @@ def test_survive_signals_passes_sigterm_on_to_the_ranks(synth_dir, tmp_path):
     assert (tmp_path / "run.ckpt.h5").exists()
 
 
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_the_ranks_end_themselves_when_rank_0_is_gone(synth_dir, tmp_path, fault):
+    """Rank 0 stopped (or killed, its supervisor exiting 137 so that Hydra keeps the rest):
+    no one else ends the job, so every worker and the parameter store (rank 1) ends itself,
+    one line and exit 1, within --worker-timeout + 10 s of rank 0's last word."""
+    from mpilb.watchdog import limit
+
+    timeout = 2
+    cmd = [mpirun.mpiexec(), "-disable-auto-cleanup", "-n", "5", sys.executable, "-m", "mpilb",
+           *train(synth_dir, tmp_path, "--epochs", 500, "--worker-timeout", timeout,
+                  "--servers", 2, "--survive-signals")]
+    proc = launch(cmd, tmp_path)
+    pids = supervised_ranks(proc, 5)
+    wait_training(tmp_path / "run.h5", proc)
+    t0 = time.monotonic()
+    os.kill(pids[0], getattr(signal, fault))
+    others = [pids[r] for r in range(1, 5)]
+    while time.monotonic() - t0 < limit(timeout) + 10 and any(_alive(p) for p in others):
+        time.sleep(0.2)
+    took = time.monotonic() - t0
+    left = [p for p in others if _alive(p)]
+    if fault == "SIGSTOP":
+        os.kill(pids[0], signal.SIGKILL)
+    code, out, err = finish(proc, timeout=60)
+    assert not left, (left, err)
+    assert limit(timeout) - 1 < took < limit(timeout) + 5, (took, err)
+    assert err.count("nothing from rank 0 for") == 4, err
+    for r in range(1, 5):
+        assert f"rank {r}: nothing from rank 0" in err, err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
 def test_sigusr1_to_every_rank_is_still_a_preemption(synth_dir, tmp_path):
     """Slurm's --signal=USR1 reaches every task; no rank died, so it preempts (exit 0)."""
     cmd = [mpirun.mpiexec(), "-disable-auto-cleanup", "-n", "4", sys.executable, "-m", "mpilb",
