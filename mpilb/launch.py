@@ -167,7 +167,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
             return StoreRank(cfg, dataset, comm, rank)
         from .worker import Worker
 
-        return Worker(cfg, dataset, comm, rank)
+        return Worker(cfg, dataset, comm, rank, hosts)
 
     role = together(comm, rank, make_role, on_fail=lambda r: getattr(r, "abandon", lambda: None)())
     return cfg, role

@@ -18,10 +18,12 @@ from .shards import holders_of, placement
 from .wire import resource_tag
 
 
-def held_shards(num_shards: int, rank: int, size: int, servers: int, replicas: int) -> set[int]:
-    """The shards `rank` holds a copy of with `--store local` (workers are ranks servers..size-1)."""
+def held_shards(num_shards: int, rank: int, size: int, servers: int, replicas: int,
+                hosts=None) -> set[int]:
+    """The shards `rank` holds a copy of with `--store local` (workers are ranks
+    servers..size-1; `hosts`: every rank's hostname, for copies on different nodes)."""
     ranks = list(range(servers, size))
-    return {s for s, hs in placement(num_shards, ranks, replicas).items() if rank in hs}
+    return {s for s, hs in placement(num_shards, ranks, replicas, hosts).items() if rank in hs}
 
 
 class RemoteRows:
@@ -77,10 +79,11 @@ class RowExchange:
             rank 0 sends meanwhile, and checks for faults).
     """
 
-    def __init__(self, comm, rank: int, cfg, dataset, feed, backoff, on_poll):
+    def __init__(self, comm, rank: int, cfg, dataset, feed, backoff, on_poll, hosts=None):
         self.comm = comm
         self.rank = rank
         self.servers, self.replicas = cfg.servers, cfg.replicas
+        self.hosts = hosts   # every rank's hostname: copies are placed by node (shards.py)
         self.feed = feed
         self.backoff = backoff
         self.on_poll = on_poll
@@ -114,7 +117,8 @@ class RowExchange:
         if self.replicas > 1:
             ranks = list(range(self.servers, self.comm.Get_size()))
             alt = resource_tag(tag)
-            sources += [(h, alt) for h in holders_of(shard, self.num_shards, ranks, self.replicas)
+            sources += [(h, alt) for h in holders_of(shard, self.num_shards, ranks, self.replicas,
+                                                     self.hosts)
                         if h not in (src, self.rank)]
         return sources
 

@@ -91,7 +91,7 @@ POKE_EVERY_S = 0.8 * doorbell.POKE_PROGRESS_S
 
 
 class Worker:
-    def __init__(self, cfg, dataset, comm, rank: int):
+    def __init__(self, cfg, dataset, comm, rank: int, hosts=None):
         self.cfg = cfg
         self.comm = comm
         self.rank = rank
@@ -103,7 +103,7 @@ class Worker:
         self.held = None
         if cfg.store == "local":
             self.held = held_shards(len(dataset.shard_sizes), rank, comm.Get_size(),
-                                    cfg.servers, cfg.replicas)
+                                    cfg.servers, cfg.replicas, hosts)
         self.store = ShardStore(dataset, seed=cfg.seed,
                                 io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
                                 cache_mb=cfg.cache_mb, shards=self.held)
@@ -140,7 +140,7 @@ class Worker:
         self.backoff = C.Backoff(bell=self.bell)
         # rows sent to and received from other workers (--store local, part-way moves)
         self.rows = RowExchange(comm, rank, cfg, dataset, self.feed, self.backoff,
-                                on_poll=self._orders_while_blocked)
+                                on_poll=self._orders_while_blocked, hosts=hosts)
         self.push_reqs: list = []
         # --servers K: store s holds parameters [bounds[s], bounds[s+1]) (wire.cut_slices)
         self.bounds = wire.cut_slices(self.n, cfg.servers, wire.layer_sizes(self.model))
