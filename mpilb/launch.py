@@ -120,7 +120,9 @@ def _validate(config_file, cli_values, world_size, all_args):
         from .backend import select_backend
 
         select_backend("gpu", 0)
-    return cfg.values, data_dir, run_id
+    # what rank 0 verified, for the other nodes' copies (--store local: node_copies.py)
+    files = [(s.file, s.samples, s.sha256) for s in dataset.shards]
+    return cfg.values, data_dir, run_id, files
 
 
 def _start(comm, rank: int, size: int, config_file, cli_values: dict):
@@ -133,9 +135,14 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     all_args = comm.allgather((config_file, cli_values))
     verdict = together(comm, rank, lambda: _validate(config_file, cli_values, size, all_args)
                        if rank == 0 else None)
-    values, data_dir, run_id = comm.bcast(verdict, root=0)
+    values, data_dir, run_id, files = comm.bcast(verdict, root=0)
     cfg = Config(dict(values))
     hosts = C.hostnames(comm)
+    if cfg.store == "local":   # each other node's first rank checks the copies placed there
+        from .node_copies import shards_to_verify, verify_node_copies
+
+        mine = shards_to_verify(hosts, rank, range(cfg.servers, size), cfg.replicas, len(files))
+        together(comm, rank, lambda: verify_node_copies(data_dir, files, mine, hosts, rank))
     mpi_library = C.library_version()
     from . import doorbell
 
