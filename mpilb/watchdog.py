@@ -11,8 +11,9 @@ line and exits 1.
 
 Only time spent waiting counts (from the start of a wait, or the end of this rank's own
 compute, whichever is later): a long step of its own is no silence of rank 0. Rank 0's
-own long pauses are the cost: a checkpoint written for longer than :func:`limit` (rank 0
-sends nothing meanwhile) ends the workers; raise --worker-timeout for such models.
+own long pauses are the cost: a checkpoint or an in-process evaluation that takes longer
+than :func:`limit` (rank 0 sends nothing meanwhile) ends the workers; raise
+--worker-timeout for such models.
 """
 
 from __future__ import annotations
