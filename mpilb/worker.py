@@ -218,6 +218,7 @@ class Worker:
             if wire.command(hdr) != Cmd.ORDERS:
                 break
             self.rows.serve(wire.decode_orders(hdr))   # rows another rank needs; the reply is still to come
+            self.rank0.waiting()   # reading them was this rank's own work
         reply = wire.decode_reply(hdr)
         if reply.cmd == Cmd.PARAMS:
             self._finish_pulls()
@@ -310,6 +311,7 @@ class Worker:
         hdr = self.recv_buf[1]
         if wire.command(hdr) == Cmd.ORDERS:
             self.rows.serve(wire.decode_orders(hdr))
+            self.rank0.waiting()
         elif self.cfg.pipeline and self.early_reply is None:
             self.early_reply = hdr.copy()
         else:

@@ -15,9 +15,9 @@ import time
 from typing import Optional
 
 from .. import checkpoint, signals
-from ..watchdog import KEEP_ALIVE_S
 from .. import comm as C
 from ..training import PREEMPTED, USR1_NOTICE
+from ..watchdog import KEEP_ALIVE_S
 
 FIRST_SIZES_STEPS = 16   # proportional batches are first sized after this many steps each
 WARMUP_FIRST_S = 0.25    # after the first rates, rebalance after 0.25, 0.5, 1 ... s

@@ -25,11 +25,11 @@ from typing import Optional
 
 import numpy as np
 
-from ..watchdog import Rank0Watch
 from .. import comm as C
 from .. import wire
 from ..corrections import build_correction
 from ..errors import MpilbError
+from ..watchdog import Rank0Watch
 from ..wire import Op
 from .modes import ParamStore
 
