@@ -243,6 +243,10 @@ def _dispatch(args) -> int:
         from .launch import train
 
         cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "config_file")}
+        if env_world_size() > 1 and _survive_signals(args.config_file, cli_values):
+            from .supervise import supervise
+
+            supervise(env_rank())   # returns in the rank; its supervisor waits for it
         return train(args.config_file, cli_values)
     if args.command == "report":
         from .report import run_report
@@ -278,6 +282,21 @@ def _dispatch(args) -> int:
 
         return run_simulate(args)
     raise UsageError(f"unknown command {args.command}")
+
+
+def _survive_signals(config_file, cli_values: dict) -> bool:
+    """--survive-signals, from the command line or the config file, known before MPI starts
+    (a config file that cannot be read is reported by `train` itself)."""
+    if "survive_signals" in cli_values:
+        return bool(cli_values["survive_signals"])
+    if not config_file:
+        return False
+    from .config import load_toml
+
+    try:
+        return load_toml(config_file).get("survive_signals") is True
+    except UsageError:
+        return False
 
 
 def _prepare(args) -> int:

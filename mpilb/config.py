@@ -146,6 +146,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("resume", bool, False, "continue from --checkpoint", group="output"),
     Option("worker_timeout", float, 60.0, "a worker silent this long is declared lost",
            check=_POSITIVE, group="output", metavar="SECONDS"),
+    Option("survive_signals", bool, False, "run each rank under a small supervisor process "
+           "that exits with a status when the rank is killed by a signal (kill -9, OOM), so that "
+           "mpiexec -disable-auto-cleanup keeps the other ranks (docs/faults.md)",
+           group="output"),
     Option("progress", bool, True, "live progress on rank 0 (--no-progress silences it)",
            group="output"),
     # models from user code, schedules, validation (docs/models.md)

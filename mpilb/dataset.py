@@ -370,50 +370,53 @@ def open_dataset(root, check_files: bool = True) -> Dataset:
 def verify_dataset(root, cached: bool = False) -> Dataset:
     """Fully verify a dataset: manifest, layout, checksums, labels and feature values.
 
-    Files are hashed in blocks and read chunk by chunk, so memory stays small whatever
-    the dataset's size. Every file that passes is recorded (:mod:`mpilb.verified`).
+    Files are hashed in blocks and read chunk by chunk (memory stays small whatever the
+    dataset's size); every file that passes is recorded (:mod:`mpilb.verified`).
 
     Args:
         root: the dataset directory.
-        cached: skip every check of the files recorded as passed that have not changed
-            since (same path, size, mtime and inode). `mpilb train` starts with this;
-            `mpilb data verify` checks everything.
+        cached: skip every check of the files recorded as passed that have not changed since
+            (same path, size, mtime, inode): `mpilb train`; `mpilb data verify` checks all.
 
-    Returns:
-        The :class:`Dataset` when everything checks out.
+    Returns: the :class:`Dataset` when everything checks out.
 
     Raises:
         DataError: naming the first bad file and its problem, e.g.
             ``shard-00003.h5: checksum mismatch (manifest sha256 ab12..., file cd34...)``.
     """
+    ds = open_dataset(root, check_files=False)
+    verify_files(ds, _all_files(ds), cached)
+    return ds
+
+
+def verify_files(ds: Dataset, files, cached: bool = False,
+                 fix: str = "the file was modified or damaged, re-run `mpilb prepare`") -> None:
+    """:func:`verify_dataset`'s checks of `files`, (name, samples, sha256) in `ds`'s directory
+    (the checksum another manifest's, for a node-local copy); `fix`: what a mismatch advises."""
     from .verified import VerifiedFiles
 
-    ds = open_dataset(root, check_files=False)
     records = VerifiedFiles(ds.root)
     rows = max(1, CHECK_BYTES // ds.row_nbytes)
     try:
-        for name, samples, sha in _all_files(ds):
+        for name, samples, sha in files:
             path = ds.root / name
             if cached and records.trusted(path, sha):
                 continue   # unchanged since it passed: layout, checksum and values
             records.begin(path)
             with open_h5(path) as f:
                 check_h5_layout(f, path, samples, ds.sample_shape, ds.label_dtype, ds.target_shape)
-            _check_file(ds, path, samples, sha, rows)
+            _check_file(ds, path, samples, sha, rows, fix)
             records.passed(path, sha)
     finally:
         records.save()   # what passed stays recorded, even when a later file fails
-    return ds
 
 
-def _check_file(ds: Dataset, path: Path, samples: int, sha: str, rows: int) -> None:
+def _check_file(ds: Dataset, path: Path, samples: int, sha: str, rows: int, fix: str) -> None:
     """Checksum, then labels and feature values, of one file; DataError naming it."""
     actual = sha256_file(path)
     if actual != sha:
-        raise DataError(
-            f"{path}: checksum mismatch (manifest sha256 {sha[:12]}..., file {actual[:12]}...); "
-            "the file was modified or damaged, re-run `mpilb prepare`"
-        )
+        raise DataError(f"{path}: checksum mismatch (manifest sha256 {sha[:12]}..., file "
+                        f"{actual[:12]}...); {fix}")
     with open_h5(path) as f:
         x_ds, y_ds = f["x"], f["y"]
         for lo in range(0, samples, rows):

@@ -122,7 +122,9 @@ def _validate(config_file, cli_values, world_size, all_args, nodes):
         from .backend import select_backend
 
         select_backend("gpu", 0)
-    return cfg.values, data_dir, run_id
+    # what rank 0 verified, for the other nodes' copies (--store local: node_copies.py)
+    files = [(s.file, s.samples, s.sha256) for s in dataset.shards]
+    return cfg.values, data_dir, run_id, files
 
 
 def _start(comm, rank: int, size: int, config_file, cli_values: dict):
@@ -131,17 +133,22 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
 
     from . import comm as C
     from .config import Config
-    from .topology import placement_note, store_ranks
+    from .topology import placement_note, store_ranks, workers_of
 
     all_args = comm.allgather((config_file, cli_values))
     nodes = C.nodes(comm)   # node index by rank: where the parameter stores go
     verdict = together(comm, rank, lambda: _validate(config_file, cli_values, size, all_args,
                                                      nodes) if rank == 0 else None)
-    values, data_dir, run_id = comm.bcast(verdict, root=0)
+    values, data_dir, run_id, files = comm.bcast(verdict, root=0)
     cfg = Config(dict(values))
     # the same list on every rank: computed from the same node split and option
     cfg.store_ranks = tuple(store_ranks(nodes, cfg.servers))
     hosts = C.hostnames(comm)
+    if cfg.store == "local":   # each other node's first rank checks the copies placed there
+        from .node_copies import shards_to_verify, verify_node_copies
+
+        mine = shards_to_verify(hosts, rank, workers_of(cfg, size), cfg.replicas, len(files))
+        together(comm, rank, lambda: verify_node_copies(data_dir, files, mine, hosts, rank))
     mpi_library = C.library_version()
     from . import doorbell
 
@@ -174,7 +181,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
             return StoreRank(cfg, dataset, comm, rank)
         from .worker import Worker
 
-        return Worker(cfg, dataset, comm, rank)
+        return Worker(cfg, dataset, comm, rank, hosts)
 
     role = together(comm, rank, make_role, on_fail=lambda r: getattr(r, "abandon", lambda: None)())
     note = placement_note(nodes, cfg.servers) if size > 1 else None

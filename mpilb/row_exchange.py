@@ -19,9 +19,11 @@ from .topology import workers_of
 from .wire import resource_tag
 
 
-def held_shards(num_shards: int, rank: int, workers: list[int], replicas: int) -> set[int]:
-    """The shards `rank` holds a copy of with `--store local` (`workers`: the worker ranks)."""
-    return {s for s, hs in placement(num_shards, workers, replicas).items() if rank in hs}
+def held_shards(num_shards: int, rank: int, workers: list[int], replicas: int,
+                hosts=None) -> set[int]:
+    """The shards `rank` holds a copy of with `--store local` (`workers`: the worker ranks;
+    `hosts`: every rank's hostname, for copies on different nodes)."""
+    return {s for s, hs in placement(num_shards, workers, replicas, hosts).items() if rank in hs}
 
 
 class RemoteRows:
@@ -77,10 +79,11 @@ class RowExchange:
             rank 0 sends meanwhile, and checks for faults).
     """
 
-    def __init__(self, comm, rank: int, cfg, dataset, feed, backoff, on_poll):
+    def __init__(self, comm, rank: int, cfg, dataset, feed, backoff, on_poll, hosts=None):
         self.comm = comm
         self.rank = rank
         self.workers, self.replicas = workers_of(cfg, comm.Get_size()), cfg.replicas
+        self.hosts = hosts   # every rank's hostname: copies are placed by node (shards.py)
         self.feed = feed
         self.backoff = backoff
         self.on_poll = on_poll
@@ -114,7 +117,7 @@ class RowExchange:
         if self.replicas > 1:
             alt = resource_tag(tag)
             sources += [(h, alt) for h in holders_of(shard, self.num_shards, self.workers,
-                                                     self.replicas)
+                                                     self.replicas, self.hosts)
                         if h not in (src, self.rank)]
         return sources
 

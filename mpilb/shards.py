@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import h5py
 import numpy as np
@@ -270,19 +270,61 @@ class ShardStore:
         self.close()
 
 
-def placement(num_shards: int, workers: list[int], replicas: int = 1) -> dict[int, list[int]]:
+def placement(num_shards: int, workers: list[int], replicas: int = 1,
+              hosts: Optional[Sequence[str]] = None) -> dict[int, list[int]]:
     """Which ranks hold a copy of each shard with `--store local` (R copies on R ranks).
 
-    Shard s lives on workers[s % W], workers[(s+1) % W], ...: every rank holds about the same
+    Shard s lives on order[s % W], order[(s+1) % W], ...: every rank holds about the same
     number of shards, and every rank can compute the same map without talking to the others.
+    `order` is `workers` itself on one node. With `hosts` (each rank's hostname, indexed by
+    rank) naming several nodes, `order` takes one rank of each node in turn, and each further
+    copy goes to the next rank in `order` on a node that has no copy of the shard yet (the
+    next rank at all once every node has one): losing a whole node loses no shard with
+    R >= 2. Nodes with unequal rank counts then give the smaller nodes' ranks more copies.
     """
-    w = len(workers)
-    r = min(max(1, replicas), w)
-    return {s: [workers[(s + k) % w] for k in range(r)] for s in range(num_shards)}
+    order = node_interleaved(workers, hosts)
+    return {s: _copies(s, order, replicas, hosts) for s in range(num_shards)}
 
 
-def holders_of(shard: int, num_shards: int, workers: list[int], replicas: int) -> list[int]:
+def holders_of(shard: int, num_shards: int, workers: list[int], replicas: int,
+               hosts: Optional[Sequence[str]] = None) -> list[int]:
     """The ranks holding `shard` (the same map as :func:`placement`, for one shard)."""
-    w = len(workers)
-    r = min(max(1, replicas), w)
-    return [workers[(shard + k) % w] for k in range(r)]
+    return _copies(shard, node_interleaved(workers, hosts), replicas, hosts)
+
+
+def _copies(s: int, order: list[int], replicas: int, hosts) -> list[int]:
+    w = len(order)
+    node = (lambda rank: hosts[rank]) if hosts else (lambda rank: rank)
+    copies = [order[s % w]]
+    while len(copies) < min(max(1, replicas), w):
+        copies.append(_next_copy(order, s, copies, node))
+    return copies
+
+
+def _next_copy(order: list[int], s: int, copies: list[int], node: Callable) -> int:
+    """The first rank after order[s] on a node without a copy yet, else the first without one."""
+    used = {node(x) for x in copies}
+    first_free = None
+    for k in range(1, len(order)):
+        x = order[(s + k) % len(order)]
+        if x in copies:
+            continue
+        if node(x) not in used:
+            return x
+        if first_free is None:
+            first_free = x
+    return first_free
+
+
+def node_interleaved(workers: list[int], hosts: Optional[Sequence[str]] = None) -> list[int]:
+    """`workers` reordered to take one rank of each node in turn (nodes in the order of
+    their first rank, ranks in their order); unchanged without `hosts` or on one node."""
+    if not hosts:
+        return list(workers)
+    nodes: dict[str, list[int]] = {}
+    for rank in workers:
+        nodes.setdefault(hosts[rank], []).append(rank)
+    if len(nodes) < 2:
+        return list(workers)
+    columns = list(nodes.values())
+    return [col[i] for i in range(max(map(len, columns))) for col in columns if i < len(col)]

@@ -30,6 +30,7 @@ from .shards import ShardStore
 from .topology import stores_of, workers_of
 from .training import PREEMPTED, USR1_NOTICE, config_model
 from .waiting import WaitEstimate
+from .watchdog import Rank0Watch
 from . import wire
 from .wire import Cmd
 
@@ -91,7 +92,7 @@ POKE_EVERY_S = 0.8 * doorbell.POKE_PROGRESS_S
 
 
 class Worker:
-    def __init__(self, cfg, dataset, comm, rank: int):
+    def __init__(self, cfg, dataset, comm, rank: int, hosts=None):
         self.cfg = cfg
         self.comm = comm
         self.rank = rank
@@ -103,7 +104,7 @@ class Worker:
         self.held = None
         if cfg.store == "local":
             self.held = held_shards(len(dataset.shard_sizes), rank,
-                                    workers_of(cfg, comm.Get_size()), cfg.replicas)
+                                    workers_of(cfg, comm.Get_size()), cfg.replicas, hosts)
         self.store = ShardStore(dataset, seed=cfg.seed,
                                 io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
                                 cache_mb=cfg.cache_mb, shards=self.held)
@@ -140,7 +141,7 @@ class Worker:
         self.backoff = C.Backoff(bell=self.bell)
         # rows sent to and received from other workers (--store local, part-way moves)
         self.rows = RowExchange(comm, rank, cfg, dataset, self.feed, self.backoff,
-                                on_poll=self._orders_while_blocked)
+                                on_poll=self._orders_while_blocked, hosts=hosts)
         self.push_reqs: list = []
         # --servers K: store s (rank stores[s]) holds parameters [bounds[s], bounds[s+1])
         self.stores = stores_of(cfg)
@@ -151,6 +152,7 @@ class Worker:
         self.retry = False
         self.signals_sent: set = set()
         self.preempt_reqs: list = []
+        self.rank0 = Rank0Watch(cfg.worker_timeout, rank)   # ends this rank if rank 0 is gone
 
     def _message(self, floats: Optional[int] = None):
         """(buffer MPI sends/receives, host header, payload on the compute device or host)."""
@@ -195,6 +197,7 @@ class Worker:
                 self.bell.poke(0)
                 poked = now
             self.rows.progress()
+            self.rank0.check()
             self.backoff.sleep()
         self.pulls = None
 
@@ -204,17 +207,20 @@ class Worker:
         self._post_pulls()
         due, grace = self.times.reply_window(counts_as_idle)
         hdr = self.recv_buf[1]
+        self.rank0.waiting()
         while True:
             if self.early_reply is not None:   # read while blocked for rows (pipelined)
                 hdr[:] = self.early_reply
                 self.early_reply = None
             else:
                 C.recv_when_ready(self.comm, self.recv_buf[0], 0, wire.TAG_REPLY, self.backoff,
-                                  on_poll=self._check_fault, due=due, grace=grace)
+                                  on_poll=self._poll_waiting, due=due, grace=grace)
                 self._header_from_buffer(self.recv_buf)
+                self.rank0.heard()
             if wire.command(hdr) != Cmd.ORDERS:
                 break
             self.rows.serve(wire.decode_orders(hdr))   # rows another rank needs; the reply is still to come
+            self.rank0.waiting()   # reading them was this rank's own work
         reply = wire.decode_reply(hdr)
         if reply.cmd == Cmd.PARAMS:
             self._finish_pulls()
@@ -296,22 +302,29 @@ class Worker:
         --pipeline 1 the reply to the push in flight may come first: its header is kept for
         :meth:`_wait_reply` (its parameters wait in MPI for the pulls), and the orders
         behind it are served as they come."""
-        self._check_fault()
+        self._poll_waiting()
         msg = self.comm.improbe(source=0, tag=wire.TAG_REPLY)
         if msg is None:
             return
+        self.rank0.heard()
         self.bell.took(0)
         C.complete(msg.Irecv(self.recv_buf[0]))
         self._header_from_buffer(self.recv_buf)
         hdr = self.recv_buf[1]
         if wire.command(hdr) == Cmd.ORDERS:
             self.rows.serve(wire.decode_orders(hdr))
+            self.rank0.waiting()
         elif self.cfg.pipeline and self.early_reply is None:
             self.early_reply = hdr.copy()
         else:
             raise RuntimeError(f"rank {self.rank}: message {wire.command(hdr)} from rank 0 while "
                                f"waiting for shard rows (only ORDERS can come then, and with "
                                f"--pipeline 1 one reply)")
+
+    def _poll_waiting(self) -> None:
+        """Between polls of a wait for rank 0 (or for rows): faults, and rank 0's silence."""
+        self._check_fault()
+        self.rank0.check()
 
     def _check_fault(self) -> None:
         self.rows.progress()
@@ -331,6 +344,7 @@ class Worker:
         self._check_fault()
         out = msg[2][:self.n] if self.device_payload else None
         loss, grad, compute_s = self.step_fn(self.params, batch, out=out)
+        self.rank0.waiting()   # this rank's own step is no silence of rank 0
         # Push the mean gradient: the division and the finiteness check happen here, in
         # parallel on every worker, instead of on the server's hot path. They are compute
         # (~0.12 ms a step for 270k parameters, ~2 % of a run that fell in no bucket).

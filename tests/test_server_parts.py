@@ -296,3 +296,19 @@ def test_sitout_benches_hands_back_and_probes_again():
     # the last worker in the rounds is never benched
     solo = [Peer(1)]
     assert not sit.bench(solo[0], solo, now=0.0)
+
+
+def test_a_shard_with_no_copy_left_says_what_became_of_its_copies():
+    """With --replicas 2 the advice "use --replicas 2 or more" was untrue: the line says
+    that all its copies were on lost ranks; with one copy the advice stays."""
+    holders = {0: [1, 2], 1: [2, 3], 2: [3]}
+    ledger, _ = ledger_for([10, 10, 10], ranks=(1, 2, 3), policy="static", holders=holders)
+    ledger.gone |= {1, 2}
+    with pytest.raises(RuntimeError) as two:
+        ledger.holder_for(0, 5)
+    assert str(two.value) == ("shard 0: all 2 of its copies (--replicas 2) were on ranks that "
+                              "were lost: 1, 2")
+    ledger.gone = {3}
+    with pytest.raises(RuntimeError, match=r"shard 2: its only copy was on rank 3, which was "
+                                           r"lost \(use --replicas 2 or more"):
+        ledger.holder_for(2, 5)

@@ -13,7 +13,7 @@ from mpilb.backend import select_backend
 from mpilb.batches import ShardFeed
 from mpilb.dataset import open_dataset
 from mpilb.report import summarize_log
-from mpilb.shards import ShardStore, placement
+from mpilb.shards import ShardStore, holders_of, placement
 
 
 def test_placement_spreads_copies():
@@ -22,6 +22,44 @@ def test_placement_spreads_copies():
     counts = np.bincount([r for h in p.values() for r in h], minlength=4)[1:]
     assert counts.max() - counts.min() <= 1
     assert placement(4, [1, 2], replicas=5)[0] == [1, 2]   # at most one copy per rank
+
+
+def test_placement_puts_a_shards_copies_on_different_nodes():
+    """--replicas 2 on several nodes: no shard has both copies on one node (it used to put
+    them on adjacent ranks, usually one node, so losing that node lost shards)."""
+    hosts = ["n0", "n1", "n1", "n2", "n2", "n3", "n3"]   # rank 0 on n0; workers 1-6
+    workers = [1, 2, 3, 4, 5, 6]
+    p = placement(24, workers, replicas=2, hosts=hosts)
+    for copies in p.values():
+        assert len(copies) == 2 and len({hosts[r] for r in copies}) == 2, copies
+    counts = np.bincount([r for h in p.values() for r in h], minlength=7)[1:]
+    assert counts.max() - counts.min() <= 1                      # still balanced
+    # losing any one node's ranks leaves a copy of every shard
+    for node in ("n1", "n2", "n3"):
+        gone = {r for r in workers if hosts[r] == node}
+        assert all(set(c) - gone for c in p.values()), node
+    # three copies on three nodes
+    p3 = placement(12, workers, replicas=3, hosts=hosts)
+    assert all(len({hosts[r] for r in c}) == 3 for c in p3.values())
+    # unequal nodes: the copies still differ in node, the lone rank of n2 holds more
+    uneven = placement(6, [1, 2, 3], replicas=2, hosts=["n0", "n1", "n1", "n2"])
+    assert all({hosts_ for hosts_ in ("n1", "n2")} == {["n0", "n1", "n1", "n2"][r] for r in c}
+               for c in uneven.values())
+    # one node (or no hostnames): the old map, adjacent ranks
+    assert placement(10, [1, 2, 3], 2, ["a"] * 4) == placement(10, [1, 2, 3], 2) == {
+        s: [[1, 2, 3][s % 3], [1, 2, 3][(s + 1) % 3]] for s in range(10)}
+
+
+def test_workers_and_rank_0_agree_on_a_placement_by_node():
+    """Each worker computes what it holds from the same hostnames rank 0 places with."""
+    from mpilb.row_exchange import held_shards
+
+    hosts = ["n0", "n0", "n1", "n1", "n2"]
+    p = placement(9, [1, 2, 3, 4], 2, hosts)
+    for r in (1, 2, 3, 4):
+        assert held_shards(9, r, [1, 2, 3, 4], replicas=2, hosts=hosts) == {
+            s for s, c in p.items() if r in c}
+    assert all(holders_of(s, 9, [1, 2, 3, 4], 2, hosts) == p[s] for s in range(9))
 
 
 class Rows:

@@ -124,6 +124,102 @@ def test_crashed_worker_is_survived(synth_dir, tmp_path, launcher):
         assert float(f.attrs["wall_s"]) - float(f["epochs/t_end"][-1]) < timeout + 10
 
 
+def supervised_ranks(proc, n, timeout=60) -> dict[int, int]:
+    """PMI rank -> pid of the rank process itself (the child of its --survive-signals
+    supervisor, which has the same environment), once all n run."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        procs = job_processes(proc)
+        found = {}
+        for pid, e in procs.items():
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as fh:
+                    ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if b"PMI_RANK" in e and ppid in procs and procs[ppid].get(b"PMI_RANK") == e[b"PMI_RANK"]:
+                found[int(e[b"PMI_RANK"])] = pid
+        if len(found) == n:
+            return found
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    raise AssertionError(f"supervised ranks did not start: {found}")
+
+
+def test_a_worker_killed_by_sigkill_is_survived_with_survive_signals(synth_dir, tmp_path):
+    """Hydra SIGKILLs every rank of a proxy when one of its children dies by a signal, even
+    under -disable-auto-cleanup; under --survive-signals that child is the supervisor, which
+    exits 137 instead: the job goes on without the rank, degraded, with exact coverage."""
+    timeout, epochs = 3, 60
+    cmd = [mpirun.mpiexec(), "-disable-auto-cleanup", "-n", "4", sys.executable, "-m", "mpilb",
+           *train(synth_dir, tmp_path, "--epochs", epochs, "--worker-timeout", timeout,
+                  "--survive-signals")]
+    proc = launch(cmd, tmp_path)
+    pids = supervised_ranks(proc, 4)
+    wait_training(tmp_path / "run.h5", proc)
+    os.kill(pids[2], signal.SIGKILL)
+    code, out, err = finish(proc, timeout=120)
+    assert code == 3, (code, out, err)
+    assert "rank 2 (pid" in err and "was killed by SIGKILL" in err and "declared lost" in err, err
+    assert_degraded_exact(tmp_path, synth_dir, epochs)
+
+
+def test_survive_signals_passes_sigterm_on_to_the_ranks(synth_dir, tmp_path):
+    """The ranks run in process groups of their own: a SIGTERM to mpiexec (passed to each
+    supervisor's group) reaches every rank once, through its supervisor: a preemption."""
+    cmd = [mpirun.mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-m", "mpilb",
+           *train(synth_dir, tmp_path, "--epochs", 500, "--worker-timeout", 5,
+                  "--survive-signals")]
+    proc = launch(cmd, tmp_path)
+    supervised_ranks(proc, 3)
+    wait_training(tmp_path / "run.h5", proc)
+    proc.send_signal(signal.SIGTERM)
+    code, out, err = finish(proc, timeout=60)
+    assert code == 0, (code, out, err)
+    s = summarize_log(str(tmp_path / "run.h5"))
+    assert s["status"] == "preempted" and s["lost_workers"] == [], err
+    assert (tmp_path / "run.ckpt.h5").exists()
+
+
+@pytest.mark.parametrize("fault", ["SIGSTOP", "SIGKILL"])
+def test_the_ranks_end_themselves_when_rank_0_is_gone(synth_dir, tmp_path, fault):
+    """Rank 0 stopped (or killed, its supervisor exiting 137 so that Hydra keeps the rest):
+    no one else ends the job, so every worker and the parameter store (rank 1) ends itself,
+    one line and exit 1, within --worker-timeout + 10 s of rank 0's last word."""
+    from mpilb.watchdog import limit
+
+    timeout = 2
+    cmd = [mpirun.mpiexec(), "-disable-auto-cleanup", "-n", "5", sys.executable, "-m", "mpilb",
+           *train(synth_dir, tmp_path, "--epochs", 500, "--worker-timeout", timeout,
+                  "--servers", 2, "--survive-signals")]
+    proc = launch(cmd, tmp_path)
+    pids = supervised_ranks(proc, 5)
+    wait_training(tmp_path / "run.h5", proc)
+    t0 = time.monotonic()
+    os.kill(pids[0], getattr(signal, fault))
+    others = [pids[r] for r in range(1, 5)]
+    while time.monotonic() - t0 < limit(timeout) + 10 and any(_alive(p) for p in others):
+        time.sleep(0.2)
+    took = time.monotonic() - t0
+    left = [p for p in others if _alive(p)]
+    if fault == "SIGSTOP":
+        os.kill(pids[0], signal.SIGKILL)
+    code, out, err = finish(proc, timeout=60)
+    assert not left, (left, err)
+    assert limit(timeout) - 1 < took < limit(timeout) + 5, (took, err)
+    assert err.count("nothing from rank 0 for") == 4, err
+    for r in range(1, 5):
+        assert f"rank {r}: nothing from rank 0" in err, err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
 def test_sigusr1_to_every_rank_is_still_a_preemption(synth_dir, tmp_path):
     """Slurm's --signal=USR1 reaches every task; no rank died, so it preempts (exit 0)."""
     cmd = [mpirun.mpiexec(), "-disable-auto-cleanup", "-n", "4", sys.executable, "-m", "mpilb",
@@ -249,3 +345,13 @@ def test_a_failed_send_to_a_dead_worker_frees_its_parameter_buffer():
                        build_correction("none"), nominal_batch=1, finished=C.finished)
     store.sending(FailedSend(), rank=2)
     assert store._target() == store.cur and store.pending() == []
+
+
+def test_a_supervisor_exits_with_a_status_for_a_rank_killed_by_a_signal():
+    """What the launcher sees: the rank's own exit code, or 128 + N for signal N."""
+    from mpilb.supervise import exit_status
+
+    assert exit_status(9) == (137, 9)          # killed by SIGKILL
+    assert exit_status(15) == (143, 15)        # killed by SIGTERM
+    assert exit_status(3 << 8) == (3, None)    # exit(3)
+    assert exit_status(0) == (0, None)

@@ -147,3 +147,49 @@ def test_a_verified_dataset_can_be_prepared_again_in_place(tmp_path):
     ds = D.open_dataset(root)
     assert ds.total_samples == 300 - ds.test_samples and len(ds.shard_sizes) == 3
     assert not (root / V.CACHE_NAME).exists()   # the old record went with the old files
+
+
+# ---------------------------------------------------------------- node-local copies (--store local)
+def test_each_other_nodes_first_rank_checks_the_shards_placed_on_its_node():
+    from mpilb.node_copies import shards_to_verify
+    from mpilb.shards import placement
+
+    hosts = ["n0", "n0", "n1", "n1", "n2"]   # rank 0 and worker 1 on n0
+    workers = [1, 2, 3, 4]
+    p = placement(8, workers, 2, hosts)
+    assert shards_to_verify(hosts, 0, workers, 2, 8) == []   # rank 0 checked n0's files
+    assert shards_to_verify(hosts, 1, workers, 2, 8) == []   # n0 again
+    assert shards_to_verify(hosts, 3, workers, 2, 8) == []   # not n1's first rank
+    assert shards_to_verify(hosts, 2, workers, 2, 8) == sorted(
+        s for s, c in p.items() if {2, 3} & set(c))
+    assert shards_to_verify(hosts, 4, workers, 2, 8) == sorted(s for s, c in p.items() if 4 in c)
+    assert shards_to_verify(["h"] * 5, 2, workers, 2, 8) == []   # one node
+
+
+def test_a_node_copy_from_another_seed_is_refused_naming_node_rank_and_file(tmp_path, counted):
+    """A node's copy of a shard that differs from what rank 0 verified (here: the same
+    dataset prepared with another seed) is one line naming rank, node and file (exit 2);
+    the node's own manifest, which matches its copy, is not what it is checked against."""
+    from mpilb.node_copies import verify_node_copies
+
+    ref = D.prepare_synthetic(tmp_path / "ref", samples=600, features=8, classes=3, shards=3, seed=0)
+    files = [(s.file, s.samples, s.sha256) for s in ref.shards]
+    node = tmp_path / "node"
+    shutil.copytree(tmp_path / "ref", node)
+    other = D.prepare_synthetic(tmp_path / "other", samples=600, features=8, classes=3, shards=3,
+                                seed=1)
+    shutil.copy(tmp_path / "other" / other.shards[1].file, node / other.shards[1].file)
+    shutil.copy(tmp_path / "other" / "manifest.json", node / "manifest.json")
+    age(node)
+    verify_node_copies(str(node), files, [0, 2], ["n0", "n0", "n1"], 2)   # good copies pass
+    with pytest.raises(DataError) as err:
+        verify_node_copies(str(node), files, [0, 1], ["n0", "n0", "n1"], 2)
+    text = str(err.value)
+    assert text.startswith(f"rank 2 on node n1: {node / files[1][0]}: checksum mismatch "
+                           f"(manifest sha256 {files[1][2][:12]}..."), text
+    assert "not the file rank 0 checked on node n0" in text and "\n" not in text
+    # the passed copies are recorded: the next start hashes only what failed
+    counted.clear()
+    with pytest.raises(DataError):
+        verify_node_copies(str(node), files, [0, 1, 2], ["n0", "n0", "n1"], 2)
+    assert counted == [files[1][0]]

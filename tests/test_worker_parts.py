@@ -10,6 +10,7 @@ import pytest
 
 from mpilb.row_exchange import RowExchange, held_shards
 from mpilb.shards import placement
+from mpilb.watchdog import Rank0Watch, limit
 from mpilb.wire import TAG_SHARD_BASE, resource_tag
 from mpilb.worker import TimeSincePush
 
@@ -126,6 +127,7 @@ def test_parameters_still_arriving_keep_poking_rank_0(monkeypatch):
     w.pulls = ["a pull"]
     w.bell = SimpleNamespace(poke=lambda rank: pokes.append((rank, clock["t"])))
     w.rows = SimpleNamespace(progress=lambda: None)
+    w.rank0 = Rank0Watch(60.0, 1)   # rank 0 is there (watchdog.py)
     w.backoff = SimpleNamespace(reset=lambda: None,
                                 sleep=lambda: clock.__setitem__("t", clock["t"] + 1e-4))
     w._finish_pulls()
@@ -159,6 +161,7 @@ def _pipelined_worker(messages, served):
     w.rows = SimpleNamespace(progress=lambda: None, serve=lambda orders: served.extend(orders))
     w.injector = SimpleNamespace(fault=lambda now: None)
     w.signals_sent, w.preempt_reqs = set(), []
+    w.rank0 = Rank0Watch(60.0, 1)
     w.recv_buf, w.spare_buf = wire.new_message(4), wire.new_message(4)
     w.params = w.spare_buf[2]
     return w
@@ -220,9 +223,29 @@ def test_the_gradients_scaling_and_check_count_as_compute(monkeypatch):
     w.injector = SimpleNamespace(fault=lambda now: None)
     w.rows = SimpleNamespace(progress=lambda: None)
     w.signals_sent, w.preempt_reqs = set(), []
+    w.rank0 = Rank0Watch(60.0, 1)
     w.model = SimpleNamespace(num_state=0)
     w.backend = SimpleNamespace(xp=np, synchronize=lambda: None)
     w.params = np.zeros(4, np.float32)
     w.step_fn = lambda params, batch, out: (2.0, np.ones(4, np.float32), 0.0)   # model: 0 s
     done = w._compute(SimpleNamespace(size=2), (None, None, np.zeros(4, np.float32)))
     assert done.compute_s >= 1e-3 and not done.nonfinite
+
+
+def test_the_watch_on_rank_0_counts_only_waiting_time():
+    """A rank that waits for rank 0 gives up after --worker-timeout + max(10 s, itself) of
+    silence; its own compute is no silence of rank 0, and any message restarts the count."""
+    clock = {"t": 100.0}
+    watch = Rank0Watch(5.0, 3, clock=lambda: clock["t"])
+    assert watch.limit == limit(5.0) == 15.0 and limit(60.0) == 120.0
+    clock["t"] += 14.0
+    assert not watch.expired()
+    watch.heard()                      # a keep-alive
+    clock["t"] += 14.0
+    assert not watch.expired()
+    clock["t"] += 2.0
+    assert watch.expired()
+    watch.waiting()                    # its own step just ended: the silence starts now
+    assert not watch.expired() and watch.silent_for() == 0.0
+    clock["t"] += 15.5
+    assert watch.expired()

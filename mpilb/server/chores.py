@@ -17,6 +17,7 @@ from typing import Optional
 from .. import checkpoint, signals
 from .. import comm as C
 from ..training import PREEMPTED, USR1_NOTICE
+from ..watchdog import KEEP_ALIVE_S
 
 FIRST_SIZES_STEPS = 16   # proportional batches are first sized after this many steps each
 WARMUP_FIRST_S = 0.25    # after the first rates, rebalance after 0.25, 0.5, 1 ... s
@@ -66,6 +67,7 @@ class Chores:
             self.remote.watch(mono)   # a silent store ends the run before its workers are judged
             self._check_lost()
             self._check_stalled()
+            self._keep_alive(mono)
         self._timers()
 
     def _next_push_due(self) -> tuple[Optional[float], float, Optional[float]]:
@@ -173,6 +175,14 @@ class Chores:
                             predicted_rate=self.balancer.effective_rate(w.rank), **w.take_row())
 
     # ----------------------------------------------------------------- liveness
+    def _keep_alive(self, mono: float) -> None:
+        """Every worker hears from rank 0 at least every KEEP_ALIVE_S, also while it is idle,
+        held (ssp, sync) or blocked for rows: its watchdog tells a silent rank 0 from a
+        gone one by that (watchdog.py)."""
+        for w in self.present():
+            if mono - w.told_at > KEEP_ALIVE_S:
+                self.outbox.keep_alive(w)
+
     def _note_unwatched(self) -> None:
         """Remember when rank 0 did not watch (a long checkpoint or evaluation, SIGSTOP):
         that time does not count as the workers' silence (their pushes wait unread)."""

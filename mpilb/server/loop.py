@@ -48,7 +48,8 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         self.comm = comm
         self.size = comm.Get_size()
         self.ranks = workers_of(cfg, self.size)   # the others hold parameters (--servers)
-        holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.replicas)
+        holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.replicas,
+                             json.loads(run_attrs.get("hostnames", "[]")))   # copies on other nodes
                    if cfg.store == "local" else None)
         self.session = s = Session(cfg, dataset, run_attrs, self.ranks, holders)
         hosts = json.loads(run_attrs.get("hostnames", "[]"))

@@ -51,6 +51,7 @@ class Outbox:
                               retry=peer.retry, drop=peer.drop, assigns=assigns, orders=orders,
                               cut=cut)
         peer.retry = peer.drop = False
+        peer.told_at = time.monotonic()
         link.reply_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)
         self.sending.append(link.reply_req)
         store.bytes_out += buf.nbytes
@@ -80,8 +81,24 @@ class Outbox:
             link.orders_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)
             self.sending.append(link.orders_req)
             self.bell.ring(peer.rank)
+            peer.told_at = time.monotonic()
             if not self.ledger.has_orders(peer.rank):
                 return
+
+    def keep_alive(self, peer) -> None:
+        """An empty ORDERS header, "rank 0 is here, keep waiting", for a worker rank 0 has
+        sent nothing for a while (its watchdog ends it after a long silence: watchdog.py).
+        Skipped while the previous orders are still on their way. Not rung: the worker
+        finds it at its next poll."""
+        link = peer.link
+        if link.orders_req is not None and not C.finished(link.orders_req):
+            return
+        buf, hdr, _ = link.orders_msg
+        wire.encode_orders(hdr, [])
+        link.orders_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)
+        self.sending.append(link.orders_req)
+        self.bell.ring(peer.rank, wake=False)   # counted, so that later rings stay numbered
+        peer.told_at = time.monotonic()
 
     def in_flight(self) -> bool:
         """True while some send is still under way (and MPI needs progress)."""

@@ -81,6 +81,7 @@ class Peer:
     step: int = 0
     last_seen: float = 0.0
     pushed_at: float = 0.0   # when its last push was taken (time.monotonic())
+    told_at: float = 0.0     # when rank 0 last sent it anything (keep-alives: watchdog.py)
     awaiting: bool = False   # sent work and parameters, its next push is to come
     push_gap: WaitEstimate = field(default_factory=WaitEstimate)   # reply -> next push
     last_gap: Optional[float] = None   # reply -> push of its last push (its step's cost)

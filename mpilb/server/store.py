@@ -31,6 +31,7 @@ from .. import wire
 from ..corrections import build_correction
 from ..errors import MpilbError
 from ..topology import PER_NODE, span, store_ranks, stores_of, workers_of
+from ..watchdog import Rank0Watch
 from ..wire import Op
 from .modes import ParamStore
 
@@ -145,6 +146,7 @@ class StoreRank:
         self.stats = np.zeros(wire.STATS_FIELDS, np.float64)
         self.stats_req = None
         self.backoff = C.Backoff()
+        self.rank0 = Rank0Watch(cfg.worker_timeout, rank)
         self.cpu0 = time.process_time()
 
     def abandon(self) -> None:
@@ -160,6 +162,10 @@ class StoreRank:
             self.queue.append(wire.decode_ctrl(self.ctrl))
             self.ctrl_req = self.comm.Irecv(self.ctrl, source=0, tag=wire.TAG_CTRL)
             got = True
+        if got:
+            self.rank0.heard()
+        else:
+            self.rank0.check()   # rank 0 asks for counters every PING_S: silence means gone
         return got
 
     def _next(self) -> wire.CtrlMsg:

@@ -205,10 +205,20 @@ class TaskLedger:
         """
         alive = [r for r in self.holders[shard] if r not in self.gone and r not in exclude]
         if not alive:
-            raise RuntimeError(f"shard {shard}: every rank holding a copy was lost "
-                               f"(use --replicas 2 or more to survive this)")
+            raise RuntimeError(f"shard {shard}: {self.copies_lost(shard)}")
         return min(alive, key=lambda r: (self.of[r].remaining + rows)
                    / max(1e-9, self.balancer.effective_rate(r)))
+
+    def copies_lost(self, shard: int) -> str:
+        """What became of a shard's copies, for the line that ends the run: the advice to
+        keep more copies only where there was one."""
+        holders = self.holders[shard]
+        ranks = ", ".join(map(str, holders))
+        if len(holders) == 1:
+            return (f"its only copy was on rank {ranks}, which was lost (use --replicas 2 or "
+                    f"more to survive this)")
+        return (f"all {len(holders)} of its copies (--replicas {len(holders)}) were on ranks "
+                f"that were lost: {ranks}")
 
     def resource(self, lost: int) -> list[tuple[int, Task]]:
         """Rows `lost` owed go out again from another holder of the shard.
@@ -228,8 +238,8 @@ class TaskLedger:
             except RuntimeError:
                 raise RuntimeError(
                     f"rank {lost} was lost before sending rows of shard {task.shard} to rank "
-                    f"{receiver}, and no other live rank holds a copy (use --replicas 2 or more "
-                    f"to survive this); resume from the last checkpoint") from None
+                    f"{receiver}, and no other live rank holds a copy: "
+                    f"{self.copies_lost(task.shard)}; resume from the last checkpoint") from None
             task.src, task.tag = giver, resource_tag(task.tag)
             self.of[giver].orders.append(OrderMsg(task.epoch, task.shard, task.start, task.end,
                                                   receiver, task.tag))

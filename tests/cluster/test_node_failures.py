@@ -1,0 +1,133 @@
+"""Node-local stores on three emulated nodes: a node whose copy of a shard differs from rank
+0's is refused at start-up, and `--replicas 2` survives losing a whole node."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "benchmarks"))
+import mpirun  # noqa: E402
+from _runs import marked_processes  # noqa: E402
+from mpilb.clusterbox import ClusterBox, missing  # noqa: E402
+from mpilb.dataset import open_dataset, prepare_synthetic  # noqa: E402
+from mpilb.report import summarize_log  # noqa: E402
+from mpilb.shards import placement  # noqa: E402
+from test_resume import recomputed_coverage  # noqa: E402
+
+WHY = missing()
+pytestmark = [pytest.mark.cluster,
+              pytest.mark.skipif(WHY is not None, reason=f"no cluster box here: {WHY}")]
+
+HOSTS = "n0:1,n1:2,n2:2"                   # rank 0 on n0; workers 1, 2 on n1 and 3, 4 on n2
+RANK_HOSTS = ["n0", "n1", "n1", "n2", "n2"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nodes") / "synth"
+    prepare_synthetic(root, samples=6000, features=16, classes=4, shards=8, seed=0)
+    return root
+
+
+def stage(box, reference) -> None:
+    """The dataset copied to every node's own local directory (as stage_local.sbatch does)."""
+    for k in range(3):
+        dest = box.dir / f"node{k}" / "local" / "synth"
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(reference, dest)
+
+
+def train_args(box, tmp_path, *extra):
+    return ["-disable-auto-cleanup", "-hosts", HOSTS, sys.executable, "-m", "mpilb", "train",
+            "--data", os.path.join(box.local_dir, "synth"), "--store", "local", "--hidden", "16",
+            "--no-progress", "--log", str(tmp_path / "run.h5"), *map(str, extra)]
+
+
+def test_a_node_whose_copy_of_a_shard_differs_is_refused(reference, tmp_path):
+    """Node n2's copy of one of its shards comes from another seed: before, only rank 0's
+    node was checked and it trained silently; now n2's first rank (3) refuses it, exit 2."""
+    other = prepare_synthetic(tmp_path / "other", samples=6000, features=16, classes=4, shards=8,
+                              seed=1)
+    p = placement(8, [1, 2, 3, 4], 2, RANK_HOSTS)
+    shard = next(s for s, c in p.items() if 3 in c or 4 in c)
+    name = other.shards[shard].file
+    with ClusterBox(nodes=3) as box:
+        stage(box, reference)
+        shutil.copy(tmp_path / "other" / name, box.dir / "node2" / "local" / "synth" / name)
+        res = box.mpiexec(train_args(box, tmp_path, "--replicas", 2, "--epochs", 1),
+                          timeout=180, env=mpirun.env())
+    assert res.returncode == 2, (res.returncode, res.stderr)
+    errors = [line for line in res.stderr.splitlines() if line.startswith("mpilb: error:")]
+    assert len(errors) == 1, res.stderr
+    assert errors[0].startswith(f"mpilb: error: rank 3 on node n2: {box.local_dir}/synth/{name}: "
+                                f"checksum mismatch"), errors
+    assert not (tmp_path / "run.h5").exists()
+
+
+def test_replicas_2_survive_losing_a_whole_node(reference, tmp_path):
+    """Both ranks of n2 stop (a node that hangs): with each shard's two copies on ranks of
+    different nodes the others finish every epoch, degraded, with exact coverage (before:
+    copies on adjacent ranks 3 and 4, exit 1 'every rank holding a copy was lost')."""
+    epochs = 40
+    env = mpirun.env(MPILB_TEST_JOB=str(tmp_path))
+    mark = b"MPILB_TEST_JOB=" + str(tmp_path).encode()
+    with ClusterBox(nodes=3) as box:
+        stage(box, reference)
+        proc = box.popen(0, box.mpiexec_cmd(train_args(box, tmp_path, "--replicas", 2,
+                                                        "--epochs", epochs, "--worker-timeout", 3)),
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            node2 = _wait_ranks(mark, proc, {3, 4})
+            _wait_training(tmp_path / "run.h5", proc)
+            for pid in node2:
+                os.kill(pid, signal.SIGSTOP)
+            out, err = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 3, (proc.returncode, err)
+    s = summarize_log(str(tmp_path / "run.h5"))
+    assert s["status"] == "degraded" and sorted(s["lost_workers"]) == [3, 4], err
+    assert s["epochs_completed"] == epochs
+    mine = recomputed_coverage(str(tmp_path / "run.h5"), reference_sizes(reference))
+    assert mine["applied"] == mine["expected"] and mine["duplicates"] == mine["missing"] == 0, mine
+
+
+def reference_sizes(reference) -> list[int]:
+    return open_dataset(reference).shard_sizes
+
+
+def _wait_ranks(mark: bytes, proc, ranks: set, timeout=60) -> list[int]:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        assert proc.poll() is None, proc.communicate()
+        found = [pid for pid, e in marked_processes(mark).items()
+                 if e.get(b"PMI_RANK", b"-1").isdigit() and int(e[b"PMI_RANK"]) in ranks]
+        if len(found) == len(ranks):
+            return found
+        time.sleep(0.2)
+    raise AssertionError("ranks did not start")
+
+
+def _wait_training(log, proc, timeout=120):
+    from mpilb.runlog import read_columns
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        assert proc.poll() is None, proc.communicate()
+        try:
+            if read_columns(str(log))[1]["updates"]["t"].size:
+                return
+        except (OSError, KeyError, RuntimeError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError("training did not start")
