@@ -1,0 +1,75 @@
+"""Issue 32, items 13-15: bad input ends with one line naming the file or option and exit 2
+(not a traceback), outputs never replace a file unasked nor write through a link, and the
+messages say the real problem. More hostile cases: test_hostile.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import mpirun
+from test_hostile import FULL_DISK, one_error
+
+pytestmark = pytest.mark.mpi
+
+
+@pytest.fixture(scope="module")
+def run_dir(digits_dir, tmp_path_factory):
+    """A finished one-epoch serial run on digits: run.h5 and run.ckpt.h5."""
+    d = tmp_path_factory.mktemp("refusals")
+    res = mpirun.run(0, "train", "--data", digits_dir, "--epochs", 1, "--hidden", 16,
+                     "--no-progress", "--log", str(d / "run.h5"), timeout=60)
+    assert res.returncode == 0, res.stderr
+    return d
+
+
+# ------------------------------------------------------------------ item 13: exit codes
+
+
+def test_report_on_a_log_whose_coverage_is_null(run_dir, tmp_path):
+    shutil.copy(run_dir / "run.h5", tmp_path / "run.h5")
+    with h5py.File(tmp_path / "run.h5", "r+") as f:
+        f.attrs["coverage"] = "null"   # a run that ended before it was counted
+    res = mpirun.run(0, "report", str(tmp_path / "run.h5"), "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["coverage"] == dict(expected=0, applied=0, duplicates=0, missing=0)
+    res = mpirun.run(0, "report", str(tmp_path / "run.h5"))
+    assert res.returncode == 0 and "coverage: 0/0 applied" in res.stdout, res.stderr
+
+
+@pytest.mark.parametrize("scalar", ["x", "y"])
+def test_prepare_npz_with_a_0d_array(tmp_path, scalar):
+    arrays = dict(x=np.zeros((20, 3), np.float32), y=np.arange(20) % 2)
+    arrays[scalar] = np.asarray(arrays[scalar].ravel()[0])
+    np.savez(tmp_path / "a.npz", **arrays)
+    res = mpirun.run(0, "prepare", "npz", str(tmp_path / "a.npz"), str(tmp_path / "out"))
+    one_error(res, 2, f"'{scalar}' is a single value")
+
+
+@pytest.mark.parametrize("where", ["cli", "toml"])
+def test_an_integer_option_past_32_bits(digits_dir, tmp_path, where):
+    args = ["train", "--data", digits_dir, "--no-progress", "--log", str(tmp_path / "r.h5")]
+    if where == "cli":
+        args += ["--batch", 3000000000]
+    else:
+        (tmp_path / "c.toml").write_text("batch = 3000000000\n")
+        args.insert(1, str(tmp_path / "c.toml"))
+    res = mpirun.run(4, *args, timeout=60)
+    one_error(res, 2, "--batch = 3000000000" if where == "cli" else "c.toml: batch = 3000000000")
+    assert not (tmp_path / "r.h5").exists()
+
+
+# ------------------------------------------------------------------ item 14: overwrites
+
+
+# ------------------------------------------------------------------ item 15: messages
+
+
