@@ -32,6 +32,11 @@ def run_dir(digits_dir, tmp_path_factory):
 
 
 # ------------------------------------------------------------------ item 13: exit codes
+@pytest.mark.parametrize("where", ["missing", "unwritable"])
+def test_export_into_a_missing_or_unwritable_directory(run_dir, tmp_path, where):
+    out = tmp_path / "no" / "w.npz" if where == "missing" else Path("/proc/mpilb-w.npz")
+    res = mpirun.run(0, "export", str(run_dir / "run.ckpt.h5"), str(out))
+    one_error(res, 2, str(out))
 
 
 def test_report_on_a_log_whose_coverage_is_null(run_dir, tmp_path):
@@ -68,6 +73,38 @@ def test_an_integer_option_past_32_bits(digits_dir, tmp_path, where):
 
 
 # ------------------------------------------------------------------ item 14: overwrites
+def test_export_refuses_an_existing_file_unless_overwrite(run_dir, tmp_path):
+    ckpt, out = str(run_dir / "run.ckpt.h5"), tmp_path / "w.npz"
+    out.write_bytes(b"mine")
+    one_error(mpirun.run(0, "export", ckpt, str(out)), 2, "--overwrite")
+    assert out.read_bytes() == b"mine"
+    res = mpirun.run(0, "export", ckpt, str(out), "--overwrite")
+    assert res.returncode == 0, res.stderr
+    assert len(np.load(out).files) == 4   # the mlp's weights and biases
+
+
+def _link_to_a_file_of_the_user(directory: Path, name: str) -> Path:
+    target = directory.parent / f"{directory.name}-precious"
+    target.write_text("precious")
+    (directory / name).symlink_to(target)
+    return target
+
+
+@pytest.mark.parametrize("command", ["export", "csv", "plots"])
+def test_outputs_replace_a_symlink_instead_of_writing_through_it(run_dir, tmp_path, command):
+    out = tmp_path / "out"
+    out.mkdir()
+    name = {"export": "w.npz", "csv": "updates.csv", "plots": "loss.png"}[command]
+    target = _link_to_a_file_of_the_user(out, name)
+    if command == "export":
+        args = ["export", str(run_dir / "run.ckpt.h5"), str(out / name), "--overwrite"]
+    else:
+        args = ["report", str(run_dir / "run.h5"), f"--{command}", str(out)]
+    res = mpirun.run(0, *args, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert target.read_text() == "precious"
+    assert not (out / name).is_symlink() and (out / name).stat().st_size > 0
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]   # no temp left
 
 
 # ------------------------------------------------------------------ item 15: messages
