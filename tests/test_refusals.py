@@ -72,6 +72,20 @@ def test_an_integer_option_past_32_bits(digits_dir, tmp_path, where):
     assert not (tmp_path / "r.h5").exists()
 
 
+@pytest.mark.parametrize("array", ["coverage/counts", "params"])
+def test_resume_from_a_checkpoint_with_arrays_of_the_wrong_length(run_dir, digits_dir, tmp_path,
+                                                                   array):
+    for name in ("run.h5", "run.ckpt.h5"):
+        shutil.copy(run_dir / name, tmp_path / name)
+    with h5py.File(tmp_path / "run.ckpt.h5", "r+") as f:
+        values = f[array][()]
+        del f[array]
+        f[array] = values[:-5]
+    res = mpirun.run(4, "train", "--data", digits_dir, "--epochs", 2, "--hidden", 16,
+                     "--no-progress", "--log", str(tmp_path / "run.h5"), "--resume", timeout=60)
+    one_error(res, 2, f"{tmp_path / 'run.ckpt.h5'} is damaged: {array} holds")
+
+
 # ------------------------------------------------------------------ item 14: overwrites
 def test_export_refuses_an_existing_file_unless_overwrite(run_dir, tmp_path):
     ckpt, out = str(run_dir / "run.ckpt.h5"), tmp_path / "w.npz"
@@ -108,5 +122,29 @@ def test_outputs_replace_a_symlink_instead_of_writing_through_it(run_dir, tmp_pa
 
 
 # ------------------------------------------------------------------ item 15: messages
+
+
+def test_resume_with_another_validation_fraction_names_both(run_dir, digits_dir, tmp_path):
+    for name in ("run.h5", "run.ckpt.h5"):
+        shutil.copy(run_dir / name, tmp_path / name)
+    res = mpirun.run(4, "train", "--data", digits_dir, "--epochs", 2, "--hidden", 16,
+                     "--no-progress", "--log", str(tmp_path / "run.h5"), "--resume",
+                     "--validation-fraction", 0.25, timeout=60)
+    one_error(res, 2, "was written with --validation-fraction 0 (0 of 8 shards held out); "
+                      "this run gives 0.25 (2 held out)")
+
+
+def test_full_disk_on_the_first_checkpoint_says_there_is_none(digits_dir, tmp_path):
+    first = FULL_DISK.replace("checkpoint.save(out, **kw)\n", "", 1)   # no earlier checkpoint
+    (tmp_path / "fd.py").write_text(first)
+    os.mkdir(tmp_path / "ck")
+    res = subprocess.run([sys.executable, str(tmp_path / "fd.py"), digits_dir,
+                          str(tmp_path / "ck" / "c.h5")],
+                         capture_output=True, text=True, timeout=60,
+                         env=mpirun.env(PYTHONPATH=Path(__file__).resolve().parents[1]))
+    assert res.returncode == 0, res.stderr
+    line = res.stdout.splitlines()[0]
+    assert line.startswith("ERROR --checkpoint") and "intact" not in line
+    assert "no checkpoint was written before this one" in line
 
 
