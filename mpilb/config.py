@@ -324,7 +324,8 @@ def load_toml(path: str) -> dict:
     p = Path(path)
     try:
         with p.open("rb") as fh:
-            raw = tomllib.load(fh)
+            # a UTF-8 byte-order mark (Windows editors write one) is not part of the TOML
+            raw = tomllib.loads(fh.read().removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except FileNotFoundError:
         raise UsageError(f"{path}: config file not found") from None
     except PermissionError:

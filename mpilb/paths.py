@@ -132,8 +132,14 @@ def check_paths(cfg: Config, dataset, config_file=None) -> None:
             continue
         for prior, prior_path in seen:
             if _same_file(path, prior_path):
-                raise UsageError(f"{prior} {prior_path} and {what} {path} are the same file: "
-                                 f"give the log and the checkpoint names of their own")
+                if (what, path) in named or (prior, prior_path) in named:
+                    fix = "give the log and the checkpoint names of their own"
+                elif prior == "the config file":
+                    fix = "the config file cannot be a file of the dataset"
+                else:   # the manifest names one file twice: nothing a run option can mend
+                    fix = (f"{Path(dataset.root) / 'manifest.json'} names one file twice (an "
+                           f"edited or damaged manifest): prepare the dataset again")
+                raise UsageError(f"{prior} {prior_path} and {what} {path} are the same file: {fix}")
         seen.append((what, path))
     if not cfg.log:
         cfg.values["log"] = next_run_log(os.path.join(os.getcwd(), RUNS_DIR))

@@ -122,6 +122,18 @@ def test_outputs_replace_a_symlink_instead_of_writing_through_it(run_dir, tmp_pa
 
 
 # ------------------------------------------------------------------ item 15: messages
+def test_a_test_file_that_is_also_a_shard(digits_dir, tmp_path):
+    data = tmp_path / "d"
+    shutil.copytree(digits_dir, data)
+    m = json.loads((data / "manifest.json").read_text())
+    m["test"] = dict(m["shards"][0])
+    (data / "manifest.json").write_text(json.dumps(m))
+    needle = "the test set's file shard-00000.h5 is also shard 0"
+    one_error(mpirun.run(0, "data", "verify", str(data)), 2, needle)
+    res = mpirun.run(4, "train", "--data", str(data), "--no-progress", "--log",
+                     str(tmp_path / "r.h5"), timeout=60)
+    one_error(res, 2, needle)
+    assert "log" not in res.stderr.split(needle)[1]
 
 
 def test_resume_with_another_validation_fraction_names_both(run_dir, digits_dir, tmp_path):
@@ -132,6 +144,11 @@ def test_resume_with_another_validation_fraction_names_both(run_dir, digits_dir,
                      "--validation-fraction", 0.25, timeout=60)
     one_error(res, 2, "was written with --validation-fraction 0 (0 of 8 shards held out); "
                       "this run gives 0.25 (2 held out)")
+
+
+def test_simulate_from_a_checkpoint_names_the_log(run_dir):
+    res = mpirun.run(0, "simulate", "--from", str(run_dir / "run.ckpt.h5"))
+    one_error(res, 2, f"an mpilb checkpoint, not a run log; give the run's log ({run_dir / 'run.h5'})")
 
 
 def test_full_disk_on_the_first_checkpoint_says_there_is_none(digits_dir, tmp_path):
@@ -148,3 +165,10 @@ def test_full_disk_on_the_first_checkpoint_says_there_is_none(digits_dir, tmp_pa
     assert "no checkpoint was written before this one" in line
 
 
+def test_a_toml_config_with_a_utf8_bom_is_read(digits_dir, tmp_path):
+    (tmp_path / "c.toml").write_bytes(b"\xef\xbb\xbfepochs = 1\nhidden = \"16\"\n")
+    res = mpirun.run(0, "train", str(tmp_path / "c.toml"), "--data", digits_dir, "--no-progress",
+                     "--log", str(tmp_path / "r.h5"), timeout=60)
+    assert res.returncode == 0, res.stderr
+    with h5py.File(tmp_path / "r.h5", "r") as f:
+        assert json.loads(f.attrs["config"])["epochs"] == 1
