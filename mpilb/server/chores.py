@@ -20,6 +20,9 @@ from ..training import PREEMPTED, USR1_NOTICE
 
 FIRST_SIZES_STEPS = 16   # proportional batches are first sized after this many steps each
 WARMUP_FIRST_S = 0.25    # after the first rates, rebalance after 0.25, 0.5, 1 ... s
+# a SIGUSR1 this soon after MPI reported a rank's end is the launcher's notice of it (the
+# vote of Chores._usr1_from cannot tell: the dead rank is no longer among those it awaits)
+DEATH_NOTICE_S = 5.0
 
 
 class WorkerFailed(Exception):
@@ -41,9 +44,6 @@ class Chores:
     RUNG_NAP_S = 0.1
     UNWATCHED_S = 0.25  # a longer gap between chores: rank 0 was busy or stopped, not watching
     LIVENESS_S = 0.05   # how often lost workers and stalls are looked for
-    # a SIGUSR1 this soon after MPI reported a rank's end is the launcher's notice of it (the
-    # vote below cannot tell: the dead rank is no longer among those it waits to hear from)
-    DEATH_NOTICE_S = 5.0
     _next_liveness = 0.0
     _warmup_gap: Optional[float] = None   # see _warmup_due
 
@@ -286,7 +286,7 @@ class Chores:
         command in docs/faults.md). An idle worker that died is never heard from; it is
         timed, and lost, once it has work."""
         died = getattr(self, "_died", None)
-        if died is not None and time.monotonic() - died[0] < self.DEATH_NOTICE_S:
+        if died is not None and time.monotonic() - died[0] < DEATH_NOTICE_S:
             if not died[2]:   # the notice reaches every rank: said once
                 self._died = (*died[:2], True)
                 print(f"mpilb: the SIGUSR1 of {self.now():.1f} s came after rank {died[1]} ended: "
