@@ -273,8 +273,8 @@ def _check_values(ck: Checkpoint, model, dataset) -> None:
             raise UsageError(f"--resume: {path} is damaged: {what} holds {a.size} values of shape "
                              f"{a.shape}, expected {n} (one per {'parameter' if what == 'params' else 'training sample'})")
     if ck.counts.dtype.kind not in "iu" or (ck.counts.size and ck.counts.min() < 0):
-        raise UsageError(f"--resume: {path} is damaged: coverage/counts are not counts "
-                         f"(dtype {ck.counts.dtype}, least {ck.counts.min() if ck.counts.size else 0})")
+        raise UsageError(f"--resume: {path} is damaged: coverage/counts are not counts of "
+                         f"applications (dtype {ck.counts.dtype}, or a negative value)")
     from .training import EpochStats
 
     stats = {f.name for f in fields(EpochStats)}
