@@ -559,6 +559,10 @@ def _(d, data):
     return r, one_line(r, 1) and ck, f"checkpoint written: {ck}"
 
 
+import _hostile_refusals  # noqa: E402  (issue 32's refusals and messages, issue 31's dropped batch)
+_hostile_refusals.add_cases(sys.modules[__name__])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", help="run the cases in this folder and keep it")

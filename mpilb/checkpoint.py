@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
@@ -126,8 +126,10 @@ def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epo
         # a full disk shows as OSError, or as RuntimeError when h5py closes the file
         tmp.unlink(missing_ok=True)
         free = _free_bytes(path.parent)
+        left = ("the previous checkpoint is intact" if path.exists() else
+                "no checkpoint was written before this one: there is none to resume from")
         raise MpilbError(f"--checkpoint {path}: cannot write the checkpoint ({exc}; "
-                         f"{free / 1e6:.1f} MB free there); the previous checkpoint is intact") from None
+                         f"{free / 1e6:.1f} MB free there); {left}") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -179,9 +181,11 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def load(path: str, model, dataset, seed: Optional[int] = None) -> Checkpoint:
+def load(path: str, model, dataset, seed: Optional[int] = None,
+         validation_fraction: Optional[float] = None) -> Checkpoint:
     """Read a checkpoint and check it belongs to this model and dataset (and, given the
     run's `seed`, that the interrupted epoch keeps its plan: see `check_plan`).
+    `validation_fraction`: this run's, to name it when it is what changed the dataset.
 
     Raises:
         UsageError: missing, unreadable or damaged file (JSON, non-finite values), a
@@ -213,8 +217,8 @@ def load(path: str, model, dataset, seed: Optional[int] = None) -> Checkpoint:
                     f"model options of the run that wrote it")
             want_data = dataset_signature(dataset)
             if saved_data != want_data:
-                raise UsageError(f"--resume: {path} was written for a different dataset "
-                                 f"(shards or checksums differ from {dataset.root})")
+                _refuse_dataset(path, dataset, saved_data, json.loads(f.attrs["config"]),
+                                validation_fraction)
             opt = {k: f["optimizer"][k][()] for k in f["optimizer"]}
             opt.update({k: (v.decode() if isinstance(v, bytes) else v)
                         for k, v in f["optimizer"].attrs.items()})
@@ -238,15 +242,46 @@ def load(path: str, model, dataset, seed: Optional[int] = None) -> Checkpoint:
         except (ValueError, TypeError, OSError) as exc:   # damaged JSON or data
             raise UsageError(f"--resume: {path} is damaged ({type(exc).__name__}: {exc}); "
                              f"resume from another checkpoint or start a new run") from None
-    _check_values(ck)
+    _check_values(ck, model, dataset)
     if seed is not None:
         check_plan(ck, seed, dataset)
     return ck
 
 
-def _check_values(ck: Checkpoint) -> None:
-    """A checkpoint that would poison the run (NaN/Inf parameters, impossible counts)."""
+def _refuse_dataset(path, dataset, saved: dict, config: dict, fraction: Optional[float]) -> None:
+    """UsageError for a checkpoint of other training shards: a changed
+    --validation-fraction (the same files, another split) is named with both values."""
+    was = float(config.get("validation_fraction") or 0.0)
+    held = len(getattr(dataset, "validation", None) or ())
+    every = len(dataset.shards) + held
+    if fraction is not None and was != fraction and len(saved.get("shard_sizes", [])) != len(dataset.shards):
+        raise UsageError(f"--resume: {path} was written with --validation-fraction {was:g} "
+                         f"({every - len(saved['shard_sizes'])} of {every} shards held out); this run "
+                         f"gives {fraction:g} ({held} held out), so it trains on other shards: "
+                         f"resume with --validation-fraction {was:g}")
+    raise UsageError(f"--resume: {path} was written for a different dataset "
+                     f"(shards or checksums differ from {dataset.root})")
+
+
+def _check_values(ck: Checkpoint, model, dataset) -> None:
+    """A checkpoint that would poison the run (NaN/Inf parameters, impossible counts), or
+    whose arrays do not fit the model and dataset its attributes name (an edited file)."""
     path = ck.path
+    samples = int(sum(dataset.shard_sizes))
+    for what, a, n in (("params", ck.params, model.num_params), ("coverage/counts", ck.counts, samples)):
+        if a.ndim != 1 or a.size != n:
+            raise UsageError(f"--resume: {path} is damaged: {what} holds {a.size} values of shape "
+                             f"{a.shape}, expected {n} (one per {'parameter' if what == 'params' else 'training sample'})")
+    if ck.counts.dtype.kind not in "iu" or (ck.counts.size and ck.counts.min() < 0):
+        raise UsageError(f"--resume: {path} is damaged: coverage/counts are not counts of "
+                         f"applications (dtype {ck.counts.dtype}, or a negative value)")
+    from .training import EpochStats
+
+    stats = {f.name for f in fields(EpochStats)}
+    if not isinstance(ck.completed, list) or any(not isinstance(e, dict) or set(e) != stats
+                                                 for e in ck.completed):
+        raise UsageError(f"--resume: {path} is damaged: coverage's `completed` is not a list of "
+                         f"epochs with {', '.join(sorted(stats))}")
     bad = np.flatnonzero(~np.isfinite(ck.params))
     if bad.size:
         raise UsageError(f"--resume: {path} holds {bad.size} non-finite parameter value(s) "

@@ -184,6 +184,7 @@ def build_parser() -> Parser:
     exp.add_argument("out", metavar="OUT.pt|OUT.npz")
     exp.add_argument("--model", metavar="SPEC", help="the run's user model (FILE.py:NAME or "
                      "module:NAME); a checkpoint's own model name is never imported")
+    exp.add_argument("--overwrite", action="store_true", help="replace an existing OUT")
     ev = sub.add_parser("evaluate", help="test metrics of a checkpoint")
     ev.add_argument("checkpoint", metavar="CKPT.h5")
     ev.add_argument("--data", required=True, metavar="DIR")
@@ -261,7 +262,7 @@ def _dispatch(args) -> int:
     if args.command == "export":
         from .export import export
 
-        print(export(args.checkpoint, args.out, model=args.model))
+        print(export(args.checkpoint, args.out, model=args.model, overwrite=args.overwrite))
         return 0
     if args.command == "evaluate":
         import json

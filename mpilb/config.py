@@ -56,6 +56,7 @@ class Option:
         return "--" + self.name.replace("_", "-")
 
 
+INT32_MAX = 2**31 - 1
 _POSITIVE = (lambda v: v > 0, "a number > 0")
 _NON_NEGATIVE = (lambda v: v >= 0, "a number >= 0")
 _POSITIVE_INT = (lambda v: v >= 1, "an integer >= 1")
@@ -264,7 +265,7 @@ def parse_hidden(text) -> tuple[int, ...]:
         sizes = tuple(int(p) for p in parts)
     except ValueError:
         sizes = ()
-    if not sizes or any(s < 1 for s in sizes):
+    if not sizes or any(s < 1 or s > INT32_MAX for s in sizes):
         raise UsageError(f"--hidden {text!r}: expected comma-separated positive layer sizes, e.g. 256,128")
     return sizes
 
@@ -312,6 +313,12 @@ def _validate_value(opt: Option, value: Any, source: str) -> None:
     if opt.choices is not None and value not in opt.choices:
         allowed = ", ".join(str(c) for c in opt.choices)
         raise UsageError(f"{where} = {value!r}: allowed values are {allowed}{closest(str(value), map(str, opt.choices))}")
+    # integers end up in 32-bit numpy arrays (log columns and the like): --batch 3000000000 was an
+    # OverflowError deep in the run
+    if opt.type is int and not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise UsageError(f"{where} = {value!r}: out of range (integers are 32-bit: at most {INT32_MAX:,})")
+    if opt.type is float and value != value:
+        raise UsageError(f"{where} = nan: expected a number")
     if opt.check is not None and not opt.check[0](value):
         raise UsageError(f"{where} = {value!r}: must be {opt.check[1]}")
 
@@ -321,7 +328,8 @@ def load_toml(path: str) -> dict:
     p = Path(path)
     try:
         with p.open("rb") as fh:
-            raw = tomllib.load(fh)
+            # a UTF-8 byte-order mark (Windows editors write one) is not part of the TOML
+            raw = tomllib.loads(fh.read().removeprefix(b"\xef\xbb\xbf").decode("utf-8"))
     except FileNotFoundError:
         raise UsageError(f"{path}: config file not found") from None
     except PermissionError:

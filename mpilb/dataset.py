@@ -318,6 +318,11 @@ def _read_manifest(root: Path) -> Dataset:
     if len({s.file for s in shards}) != len(shards):
         raise DataError(f"{path}: a shard file is listed twice")
     test_name, test_samples, test_sha = _file_entry(_require(manifest, "test", dict, path), "test", path)
+    shard_of = {s.file: s.index for s in shards}
+    if test_name in shard_of:   # evaluated on samples it trains on: every figure would lie
+        raise DataError(f"{path}: the test set's file {test_name} is also shard "
+                        f"{shard_of[test_name]}: the test set needs a file of its own "
+                        f"(prepare the dataset again)")
 
     return Dataset(
         root=root,

@@ -9,6 +9,7 @@ and the vector is cut into its named arrays.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -17,6 +18,7 @@ import h5py
 import numpy as np
 
 from .errors import UsageError
+from .paths import replace_file
 
 
 class UntrustedModel(UsageError):
@@ -123,20 +125,29 @@ def named_arrays(ckpt: TrainedCheckpoint) -> dict[str, np.ndarray]:
     return out
 
 
-def export(checkpoint, out, model=None) -> str:
+def export(checkpoint, out, model=None, overwrite: bool = False) -> str:
     """Write ``out``: ``.pt`` a torch ``state_dict`` (torch models), ``.npz`` named arrays.
+
+    An existing ``out`` is replaced only with ``overwrite``; the file is written beside it
+    and renamed into place, so a failed export leaves what was there, and a symbolic link
+    named ``out`` is replaced itself, never written through.
 
     Returns:
         A one-line description of what was written.
+
+    Raises:
+        UsageError: a bad checkpoint, an unknown format, or ``out`` exists (without
+            ``overwrite``), is a directory or cannot be written.
     """
     ckpt = read_checkpoint(checkpoint)
     suffix = Path(out).suffix.lower()
+    if suffix not in (".npz", ".pt", ".pth"):
+        raise UsageError(f"{out}: unknown format; write OUT.pt (torch state_dict) or OUT.npz")
+    _check_out(out, overwrite)
     if suffix == ".npz":
         arrays = named_arrays(ckpt)
-        np.savez(out, **arrays)
+        replace_file(out, lambda fh: np.savez(fh, **arrays), str(out))
         return f"{out}: {len(arrays)} arrays, {ckpt.params.size} parameters"
-    if suffix not in (".pt", ".pth"):
-        raise UsageError(f"{out}: unknown format; write OUT.pt (torch state_dict) or OUT.npz")
     if not str(ckpt.model.get("model", "")).startswith("torch:"):
         raise UsageError(f"{checkpoint}: {ckpt.model.get('model')} is not a torch model; "
                          "export it as OUT.npz")
@@ -150,8 +161,20 @@ def export(checkpoint, out, model=None) -> str:
         # the module cannot be rebuilt here (not importable): its parameters and buffers by
         # name are the same state_dict, short of aliases of shared parameters
         state = {k: np.ascontiguousarray(v) for k, v in named_arrays(ckpt).items()}
-    torch_adapter.save_state_dict(state, out)
+    replace_file(out, lambda fh: torch_adapter.save_state_dict(state, fh), str(out))
     return f"{out}: torch state_dict of {len(state)} tensors, {ckpt.params.size} parameters"
+
+
+def _check_out(out, overwrite: bool) -> None:
+    """UsageError naming ``out`` when it cannot or must not be written."""
+    p = Path(out)
+    if p.is_dir():
+        raise UsageError(f"{out}: is a directory; give a file name such as {p / 'model.npz'}")
+    parent = p.parent
+    if not parent.is_dir():
+        raise UsageError(f"{out}: the directory {parent} does not exist")
+    if os.path.lexists(p) and not overwrite:
+        raise UsageError(f"{out} exists: pass --overwrite to replace it, or give another name")
 
 
 def evaluate_checkpoint(checkpoint, data, model=None) -> dict:

@@ -84,9 +84,13 @@ def _scan(path, x, y, x_key: str, y_key: str, task: str):
 
 def _write(path, x, y, out, x_key, y_key, task, shards, test_fraction, seed, generator) -> Dataset:
     """Validate mapped ``x``/``y`` and write them, shuffled, as a dataset."""
-    if x.ndim == 0 or len(x) != len(y):
-        raise DataError(f"{path}: '{x_key}' has {len(x) if x.ndim else 0} samples but '{y_key}' "
-                        f"has {len(y)}; lengths must match")
+    for key, a, what in ((x_key, x, "features"), (y_key, y, "labels or targets")):
+        if a.ndim == 0:
+            raise DataError(f"{path}: '{key}' is a single value (a 0-d array), not {what} "
+                            f"with one row per sample")
+    if len(x) != len(y):
+        raise DataError(f"{path}: '{x_key}' has {len(x)} samples but '{y_key}' has {len(y)}; "
+                        f"lengths must match")
     _check_features(path, x_key, x)
     if y.ndim == 2 and y.shape[1] == 1:
         y = y[:, 0]
@@ -217,7 +221,11 @@ def prepare_hdf5(files, out, x_key: str, y_key: str, shards: int = 8, test_fract
                     raise DataError(f"{path}: no dataset '{key}' (datasets in the file: "
                                     f"{', '.join(have) or 'none'}); use {opt}")
             x, y = f[x_key], f[y_key]
-            if x.ndim == 0 or len(x) != len(y):
+            for key, a in ((x_key, x), (y_key, y)):
+                if a.ndim == 0:
+                    raise DataError(f"{path}: '{key}' is a single value (a 0-d dataset), not "
+                                    f"one row per sample")
+            if len(x) != len(y):
                 raise DataError(f"{path}: '{x_key}' has {len(x) if x.ndim else 0} samples but "
                                 f"'{y_key}' has {len(y)}; lengths must match")
             _check_features(path, x_key, x)

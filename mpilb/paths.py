@@ -132,8 +132,14 @@ def check_paths(cfg: Config, dataset, config_file=None) -> None:
             continue
         for prior, prior_path in seen:
             if _same_file(path, prior_path):
-                raise UsageError(f"{prior} {prior_path} and {what} {path} are the same file: "
-                                 f"give the log and the checkpoint names of their own")
+                if (what, path) in named or (prior, prior_path) in named:
+                    fix = "give the log and the checkpoint names of their own"
+                elif prior == "the config file":
+                    fix = "the config file cannot be a file of the dataset"
+                else:   # the manifest names one file twice: nothing a run option can mend
+                    fix = (f"{Path(dataset.root) / 'manifest.json'} names one file twice (an "
+                           f"edited or damaged manifest): prepare the dataset again")
+                raise UsageError(f"{prior} {prior_path} and {what} {path} are the same file: {fix}")
         seen.append((what, path))
     if not cfg.log:
         cfg.values["log"] = next_run_log(os.path.join(os.getcwd(), RUNS_DIR))
@@ -215,3 +221,41 @@ def run_identity(cfg: Config) -> str:
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else (str(value) if value else "")
+
+
+def replace_file(path, write, what: str, text: bool = False) -> None:
+    """Write an output file (an export, a report's CSV or figure) beside ``path`` and rename
+    it into place: a failure leaves what was there, and a symbolic link at ``path`` is
+    replaced itself, never written through (an output directory someone else can write to
+    could hold a link to any file of the user's).
+
+    Args:
+        path: the file to (re)write.
+        write: ``write(fh)`` writes the contents into the open file.
+        what: the file's name in a message (the option and path), e.g. ``"--csv out"``.
+        text: open it as UTF-8 text (else binary).
+
+    Raises:
+        UsageError: the file cannot be written there (the message names ``what``).
+    """
+    import os
+    import tempfile
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise UsageError(f"{what}: cannot write in {p.parent} ({exc.strerror or exc})") from None
+    try:
+        with (os.fdopen(fd, "w", newline="", encoding="utf-8") if text else os.fdopen(fd, "wb")) as fh:
+            write(fh)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)   # mkstemp's 0600 -> what open() would have given
+        os.replace(tmp, p)
+    except OSError as exc:
+        raise UsageError(f"{what}: cannot write {p.name} ({exc.strerror or exc})") from None
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)

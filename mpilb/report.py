@@ -219,12 +219,21 @@ def summarize(attrs: dict, cols: dict) -> dict:
         "shard_moves": int(np.count_nonzero(sh["event"] == "move")),
         "bytes_moved": int(sh["bytes"].astype(np.int64).sum()),
         "lost_workers": _json_attr(attrs, "lost_workers", []),
-        "coverage": _json_attr(attrs, "coverage",
-                               {"expected": 0, "applied": 0, "duplicates": 0, "missing": 0}),
+        "coverage": _coverage(attrs),
         "server_cpu_s": float(attrs.get("server_cpu_s", 0.0)),
         "per_worker": _per_worker(world, up, wk, store_ranks(attrs, config)),
         "servers": _servers(attrs, cols["servers"]),
     }
+
+
+def _coverage(attrs: dict) -> dict:
+    """The log's `coverage`; zeros where it holds none (JSON null: a run that ended before
+    it was counted) or not the four counts, as for a run that has not closed its log."""
+    keys = ("expected", "applied", "duplicates", "missing")
+    cov = _json_attr(attrs, "coverage", None)
+    if not isinstance(cov, dict) or not all(isinstance(cov.get(k), int) for k in keys):
+        return dict.fromkeys(keys, 0)
+    return {k: cov[k] for k in keys}
 
 
 def _servers(attrs: dict, sv: dict) -> list[dict]:

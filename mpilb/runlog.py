@@ -422,6 +422,8 @@ def write_csv(cols: dict[str, dict[str, np.ndarray]], out_dir) -> list[str]:
     """
     import csv
 
+    from .paths import replace_file
+
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -431,13 +433,13 @@ def write_csv(cols: dict[str, dict[str, np.ndarray]], out_dir) -> list[str]:
     for group, columns in cols.items():
         path = out / f"{group}.csv"
         lists = [np.asarray(v).tolist() for v in columns.values()]
-        try:
-            with open(path, "w", newline="", encoding="utf-8") as fh:
-                w = csv.writer(fh)
-                w.writerow(list(columns))
-                w.writerows(zip(*lists))
-        except OSError as exc:
-            raise UsageError(f"--csv {out_dir}: cannot write {path.name} ({exc.strerror})") from None
+
+        def write(fh, columns=columns, lists=lists):
+            w = csv.writer(fh)
+            w.writerow(list(columns))
+            w.writerows(zip(*lists))
+
+        replace_file(path, write, f"--csv {out_dir}", text=True)   # never through a link
         written.append(str(path))
     return written
 

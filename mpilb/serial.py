@@ -45,7 +45,8 @@ class SerialTrainer:
         self.tracker = EpochTracker(dataset.shard_sizes)
         self.resumed: Optional[checkpoint.Checkpoint] = None
         if cfg.resume:
-            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed)
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed,
+                                           validation_fraction=cfg.validation_fraction)
             host_params = self.resumed.params
             self.optimizer.load_state_dict(self.resumed.optimizer)
             checkpoint.restore_balancer(self.balancer, self.resumed.balancer)

@@ -84,7 +84,8 @@ class Session:
         self.schedule = build_schedule(cfg, dataset.shard_sizes, len(ranks))
         self.resumed: Optional[checkpoint.Checkpoint] = None
         if cfg.resume:
-            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed)
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed,
+                                           validation_fraction=cfg.validation_fraction)
             self.params[:] = self.resumed.params
             self.optimizer.load_state_dict(self.resumed.optimizer)
             checkpoint.restore_balancer(self.balancer, self.resumed.balancer)

@@ -328,6 +328,17 @@ def encode_push(hdr: np.ndarray, *, step: int, version: int, epoch: int, shard: 
     hdr[Push.T] = t
 
 
+def clear_push(hdr: np.ndarray) -> None:
+    """Mark a push buffer as not received (before its receive is posted): see holds_push."""
+    hdr[Push.KIND] = 0
+
+
+def holds_push(hdr: np.ndarray) -> bool:
+    """True if a push arrived in the buffer since :func:`clear_push`. A receive MPI failed
+    may come back freed (MPI_REQUEST_NULL, which tests as complete) with nothing in it."""
+    return hdr[Push.KIND] == PushKind.GRAD
+
+
 def decode_push(hdr: np.ndarray) -> PushMsg:
     v = hdr[:Push.T + 1].tolist()
     return PushMsg(step=int(v[Push.STEP]), version=int(v[Push.VERSION]), epoch=int(v[Push.EPOCH]),

@@ -166,7 +166,7 @@ FULL_DISK = textwrap.dedent("""
     kw = dict(cfg=cfg, model=model, dataset=ds, params=model.init_params(0),
               optimizer=build_optimizer("adam", model.num_params, lr=0.1), version=1, epoch=0,
               tracker=tracker, balancer=build_balancer("load", [1], ds.shard_sizes,
-              balancer_config(cfg)), train_s=1.0)
+              balancer_config(cfg)), train_s=1.0, run_id="0" * 32)
     checkpoint.save(out, **kw)
     # a writer killed mid-write left its temp file behind
     open(os.path.join(os.path.dirname(out), "." + os.path.basename(out) + ".tmp999999"), "wb").write(b"x" * 1000)
@@ -184,8 +184,10 @@ def test_full_disk_during_checkpoint_is_clean(digits_dir, tmp_path):
     (tmp_path / "fd.py").write_text(FULL_DISK)
     os.mkdir(tmp_path / "ck")
     out = tmp_path / "ck" / "c.h5"
+    # (the script's directory comes first on its sys.path: name the tree under test)
     res = subprocess.run([sys.executable, str(tmp_path / "fd.py"), digits_dir, str(out)],
-                         capture_output=True, text=True, timeout=60, env=mpirun.env())
+                         capture_output=True, text=True, timeout=60,
+                         env=mpirun.env(PYTHONPATH=Path(__file__).resolve().parents[1]))
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0].startswith("ERROR --checkpoint") and "previous checkpoint is intact" in lines[0]

@@ -257,8 +257,11 @@ def test_rank0_stopped_for_twice_the_timeout_loses_no_worker(synth_dir, tmp_path
 # ---------------------------------------------------------------- the parts, without MPI
 class _Peer:
     def __init__(self, rank):
-        self.rank, self.step, self.lost = rank, 0, False
-        self.link = type("Link", (), {"recv_req": None})()
+        from mpilb import wire
+
+        self.rank, self.step, self.lost, self.stopped = rank, 0, False, False
+        self.link = type("Link", (), {"recv_req": None, "recv": wire.new_message(0)})()
+        self.link.recv[1][wire.Push.KIND] = wire.PushKind.GRAD   # a push arrived
 
 
 def test_a_usr1_vote_counts_only_pushes_sent_after_the_signal():
@@ -295,6 +298,53 @@ def test_a_usr1_vote_counts_only_pushes_sent_after_the_signal():
         PREEMPTED.clear()
 
 
+def test_a_usr1_after_mpi_reported_a_worker_dead_is_its_notice_not_a_preemption():
+    """With the dead worker's failed receive seen at once (before Hydra's SIGUSR1 for the
+    same death arrives), the vote started by the signal no longer expects the dead rank and
+    passed on the others' pushes: `preempted`, exit 0, in 3 of 5 runs of the command above."""
+    from mpilb.server.chores import Chores
+    from mpilb.training import PREEMPTED
+
+    class Server(Chores):
+        preempted = False
+        _usr1 = None
+        peers = {1: _Peer(1), 2: _Peer(2)}
+        bell = type("Bell", (), {"forget": lambda self, r: None})()
+        remote = type("Remote", (), {"lose": lambda self, r: None})()
+        balancer = type("Balancer", (), {"remove_worker": lambda self, r: None})()
+        ledger = type("Ledger", (), {"take_back": lambda self, r, lost: None, "holders": None})()
+        lost = []
+        rule = type("Rule", (), {"round_complete": lambda self, p: False})()
+
+        def present(self):
+            return [p for p in self.peers.values() if not p.lost]
+
+        def now(self):
+            return 1.0
+
+        def _log_shards(self):
+            pass
+
+        def _wake_idle(self):
+            pass
+
+        def _release_held(self):
+            pass
+
+    server = Server()
+    server.peers[2].lose = lambda: setattr(server.peers[2], "lost", True)
+    PREEMPTED.clear()
+    try:
+        server._declare_lost(server.peers[2], "ended (MPI: receive failed, nothing received)")
+        server._usr1_from(0)
+        server._usr1_from(1)
+        server.peers[1].step += 2   # rank 1 goes on pushing
+        server._judge_usr1()
+        assert not PREEMPTED.is_set()
+    finally:
+        PREEMPTED.clear()
+
+
 def test_a_receive_mpi_fails_declares_its_worker_lost_at_once():
     """Under -disable-auto-cleanup MPICH may fail a dead worker's receive (MPI_ERR_IN_STATUS
     from Testsome) instead of leaving it pending: that worker is lost, the rest go on."""
@@ -325,6 +375,65 @@ def test_a_receive_mpi_fails_declares_its_worker_lost_at_once():
     assert [r for r, _ in lost] == [2] and "ended (MPI: " in lost[0][1]
     assert reqs[1] == C.REQUEST_NULL and order[1].link.recv_req == C.REQUEST_NULL
     assert C.finished(Req("fail")) and not C.finished(Req("pending"))
+
+
+def test_a_receive_mpi_failed_and_freed_is_not_taken_for_the_previous_push_again():
+    """The cause of "rank 2: batch [1504, 1536) of shard 0 lies outside its task [1536, 1600):
+    dropped" (2 of 9 runs of `mpiexec -disable-auto-cleanup -n 4 ... --inject 2:crash@1`).
+    Rank 2 pushed [1504, 1536) and died; rank 0 applied the push and posted the next receive.
+    A Testsome then failed (MPI_ERR_IN_STATUS) and, as MPI does, freed every request it
+    completed: rank 1's, which got a push, and rank 2's failed one. Both handles are
+    MPI_REQUEST_NULL, which tests as complete, so rank 2's buffer, still holding the push of
+    [1504, 1536), was handled a second time; its receive posted again never completed, and
+    rank 2 was declared lost only after --worker-timeout. The buffer tells them apart."""
+    from mpilb import comm as C
+    from mpilb import wire
+    from mpilb.balancer import BalancerConfig, build_balancer
+    from mpilb.server.loop import ParameterServer
+    from mpilb.server.peers import Link, Peer
+    from mpilb.server.tasks import TaskLedger
+
+    class Req:
+        def __init__(self, outcome):
+            self.outcome = outcome
+
+        def Test(self):
+            return self.outcome == "done"   # a freed request (MPI_REQUEST_NULL) is "done"
+
+    class Comm:
+        def Irecv(self, buf, source, tag):
+            return Req("pending")
+
+    lost = []
+
+    class Server:
+        comm = Comm()
+        _post_recv = ParameterServer._post_recv
+        _failed_receives = ParameterServer._failed_receives
+
+        def _declare_lost(self, w, why=""):
+            lost.append((w.rank, why))
+            w.lose()
+
+    server = Server()
+    order = [Peer(r, link=Link.allocate(4, True)) for r in (1, 2)]
+    ledger = TaskLedger(build_balancer("static", [1, 2], [1600], BalancerConfig(batch=32)),
+                        [1600], (1, 2))
+    ledger.assign(2, 0, 1504, 1600)
+    push = dict(step=47, version=1343, epoch=0, shard=0, lo=1504, hi=1536, batch=32, loss=1.0,
+                compute_s=0.0, io_s=0.0, comm_s=0.0, idle_s=0.0, nonfinite=False, t=1.0)
+    wire.encode_push(order[1].link.recv[1], **push)   # rank 2's last push arrives
+    assert ledger.matches(2, 0, 0, 1504, 1536) and not ledger.advance(2, 1536)
+    server._post_recv(order[1])                       # and its next receive is posted
+    server._post_recv(order[0])
+    wire.encode_push(order[0].link.recv[1], **{**push, "lo": 0, "hi": 32})   # rank 1's push
+    # the failed Testsome freed rank 1's completed request and rank 2's failed one
+    reqs = [Req("done"), Req("done")]
+    assert server._failed_receives(order, reqs) == [0]
+    assert [r for r, _ in lost] == [2] and "ended (MPI: " in lost[0][1]
+    assert reqs[1] == C.REQUEST_NULL
+    # handled again, the old push would have been the batch "outside its task": dropped
+    assert ledger.matches(2, 0, 0) and not ledger.matches(2, 0, 0, 1504, 1536)
 
 
 def test_a_failed_send_to_a_dead_worker_frees_its_parameter_buffer():

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..paths import replace_file
+
 from ._common import _load, _Run
 from .compare import compare_figures, throughput
 from .learning import eval_figure, loss_figure, staleness_figure
@@ -55,7 +57,9 @@ def write_plots(paths: list[str], out_dir: str) -> list[str]:
     written = []
     for name, fig in figures:
         path = out / name
-        fig.savefig(path, dpi=100, bbox_inches="tight")
+        # into a new file renamed into place: a link already there is replaced, not followed
+        replace_file(path, lambda fh: fig.savefig(fh, format="png", dpi=100, bbox_inches="tight"),
+                     f"--plots {out_dir}")
         written.append(str(path))
     return written
 

@@ -21,6 +21,9 @@ from ..watchdog import KEEP_ALIVE_S
 
 FIRST_SIZES_STEPS = 16   # proportional batches are first sized after this many steps each
 WARMUP_FIRST_S = 0.25    # after the first rates, rebalance after 0.25, 0.5, 1 ... s
+# a SIGUSR1 this soon after MPI reported a rank's end is the launcher's notice of it (the
+# vote of Chores._usr1_from cannot tell: the dead rank is no longer among those it awaits)
+DEATH_NOTICE_S = 5.0
 
 
 class WorkerFailed(Exception):
@@ -251,6 +254,8 @@ class Chores:
             print(f"mpilb: the SIGUSR1 of {vote['t']:.1f} s came with the loss of rank {w.rank}: "
                   f"taken as the launcher's notice of a failed rank (MPICH -disable-auto-cleanup), "
                   f"not as a preemption", file=sys.stderr, flush=True)
+        if why.startswith("ended"):   # MPI saw it die: Hydra's SIGUSR1 may follow (_usr1_from)
+            self._died = (time.monotonic(), w.rank, False)
         w.lose()
         self.bell.forget(w.rank)   # a push it rang will not come
         self.remote.lose(w.rank)   # every store stops listening to it
@@ -290,6 +295,14 @@ class Chores:
         of the death a preemption (exit 0, `preempted`, in 1 of 5 runs of the survival
         command in docs/faults.md). An idle worker that died is never heard from; it is
         timed, and lost, once it has work."""
+        died = getattr(self, "_died", None)
+        if died is not None and time.monotonic() - died[0] < DEATH_NOTICE_S:
+            if not died[2]:   # the notice reaches every rank: said once
+                self._died = (*died[:2], True)
+                print(f"mpilb: the SIGUSR1 of {self.now():.1f} s came after rank {died[1]} ended: "
+                      f"taken as the launcher's notice of it (MPICH -disable-auto-cleanup), not as "
+                      f"a preemption", file=sys.stderr, flush=True)
+            return
         vote = getattr(self, "_usr1", None)
         if vote is None:
             present = self.present()

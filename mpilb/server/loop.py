@@ -113,6 +113,7 @@ class ParameterServer(Epochs, Lifecycle, Chores):
 
     # ----------------------------------------------------------------- messages
     def _post_recv(self, w: Peer) -> None:
+        wire.clear_push(w.link.recv[1])   # the buffer may hold an old push (see _failed_receives)
         w.link.recv_req = self.comm.Irecv(w.link.recv[0], source=w.rank, tag=wire.TAG_PUSH)
 
     def _reply(self, w: Peer, cmd: Cmd = Cmd.PARAMS, held_s: float = 0.0) -> None:
@@ -216,16 +217,30 @@ class ParameterServer(Epochs, Lifecycle, Chores):
         a rank's process ended (MPICH's -disable-auto-cleanup), MPICH may say so here, as
         MPI_ERR_IN_STATUS from Testsome, instead of leaving the receive pending. Test each
         receive on its own: a worker whose receive failed is gone, and is declared lost now
-        (not after --worker-timeout). Returns the receives that completed."""
+        (not after --worker-timeout). Returns the receives that completed.
+
+        The failed Testsome has already freed every request it completed, the failed one
+        too: their handles are MPI_REQUEST_NULL, which tests as complete. Only the buffer
+        tells a push that arrived from a receive that failed (nothing written since
+        _post_recv cleared it); taken for a push, the failed one handled the worker's
+        previous push again (a batch "outside its task", or a stale gradient)."""
         done = []
         for i, w in enumerate(order):
+            if w.stopped:
+                continue   # no receive posted since its last push
             try:
-                if reqs[i].Test():
-                    done.append(i)
+                if not reqs[i].Test():
+                    continue
+                error = None if wire.holds_push(w.link.recv[1]) else "receive failed, nothing received"
             except C.MPIError as exc:
-                reqs[i] = w.link.recv_req = C.REQUEST_NULL
+                error = exc.Get_error_string().strip()
+            if error is None:
                 if not w.lost:
-                    self._declare_lost(w, f"ended (MPI: {exc.Get_error_string().strip()})")
+                    done.append(i)
+                continue
+            reqs[i] = w.link.recv_req = C.REQUEST_NULL
+            if not w.lost:
+                self._declare_lost(w, f"ended (MPI: {error})")
         return [i for i in done if not order[i].lost]
 
     def _reject(self, w: Peer, push: wire.PushMsg) -> None:

@@ -48,12 +48,19 @@ class Replay:
 def load_run(path: str, params: int | None = None) -> Replay:
     """Read a finished run's log. UsageError (one line, naming the file) when it cannot be
     read, is not a run log, or did not finish an epoch."""
-    from ..runlog import read_columns
+    from ..runlog import file_kind, read_columns
 
     try:
         attrs, cols = read_columns(path)
     except (OSError, ValueError) as exc:
         raise UsageError(f"--from {path}: cannot read the run log ({_reason(exc)})") from None
+    if file_kind(attrs) == "checkpoint":
+        try:
+            log = json.loads(attrs["config"])["log"] or "RUN.h5"
+        except (KeyError, TypeError, ValueError):
+            log = "RUN.h5"
+        raise UsageError(f"--from {path}: an mpilb checkpoint, not a run log; give the run's log "
+                         f"({log}): the replay reads its measured rates")
     if "config" not in attrs:
         raise UsageError(f"--from {path}: not an mpilb run log (no config attribute)")
     try:
