@@ -22,7 +22,7 @@ import h5py
 import numpy as np
 
 from . import __version__
-from .errors import MpilbError, UsageError
+from .errors import LogWriteError, MpilbError, UsageError
 
 SCHEMA: dict[str, dict[str, str]] = {
     "updates": {"t": "f8", "worker": "i4", "version": "i8", "staleness": "i4", "batch": "i4",
@@ -288,26 +288,6 @@ class RunLog:
         with h5py.File(self.path, "a", locking=False) as f:
             f.require_group("summary").attrs["json"] = json.dumps(summary)
         self.release()
-
-
-class LogWriteError(MpilbError):
-    """The run log cannot be written: the run ends, after a checkpoint where one can be
-    written (its disk may have room where the log's has none)."""
-
-    def __init__(self, path: str, exc: BaseException):
-        parent = Path(path).resolve().parent
-        try:
-            st = os.statvfs(parent)
-            free = f"; {st.f_bavail * st.f_frsize / 1e6:.1f} MB free there"
-        except OSError:
-            free = ""
-        import re
-
-        text = str(exc)   # h5py's RuntimeError quotes the system's message deep inside
-        quoted = re.search(r"error message = '([^']+)'", text)
-        reason = getattr(exc, "strerror", None) or (quoted.group(1) if quoted else
-                                                   text.splitlines()[0] if text else repr(exc))
-        super().__init__(f"--log {path}: cannot write the run log ({reason}{free})")
 
 
 def file_kind(attrs) -> str:

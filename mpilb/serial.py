@@ -16,13 +16,13 @@ from typing import Optional
 from . import checkpoint, signals
 from .backend import select_backend
 from .balancer import build_balancer
-from .errors import MpilbError
+from .errors import LogWriteError, MpilbError
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
 from .models import initial_params
 from .progress import Progress, tapped
 from .report import summarize_log
-from .runlog import LogWriteError, RunLog
+from .runlog import RunLog
 from .session import balancer_config, files_line, format_final
 from .shards import ShardStore
 from .schedules import build_schedule

@@ -8,7 +8,7 @@ import os
 import sys
 
 from .. import comm as C
-from ..runlog import LogWriteError
+from ..errors import LogWriteError
 from ..session import files_line, format_final
 from ..training import PREEMPTED
 from .chores import WorkerFailed
