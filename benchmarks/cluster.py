@@ -18,6 +18,9 @@ alternating, and its ratios are taken within a repeat:
     worker's time spent communicating.
 (e) slow workers (every worker sleeps 50 ms a step): rank 0's CPU seconds ÷ wall seconds
     with the workers on other nodes, and on rank 0's node.
+(f) one slow link: node n2 at 100 Mbit/s (a second box), the mlp 256,256 on 784 features,
+    batch 512, 8 epochs, 4 workers on n1, n2: the run's training time against the same run
+    without n2's workers (2 workers on n1).
 Writes benchmarks/results/cluster.json; exit 0 when every target is met.
 """
 
@@ -112,6 +115,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--link-rate", default="1gbit")
     ap.add_argument("--epochs", type=int, default=4, help="of the training case")
+    ap.add_argument("--only", default="abcdef", help="the cases to run, e.g. f")
     _results.add_output_args(ap, NAME)
     opts = ap.parse_args(argv)
     why = missing()
@@ -130,10 +134,23 @@ def main(argv=None) -> int:
     res = _results.Results(NAME, f"mpilb on 3 nodes of the cluster in a box, links {opts.link_rate}", opts)
     rows = {k: [] for k in ("a", "a_bound", "b", "b_bound", "b_over_a", "c_nodes", "c", "c_one",
                             "async", "sync", "ddp", "async_ddp", "sync_ddp", "comm",
-                            "cpu_remote", "cpu_local")}
-    with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
+                            "cpu_remote", "cpu_local", "slow", "without", "slow_ratio")}
+    slow_rates = [opts.link_rate, opts.link_rate, "100mbit"]
+    with ClusterBox(nodes=3, link_rate=opts.link_rate) as box, \
+            ClusterBox(nodes=3, link_rate=slow_rates) as slow_box:
         for rep in range(opts.repeats):
             print(f"repeat {rep + 1} of {opts.repeats}", flush=True)
+            if "f" in opts.only:
+                args = ["--data", data, "--hidden", "256,256", "--batch", "512", "--epochs", "8"]
+                s = train(slow_box, work, "n0:1,n1:2,n2:2", os.path.join(work, "slow.h5"), *args)
+                w = train(box, work, "n0:1,n1:2", os.path.join(work, "without.h5"), *args)
+                rows["slow"].append(s["summary"]["train_s"])
+                rows["without"].append(w["summary"]["train_s"])
+                rows["slow_ratio"].append(rows["slow"][-1] / rows["without"][-1])
+                print(f"  (f) n2 at 100 Mbit/s: {rows['slow'][-1]:.2f} s; without n2: "
+                      f"{rows['without'][-1]:.2f} s ({rows['slow_ratio'][-1]:.2f}x)", flush=True)
+            if "a" not in opts.only:
+                continue
             a = bench_ps(box, "n0:1,n1:2,n2:2")
             b = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "per-node")
             one = bench_ps(box, "n0:2,n1:2,n2:2")
@@ -173,6 +190,18 @@ def main(argv=None) -> int:
                 rows[key].append(float(at["server_cpu_s"]) / float(at["wall_s"]))
             print(f"  (e) rank 0 CPU/wall: workers remote {rows['cpu_remote'][-1]:.3f}, on its node "
                   f"{rows['cpu_local'][-1]:.3f}", flush=True)
+    if rows["slow"]:
+        g = res.group("(f) one node's link at 100 Mbit/s: mlp 256,256, 784 features, batch 512, 8 epochs",
+                      "mpiexec -hosts n0:1,n1:2,n2:2 mpilb train --hidden 256,256 --batch 512 --epochs 8")
+        res.figure(g, "slow", "train_s, 4 workers, n2's link at 100 Mbit/s", rows["slow"], unit="s")
+        res.figure(g, "without", "train_s, the 2 workers of n1 alone (`-hosts n0:1,n1:2`)",
+                   rows["without"], unit="s")
+        res.figure(g, "slow_ratio", "with the slow node ÷ without it", rows["slow_ratio"], unit="x",
+                   target="<= 1.1")
+    if not rows["a"]:
+        _runs.print_targets(res.checks())
+        res.write(_results.out_path(opts, NAME))
+        return 0 if res.all_met() else 1
     g = res.group("(a)-(c) `mpilb bench ps --params 1000000`, null workers",
                   "mpilb box run --nodes 3 --link-rate 1gbit -- mpiexec -hosts HOSTS python -m mpilb bench ps --params 1000000 --seconds 3")
     res.figure(g, "a", "(a) one store, 4 remote workers: updates/s", rows["a"], unit="updates/s", digits=1)

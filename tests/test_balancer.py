@@ -294,3 +294,15 @@ def test_committed_count_follows_hand_outs_and_reports():
     resumed = bal.next_shard(3)
     bal.discount(3, 60)                            # started at sample 60 (a resumed remainder)
     assert bal._committed[3] == 40 and resumed is not None
+
+
+def test_the_logged_rate_counts_communication():
+    """A worker behind a slow link computes as fast as the others but waits for its
+    replies: its measured (logged) rate says so, its compute rate does not."""
+    bal = _bal("load", sizes=[100] * 60)
+    for k in range(1, 51):
+        for w, comm in ((1, 0.0), (2, 0.0), (3, 0.03)):   # 100 samples in 10 ms; rank 3 +30 ms
+            bal.observe(w, k * 0.04, 100, 0.01, comm_s=comm)
+    assert bal.rate(3) == pytest.approx(bal.rate(1), rel=0.01)       # compute + I/O alike
+    assert bal.measured_rate(1) == pytest.approx(bal.rate(1), rel=0.01)
+    assert bal.measured_rate(3) == pytest.approx(bal.rate(3) / 4, rel=0.05)   # 10 ms of 40
