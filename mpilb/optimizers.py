@@ -19,8 +19,9 @@ Its moments are kept as torch keeps them; checkpoints and the transfers between 
 stores use one form (:meth:`Optimizer.state_slice`), so kernels may differ between ranks.
 
 Weight decay is classic L2 regularisation: ``weight_decay * params`` is added to the
-gradient before the update (so with adam it is scaled by the adaptive denominator; this is
-not AdamW). The caller's ``grad`` is never modified.
+gradient before the update (so with adam it is scaled by the adaptive denominator), except
+for adamw, whose decay is decoupled (as torch.optim.AdamW). The caller's ``grad`` is never
+modified.
 """
 
 from __future__ import annotations
@@ -85,12 +86,14 @@ def build_optimizer(
     """Build a registered optimizer with its state allocated on ``xp``.
 
     Args:
-        name: "sgd", "momentum" (heavy-ball; ``nesterov=True`` for Nesterov) or "adam".
+        name: "sgd", "momentum" (heavy-ball; ``nesterov=True`` for Nesterov), "adam" or
+            "adamw" (decoupled weight decay).
         num_params: length of the flat parameter vector.
         lr: learning rate (> 0).
         momentum: momentum factor in [0, 1) ("momentum" only).
         nesterov: Nesterov momentum ("momentum" only).
-        weight_decay: L2 factor (>= 0) added to the gradient as ``weight_decay * params``.
+        weight_decay: L2 factor (>= 0) added to the gradient as ``weight_decay * params``
+            (adamw: the decoupled decay factor).
         beta1, beta2, eps: Adam's moment decay rates, in [0, 1), and denominator epsilon (> 0).
         xp: array module (numpy or cupy) the parameters live in.
         dtype: dtype of the parameters and the optimizer state.
@@ -361,6 +364,46 @@ class Adam(Optimizer):
             xp.divide(m, s, out=s)
             s *= scale
             xp.subtract(p, s, out=o)
+
+
+@register_optimizer("adamw")
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter; as ``torch.optim.AdamW``):
+    ``params *= 1 - lr * weight_decay`` before the Adam update of the plain gradient, so
+    the decay is not scaled by the adaptive denominator."""
+
+    def __init__(self, num_params, *, weight_decay=0.0, **kw):
+        super().__init__(num_params, weight_decay=0.0, **kw)   # the blocks add no L2 term
+        self.decay = weight_decay
+
+    def __repr__(self) -> str:
+        return f"AdamW(lr={self.lr}, weight_decay={self.decay})"
+
+    def _update(self, params, grad, lr, out):
+        shrink = 1.0 - lr * self.decay
+        if self._fused is not None:
+            if out is not params:
+                if out is grad:
+                    grad = grad.copy()
+                out[...] = params
+            out *= shrink
+            self._fused(out, grad, self.steps, lr, self.beta1, self.beta2, 0.0, self.eps)
+            return
+        xp, b1, b2 = self.xp, self.beta1, self.beta2
+        c = math.sqrt((1.0 - b2) / (1.0 - b2 ** self.steps))
+        eps, scale = self.eps / c, lr * (1.0 - b1) / ((1.0 - b1 ** self.steps) * c)
+        for p, g, o, m, v, d, s in self._blocks(params, grad, out):
+            m *= b1              # as Adam's blocks (see there), then the decayed params
+            m += g
+            xp.square(g, out=s)
+            v *= b2
+            v += s
+            xp.sqrt(v, out=s)
+            s += eps
+            xp.divide(m, s, out=s)
+            s *= scale
+            xp.multiply(p, shrink, out=d)
+            xp.subtract(d, s, out=o)
 
 
 _FUSED: list = []   # [FusedAdam class or None], decided once per process

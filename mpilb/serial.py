@@ -28,7 +28,8 @@ from .shards import ShardStore
 from .schedules import build_schedule
 from .tensorboard import tap_for
 from .training import (PREEMPTED, EpochStats, EpochTracker, build_evaluator, build_stop_rule,
-                       config_model, config_optimizer, epoch_order)
+                       clip_grad_norm, config_model, config_optimizer,
+                       epoch_order)
 
 
 class SerialTrainer:
@@ -161,6 +162,7 @@ class SerialTrainer:
             raise MpilbError(f"non-finite gradient for shard {batch.shard} [{batch.lo}, {batch.hi}) "
                              f"at update {self.version + 1}; lower --lr?")
         grad /= b
+        clip_grad_norm(grad, self.cfg.clip_norm, self.backend.xp)
         lr_scale = b / self.cfg.batch * self.schedule(self.version, self.now())
         self.optimizer.step(self.params, grad, lr_scale)
         self.version += 1

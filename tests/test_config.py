@@ -137,7 +137,18 @@ def test_every_option_has_help_and_a_valid_default():
         if opt.choices is not None and opt.default_text is None:
             assert opt.default in opt.choices
         if opt.default_text is not None:   # decided by build_config from other options
-            assert opt.default is None and build_config().values[opt.name] in opt.choices
+            value = build_config().values[opt.name]
+            assert opt.default is None and value is not None
+            assert value in opt.choices if opt.choices else opt.check[0](value)
+
+
+def test_adamw_decays_by_default_as_torch_and_torch_classes_keep_their_own_default():
+    assert build_config({}, {"optimizer": "adamw"}).weight_decay == 0.01
+    assert build_config({}, {"optimizer": "adam"}).weight_decay == 0.0
+    assert build_config({}, {"optimizer": "adamw", "weight_decay": 0.0}).weight_decay == 0.0
+    assert build_config({}, {"optimizer": "torch.optim.AdamW"}).weight_decay is None
+    with pytest.raises(UsageError, match="--optimizer = 'rmsprop'.*torch.optim.NAME"):
+        build_config({}, {"optimizer": "rmsprop"})
 
 
 def test_configuration_reference_is_current():
