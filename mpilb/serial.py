@@ -24,13 +24,13 @@ from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import LogWriteError, RunLog
 from .best import BestCheckpoint
+from .optimizers import clip_grad_norm
 from .session import balancer_config, files_line, format_final
 from .shards import ShardStore
 from .schedules import build_schedule
 from .tensorboard import tap_for
 from .training import (PREEMPTED, EpochStats, EpochTracker, build_evaluator, build_stop_rule,
-                       clip_grad_norm, config_model, config_optimizer,
-                       epoch_order)
+                       config_model, config_optimizer, epoch_order)
 
 
 class SerialTrainer:

@@ -266,18 +266,6 @@ def check_model_step(cfg: Config, model, dataset) -> None:
         gradient_into(model, grad, out, select_backend("cpu", 0))
 
 
-def clip_grad_norm(grad, max_norm: Optional[float], xp=np) -> None:
-    """Scale ``grad`` in place to L2 norm ``max_norm`` when it is longer, as
-    ``torch.nn.utils.clip_grad_norm_`` does (factor ``max_norm / (norm + 1e-6)``, at most 1);
-    nothing when ``max_norm`` is None (no --clip-norm)."""
-    if max_norm is None:
-        return
-    norm = float(xp.sqrt(xp.vdot(grad, grad)))
-    factor = max_norm / (norm + 1e-6)
-    if factor < 1.0:
-        grad *= grad.dtype.type(factor)
-
-
 def config_optimizer(cfg: Config, num_params: int, xp=np):
     """The run's optimizer over `num_params` floats: a built-in one (optimizers.py) or a
     torch.optim class (torch_optim.py), with --optimizer-arg."""
@@ -345,5 +333,12 @@ def check_world(cfg: Config, world_size: int, dataset) -> None:
         no_effect(cfg, "target_accuracy", f"regression data ({dataset.root} holds float "
                   "targets, num_classes 0)", "accuracy is measured for classifiers only; "
                   "use --target-metric V to stop on the model's metric (e.g. r2)")
+    from .standardize import unscaled
+
+    warning = unscaled(dataset)
+    if warning:
+        import sys
+
+        print(f"mpilb: warning: {warning}", file=sys.stderr, flush=True)
     if cfg.model == "cnn" and len(dataset.sample_shape) not in (1, 3):
         raise UsageError(f"--model cnn needs image-shaped samples (C,H,W); {dataset.root} has shape {tuple(dataset.sample_shape)}")

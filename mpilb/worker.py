@@ -27,7 +27,8 @@ from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
 from .row_exchange import RowExchange, held_shards
 from .shards import ShardStore
-from .training import PREEMPTED, USR1_NOTICE, clip_grad_norm, config_model
+from .optimizers import clip_grad_norm
+from .training import PREEMPTED, USR1_NOTICE, config_model
 from .waiting import WaitEstimate
 from . import wire
 from .wire import Cmd

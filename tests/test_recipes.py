@@ -18,7 +18,8 @@ import mpirun
 from mpilb.config import build_config
 from mpilb.errors import UsageError
 from mpilb.server.modes import ParamStore
-from mpilb.training import check_optimizer, clip_grad_norm, config_optimizer
+from mpilb.optimizers import clip_grad_norm
+from mpilb.training import check_optimizer, config_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
