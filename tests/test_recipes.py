@@ -186,3 +186,20 @@ def test_same_accuracy_as_plain_pytorch(digits_dir, tmp_path, args, torch_class,
     cls = getattr(torch.optim, torch_class)
     theirs = _plain_torch(digits_dir, log, lambda p: cls(p, lr=lr, **kwargs), lr, clip)
     assert ours > 0.85 and abs(ours - theirs) <= 0.01, (ours, theirs)
+
+
+@pytest.mark.parametrize("mode", [("--mode", "sync"), ("--mode", "async", "--pipeline", "0")])
+def test_clip_norm_under_mpiexec_equals_serial(digits_dir, tmp_path, mode):
+    """One worker: a sync round's mean (clipped on rank 0) and an async push (clipped by the
+    worker) are the serial run's batch gradient, clipped the same way."""
+    args = ("--data", digits_dir, "--hidden", "32", "--epochs", "2", "--no-progress",
+            "--optimizer", "adamw", "--lr", "0.003", "--clip-norm", "0.3", "--seed", "7")
+    runs = {}
+    for name, n, extra in [("serial", 0, ()), ("mpi", 2, mode),
+                           ("unclipped", 0, ("--clip-norm", "100"))]:
+        res = mpirun.run(n, "train", *args, *extra, "--log", tmp_path / f"{name}.h5", timeout=300)
+        assert res.returncode == 0, res.stderr
+        with h5py.File(tmp_path / f"{name}.ckpt.h5", "r") as f:
+            runs[name] = f["params"][()]
+    np.testing.assert_allclose(runs["mpi"], runs["serial"], rtol=1e-4, atol=1e-6)
+    assert np.abs(runs["unclipped"] - runs["serial"]).max() > 1e-3   # the clip did something
