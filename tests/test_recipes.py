@@ -203,3 +203,20 @@ def test_clip_norm_under_mpiexec_equals_serial(digits_dir, tmp_path, mode):
             runs[name] = f["params"][()]
     np.testing.assert_allclose(runs["mpi"], runs["serial"], rtol=1e-4, atol=1e-6)
     assert np.abs(runs["unclipped"] - runs["serial"]).max() > 1e-3   # the clip did something
+
+
+def test_torch_optimizer_resumes_from_its_checkpointed_state(digits_dir, tmp_path):
+    """Two epochs straight, or one then --resume for the second: the same parameters (the
+    torch optimizer's state went through the checkpoint)."""
+    pytest.importorskip("torch")
+    args = ("--data", digits_dir, "--hidden", "32", "--no-progress", "--batch", "64",
+            "--optimizer", "torch:RMSprop", "--lr", "0.001", "--optimizer-arg", "momentum=0.5")
+    for extra in (("--epochs", "2", "--log", tmp_path / "straight.h5"),
+                  ("--epochs", "1", "--log", tmp_path / "split.h5"),
+                  ("--epochs", "2", "--log", tmp_path / "split.h5", "--resume")):
+        res = mpirun.run(0, "train", *args, *extra, timeout=300)
+        assert res.returncode == 0, res.stderr
+    with h5py.File(tmp_path / "straight.ckpt.h5", "r") as f, \
+            h5py.File(tmp_path / "split.ckpt.h5", "r") as g:
+        assert "state.momentum_buffer" in g["optimizer"] and g["optimizer"].attrs["steps"] > 0
+        np.testing.assert_array_equal(f["params"][()], g["params"][()])
