@@ -116,8 +116,8 @@ def _spread(mean: np.ndarray, std: np.ndarray) -> Optional[tuple[int, float, flo
 def unscaled(ds: Dataset) -> Optional[str]:
     """One line saying that ``ds``'s features (or regression targets) look unscaled, from
     the first rows of shard 0, or None (also for a standardized dataset)."""
-    if ds.standardize or not ds.shards:
-        return None
+    if getattr(ds, "standardize", None) or not getattr(ds, "shards", None):
+        return None   # (and stand-ins for a dataset: bench's, tests')
     x, y = ds.first_rows(PROBE_ROWS)
     x = np.asarray(x, np.float64).reshape(len(x), -1)
     if not len(x):
