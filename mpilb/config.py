@@ -202,10 +202,10 @@ OPTIONS: tuple[Option, ...] = (
 # in a config file (often shared by several runs), it is a warning (docs/configuration.md).
 NO_EFFECT: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
     ("hidden", lambda c: c.model == "mlp", "model", "only the mlp has hidden layers"),
-    ("momentum", lambda c: c.optimizer == "momentum", "optimizer",
-     "only the momentum optimizer uses it"),
-    ("nesterov", lambda c: c.optimizer == "momentum", "optimizer",
-     "only the momentum optimizer uses it"),
+    ("momentum", lambda c: c.optimizer == "momentum", "optimizer", "only the momentum "
+     "optimizer uses it; a torch.optim class takes --optimizer-arg momentum=V"),
+    ("nesterov", lambda c: c.optimizer == "momentum", "optimizer", "only the momentum "
+     "optimizer uses it; a torch.optim class takes --optimizer-arg nesterov=true"),
     ("staleness_bound", lambda c: c.mode == "ssp", "mode", "only --mode ssp bounds staleness"),
     ("dc_lambda", lambda c: c.correction == "dc", "correction", "only --correction dc uses it"),
     ("min_batch", lambda c: c.batch_policy == "proportional", "batch_policy",
