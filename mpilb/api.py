@@ -82,7 +82,7 @@ def train(model=None, data=None, **options) -> Optional[dict]:
         values["model"] = _model_spec(model)
     if data is not None:
         values["data"] = os.fspath(data)
-    for key in ("inject", "model_arg"):
+    for key in ("inject", "model_arg", "optimizer_arg"):
         if isinstance(values.get(key), str):
             values[key] = [values[key]]
     from . import comm as C

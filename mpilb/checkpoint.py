@@ -76,9 +76,10 @@ class Checkpoint:
 
 
 def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epoch: int,
-         tracker, balancer, train_s: float, run_id: str) -> None:
+         tracker, balancer, train_s: float, run_id: str, best: Optional[dict] = None) -> None:
     """Write a checkpoint atomically (tmp file, flush, fsync, rename). ``run_id`` is the
-    run's id, also in its log: ``--resume`` refuses a checkpoint of another run."""
+    run's id, also in its log: ``--resume`` refuses a checkpoint of another run. ``best``:
+    the evaluation a --save-best checkpoint holds (best.py; ``--resume`` refuses those)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     remove_stale_temps(path)
@@ -89,6 +90,8 @@ def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epo
             f.attrs["created"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
             f.attrs["config"] = cfg.to_json()
             f.attrs["run_id"] = run_id
+            if best is not None:
+                f.attrs["best"] = json.dumps(best)
             f.attrs["model"] = json.dumps(model_signature(model))
             f.attrs["dataset"] = json.dumps(dataset_signature(dataset))
             counts = tracker.counts
@@ -203,6 +206,10 @@ def load(path: str, model, dataset, seed: Optional[int] = None,
         try:
             if int(f.attrs["format"]) != FORMAT:
                 raise UsageError(f"--resume: {path} has checkpoint format {f.attrs['format']}, expected {FORMAT}")
+            if "best" in f.attrs:
+                raise UsageError(f"--resume: {path} is a --save-best checkpoint (the weights of "
+                                 f"the best evaluation, for mpilb export/evaluate); resume from "
+                                 f"the run's --checkpoint")
             saved_model = json.loads(f.attrs["model"])
             saved_data = json.loads(f.attrs["dataset"])
             want_model = model_signature(model)

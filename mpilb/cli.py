@@ -117,6 +117,11 @@ def build_parser() -> Parser:
         p.add_argument("--test-fraction", type=float, default=0.2, help="share of samples kept for test.h5")
         p.add_argument("--seed", type=int, default=0, help="seed of the shuffle (and of generated data)")
 
+    def scaling(p):
+        p.add_argument("--standardize", nargs="?", const="all", choices=("all", "features"),
+                       help="scale features (all: and regression targets) to mean 0, std 1 "
+                       "with the training shards' statistics, kept in the manifest")
+
     d = psub.add_parser("digits", help="scikit-learn's bundled 8x8 digits")
     d.add_argument("out")
     common(d)
@@ -135,12 +140,14 @@ def build_parser() -> Parser:
     n.add_argument("--task", default="auto", choices=("auto", "classify", "regress"),
                    help="integer y: classes, float y: regression targets (auto), or force one")
     common(n)
+    scaling(n)
     h = psub.add_parser("hdf5", help="datasets from existing HDF5 files (concatenated)")
     h.add_argument("inputs", nargs="+", metavar="FILE... OUT")
     h.add_argument("--x-key", required=True)
     h.add_argument("--y-key", required=True)
     h.add_argument("--task", default="auto", choices=("auto", "classify", "regress"))
     common(h)
+    scaling(h)
     c = psub.add_parser("csv", help="a CSV file with a header line")
     c.add_argument("file")
     c.add_argument("out")
@@ -150,6 +157,7 @@ def build_parser() -> Parser:
     c.add_argument("--task", default="auto", choices=("auto", "classify", "regress"),
                    help="auto: one all-integer target column gives classes, else regression")
     common(c)
+    scaling(c)
 
     data = sub.add_parser("data", help="check or describe a dataset")
     dsub = data.add_subparsers(dest="action", metavar="ACTION", parser_class=Parser)
@@ -321,6 +329,14 @@ def _prepare(args) -> int:
     else:
         ds = D.prepare_csv(args.file, args.out, target=args.target, features=args.features,
                            delimiter=args.delimiter, task=args.task, **common)
+    if args.source in ("npz", "hdf5", "csv"):
+        from .standardize import describe, standardize_dataset, unscaled
+
+        if args.standardize:
+            ds = standardize_dataset(ds, targets=args.standardize == "all")
+            print(describe(ds))
+        elif unscaled(ds):   # (a few thousand rows of shard 0: cheap)
+            print(f"mpilb: warning: {unscaled(ds)}", file=sys.stderr)
     kind = (f"{ds.num_classes} classes" if ds.num_classes else
             f"float targets of shape {tuple(ds.target_shape)}")
     print(f"{args.out}: {len(ds.shards)} shards, {ds.total_samples} training samples, "

@@ -64,6 +64,13 @@ _OPTIONAL_POSITIVE = (lambda v: v is None or v > 0, "a number > 0")
 _FRACTION = (lambda v: v is None or 0 < v <= 1, "a number in (0, 1]")
 _UNIT = (lambda v: 0 <= v < 1, "a number in [0, 1)")
 
+BUILTIN_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw")
+
+
+def is_torch_optimizer(name: str) -> bool:
+    """``torch.optim.NAME`` or ``torch:NAME``: a torch.optim class (torch_optim.py)."""
+    return str(name).startswith(("torch.optim.", "torch:"))
+
 OPTIONS: tuple[Option, ...] = (
     # data and model
     Option("data", str, None, "dataset directory (from `mpilb prepare`); default: a built-in "
@@ -93,13 +100,27 @@ OPTIONS: tuple[Option, ...] = (
            "flight (one more step of staleness, less waiting)", (0, 1), group="mode",
            default_text="1 with --mode async, 0 with ssp, sync or --correction inverse"),
     # optimizer
-    Option("optimizer", str, "sgd", "optimizer run by the server", ("sgd", "momentum", "adam"),
-           group="optimizer"),
+    Option("optimizer", str, "sgd", "optimizer run by the parameter stores; adamw: decoupled "
+           "weight decay, as torch.optim.AdamW; a torch.optim class by name needs torch "
+           "(docs/models.md)",
+           check=(lambda v: v in BUILTIN_OPTIMIZERS or is_torch_optimizer(v),
+                  "sgd, momentum, adam, adamw, torch.optim.NAME or torch:NAME"),
+           group="optimizer", metavar="NAME"),
+    Option("optimizer_arg", list, [], "keyword argument for the optimizer, KEY=VALUE with VALUE "
+           "a TOML value (repeatable): betas=[0.9,0.99] and eps=1e-6 for adam and adamw; any "
+           "constructor argument but params and lr for a torch.optim class",
+           group="optimizer", metavar="KEY=VALUE"),
+    Option("clip_norm", float, None, "clip each applied gradient to this global L2 norm before "
+           "the optimizer step, as torch.nn.utils.clip_grad_norm_ (sync: the round's mean)",
+           check=_OPTIONAL_POSITIVE, group="optimizer", metavar="C"),
     Option("lr", float, 0.1, "learning rate", check=_POSITIVE, group="optimizer"),
     Option("momentum", float, 0.9, "momentum coefficient (momentum optimizer)", check=_UNIT,
            group="optimizer"),
     Option("nesterov", bool, False, "Nesterov momentum (momentum optimizer)", group="optimizer"),
-    Option("weight_decay", float, 0.0, "L2 weight decay", check=_NON_NEGATIVE, group="optimizer"),
+    Option("weight_decay", float, None, "weight decay: L2, added to the gradient; decoupled "
+           "for adamw", check=(lambda v: v is None or v >= 0, "a number >= 0"),
+           group="optimizer", default_text="0.01 with --optimizer adamw (as torch.optim.AdamW), "
+           "the class's own default for a torch.optim class, else 0"),
     # batches and balancing
     Option("batch", int, 32, "samples per gradient (per worker; the global batch is batch x "
            "workers)", check=_POSITIVE_INT, group="balancing"),
@@ -175,6 +196,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("tensorboard", str, None, "also write TensorBoard scalars (loss, metric, rates, "
            "utilization, staleness) into DIR; needs `pip install 'mpilb[tensorboard]'`",
            group="output", metavar="DIR"),
+    Option("save_best", bool, False, "also keep the checkpoint of the best evaluation (the "
+           "validation metric with --validation-fraction, else the test metric) in "
+           "RUN.best.ckpt.h5 beside --checkpoint", group="output"),
     Option("overwrite", bool, False, "replace an existing --log (and its checkpoint) instead "
            "of refusing to start", group="output"),
     Option("servers", int, 1, "parameter stores, each holding a slice of the parameters "
@@ -190,10 +214,10 @@ OPTIONS: tuple[Option, ...] = (
 # in a config file (often shared by several runs), it is a warning (docs/configuration.md).
 NO_EFFECT: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
     ("hidden", lambda c: c.model == "mlp", "model", "only the mlp has hidden layers"),
-    ("momentum", lambda c: c.optimizer == "momentum", "optimizer",
-     "only the momentum optimizer uses it"),
-    ("nesterov", lambda c: c.optimizer == "momentum", "optimizer",
-     "only the momentum optimizer uses it"),
+    ("momentum", lambda c: c.optimizer == "momentum", "optimizer", "only the momentum "
+     "optimizer uses it; a torch.optim class takes --optimizer-arg momentum=V"),
+    ("nesterov", lambda c: c.optimizer == "momentum", "optimizer", "only the momentum "
+     "optimizer uses it; a torch.optim class takes --optimizer-arg nesterov=true"),
     ("staleness_bound", lambda c: c.mode == "ssp", "mode", "only --mode ssp bounds staleness"),
     ("dc_lambda", lambda c: c.correction == "dc", "correction", "only --correction dc uses it"),
     ("min_batch", lambda c: c.batch_policy == "proportional", "batch_policy",
@@ -397,6 +421,8 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
         opt = OPTION_BY_NAME[name]
         values[name] = _coerce(opt, raw, "")
         _validate_value(opt, values[name], "")
+    if values["weight_decay"] is None and not is_torch_optimizer(values["optimizer"]):
+        values["weight_decay"] = 0.01 if values["optimizer"] == "adamw" else 0.0
     if values["pipeline"] is None:
         # async computes ahead by default: 1.03-1.21x the samples/s where measured, at the
         # same accuracy (docs/balancing.md). Not with ssp (its bound stays what it says) or

@@ -68,6 +68,7 @@ class Dataset:
     created: str = ""
     generator: dict = field(default_factory=dict)
     target_shape: tuple[int, ...] = ()
+    standardize: dict = field(default_factory=dict)   # prepare --standardize's mean and std
     # shards held out for validation (--validation-fraction); not part of ``shards``
     validation: list[ShardInfo] = field(default_factory=list)
 
@@ -338,6 +339,7 @@ def _read_manifest(root: Path) -> Dataset:
         target_shape=tuple(target_shape) if label_dtype == TARGET_DTYPE else (),
         created=str(manifest.get("created", "")),
         generator=manifest.get("generator", {}) if isinstance(manifest.get("generator"), dict) else {},
+        standardize=manifest.get("standardize") if isinstance(manifest.get("standardize"), dict) else {},
     )
 
 
@@ -443,6 +445,7 @@ _MOVED = {name: "prepare" for name in (
     "shard_file_name", "split_sizes", "write_dataset", "array_chunks", "prepare_digits",
     "prepare_synthetic", "Teacher", "make_teacher", "synthetic_chunks")}
 _MOVED.update({name: "ingest" for name in ("prepare_npz", "prepare_hdf5", "prepare_csv")})
+_MOVED.update({name: "standardize" for name in ("standardize_dataset",)})
 _MOVED.update({name: "describe" for name in ("dataset_info", "_human_bytes")})
 
 

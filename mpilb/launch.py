@@ -102,7 +102,8 @@ def _validate(config_file, cli_values, world_size, all_args, nodes):
     from .server.store import check_servers
     from .paths import check_paths, resolve_data, run_identity
     from .topology import store_ranks
-    from .training import check_model_step, check_world, config_model, hold_out_validation
+    from .training import (check_model_step, check_optimizer, check_world, config_model,
+                           hold_out_validation)
 
     file_values = load_toml(config_file) if config_file else {}
     cfg = build_config(file_values, cli_values, source=config_file or "")
@@ -113,6 +114,7 @@ def _validate(config_file, cli_values, world_size, all_args, nodes):
     # files checked before are not re-hashed
     dataset = hold_out_validation(cfg, verify_dataset(data_dir, cached=True))
     check_world(cfg, world_size, dataset)
+    check_optimizer(cfg, world_size)
     model = config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
     check_model_step(cfg, model, dataset)
     check_servers(cfg, world_size, model.num_params, model.num_state, nodes)

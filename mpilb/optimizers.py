@@ -19,8 +19,9 @@ Its moments are kept as torch keeps them; checkpoints and the transfers between 
 stores use one form (:meth:`Optimizer.state_slice`), so kernels may differ between ranks.
 
 Weight decay is classic L2 regularisation: ``weight_decay * params`` is added to the
-gradient before the update (so with adam it is scaled by the adaptive denominator; this is
-not AdamW). The caller's ``grad`` is never modified.
+gradient before the update (so with adam it is scaled by the adaptive denominator), except
+for adamw, whose decay is decoupled (as torch.optim.AdamW). The caller's ``grad`` is never
+modified.
 """
 
 from __future__ import annotations
@@ -85,12 +86,14 @@ def build_optimizer(
     """Build a registered optimizer with its state allocated on ``xp``.
 
     Args:
-        name: "sgd", "momentum" (heavy-ball; ``nesterov=True`` for Nesterov) or "adam".
+        name: "sgd", "momentum" (heavy-ball; ``nesterov=True`` for Nesterov), "adam" or
+            "adamw" (decoupled weight decay).
         num_params: length of the flat parameter vector.
         lr: learning rate (> 0).
         momentum: momentum factor in [0, 1) ("momentum" only).
         nesterov: Nesterov momentum ("momentum" only).
-        weight_decay: L2 factor (>= 0) added to the gradient as ``weight_decay * params``.
+        weight_decay: L2 factor (>= 0) added to the gradient as ``weight_decay * params``
+            (adamw: the decoupled decay factor).
         beta1, beta2, eps: Adam's moment decay rates, in [0, 1), and denominator epsilon (> 0).
         xp: array module (numpy or cupy) the parameters live in.
         dtype: dtype of the parameters and the optimizer state.
@@ -103,8 +106,7 @@ def build_optimizer(
                          f"{', '.join(sorted(OPTIMIZERS))}")
     _check(math.isfinite(lr) and lr > 0, "lr", lr, "a positive number")
     _check(0 <= momentum < 1, "momentum", momentum, "in [0, 1)")
-    _check(math.isfinite(weight_decay) and weight_decay >= 0, "weight-decay", weight_decay,
-           ">= 0")
+    _check(math.isfinite(weight_decay) and weight_decay >= 0, "weight-decay", weight_decay, ">= 0")
     _check(0 <= beta1 < 1, "beta1", beta1, "in [0, 1)")
     _check(0 <= beta2 < 1, "beta2", beta2, "in [0, 1)")
     _check(eps > 0, "eps", eps, "a positive number")
@@ -332,15 +334,19 @@ class Adam(Optimizer):
         return 1.0 - (self.beta1 if buf == "exp_avg" else self.beta2)
 
     def _update(self, params, grad, lr, out):
-        if self._fused is not None:   # in place only: out starts as a copy of params
-            if out is not params:
-                if out is grad:    # (the server avoids this case: into_grad is False)
-                    grad = grad.copy()
-                out[...] = params
-            self._fused(out, grad, self.steps, lr, self.beta1, self.beta2, self.weight_decay,
-                        self.eps)
+        if self._fused is not None:
+            self._fused_step(params, grad, lr, out, self.weight_decay)
         else:
             self._update_blocks(params, grad, lr, out)
+
+    def _fused_step(self, params, grad, lr, out, weight_decay, shrink=1.0):
+        if out is not params:   # in place only: out starts as a copy of params
+            if out is grad:    # (the server avoids this case: into_grad is False)
+                grad = grad.copy()
+            out[...] = params
+        if shrink != 1.0:
+            out *= shrink
+        self._fused(out, grad, self.steps, lr, self.beta1, self.beta2, weight_decay, self.eps)
 
     def _update_blocks(self, params, grad, lr, out):
         xp, b1, b2 = self.xp, self.beta1, self.beta2
@@ -361,6 +367,46 @@ class Adam(Optimizer):
             xp.divide(m, s, out=s)
             s *= scale
             xp.subtract(p, s, out=o)
+
+
+@register_optimizer("adamw")
+class AdamW(Adam):
+    """Adam with decoupled weight decay (Loshchilov & Hutter; as ``torch.optim.AdamW``):
+    ``params *= 1 - lr * weight_decay``, then Adam's update of the plain gradient."""
+
+    def __init__(self, num_params, *, weight_decay=0.0, **kw):
+        super().__init__(num_params, weight_decay=0.0, **kw)   # the blocks add no L2 term
+        self.decay = weight_decay
+
+    def _update(self, params, grad, lr, out):
+        shrink = 1.0 - lr * self.decay
+        if self._fused is not None:
+            return self._fused_step(params, grad, lr, out, 0.0, shrink)
+        xp, b1, b2 = self.xp, self.beta1, self.beta2
+        c = math.sqrt((1.0 - b2) / (1.0 - b2 ** self.steps))
+        eps, scale = self.eps / c, lr * (1.0 - b1) / ((1.0 - b1 ** self.steps) * c)
+        for p, g, o, m, v, d, s in self._blocks(params, grad, out):
+            m *= b1              # as Adam's blocks, then from the decayed params
+            m += g
+            xp.square(g, out=s)
+            v *= b2
+            v += s
+            xp.sqrt(v, out=s)
+            s += eps
+            xp.divide(m, s, out=s)
+            s *= scale
+            xp.multiply(p, shrink, out=d)
+            xp.subtract(d, s, out=o)
+
+
+def clip_grad_norm(grad, max_norm, xp=np) -> None:
+    """Scale ``grad`` in place to L2 norm ``max_norm`` when longer, as
+    ``torch.nn.utils.clip_grad_norm_`` (by ``max_norm / (norm + 1e-6)``, at most 1);
+    nothing when ``max_norm`` is None (no --clip-norm)."""
+    if max_norm is not None:
+        factor = max_norm / (float(xp.sqrt(xp.vdot(grad, grad))) + 1e-6)
+        if factor < 1.0:
+            grad *= grad.dtype.type(factor)
 
 
 _FUSED: list = []   # [FusedAdam class or None], decided once per process

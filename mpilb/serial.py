@@ -23,6 +23,8 @@ from .models import initial_params
 from .progress import Progress, tapped
 from .report import summarize_log
 from .runlog import RunLog
+from .best import BestCheckpoint
+from .optimizers import clip_grad_norm
 from .session import balancer_config, files_line, format_final
 from .shards import ShardStore
 from .schedules import build_schedule
@@ -62,6 +64,7 @@ class SerialTrainer:
         self.stop = build_stop_rule(cfg)
         self.schedule = build_schedule(cfg, dataset.shard_sizes)
         self.evaluation = None
+        self.best = BestCheckpoint(cfg) if cfg.save_best else None
         self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
                                  samples_per_epoch=self.tracker.total,
                                  interval=cfg.progress_interval, max_seconds=cfg.max_seconds,
@@ -162,6 +165,7 @@ class SerialTrainer:
             raise MpilbError(f"non-finite gradient for shard {batch.shard} [{batch.lo}, {batch.hi}) "
                              f"at update {self.version + 1}; lower --lr?")
         grad /= b
+        clip_grad_norm(grad, self.cfg.clip_norm, self.backend.xp)
         lr_scale = b / self.cfg.batch * self.schedule(self.version, self.now())
         self.optimizer.step(self.params, grad, lr_scale)
         self.version += 1
@@ -216,10 +220,13 @@ class SerialTrainer:
         self.stop.check(stats.epoch + 1, self.now(), self.evaluation)
 
     def _evaluate(self) -> None:
-        ev = self.evaluator.evaluate(self.backend.to_host(self.params))
+        params = self.backend.to_host(self.params)
+        ev = self.evaluator.evaluate(params)
         self.evaluation, self.accuracy = ev, ev.decides[1]
         self.log.append("eval", t=self.now(), version=self.version, epoch=self.epoch,
                         **ev.columns())
+        if self.best is not None:
+            self.best.offer(ev, params, self.epoch, self.version, self._save_best)
         self.last_eval = time.monotonic()
         self.eval_version = self.version
 
@@ -235,6 +242,12 @@ class SerialTrainer:
                         params=self.backend.to_host(self.params), optimizer=self.optimizer,
                         version=self.version, epoch=self.epoch, tracker=self.tracker,
                         balancer=self.balancer, train_s=self.now(), run_id=self.log.run_id)
+
+    def _save_best(self, path: str, params, best: dict) -> None:
+        checkpoint.save(path, cfg=self.cfg, model=self.model, dataset=self.dataset,
+                        params=params, optimizer=self.optimizer, version=self.version,
+                        epoch=self.epoch, tracker=self.tracker, balancer=self.balancer,
+                        train_s=self.now(), run_id=self.log.run_id, best=best)
 
     def finish(self, status: str) -> dict:
         self.store.close()

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from . import checkpoint
+from .best import BestCheckpoint
 from .balancer import BalancerConfig, build_balancer
 from .evalproc import EvalProcess, EvalProcessGone
 from .models import initial_params
@@ -52,8 +53,12 @@ def format_final(summary: dict) -> str:
 
 
 def files_line(cfg) -> str:
-    """The very last line of a run: where its log and its final parameters are."""
-    return f"mpilb: log {cfg.log}, checkpoint {cfg.checkpoint}"
+    """The very last line(s) of a run: where its log and its final parameters are (and,
+    with --save-best, the best evaluation's)."""
+    from .best import best_line
+
+    best = best_line(cfg)
+    return f"mpilb: log {cfg.log}, checkpoint {cfg.checkpoint}" + (f"\n{best}" if best else "")
 
 
 class Session:
@@ -105,6 +110,7 @@ class Session:
         self._eval_pool: Optional[ThreadPoolExecutor] = None
         self._eval_proc: Optional[EvalProcess] = None
         self._pending = None     # an evaluation running in the background (evaluate_later)
+        self.best = BestCheckpoint(cfg) if cfg.save_best else None
 
     def start_background_evaluation(self, ranks_here: int) -> None:
         """Start the process that :meth:`evaluate_later` hands its evaluations to (rank 0
@@ -128,7 +134,7 @@ class Session:
     def evaluate(self, params: np.ndarray, t: float, version: int, epoch: int) -> None:
         """Evaluate host parameters on the test (and validation) set and log the row."""
         self.collect(wait=True)   # rows in order
-        self._record(self.evaluator.evaluate(params), t, version, epoch)
+        self._record(self.evaluator.evaluate(params), t, version, epoch, params)
 
     def evaluate_later(self, params: np.ndarray, t: float, version: int, epoch: int,
                        then: Optional[Callable[[], None]] = None) -> None:
@@ -137,6 +143,7 @@ class Session:
         :meth:`collect` logs the row and calls `then`. Only for models without state the
         server updates (BatchNorm statistics)."""
         self.collect(wait=True)
+        kept = None if self.best is None else np.array(params, copy=True)   # (to save)
         job = None
         if self._eval_proc is not None:
             try:
@@ -151,7 +158,7 @@ class Session:
             if self._eval_pool is None:
                 self._eval_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpilb-eval")
             job = self._eval_pool.submit(self._timed, np.array(params, copy=True))
-        self._pending = (job, t, version, epoch, then)
+        self._pending = (job, t, version, epoch, then, kept)
 
     def _timed(self, params: np.ndarray):
         before = self.evaluator.seconds
@@ -163,7 +170,7 @@ class Session:
         if it failed, is raised here."""
         if self._pending is None or not (wait or self._pending[0].done()):
             return False
-        job, t, version, epoch, then = self._pending
+        job, t, version, epoch, then, kept = self._pending
         self._pending = None
         try:
             ev, seconds = job.result()
@@ -175,15 +182,23 @@ class Session:
         else:
             if job is self._eval_proc:
                 self.evaluator.seconds += seconds   # (a thread counted its own)
-        self._record(ev, t, version, epoch)
+        self._record(ev, t, version, epoch, kept)
         if then is not None:
             then()
         return True
 
-    def _record(self, ev: Evaluation, t: float, version: int, epoch: int) -> None:
+    def _record(self, ev: Evaluation, t: float, version: int, epoch: int, params=None) -> None:
         self.evaluation, self.accuracy = ev, ev.decides[1]
         self.eval_version = version
         self.log.append("eval", t=t, version=version, epoch=epoch, **ev.columns())
+        if self.best is not None and params is not None:
+            def save(path, evaluated, best):
+                checkpoint.save(path, cfg=self.cfg, model=self.model, dataset=self.dataset,
+                                params=evaluated, optimizer=self.optimizer, version=version,
+                                epoch=epoch, tracker=self.tracker, balancer=self.balancer,
+                                train_s=t, run_id=self.log.run_id, best=best)
+
+            self.best.offer(ev, params, epoch, version, save)
 
     def close(self, status: str, attrs: dict) -> dict:
         """Close the run log, write the summary, end the progress display on its figures."""

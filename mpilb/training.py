@@ -268,10 +268,61 @@ def check_model_step(cfg: Config, model, dataset) -> None:
 
 
 def config_optimizer(cfg: Config, num_params: int, xp=np):
+    """The run's optimizer over `num_params` floats: a built-in one (optimizers.py) or a
+    torch.optim class (torch_optim.py), with --optimizer-arg."""
+    from .config import is_torch_optimizer
+    from .models import parse_model_args
     from .optimizers import build_optimizer
 
+    args = parse_model_args(cfg.optimizer_arg, "--optimizer-arg")
+    if is_torch_optimizer(cfg.optimizer):
+        from .torch_optim import TorchOptimizer
+
+        if cfg.weight_decay is not None:
+            args["weight_decay"] = cfg.weight_decay
+        return TorchOptimizer(cfg.optimizer, num_params, lr=cfg.lr, kwargs=args, xp=xp)
     return build_optimizer(cfg.optimizer, num_params, lr=cfg.lr, momentum=cfg.momentum,
-                           nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, xp=xp)
+                           nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, xp=xp,
+                           **_builtin_args(cfg.optimizer, args))
+
+
+def _builtin_args(name: str, args: dict) -> dict:
+    """--optimizer-arg of a built-in optimizer: betas=[B1, B2] and eps (adam, adamw)."""
+    allowed = ("betas", "eps") if name in ("adam", "adamw") else ()
+    for key in args:
+        if key not in allowed:
+            raise UsageError(f"--optimizer-arg {key}=...: --optimizer {name} takes "
+                             + (f"only {', '.join(allowed)}" if allowed else
+                                "none (its options are --lr, --momentum, --nesterov, "
+                                "--weight-decay)"))
+    out = {}
+    if "betas" in args:
+        betas = args["betas"]
+        if not (isinstance(betas, list) and len(betas) == 2
+                and all(isinstance(b, (int, float)) for b in betas)):
+            raise UsageError(f"--optimizer-arg betas={betas!r}: expected two numbers, "
+                             f"e.g. betas=[0.9,0.999]")
+        out["beta1"], out["beta2"] = float(betas[0]), float(betas[1])
+    if "eps" in args:
+        if not isinstance(args["eps"], (int, float)) or isinstance(args["eps"], bool):
+            raise UsageError(f"--optimizer-arg eps={args['eps']!r}: expected a number, e.g. eps=1e-8")
+        out["eps"] = float(args["eps"])
+    return out
+
+
+def check_optimizer(cfg: Config, world_size: int) -> None:
+    """The optimizer builds (name, --optimizer-arg), and combinations with --servers."""
+    from .config import is_torch_optimizer
+
+    config_optimizer(cfg, 1)
+    if cfg.servers > 1 and is_torch_optimizer(cfg.optimizer):
+        raise UsageError(f"--optimizer {cfg.optimizer} with --servers {cfg.servers}: the state "
+                         f"of a torch.optim optimizer is not sliced over parameter stores; use "
+                         f"--servers 1, or a built-in optimizer (sgd, momentum, adam, adamw)")
+    if cfg.clip_norm is not None and cfg.mode == "sync" and cfg.servers > 1 and world_size > 1:
+        raise UsageError(f"--clip-norm with --mode sync and --servers {cfg.servers}: the norm "
+                         f"of a round's mean gradient would need every store's slice; use "
+                         f"--servers 1 (or --mode async/ssp, where workers clip)")
 
 
 def check_world(cfg: Config, world_size: int, dataset) -> None:
@@ -283,5 +334,12 @@ def check_world(cfg: Config, world_size: int, dataset) -> None:
         no_effect(cfg, "target_accuracy", f"regression data ({dataset.root} holds float "
                   "targets, num_classes 0)", "accuracy is measured for classifiers only; "
                   "use --target-metric V to stop on the model's metric (e.g. r2)")
+    from .standardize import unscaled
+
+    warning = unscaled(dataset)
+    if warning:
+        import sys
+
+        print(f"mpilb: warning: {warning}", file=sys.stderr, flush=True)
     if cfg.model == "cnn" and len(dataset.sample_shape) not in (1, 3):
         raise UsageError(f"--model cnn needs image-shaped samples (C,H,W); {dataset.root} has shape {tuple(dataset.sample_shape)}")

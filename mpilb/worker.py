@@ -27,6 +27,7 @@ from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
 from .row_exchange import RowExchange, held_shards
 from .shards import ShardStore
+from .optimizers import clip_grad_norm
 from .topology import stores_of, workers_of
 from .training import PREEMPTED, USR1_NOTICE, config_model
 from .waiting import WaitEstimate
@@ -352,6 +353,8 @@ class Worker:
         grad *= np.float32(1.0 / batch.size)
         xp = self.backend.xp
         nonfinite = not np.isfinite(loss) or not bool(xp.isfinite(grad).all())
+        if not nonfinite and self.cfg.mode != "sync":   # (sync: the round's mean, rank 0)
+            clip_grad_norm(grad, self.cfg.clip_norm, xp)
         compute_s += time.perf_counter() - t0
         if not self.device_payload:
             self.backend.to_host(grad, out=msg[2][:self.n])   # stage through pinned host memory

@@ -138,8 +138,20 @@ def test_every_option_has_help_and_a_valid_default():
             assert opt.default in opt.choices
         if opt.default_text is not None:   # decided by build_config (or at run time)
             assert opt.default is None
+            value = build_config().values[opt.name]
             if opt.choices is not None:    # from other options: one of its choices
-                assert build_config().values[opt.name] in opt.choices
+                assert value in opt.choices
+            elif value is not None:
+                assert opt.check[0](value)
+
+
+def test_adamw_decays_by_default_as_torch_and_torch_classes_keep_their_own_default():
+    assert build_config({}, {"optimizer": "adamw"}).weight_decay == 0.01
+    assert build_config({}, {"optimizer": "adam"}).weight_decay == 0.0
+    assert build_config({}, {"optimizer": "adamw", "weight_decay": 0.0}).weight_decay == 0.0
+    assert build_config({}, {"optimizer": "torch.optim.AdamW"}).weight_decay is None
+    with pytest.raises(UsageError, match="--optimizer = 'rmsprop'.*torch.optim.NAME"):
+        build_config({}, {"optimizer": "rmsprop"})
 
 
 def test_configuration_reference_is_current():

@@ -78,8 +78,46 @@ def test_adam_with_bias_correction(wd):
     np.testing.assert_allclose(np.abs(one - P0)[G1 != 0], lr, rtol=1e-5)
 
 
+def test_adamw_decays_the_parameters_apart_from_the_moments():
+    lr, b1, b2, eps, wd = 0.01, 0.9, 0.99, 1e-8, 0.1
+    p, m, v = P0.copy(), np.zeros(4), np.zeros(4)
+    for t, g in enumerate([G1, G2], start=1):
+        p = p * (1 - lr * wd)
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps)
+    got = _run("adamw", [G1, G2], lr=lr, beta1=b1, beta2=b2, eps=eps, weight_decay=wd)
+    np.testing.assert_allclose(got, p, rtol=1e-12)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("out", ["params", "other", "grad"])
+def test_adamw_steps_as_torch_optim_adamw(fused, out):
+    torch = pytest.importorskip("torch")
+    from mpilb.models.torch_adapter import FusedAdam
+
+    rng = np.random.default_rng(1)
+    p0 = rng.standard_normal(300).astype(np.float32)
+    grads = rng.standard_normal((4, 300)).astype(np.float32)
+    opt = build_optimizer("adamw", 300, lr=0.01, weight_decay=0.05, beta2=0.99)
+    opt.use_fused(FusedAdam if fused else None)
+    p = p0.copy()
+    for g in grads:
+        g = g.copy()
+        target = {"params": p, "other": np.empty_like(p), "grad": g}[out]
+        opt.step(p, g, 0.5, out=target)
+        p = target
+    ref = torch.nn.Parameter(torch.from_numpy(p0.copy()))
+    torch_opt = torch.optim.AdamW([ref], lr=0.005, weight_decay=0.05, betas=(0.9, 0.99))
+    for g in grads:
+        ref.grad = torch.from_numpy(g.copy())
+        torch_opt.step()
+    np.testing.assert_allclose(p, ref.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("name,kw", [("sgd", {}), ("momentum", {"nesterov": True}),
-                                     ("adam", {"weight_decay": 1e-3})])
+                                     ("adam", {"weight_decay": 1e-3}),
+                                     ("adamw", {"weight_decay": 1e-2})])
 def test_state_dict_round_trip_gives_identical_next_steps(name, kw):
     rng = np.random.default_rng(0)
     grads = rng.standard_normal((5, 50)).astype(np.float32)
@@ -117,8 +155,8 @@ def test_float32_step_keeps_dtype():
 
 
 def test_registry_and_unknown_name():
-    assert set(OPTIMIZERS) == {"sgd", "momentum", "adam"}
-    with pytest.raises(UsageError, match="valid optimizers: adam, momentum, sgd"):
+    assert set(OPTIMIZERS) == {"sgd", "momentum", "adam", "adamw"}
+    with pytest.raises(UsageError, match="valid optimizers: adam, adamw, momentum, sgd"):
         build_optimizer("rmsprop", 4, lr=0.1)
 
 

@@ -37,8 +37,9 @@ def is_user_spec(spec) -> bool:
     return isinstance(spec, str) and (":" in spec)
 
 
-def parse_model_args(items) -> dict:
-    """``["width=64", "act=relu"]`` -> ``{"width": 64, "act": "relu"}`` (TOML scalars)."""
+def parse_model_args(items, flag: str = "--model-arg") -> dict:
+    """``["width=64", "act=relu"]`` -> ``{"width": 64, "act": "relu"}`` (TOML values);
+    ``flag`` names the option in errors."""
     try:
         import tomllib
     except ModuleNotFoundError:  # pragma: no cover
@@ -48,7 +49,7 @@ def parse_model_args(items) -> dict:
         key, sep, text = str(item).partition("=")
         key = key.strip()
         if not sep or not key.isidentifier():
-            raise UsageError(f"--model-arg {item!r}: expected KEY=VALUE with KEY a Python name, e.g. width=64")
+            raise UsageError(f"{flag} {item!r}: expected KEY=VALUE with KEY a Python name, e.g. width=64")
         try:
             out[key] = tomllib.loads(f"v = {text.strip()}")["v"]
         except tomllib.TOMLDecodeError:

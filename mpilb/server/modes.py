@@ -71,12 +71,16 @@ class ParamStore:
             one). None: plain vectors, and `params` itself is the first.
         finished: request -> whether a send is done (the server's counts a send that MPI
             failed, to a dead worker, as done: comm.finished); default ``req.Test()``.
+        clip_norm: --clip-norm for a sync round's mean gradient (:meth:`apply_sum`); a
+            gradient applied on arrival was clipped by its worker, so :meth:`apply` never clips.
     """
 
     def __init__(self, params: np.ndarray, optimizer, correction, nominal_batch: int,
                  keep_sent: int = 0, schedule: Optional[Callable[[int], float]] = None,
                  new_buffer: Optional[Callable[[], np.ndarray]] = None,
-                 finished: Optional[Callable[[object], bool]] = None):
+                 finished: Optional[Callable[[object], bool]] = None,
+                 clip_norm: Optional[float] = None):
+        self.clip_norm = clip_norm
         self.finished = finished or (lambda req: req.Test())
         if new_buffer is not None:
             first = new_buffer()
@@ -173,6 +177,10 @@ class ParamStore:
     def apply_sum(self, grad_sum: np.ndarray, batch: int, consume: bool = False) -> float:
         """Apply a sum of gradients over `batch` samples as one mean (a sync round)."""
         grad_sum /= max(1, batch)
+        if self.clip_norm is not None:   # as DDP + clip_grad_norm_: the averaged gradient
+            from ..optimizers import clip_grad_norm
+
+            clip_grad_norm(grad_sum, self.clip_norm)
         lr_scale = batch / self.nominal_batch * self._scheduled()
         self._step(grad_sum, lr_scale, consume)
         return lr_scale

@@ -101,8 +101,10 @@ def slice_store(cfg, params: np.ndarray, optimizer, new_buffer=None) -> ParamSto
     `new_buffer`: see ParamStore."""
     correction = build_correction(cfg.correction, cfg.dc_lambda)
     keep = (2 if cfg.pipeline else 1) if correction.needs_old_params else 0
+    clip = cfg.clip_norm if cfg.mode == "sync" and cfg.servers == 1 else None   # (workers
+    # clip what is applied on arrival; sync with K > 1 is refused: training.check_optimizer)
     return ParamStore(params, optimizer, correction, cfg.batch, keep_sent=keep,
-                      new_buffer=new_buffer, finished=C.finished)
+                      new_buffer=new_buffer, finished=C.finished, clip_norm=clip)
 
 
 def _send_state(comm, dest: int, tag: int, params, optimizer, lo: int, hi: int) -> None:
