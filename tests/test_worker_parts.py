@@ -224,6 +224,7 @@ def test_the_gradients_scaling_and_check_count_as_compute(monkeypatch):
     w.rows = SimpleNamespace(progress=lambda: None)
     w.signals_sent, w.preempt_reqs = set(), []
     w.rank0 = Rank0Watch(60.0, 1)
+    w.cfg = SimpleNamespace(mode="async", clip_norm=None)
     w.model = SimpleNamespace(num_state=0)
     w.backend = SimpleNamespace(xp=np, synchronize=lambda: None)
     w.params = np.zeros(4, np.float32)
