@@ -110,6 +110,33 @@ def library_version() -> str:
     return _library_text().splitlines()[0].strip()
 
 
+def open_mpi_launcher() -> Optional[dict]:
+    """This rank's Open MPI `mpirun` (ORTE) settings where it started the job, else None.
+
+    Keys: `recovery` (`--enable-recovery` / `--mca orte_enable_recovery 1`: the job goes on
+    when a rank dies) and `kill_grace` (the seconds from the SIGTERM `mpirun` sends every
+    rank when it ends the job, after a rank ended or on its own SIGTERM, to its SIGKILL:
+    `odls_base_sigkill_timeout`, 1 by default). mpirun passes its MCA settings to the ranks
+    as OMPI_MCA_* variables; `orte_hnp_uri` is set only under mpirun (not under srun)."""
+    env = os.environ
+    if "OMPI_MCA_orte_hnp_uri" not in env or not _library_text().startswith("Open MPI"):
+        return None
+    try:
+        grace = float(env.get("OMPI_MCA_odls_base_sigkill_timeout", "1"))
+    except ValueError:
+        grace = 1.0
+    on = ("1", "t", "true", "enabled", "yes", "y")
+    return {"recovery": env.get("OMPI_MCA_orte_enable_recovery", "0").lower() in on,
+            "kill_grace": grace}
+
+
+def launcher_kill_grace() -> Optional[float]:
+    """Seconds from a launcher's SIGTERM to its SIGKILL, where the launcher is known to
+    follow one with the other that soon (Open MPI's mpirun); None otherwise."""
+    launcher = open_mpi_launcher()
+    return None if launcher is None else launcher["kill_grace"]
+
+
 def mpi_info() -> dict:
     """What this process's MPI is, for `mpilb doctor` (local: no communication).
 

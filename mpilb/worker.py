@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from . import comm as C
-from . import doorbell
+from . import doorbell, signals
 from .backend import select_backend
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
@@ -149,6 +149,7 @@ class Worker:
         self.retry = False
         self.signals_sent: set = set()
         self.preempt_reqs: list = []
+        signals.listen(self._report_signals)   # reported from the handler, even mid-hang
 
     def _message(self, floats: Optional[int] = None):
         """(buffer MPI sends/receives, host header, payload on the compute device or host)."""
@@ -311,12 +312,16 @@ class Worker:
                                f"waiting for shard rows (only ORDERS can come then, and with "
                                f"--pipeline 1 one reply)")
 
+    def _report_signals(self) -> None:
+        """Tell rank 0 of each stop signal received (once each): rank 0 decides."""
+        for event, signum in ((PREEMPTED, signal.SIGTERM), (USR1_NOTICE, signal.SIGUSR1)):
+            if event.is_set() and signum not in self.signals_sent:
+                self.signals_sent.add(signum)
+                self.preempt_reqs.append(C.notify_preempt(self.comm, signum))
+
     def _check_fault(self) -> None:
         self.rows.progress()
-        for event, signum in ((PREEMPTED, signal.SIGTERM), (USR1_NOTICE, signal.SIGUSR1)):
-            if event.is_set() and signum not in self.signals_sent:   # rank 0 decides
-                self.preempt_reqs.append(C.notify_preempt(self.comm, signum))
-                self.signals_sent.add(signum)
+        self._report_signals()
         fault = self.injector.fault(time.monotonic())
         if fault == "crash":
             os._exit(17)

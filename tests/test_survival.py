@@ -161,7 +161,7 @@ def test_rank0_stopped_for_twice_the_timeout_loses_no_worker(synth_dir, tmp_path
 # ---------------------------------------------------------------- the parts, without MPI
 class _Peer:
     def __init__(self, rank):
-        self.rank, self.step, self.lost = rank, 0, False
+        self.rank, self.step, self.lost, self.stopped, self.last_seen = rank, 0, False, False, 0.0
         self.link = type("Link", (), {"recv_req": None})()
 
 
@@ -184,16 +184,16 @@ def test_a_usr1_vote_counts_only_pushes_sent_after_the_signal():
     server = Server()
     PREEMPTED.clear()
     try:
-        server._usr1_from(0)
+        server._signal_from(0, signal.SIGUSR1)
         for p in server.peers.values():
             p.step += 1            # each one's push in flight at the signal arrives
-        server._judge_usr1()
+        server._judge_signals()
         assert not PREEMPTED.is_set()
         server.peers[1].step += 1  # rank 1 pushed again: alive; rank 2 not yet
-        server._judge_usr1()
+        server._judge_signals()
         assert not PREEMPTED.is_set()
-        server._usr1_from(2)       # rank 2 reports the signal itself: everyone alive
-        server._judge_usr1()
+        server._signal_from(2, signal.SIGUSR1)   # rank 2 reports the signal itself: all alive
+        server._judge_signals()
         assert PREEMPTED.is_set()
     finally:
         PREEMPTED.clear()

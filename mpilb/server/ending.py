@@ -37,10 +37,11 @@ def serve(server: ParameterServer) -> int:
         _log_failed(server, exc)
     except WorkerFailed as exc:
         server.train_s = server.now()
+        # the line first: a launcher's SIGKILL may follow within a second (vote.py)
+        print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
         try:
             server.finish("failed")
         finally:
-            print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
             C.abort(exc.code)
             os._exit(exc.code)
     except BaseException:
