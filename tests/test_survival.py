@@ -249,3 +249,27 @@ def test_a_failed_send_to_a_dead_worker_frees_its_parameter_buffer():
                        build_correction("none"), nominal_batch=1, finished=C.finished)
     store.sending(FailedSend(), rank=2)
     assert store._target() == store.cur and store.pending() == []
+
+
+def test_a_sigterm_that_reached_every_rank_but_a_silent_one_came_with_its_death():
+    """Open MPI's mpirun sends SIGTERM to the survivors of a dead rank and SIGKILL 1 s later:
+    the rank that the others' reports show missing, silent since the signal, is taken as
+    ended half that grace after it (and the loss of any rank that did not report it fails
+    the vote); a SIGTERM that no worker reported went to rank 0 alone, a preemption."""
+    from mpilb.server.vote import SignalVote
+
+    peers = {r: _Peer(r) for r in (1, 2, 3)}
+    vote = SignalVote.start(signal.SIGTERM, 1.0, 100.0, peers.values(), kill_grace=1.0)
+    vote.report(0)
+    assert vote.ended(peers, 101.0) is None and not vote.came_with_loss(2)   # rank 0 alone
+    vote.report(1)
+    vote.report(3)
+    assert vote.ended(peers, 100.2) is None      # too early to tell
+    assert vote.ended(peers, 100.6) == 2
+    assert vote.came_with_loss(2) and not vote.came_with_loss(1)
+    peers[2].last_seen = 100.1                   # it pushed after the signal: alive
+    assert vote.ended(peers, 100.6) is None
+    assert "not a preemption" in vote.loss_text(2) and "rank(s) 1, 3" in vote.loss_text(2)
+    no_grace = SignalVote.start(signal.SIGTERM, 1.0, 100.0, peers.values())
+    no_grace.report(1)
+    assert no_grace.ended(peers, 1000.0) is None  # elsewhere: --worker-timeout decides

@@ -61,6 +61,9 @@ def serve(server: ParameterServer) -> int:
         # run stopped as asked (checkpoint written): exit 0, so that a requeue follows.
         code = 0 if status == "preempted" else 3
         sys.stdout.flush()
+        launcher = C.open_mpi_launcher()
+        if launcher is not None and launcher["recovery"]:
+            C.tell_leave(server.comm, code, skip=server.lost)   # MPI_Abort ends rank 0 alone
         C.abort(code)
         os._exit(code)
     return 0

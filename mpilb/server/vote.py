@@ -107,5 +107,4 @@ class SignalVote:
         others = ", ".join(str(r) for r in sorted(self.reported - {0}))
         return (f"ended: it never answered the SIGTERM of {self.t:.1f} s that reached rank(s) "
                 f"{others}; that SIGTERM was the launcher ending the job after rank {rank} "
-                f"ended (Open MPI's mpirun without --enable-recovery, srun --kill-on-bad-exit), "
-                f"not a preemption")
+                f"ended (as Open MPI's mpirun does), not a preemption")
