@@ -32,7 +32,7 @@ def stop_text(signum=None) -> str:
     if signum == signal.SIGTERM:
         return "SIGTERM"
     if signum == signal.SIGUSR1:
-        return "preemption signal (SIGUSR1, received by every worker)"
+        return "preemption signal (SIGUSR1; every worker answered it, no rank died)"
     return "preemption signal"
 
 
