@@ -114,7 +114,8 @@ def open_mpi_launcher() -> Optional[dict]:
     """This rank's Open MPI `mpirun` (ORTE) settings where it started the job, else None.
 
     Keys: `recovery` (`--enable-recovery` / `--mca orte_enable_recovery 1`: the job goes on
-    when a rank dies) and `kill_grace` (the seconds from the SIGTERM `mpirun` sends every
+    when a rank dies), `abort_on_non_zero` (False under `--mca orte_abort_on_non_zero_status
+    0`: the same, and the ranks' exit codes are not passed on) and `kill_grace` (the seconds from the SIGTERM `mpirun` sends every
     rank when it ends the job, after a rank ended or on its own SIGTERM, to its SIGKILL:
     `odls_base_sigkill_timeout`, 1 by default). mpirun passes its MCA settings to the ranks
     as OMPI_MCA_* variables; `orte_hnp_uri` is set only under mpirun (not under srun)."""
@@ -127,7 +128,18 @@ def open_mpi_launcher() -> Optional[dict]:
         grace = 1.0
     on = ("1", "t", "true", "enabled", "yes", "y")
     return {"recovery": env.get("OMPI_MCA_orte_enable_recovery", "0").lower() in on,
+            "abort_on_non_zero": env.get("OMPI_MCA_orte_abort_on_non_zero_status",
+                                         "1").lower() in on,
             "kill_grace": grace}
+
+
+def exit_codes_ignored() -> bool:
+    """Does the launcher drop the ranks' exit codes? Open MPI's mpirun does under the
+    settings that keep a job going when a rank dies (`--mca orte_abort_on_non_zero_status
+    0`, `--enable-recovery`): it exited 0 where every rank returned 2. MPI_Abort's code
+    still comes through (not under --enable-recovery, where mpirun exits 0 always)."""
+    launcher = open_mpi_launcher()
+    return launcher is not None and (launcher["recovery"] or not launcher["abort_on_non_zero"])
 
 
 def launcher_kill_grace() -> Optional[float]:

@@ -192,6 +192,8 @@ def train(config_file, cli_values: dict, raise_errors: bool = False,
             raise (UsageError(stop.text) if stop.code == 2 else MpilbError(stop.text)) from None
         if rank == 0:
             print(f"mpilb: error: {stop.text}", file=sys.stderr, flush=True)
+            if size > 1 and C.exit_codes_ignored():
+                C.abort(stop.code)   # the one way the code reaches mpirun's exit there
         return stop.code
     if result is not None:
         result["cfg"] = cfg

@@ -207,3 +207,11 @@ def test_with_recovery_the_job_ends_soon_after_the_run(digits_dir, tmp_path):
     assert assert_exact(tmp_path / "run.h5", digits_dir, "degraded", lost=[2])["epochs_completed"] == 30
     end = job.line_at("mpilb: degraded")
     assert end is not None and job.ended - end < 10, (job.ended - end if end else job.out)
+
+
+def test_bad_input_under_the_flag_still_exits_2(digits_dir, tmp_path):
+    """That flag makes mpirun drop the ranks' exit codes (it exited 0 where every rank
+    returned 2): rank 0 ends such a job with MPI_Abort(2), whose code comes through."""
+    code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--batch", -3), flags=SURVIVE), tmp_path)
+    assert code == 2, (code, job.stderr)
+    assert job.stderr.count("mpilb: error:") == 1 and "--batch" in job.stderr, job.stderr
