@@ -3,8 +3,8 @@
 A scheduler's preemption (Slurm's `--signal`, `scancel`, SIGTERM to `mpiexec`) signals every
 rank. A launcher that reacts to the death of a rank signals the survivors only: MPICH's Hydra
 under `-disable-auto-cleanup` sends them SIGUSR1 and lets the job go on; Open MPI's `mpirun`
-(without `--enable-recovery`) and `srun --kill-on-bad-exit` send SIGTERM and, a moment later,
-SIGKILL. Both look like a preemption from inside a rank. The vote tells them apart: the
+(by default) sends SIGTERM and, 1 s later, SIGKILL (Slurm's step termination is SIGTERM,
+then SIGKILL too). Both look like a preemption from inside a rank. The vote tells them apart: the
 workers present at the signal are expected to be heard from again (each reports the signal
 it received; for SIGUSR1 two pushes count too), and a worker that is lost first, without
 having reported it, means a rank died: the signal came with that death.
