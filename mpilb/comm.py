@@ -17,7 +17,7 @@ import time
 from typing import Optional
 
 from .waiting import Backoff
-from .wire import TAG_ERROR, TAG_PREEMPT
+from .wire import TAG_ERROR, TAG_LEAVE, TAG_PREEMPT
 
 try:
     import mpi4py
@@ -143,6 +143,45 @@ def library_named() -> str:
     return " ".join(library_version().split()) + (f" ({path})" if path else "")
 
 
+def open_mpi_launcher() -> Optional[dict]:
+    """This rank's Open MPI `mpirun` (ORTE) settings where it started the job, else None.
+
+    Keys: `recovery` (`--enable-recovery` / `--mca orte_enable_recovery 1`: the job goes on
+    when a rank dies), `abort_on_non_zero` (False under `--mca orte_abort_on_non_zero_status
+    0`: the same, and the ranks' exit codes are not passed on) and `kill_grace` (the seconds from the SIGTERM `mpirun` sends every
+    rank when it ends the job, after a rank ended or on its own SIGTERM, to its SIGKILL:
+    `odls_base_sigkill_timeout`, 1 by default). mpirun passes its MCA settings to the ranks
+    as OMPI_MCA_* variables; `orte_hnp_uri` is set only under mpirun (not under srun)."""
+    env = os.environ
+    if "OMPI_MCA_orte_hnp_uri" not in env or not _library_text().startswith("Open MPI"):
+        return None
+    try:
+        grace = float(env.get("OMPI_MCA_odls_base_sigkill_timeout", "1"))
+    except ValueError:
+        grace = 1.0
+    on = ("1", "t", "true", "enabled", "yes", "y")
+    return {"recovery": env.get("OMPI_MCA_orte_enable_recovery", "0").lower() in on,
+            "abort_on_non_zero": env.get("OMPI_MCA_orte_abort_on_non_zero_status",
+                                         "1").lower() in on,
+            "kill_grace": grace}
+
+
+def exit_codes_ignored() -> bool:
+    """Does the launcher drop the ranks' exit codes? Open MPI's mpirun does under the
+    settings that keep a job going when a rank dies (`--mca orte_abort_on_non_zero_status
+    0`, `--enable-recovery`): it exited 0 where every rank returned 2. MPI_Abort's code
+    still comes through (not under --enable-recovery, where mpirun exits 0 always)."""
+    launcher = open_mpi_launcher()
+    return launcher is not None and (launcher["recovery"] or not launcher["abort_on_non_zero"])
+
+
+def launcher_kill_grace() -> Optional[float]:
+    """Seconds from a launcher's SIGTERM to its SIGKILL, where the launcher is known to
+    follow one with the other that soon (Open MPI's mpirun); None otherwise."""
+    launcher = open_mpi_launcher()
+    return None if launcher is None else launcher["kill_grace"]
+
+
 def mpi_info() -> dict:
     """What this process's MPI is, for `mpilb doctor` (local: no communication).
 
@@ -193,6 +232,24 @@ def abort(code: int = 1) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     MPI.COMM_WORLD.Abort(code)
+
+
+def tell_leave(comm, code: int, skip=()) -> None:
+    """Rank 0 ends a job that lost a rank, where MPI_Abort ends rank 0 alone (Open MPI's
+    mpirun --enable-recovery): the others, waiting at the final barrier the lost rank never
+    reaches, leave at once with `code` (:func:`leave_if_told`) instead of after its 30 s."""
+    for r in range(1, comm.Get_size()):
+        if r not in skip:
+            comm.isend(int(code), dest=r, tag=TAG_LEAVE)   # not waited for: the job ends
+
+
+def leave_if_told(comm) -> None:
+    """End this rank now if rank 0 said so (:func:`tell_leave`)."""
+    if comm.Iprobe(source=0, tag=TAG_LEAVE):
+        code = comm.recv(source=0, tag=TAG_LEAVE)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def wtime() -> float:

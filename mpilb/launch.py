@@ -217,6 +217,8 @@ def train(config_file, cli_values: dict, raise_errors: bool = False,
             raise (UsageError(stop.text) if stop.code == 2 else MpilbError(stop.text)) from None
         if rank == 0:
             print(f"mpilb: error: {stop.text}", file=sys.stderr, flush=True)
+            if size > 1 and C.exit_codes_ignored():
+                C.abort(stop.code)   # the one way the code reaches mpirun's exit there
         return stop.code
     if result is not None:
         result["cfg"] = cfg
@@ -236,7 +238,8 @@ def train(config_file, cli_values: dict, raise_errors: bool = False,
             code = 0
         # Leave together: under Hydra, after a forwarded SIGTERM, a rank that is still
         # finalising when another exits can be killed, turning a clean stop into exit 9.
-        together_at_end = C.wait(comm.Ibarrier(), timeout=30.0)
+        together_at_end = C.wait(comm.Ibarrier(), timeout=30.0,
+                                 on_poll=(lambda: C.leave_if_told(comm)) if rank else None)
         if rank == 0:
             C.drain(comm)   # control messages sent before the barrier (preemption notices)
         _ignore_stop_signals()

@@ -18,12 +18,21 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EARLY: list[int] = []
 # the stop signals this process received, in order (what the stop line names)
 RECEIVED: list[int] = []
+# called after each handled signal (see listen)
+_LISTENERS: list = []
 
 
-def stop_text() -> str:
-    """What the line announcing a stop says: a user's Ctrl-C is no preemption."""
-    if signal.SIGINT in RECEIVED:
+def stop_text(signum=None) -> str:
+    """What the line announcing a stop says. A user's Ctrl-C is no preemption, and in a
+    multi-rank job a SIGTERM may be the launcher ending the job after a rank died (see
+    server/vote.py): the line names the signal, not what it is taken for. `signum`: the
+    signal rank 0 stops for (None: a one-rank run, where a signal can only be a stop)."""
+    if signal.SIGINT in RECEIVED or signum == signal.SIGINT:
         return "interrupted (Ctrl-C)"
+    if signum == signal.SIGTERM:
+        return "SIGTERM"
+    if signum == signal.SIGUSR1:
+        return "preemption signal (SIGUSR1; every worker answered it, no rank died)"
     return "preemption signal"
 
 
@@ -46,12 +55,25 @@ def install(on_signal) -> None:
         if signum == signal.SIGINT:   # the next Ctrl-C interrupts
             signal.signal(signal.SIGINT, signal.default_int_handler)
         on_signal(signum)
+        for listener in _LISTENERS:
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - a handler must not raise into the code it interrupts
+                pass
 
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, handler)
     for signum in EARLY:
         handler(signum, None)
     EARLY.clear()
+
+
+def listen(callback) -> None:
+    """Call `callback()` after each stop signal, in the handler. A worker reports the signal
+    to rank 0 at once from there, also while its loop is stuck (a hung step in Python, a
+    long wait): rank 0 counts the workers that answer a signal to tell a preemption from a
+    launcher's notice of a dead rank (server/vote.py)."""
+    _LISTENERS.append(callback)
 
 
 def ignore() -> None:

@@ -21,7 +21,7 @@ from typing import Optional
 import numpy as np
 
 from . import comm as C
-from . import doorbell
+from . import doorbell, signals
 from .backend import select_backend
 from .batches import GradientStep, ShardFeed
 from .inject import Injector, parse_injects
@@ -154,6 +154,7 @@ class Worker:
         self.signals_sent: set = set()
         self.preempt_reqs: list = []
         self.rank0 = Rank0Watch(cfg.worker_timeout, rank)   # ends this rank if rank 0 is gone
+        signals.listen(self._report_signals)   # reported from the handler, even mid-hang
 
     def _message(self, floats: Optional[int] = None):
         """(buffer MPI sends/receives, host header, payload on the compute device or host)."""
@@ -327,12 +328,16 @@ class Worker:
         self._check_fault()
         self.rank0.check()
 
+    def _report_signals(self) -> None:
+        """Tell rank 0 of each stop signal received (once each): rank 0 decides."""
+        for event, signum in ((PREEMPTED, signal.SIGTERM), (USR1_NOTICE, signal.SIGUSR1)):
+            if event.is_set() and signum not in self.signals_sent:
+                self.signals_sent.add(signum)
+                self.preempt_reqs.append(C.notify_preempt(self.comm, signum))
+
     def _check_fault(self) -> None:
         self.rows.progress()
-        for event, signum in ((PREEMPTED, signal.SIGTERM), (USR1_NOTICE, signal.SIGUSR1)):
-            if event.is_set() and signum not in self.signals_sent:   # rank 0 decides
-                self.preempt_reqs.append(C.notify_preempt(self.comm, signum))
-                self.signals_sent.add(signum)
+        self._report_signals()
         fault = self.injector.fault(time.monotonic())
         if fault == "crash":
             os._exit(17)

@@ -259,7 +259,7 @@ class _Peer:
     def __init__(self, rank):
         from mpilb import wire
 
-        self.rank, self.step, self.lost, self.stopped = rank, 0, False, False
+        self.rank, self.step, self.lost, self.stopped, self.last_seen = rank, 0, False, False, 0.0
         self.link = type("Link", (), {"recv_req": None, "recv": wire.new_message(0)})()
         self.link.recv[1][wire.Push.KIND] = wire.PushKind.GRAD   # a push arrived
 
@@ -283,16 +283,16 @@ def test_a_usr1_vote_counts_only_pushes_sent_after_the_signal():
     server = Server()
     PREEMPTED.clear()
     try:
-        server._usr1_from(0)
+        server._signal_from(0, signal.SIGUSR1)
         for p in server.peers.values():
             p.step += 1            # each one's push in flight at the signal arrives
-        server._judge_usr1()
+        server._judge_signals()
         assert not PREEMPTED.is_set()
         server.peers[1].step += 1  # rank 1 pushed again: alive; rank 2 not yet
-        server._judge_usr1()
+        server._judge_signals()
         assert not PREEMPTED.is_set()
-        server._usr1_from(2)       # rank 2 reports the signal itself: everyone alive
-        server._judge_usr1()
+        server._signal_from(2, signal.SIGUSR1)   # rank 2 reports the signal itself: all alive
+        server._judge_signals()
         assert PREEMPTED.is_set()
     finally:
         PREEMPTED.clear()
@@ -464,3 +464,27 @@ def test_a_supervisor_exits_with_a_status_for_a_rank_killed_by_a_signal():
     assert exit_status(15) == (143, 15)        # killed by SIGTERM
     assert exit_status(3 << 8) == (3, None)    # exit(3)
     assert exit_status(0) == (0, None)
+
+
+def test_a_sigterm_that_reached_every_rank_but_a_silent_one_came_with_its_death():
+    """Open MPI's mpirun sends SIGTERM to the survivors of a dead rank and SIGKILL 1 s later:
+    the rank that the others' reports show missing, silent since the signal, is taken as
+    ended half that grace after it (and the loss of any rank that did not report it fails
+    the vote); a SIGTERM that no worker reported went to rank 0 alone, a preemption."""
+    from mpilb.server.vote import SignalVote
+
+    peers = {r: _Peer(r) for r in (1, 2, 3)}
+    vote = SignalVote.start(signal.SIGTERM, 1.0, 100.0, peers.values(), kill_grace=1.0)
+    vote.report(0)
+    assert vote.ended(peers, 101.0) is None and not vote.came_with_loss(2)   # rank 0 alone
+    vote.report(1)
+    vote.report(3)
+    assert vote.ended(peers, 100.2) is None      # too early to tell
+    assert vote.ended(peers, 100.6) == 2
+    assert vote.came_with_loss(2) and not vote.came_with_loss(1)
+    peers[2].last_seen = 100.1                   # it pushed after the signal: alive
+    assert vote.ended(peers, 100.6) is None
+    assert "not a preemption" in vote.loss_text(2) and "rank(s) 1, 3" in vote.loss_text(2)
+    no_grace = SignalVote.start(signal.SIGTERM, 1.0, 100.0, peers.values())
+    no_grace.report(1)
+    assert no_grace.ended(peers, 1000.0) is None  # elsewhere: --worker-timeout decides

@@ -13,8 +13,9 @@
 #   MPILB_MPIEXEC   the launcher (default: mpiexec on PATH; it must belong to the MPI that
 #                   mpi4py uses: `mpilb doctor` shows which one that is)
 #   MPILB_SURVIVE   1: a worker process that dies does not end the job (MPICH's
-#                   `mpiexec -disable-auto-cleanup`, and `--survive-signals` so that a
-#                   rank killed by a signal does not make Hydra kill the rest); rank 0 declares it lost after
+#                   `mpiexec -disable-auto-cleanup` and `--survive-signals`, so that a
+#                   rank killed by a signal does not make Hydra kill the rest; Open MPI 4's
+#                   `mpirun --mca orte_abort_on_non_zero_status 0`); rank 0 declares it lost after
 #                   --worker-timeout, its work goes to the others, exit 3 (docs/faults.md).
 #                   Open MPI 5 has `mpirun --with-ft ulfm` for this (not tested with mpilb)
 set -euo pipefail
@@ -35,9 +36,13 @@ echo "mpilb: $np ranks on $(hostname): mpilb train ${args[*]}"
 # which passes them on to every rank.
 launcher=("${MPILB_MPIEXEC:-mpiexec}")
 if [[ ${MPILB_SURVIVE:-0} == 1 ]]; then
-    # The survivors of a death get SIGUSR1 from Hydra: mpilb tells that notice from a
-    # preemption (a preemption only if every worker is heard from again before any is lost).
-    launcher+=(-disable-auto-cleanup)
-    args+=(--survive-signals)
+    if "${launcher[0]}" --version 2>/dev/null | grep -q "Open MPI\|OpenRTE"; then
+        launcher+=(--mca orte_abort_on_non_zero_status 0)   # Open MPI 4: the others run on
+    else
+        # The survivors of a death get SIGUSR1 from Hydra: mpilb tells that notice from a
+        # preemption (a preemption only if every worker is heard from again before any is lost).
+        launcher+=(-disable-auto-cleanup)
+        args+=(--survive-signals)
+    fi
 fi
 exec "${launcher[@]}" -n "$np" mpilb train "${args[@]}"

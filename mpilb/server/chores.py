@@ -18,11 +18,12 @@ from .. import checkpoint, signals
 from .. import comm as C
 from ..training import PREEMPTED, USR1_NOTICE
 from ..watchdog import KEEP_ALIVE_S
+from .vote import SignalVote
 
 FIRST_SIZES_STEPS = 16   # proportional batches are first sized after this many steps each
 WARMUP_FIRST_S = 0.25    # after the first rates, rebalance after 0.25, 0.5, 1 ... s
 # a SIGUSR1 this soon after MPI reported a rank's end is the launcher's notice of it (the
-# vote of Chores._usr1_from cannot tell: the dead rank is no longer among those it awaits)
+# vote of Chores._signal_from cannot tell: the dead rank is no longer among those it awaits)
 DEATH_NOTICE_S = 5.0
 
 
@@ -47,6 +48,10 @@ class Chores:
     LIVENESS_S = 0.05   # how often lost workers and stalls are looked for
     _next_liveness = 0.0
     _warmup_gap: Optional[float] = None   # see _warmup_due
+    _vote: Optional[SignalVote] = None    # see vote.py
+    _own_signals = 0                      # of signals.RECEIVED, those already counted
+    _stop_signal: Optional[int] = None    # the signal that stops the run (its line names it)
+    _died: Optional[tuple] = None         # (when, rank, said) of the last death MPI reported
 
     def _chores(self) -> None:
         self._note_unwatched()
@@ -56,14 +61,14 @@ class Chores:
             raise WorkerFailed(*err)
         while (notice := C.poll_preempt(self.comm)) is not None:
             src, signum = notice
-            if signum == signal.SIGUSR1:
-                self._usr1_from(src)
-            else:
-                PREEMPTED.set()
-        if USR1_NOTICE.is_set():
-            USR1_NOTICE.clear()
-            self._usr1_from(0)
-        self._judge_usr1()
+            if signum != signal.SIGUSR1:
+                PREEMPTED.set()   # a stop whatever the vote says (its checkpoint comes first)
+            self._signal_from(src, signum)
+        USR1_NOTICE.clear()   # rank 0's own signals, SIGUSR1 included, are in RECEIVED
+        while self._own_signals < len(signals.RECEIVED):
+            self._own_signals += 1
+            self._signal_from(0, signals.RECEIVED[self._own_signals - 1])
+        self._judge_signals()
         mono = time.monotonic()
         if mono >= self._next_liveness:   # silence is judged in seconds: 20 times a second
             self._next_liveness = mono + self.LIVENESS_S
@@ -246,15 +251,16 @@ class Chores:
 
     def _declare_lost(self, w, why: str = "") -> None:
         why = why or f"silent for {self.cfg.worker_timeout:g} s"
-        print(f"mpilb: rank {w.rank} {why}: declared lost; its shards go to the other workers",
+        vote = self._vote
+        came_with_loss = vote is not None and vote.came_with_loss(w.rank)
+        fails = came_with_loss and vote.signum != signal.SIGUSR1   # see below
+        print(f"mpilb: rank {w.rank} {why}: declared lost"
+              + ("" if fails else "; its shards go to the other workers"),
               file=sys.stderr, flush=True)
-        vote = getattr(self, "_usr1", None)
-        if vote is not None and w.rank in vote["expect"]:
-            self._usr1 = None
-            print(f"mpilb: the SIGUSR1 of {vote['t']:.1f} s came with the loss of rank {w.rank}: "
-                  f"taken as the launcher's notice of a failed rank (MPICH -disable-auto-cleanup), "
-                  f"not as a preemption", file=sys.stderr, flush=True)
-        if why.startswith("ended"):   # MPI saw it die: Hydra's SIGUSR1 may follow (_usr1_from)
+        if came_with_loss and not fails:
+            self._vote = None
+            print(f"mpilb: {vote.loss_text(w.rank)}", file=sys.stderr, flush=True)
+        if why.startswith("ended"):   # MPI saw it die: Hydra's SIGUSR1 may follow (_signal_from)
             self._died = (time.monotonic(), w.rank, False)
         w.lose()
         self.bell.forget(w.rank)   # a push it rang will not come
@@ -263,6 +269,8 @@ class Chores:
         self.balancer.remove_worker(w.rank)
         self.ledger.take_back(w.rank, lost=True)
         self._log_shards()
+        if fails:   # a launcher's SIGTERM after a death: the job ends, and not as preempted
+            raise WorkerFailed(w.rank, vote.loss_text(w.rank))   # the job ends: log `failed`
         if all(o.lost for o in self.peers.values()):
             raise RuntimeError("every worker was lost")
         if self.ledger.holders is not None:
@@ -284,43 +292,44 @@ class Chores:
             self._close_round()
         self._release_held()
 
-    # ----------------------------------------------------------------- SIGUSR1
-    def _usr1_from(self, rank: int) -> None:
-        """SIGUSR1 reached `rank` (0: this one). Slurm's `--signal` preemption and Hydra's
-        notice that a rank died look alike; a vote tells them apart: every worker present at
-        the signal must be heard from again (two pushes, or its own report of the signal)
-        before any of them is declared lost. Then no rank died and it is a preemption. One
-        push is not enough: a worker that died right after pushing has that push still on its
-        way (a worker has one unanswered push at most), and counting it made Hydra's notice
-        of the death a preemption (exit 0, `preempted`, in 1 of 5 runs of the survival
-        command in docs/faults.md). An idle worker that died is never heard from; it is
-        timed, and lost, once it has work."""
-        died = getattr(self, "_died", None)
-        if died is not None and time.monotonic() - died[0] < DEATH_NOTICE_S:
+    # ----------------------------------------------------------------- stop signals
+    def _signal_from(self, rank: int, signum: int) -> None:
+        """Stop signal `signum` reached `rank` (0: this one): it starts a vote over the
+        workers present, or counts as a report in the one under way (vote.py). A SIGTERM
+        during a SIGUSR1 vote starts its own: the run stops now."""
+        if signum == signal.SIGINT:
+            return   # Ctrl-C: the user's own stop, no launcher's notice
+        died = self._died
+        if (signum == signal.SIGUSR1 and died is not None
+                and time.monotonic() - died[0] < DEATH_NOTICE_S):
             if not died[2]:   # the notice reaches every rank: said once
                 self._died = (*died[:2], True)
                 print(f"mpilb: the SIGUSR1 of {self.now():.1f} s came after rank {died[1]} ended: "
                       f"taken as the launcher's notice of it (MPICH -disable-auto-cleanup), not as "
                       f"a preemption", file=sys.stderr, flush=True)
             return
-        vote = getattr(self, "_usr1", None)
-        if vote is None:
-            present = self.present()
-            vote = self._usr1 = {"t": self.now(), "expect": {w.rank for w in present},
-                                 "steps": {w.rank: w.step for w in present}, "heard": set()}
-        if rank:
-            vote["heard"].add(rank)
+        if signum == signal.SIGTERM:
+            self._stop_signal = self._stop_signal or signum
+        vote = self._vote
+        if vote is None or (signum == signal.SIGTERM and vote.signum != signum):
+            vote = self._vote = SignalVote.start(signum, self.now(), time.monotonic(),
+                                                 self.present(), C.launcher_kill_grace())
+        vote.report(rank)   # any stop signal a worker reports shows it alive
 
-    def _judge_usr1(self) -> None:
-        vote = getattr(self, "_usr1", None)
-        if vote is None or self.preempted:
+    def _judge_signals(self) -> None:
+        vote = self._vote
+        if vote is None:
             return
-        for r in vote["expect"] - vote["heard"]:
-            if self.peers[r].step > vote["steps"][r] + 1:   # a push sent after the signal
-                vote["heard"].add(r)
-        if vote["heard"] >= vote["expect"]:
-            self._usr1 = None
-            PREEMPTED.set()
+        vote.update(self.peers)
+        if vote.signum == signal.SIGUSR1:
+            if vote.passed and not self.preempted:
+                self._vote = None
+                self._stop_signal = self._stop_signal or signal.SIGUSR1
+                PREEMPTED.set()
+            return
+        ended = vote.ended(self.peers, time.monotonic())
+        if ended is not None:
+            self._declare_lost(self.peers[ended], "sent nothing since the SIGTERM")
 
     # ----------------------------------------------------------------- checkpoints, signals
     def _checkpoint(self) -> None:
@@ -345,7 +354,8 @@ class Chores:
     def _preempt(self) -> None:
         """SIGTERM/SIGUSR1 on some rank: checkpoint, tell every worker to stop, exit 0."""
         self.preempted = True
-        print(f"mpilb: {signals.stop_text()}: checkpointing and stopping", file=sys.stderr, flush=True)
+        print(f"mpilb: {signals.stop_text(self._stop_signal)}: checkpointing and stopping",
+              file=sys.stderr, flush=True)
         if not self.stop.reason:
             self._checkpoint()
         self.stop.reason = self.stop.reason or "preempted"

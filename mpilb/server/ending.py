@@ -37,10 +37,11 @@ def serve(server: ParameterServer) -> int:
         _log_failed(server, exc)
     except WorkerFailed as exc:
         server.train_s = server.now()
+        # the line first: a launcher's SIGKILL may follow within a second (vote.py)
+        print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
         try:
             server.finish("failed")
         finally:
-            print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
             C.abort(exc.code)
             os._exit(exc.code)
     except BaseException:
@@ -60,6 +61,9 @@ def serve(server: ParameterServer) -> int:
         # run stopped as asked (checkpoint written): exit 0, so that a requeue follows.
         code = 0 if status == "preempted" else 3
         sys.stdout.flush()
+        launcher = C.open_mpi_launcher()
+        if launcher is not None and launcher["recovery"]:
+            C.tell_leave(server.comm, code, skip=server.lost)   # MPI_Abort ends rank 0 alone
         C.abort(code)
         os._exit(code)
     return 0

@@ -1,0 +1,217 @@
+"""mpilb under Open MPI: Debian's Open MPI 4 with mpi4py built from source against it, in a
+virtual environment of its own (.ci/run makes it; MPILB_OMPI_PYTHON names its python,
+default /opt/mpilb-ompi/bin/python). A subset of the MPI scenarios: a digits run with exact
+coverage, --servers 2, a preemption, and a crashed worker with and without the flags that
+let Open MPI's mpirun keep the other ranks running (docs/faults.md). Skips without it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+
+TESTS = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(TESTS))
+from test_resume import recomputed_coverage  # noqa: E402
+from mpilb.dataset import open_dataset  # noqa: E402
+from mpilb.report import summarize_log  # noqa: E402
+
+pytestmark = pytest.mark.mpi
+
+PYTHON = os.environ.get("MPILB_OMPI_PYTHON", "/opt/mpilb-ompi/bin/python")
+MPIRUN = os.environ.get("MPILB_OMPI_MPIRUN") or shutil.which("mpirun.openmpi") or ""
+# the documented flag: a rank's non-zero exit does not end the job (docs/faults.md)
+SURVIVE = ["--mca", "orte_abort_on_non_zero_status", "0"]
+
+
+def _why_not() -> str | None:
+    if not os.path.exists(PYTHON):
+        return f"no Open MPI environment at {PYTHON} (.ci/run builds it; or set MPILB_OMPI_PYTHON)"
+    if not MPIRUN:
+        return "no mpirun.openmpi on PATH (apt-get install openmpi-bin; or set MPILB_OMPI_MPIRUN)"
+    probe = subprocess.run([PYTHON, "-c", "from mpi4py import MPI; print(MPI.Get_library_version())"],
+                           capture_output=True, text=True, timeout=60)
+    if not probe.stdout.startswith("Open MPI"):
+        return f"{PYTHON}'s mpi4py is not on Open MPI: {(probe.stdout or probe.stderr).strip()[:120]}"
+    return None
+
+
+WHY = _why_not()
+if WHY is not None:
+    pytest.skip(WHY, allow_module_level=True)
+
+
+def env() -> dict:
+    e = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+             PYTHONPATH=str(TESTS.parent))   # this checkout's mpilb
+    e.setdefault("MPILB_CACHE", str(TESTS.parent / ".mpilb-cache"))
+    return e
+
+
+def mpirun(n: int, *args, flags=()) -> list[str]:
+    return [MPIRUN, "--oversubscribe", *flags, "-n", str(n), PYTHON, "-m", "mpilb", *map(str, args)]
+
+
+def train(data, tmp_path, *extra):
+    return ["train", "--data", data, "--hidden", "16", "--no-progress",
+            "--log", tmp_path / "run.h5", *extra]
+
+
+class Job:
+    """An mpirun job whose output lines are timed as they come."""
+
+    def __init__(self, cmd, cwd):
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env(), cwd=cwd, start_new_session=True)
+        self.out: list[tuple[float, str]] = []
+        self.err: list[str] = []
+        self._readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.out)),
+                         threading.Thread(target=self._read, args=(self.proc.stderr, None))]
+        for t in self._readers:
+            t.start()
+
+    def _read(self, stream, timed):
+        for line in stream:
+            if timed is None:
+                self.err.append(line)
+            else:
+                timed.append((time.monotonic(), line))
+
+    def wait(self, timeout):
+        try:
+            self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.ended = time.monotonic()
+        for t in self._readers:
+            t.join(10)
+        return self.proc.returncode
+
+    def line_at(self, prefix):
+        return next((t for t, line in self.out if line.startswith(prefix)), None)
+
+    @property
+    def stderr(self):
+        return "".join(self.err)
+
+
+def run(cmd, cwd, timeout=120) -> tuple[int, Job]:
+    job = Job(cmd, cwd)
+    return job.wait(timeout), job
+
+
+def assert_exact(log, data, status, lost=()):
+    s = summarize_log(str(log))
+    assert s["status"] == status and s["lost_workers"] == list(lost), (s["status"], s["lost_workers"])
+    mine = recomputed_coverage(str(log), open_dataset(data).shard_sizes)
+    assert mine == s["coverage"] and mine["applied"] == mine["expected"], (mine, s["coverage"])
+    assert mine["duplicates"] == mine["missing"] == 0
+    return s
+
+
+def test_digits_run_has_exact_coverage(digits_dir, tmp_path):
+    code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 3)), tmp_path)
+    assert code == 0, job.stderr
+    s = assert_exact(tmp_path / "run.h5", digits_dir, "finished")
+    assert s["epochs_completed"] == 3
+    with h5py.File(tmp_path / "run.h5", "r") as f:
+        assert str(f.attrs["mpi_library"]).startswith("Open MPI"), f.attrs["mpi_library"]
+
+
+def test_two_stores(digits_dir, tmp_path):
+    code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 3, "--servers", 2)), tmp_path)
+    assert code == 0, job.stderr
+    assert assert_exact(tmp_path / "run.h5", digits_dir, "finished")["epochs_completed"] == 3
+
+
+def wait_training(log, job, timeout=90):
+    from mpilb.runlog import read_columns
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        assert job.proc.poll() is None, job.stderr
+        try:
+            if read_columns(str(log))[1]["updates"]["t"].size:
+                return
+        except (OSError, KeyError, RuntimeError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError("training did not start")
+
+
+def ranks_of(job) -> list[int]:
+    """pids of the job's python ranks (mpirun's children)."""
+    out = subprocess.run(["pgrep", "-P", str(job.proc.pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_sigterm_to_every_rank_preempts(digits_dir, tmp_path):
+    """A scheduler's preemption (Slurm signals every task): exit 0, `preempted`. (SIGTERM
+    to mpirun itself ends the ranks the same way, but mpirun then exits 1 of its own.)"""
+    job = Job(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 2000)), tmp_path)
+    wait_training(tmp_path / "run.h5", job)
+    ranks = ranks_of(job)
+    assert len(ranks) == 4, ranks
+    for pid in ranks:
+        os.kill(pid, signal.SIGTERM)
+    code = job.wait(60)
+    assert code == 0, job.stderr
+    s = summarize_log(str(tmp_path / "run.h5"))
+    assert s["status"] == "preempted" and s["lost_workers"] == [], s["status"]
+    assert "SIGTERM: checkpointing and stopping" in job.stderr
+    assert (tmp_path / "run.ckpt.h5").exists()
+
+
+def test_crashed_worker_is_survived_with_the_flag(digits_dir, tmp_path):
+    """`--mca orte_abort_on_non_zero_status 0`: the run goes on without the dead rank,
+    ends degraded with exact coverage, and mpirun exits 3 soon after the run's end."""
+    code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 30, "--inject", "2:crash@0.3",
+                                     "--worker-timeout", 3), flags=SURVIVE), tmp_path)
+    assert code == 3, (code, job.stderr)
+    s = assert_exact(tmp_path / "run.h5", digits_dir, "degraded", lost=[2])
+    assert s["epochs_completed"] == 30
+    end = job.line_at("mpilb: degraded")
+    assert end is not None and job.ended - end < 10, job.out
+    assert "preempt" not in job.stderr
+
+
+def test_crashed_worker_without_the_flag_fails_the_log(digits_dir, tmp_path):
+    """Plain mpirun ends the job: SIGTERM to the survivors, SIGKILL 1 s later. That SIGTERM
+    is no preemption: the log ends `failed`, and no line says preemption."""
+    code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 2000, "--inject", "2:crash@0.3",
+                                     "--worker-timeout", 5)), tmp_path)
+    assert code != 0, job.stderr
+    s = summarize_log(str(tmp_path / "run.h5"))
+    assert s["status"] == "failed", (s["status"], job.stderr)
+    assert "preemption signal" not in job.stderr and "preempted" not in job.stderr, job.stderr
+    assert "rank 2" in job.stderr and "not a preemption" in job.stderr, job.stderr
+
+
+def test_with_recovery_the_job_ends_soon_after_the_run(digits_dir, tmp_path):
+    """`--enable-recovery` also lets the run go on, but MPI_Abort then ends rank 0 alone:
+    rank 0 tells the others to leave (they waited 30 s at the final barrier for the dead
+    rank). mpirun exits 0 there whatever the ranks say (why the docs advise the other flag)."""
+    code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 30, "--inject", "2:crash@0.3",
+                                     "--worker-timeout", 3), flags=["--enable-recovery"]), tmp_path)
+    assert code == 0, (code, job.stderr)
+    assert assert_exact(tmp_path / "run.h5", digits_dir, "degraded", lost=[2])["epochs_completed"] == 30
+    end = job.line_at("mpilb: degraded")
+    assert end is not None and job.ended - end < 10, (job.ended - end if end else job.out)
+
+
+def test_bad_input_under_the_flag_still_exits_2(digits_dir, tmp_path):
+    """That flag makes mpirun drop the ranks' exit codes (it exited 0 where every rank
+    returned 2): rank 0 ends such a job with MPI_Abort(2), whose code comes through."""
+    code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--batch", -3), flags=SURVIVE), tmp_path)
+    assert code == 2, (code, job.stderr)
+    assert job.stderr.count("mpilb: error:") == 1 and "--batch" in job.stderr, job.stderr
