@@ -307,7 +307,6 @@ def test_a_usr1_after_mpi_reported_a_worker_dead_is_its_notice_not_a_preemption(
 
     class Server(Chores):
         preempted = False
-        _usr1 = None
         peers = {1: _Peer(1), 2: _Peer(2)}
         bell = type("Bell", (), {"forget": lambda self, r: None})()
         remote = type("Remote", (), {"lose": lambda self, r: None})()
@@ -336,10 +335,10 @@ def test_a_usr1_after_mpi_reported_a_worker_dead_is_its_notice_not_a_preemption(
     PREEMPTED.clear()
     try:
         server._declare_lost(server.peers[2], "ended (MPI: receive failed, nothing received)")
-        server._usr1_from(0)
-        server._usr1_from(1)
+        server._signal_from(0, signal.SIGUSR1)
+        server._signal_from(1, signal.SIGUSR1)
         server.peers[1].step += 2   # rank 1 goes on pushing
-        server._judge_usr1()
+        server._judge_signals()
         assert not PREEMPTED.is_set()
     finally:
         PREEMPTED.clear()
