@@ -41,6 +41,18 @@ class Replay:
     faults: list = field(default_factory=list)
     measured_epoch_s: list[float] = field(default_factory=list)
     measured_utilization: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)      # the MPI rank of each profile
+    node_of: list[int] = field(default_factory=list)    # every rank's node (from hostnames)
+
+    def rank_profiles(self) -> list:
+        """A profile for every MPI rank: the run's own for its workers; a rank that was a
+        store gets the profile of a worker on its node (else of the first worker)."""
+        own = dict(zip(self.ranks, self.profiles))
+        out = []
+        for rank, node in enumerate(self.node_of):
+            mate = next((own[r] for r in self.ranks if self.node_of[r] == node), self.profiles[0])
+            out.append(own.get(rank, mate))
+        return out
 
 
 def load_run(path: str, params: int | None = None) -> Replay:
@@ -86,7 +98,21 @@ def load_run(path: str, params: int | None = None) -> Replay:
     ep = cols["epochs"]
     return Replay(path, config, profiles, shard_sizes, params, row_bytes, faults,
                   [float(e - s) for s, e in zip(ep["t_start"], ep["t_end"])],
-                  [float(u) for u in ep["utilization"]])
+                  [float(u) for u in ep["utilization"]], ranks, _nodes(attrs, world))
+
+
+def _nodes(attrs: dict, world: int) -> list[int]:
+    """Every rank's node: the log's ``nodes`` (a node per rank) or ``hostnames`` attribute,
+    nodes numbered in the order of their first rank; one node when neither says."""
+    for key in ("nodes", "hostnames"):
+        try:
+            names = json.loads(attrs.get(key, "null"))
+        except (TypeError, ValueError):
+            continue
+        if isinstance(names, list) and len(names) == world:
+            order: dict = {}
+            return [order.setdefault(str(n), len(order)) for n in names]
+    return [0] * world
 
 
 def _reason(exc: Exception) -> str:
