@@ -43,8 +43,9 @@ def add_arguments(p) -> None:
     net = p.add_argument_group("network (docs/simulate.md: the network model)")
     net.add_argument("--nodes", type=int, metavar="N", help="nodes (a network model: pushes and "
                      "replies as transfers over each node's link)")
-    net.add_argument("--ranks-per-node", type=int, metavar="R",
-                     help="MPI ranks per node, stores included (default 8)")
+    net.add_argument("--ranks-per-node", metavar="R[,R...]",
+                     help="MPI ranks per node, stores included: one count, or one per node "
+                          "(as mpiexec -hosts n0:1,n1:2: 1,2; default 8)")
     net.add_argument("--link-rate", metavar="RATE[,RATE...]",
                      help="each node's link, each direction, as tc: 100mbit, 1gbit, 10gbit, "
                           "1.5gbit, 125mbps (one, or one per node; default 10gbit)")
@@ -275,10 +276,13 @@ def _network(args, nodes: int, ranks_per_node: list[int] | None = None):
     if nodes < 1:
         raise UsageError(f"--nodes must be at least 1 (got {nodes})")
     if ranks_per_node is None:
-        r = args.ranks_per_node if args.ranks_per_node is not None else 8
-        if r < 1:
-            raise UsageError(f"--ranks-per-node must be at least 1 (got {r})")
-        ranks_per_node = [r] * nodes
+        counts = _list(args.ranks_per_node, "8", "ranks-per-node", kind=int)
+        if min(counts) < 1:
+            raise UsageError(f"--ranks-per-node must be at least 1 (got {min(counts)})")
+        if len(counts) not in (1, nodes):
+            raise UsageError(f"--ranks-per-node {args.ranks_per_node}: give one count, or one "
+                             f"per node ({nodes})")
+        ranks_per_node = counts * nodes if len(counts) == 1 else counts
     return NetSpec(nodes, ranks_per_node, parse_rates(args.link_rate or "10gbit", nodes),
                    parse_rate(args.shm_rate or SHM_RATE, "--shm-rate"),
                    args.latency if args.latency is not None else LATENCY_S)
