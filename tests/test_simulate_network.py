@@ -204,3 +204,38 @@ def test_replay_on_the_runs_layout(tmp_path, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert [(r["servers"], r["workers"]) for r in out] == [(1, 4)] * 2 + [(3, 2)] * 2
+
+
+def test_a_replay_past_the_logs_end_keeps_the_last_epochs_speeds(tmp_path):
+    """The row after the last epoch (the shutdown: a few steps and the wait for the stop,
+    counted as communication) used to hold for every later time, so a what-if whose epochs
+    outlast the run's paid that wait at every step."""
+    from mpilb.runlog import RunLog
+    from mpilb.simulate.replay import load_run
+    from mpilb.simulate.run import simulate
+
+    cfg = {"balancer": "load", "mode": "async", "batch_policy": "fixed", "batch": 10,
+           "rebalance_interval": 2.0, "seed": 0, "inject": [], "data": str(tmp_path / "gone")}
+    path = str(tmp_path / "run.h5")
+    log = RunLog(path, {"config": json.dumps(cfg), "world_size": 3})
+    for t in [2, 4, 6, 8, 10, 11]:          # the last row: after the epoch's end at 10 s
+        for w, rate in ((1, 200.0), (2, 50.0)):
+            n = int(rate * 2) if t <= 10 else 10
+            log.append("workers", t=t, worker=w, samples=n, compute_s=n / rate, io_s=0.0,
+                       comm_s=0.0 if t <= 10 else 1.0, idle_s=0.0, batch=10, rate=rate,
+                       predicted_rate=rate)
+            for k in range(n // 10):
+                log.append("updates", t=t - 2 + k * 0.01 if t <= 10 else 10.5, worker=w,
+                           version=0, staleness=0, batch=10, loss=0.0, lr_scale=1.0, epoch=0,
+                           shard=k % 20)
+    log.append("epochs", epoch=0, t_start=0.0, t_end=10.0, samples=2500, utilization=1.0,
+               imbalance_s=0.0)
+    log.close("finished")
+    rep = load_run(path, params=1000)
+    slow = rep.profiles[1]
+    assert slow.edges[-1] == 10.0 and slow.link[-1] == 0.0      # not the shutdown's 1 s/step
+    assert slow.compute[-1] == pytest.approx(1 / 50)
+    # static: 1250 samples each; the slow worker at 50/s takes 25 s, 15 s past the log's end
+    res = simulate(rep.profiles, [125] * 20, True, balancer="static", epochs=1, batch=10,
+                   params=1000, apply_s=0.0)
+    assert res["epoch_s"] == pytest.approx(25.0, rel=0.02)

@@ -87,7 +87,9 @@ def load_run(path: str, params: int | None = None) -> Replay:
     shard_sizes = (list(dataset.shard_sizes) if dataset is not None
                    else _shard_sizes(cols["updates"], path))
     link_model = Stores(params or 0, servers)
-    profiles = [_profile(cols, r, link_model.update_s) for r in ranks]
+    ep = cols["epochs"]
+    last = (float(ep["t_start"][-1]), float(ep["t_end"][-1]))
+    profiles = [_profile(cols, r, link_model.update_s, last) for r in ranks]
     # the engine numbers workers 1..W: map the run's ranks onto them
     faults = [rule for rule in parse_injects(config.get("inject") or [], world)
               if rule.kind in ("hang", "crash")]
@@ -95,7 +97,6 @@ def load_run(path: str, params: int | None = None) -> Replay:
     faults = [type(f)(frozenset(renumber[r] for r in f.ranks if r in renumber)
                       if f.ranks is not None else None, f.kind, f.value, f.start, f.end,
                       f.prob, f.text) for f in faults]
-    ep = cols["epochs"]
     return Replay(path, config, profiles, shard_sizes, params, row_bytes, faults,
                   [float(e - s) for s, e in zip(ep["t_start"], ep["t_end"])],
                   [float(u) for u in ep["utilization"]], ranks, _nodes(attrs, world))
@@ -162,23 +163,43 @@ def _shard_sizes(updates: dict, path: str) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def _profile(cols: dict, rank: int, store_s: float) -> Profile:
+def _profile(cols: dict, rank: int, store_s: float, last: tuple) -> Profile:
+    """The worker's trace: one piece per ``workers/`` row up to the end of the last epoch
+    (``last``: its start and end), then the totals over that epoch for all later times.
+
+    A row after the last epoch's end is the run's shutdown (its final steps and the wait
+    for the stop, counted as communication over a few steps): it is left out, and past the
+    log's end (a what-if whose epochs take longer than the run's) the worker keeps its
+    last epoch's mean speeds rather than that row's.
+    """
     w = cols["workers"]
     rows = np.flatnonzero(w["worker"] == rank)
     rows = rows[np.argsort(w["t"][rows], kind="stable")]
     ups = np.sort(cols["updates"]["t"][cols["updates"]["worker"] == rank])
     edges, comp, io, link = [], [], [], []
+    tail = np.zeros(4)          # samples, compute_s, io_s, comm_s over the last epoch
     t_prev = 0.0
+    start, end = last
     for i in rows:
         t, n = float(w["t"][i]), float(w["samples"][i])
+        if t > end and edges:
+            break
         steps = int(np.searchsorted(ups, t, "right") - np.searchsorted(ups, t_prev, "right"))
         if n > 0 and w["compute_s"][i] > 0:
             edges.append(t_prev)
             comp.append(float(w["compute_s"][i]) / n)
             io.append(float(w["io_s"][i]) / n)
             link.append(max(0.0, float(w["comm_s"][i]) / max(1, steps) - store_s))
+            if t_prev >= start:
+                tail += (n, w["compute_s"][i], w["io_s"][i], w["comm_s"][i])
         t_prev = t
     if not edges:
         raise UsageError(f"rank {rank} reported no work in the run log")
     edges[0] = 0.0
+    if tail[0] > 0 and end > edges[-1]:
+        steps = int(np.searchsorted(ups, end, "right") - np.searchsorted(ups, start, "right"))
+        edges.append(end)
+        comp.append(tail[1] / tail[0])
+        io.append(tail[2] / tail[0])
+        link.append(max(0.0, tail[3] / max(1, steps) - store_s))
     return Profile(edges, comp, io, link)
