@@ -167,7 +167,7 @@ def _clusters(args):
         clusters = [(args.from_log, run.profiles, run.shard_sizes, True, extra)]
         if _network_given(args):
             spec, node_of = _replay_network(args, run)
-            cfg.update(network=spec, node_of=node_of)
+            cfg.update(network=spec, node_of=node_of, inject=run.rank_faults)
             clusters = [(args.from_log, run.rank_profiles(), run.shard_sizes, True, extra)]
     elif args.nodes is not None:
         spec = _network(args, args.nodes)

@@ -43,6 +43,7 @@ class Replay:
     measured_utilization: list[float] = field(default_factory=list)
     ranks: list[int] = field(default_factory=list)      # the MPI rank of each profile
     node_of: list[int] = field(default_factory=list)    # every rank's node (from hostnames)
+    rank_faults: list = field(default_factory=list)     # ``faults`` by MPI rank
 
     def rank_profiles(self) -> list:
         """A profile for every MPI rank: the run's own for its workers; a rank that was a
@@ -93,13 +94,15 @@ def load_run(path: str, params: int | None = None) -> Replay:
     # the engine numbers workers 1..W: map the run's ranks onto them
     faults = [rule for rule in parse_injects(config.get("inject") or [], world)
               if rule.kind in ("hang", "crash")]
+    rank_faults = list(faults)    # by MPI rank, for a replay on the run's network
     renumber = {r: i + 1 for i, r in enumerate(ranks)}
     faults = [type(f)(frozenset(renumber[r] for r in f.ranks if r in renumber)
                       if f.ranks is not None else None, f.kind, f.value, f.start, f.end,
                       f.prob, f.text) for f in faults]
     return Replay(path, config, profiles, shard_sizes, params, row_bytes, faults,
                   [float(e - s) for s, e in zip(ep["t_start"], ep["t_end"])],
-                  [float(u) for u in ep["utilization"]], ranks, _nodes(attrs, world))
+                  [float(u) for u in ep["utilization"]], ranks, _nodes(attrs, world),
+                  rank_faults)
 
 
 def _nodes(attrs: dict, world: int) -> list[int]:
