@@ -239,3 +239,14 @@ def test_a_replay_past_the_logs_end_keeps_the_last_epochs_speeds(tmp_path):
     res = simulate(rep.profiles, [125] * 20, True, balancer="static", epochs=1, batch=10,
                    params=1000, apply_s=0.0)
     assert res["epoch_s"] == pytest.approx(25.0, rel=0.02)
+
+
+def test_inject_addresses_mpi_ranks_on_a_network():
+    from mpilb.inject import parse_injects
+
+    # 2 nodes of 2 ranks, one store (rank 0): workers are ranks 1, 2, 3; rank 2 4x slow
+    plain = engine(2, [2, 2], 1, params=1000, rate=1000, balancer="static").run()
+    slow = engine(2, [2, 2], 1, params=1000, rate=1000, balancer="static",
+                  inject=parse_injects(["2:compute=4"], 4)).run()
+    assert slow["workers"] == 3
+    assert slow["epoch_s"] > 3 * plain["epoch_s"]
