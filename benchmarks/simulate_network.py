@@ -133,8 +133,9 @@ def main() -> int:
                              ("static, rank 3 4x slow", ["--balancer", "static", "--inject", "3:compute=4"]),
                              ("load, rank 3 4x slow", ["--balancer", "load", "--inject", "3:compute=4"])]:
             log = os.path.join(bench.logs, f"box-{label.split(',')[0]}-{len(extra)}.h5")
-            if os.path.exists(log):
-                os.remove(log)
+            for old in (log, log[:-3] + ".ckpt.h5"):   # a rerun's: train refuses to overwrite
+                if os.path.exists(old):
+                    os.remove(old)
             argv = ["-hosts", HOSTS, sys.executable, "-m", "mpilb", "train", "--data", bench.data,
                     *TRAIN, "--epochs", "2", *extra, "--log", log]
             res = box.mpiexec(argv, timeout=opts.run_timeout * 3)
