@@ -45,6 +45,11 @@ TOL = 0.20
 TRAIN = ["--model", "mlp", "--hidden", "256,256", "--batch", "128", "--no-progress"]
 
 
+def shown(argv: list[str]) -> str:
+    """A command line as a reader would type it (``mpilb`` for this Python's ``-m mpilb``)."""
+    return shlex.join(argv).replace(f"{sys.executable} -m mpilb", "mpilb")
+
+
 def engine_has(command: list[str], option: str, value: str = "") -> bool:
     """Whether ``mpilb COMMAND --help`` offers ``option`` (and mentions ``value``)."""
     res = subprocess.run([sys.executable, "-m", "mpilb", *command, "--help"],
@@ -118,7 +123,7 @@ def main() -> int:
             results.figure(g, f"ps.{label}", f"{label}: measured {rate:.1f}, predicted "
                            f"{pred:.1f} updates/s ({pred / rate - 1:+.0%})",
                            [abs(pred / rate - 1)], digits=2, target=f"<= {TOL:g}",
-                           command=f"mpiexec {shlex.join(argv)}; mpilb simulate {shlex.join(sim_args)}")
+                           command=f"mpiexec {shown(argv)}; mpilb simulate {shlex.join(sim_args)}")
         order_m = sorted(measured, key=measured.get)
         order_p = sorted(predicted, key=predicted.get)
         g["note"] = (f"Each figure: |predicted / measured - 1| (target: within {TOL:.0%}). Layouts "
@@ -151,7 +156,7 @@ def main() -> int:
             results.figure(g, f"train.{label}", f"{label}: measured {meas:.2f} s, predicted "
                            f"{pred:.2f} s ({pred / meas - 1:+.0%})", [abs(pred / meas - 1)],
                            digits=2, target=f"<= {TOL:g}",
-                           command=f"mpiexec {shlex.join(argv)}; mpilb simulate {shlex.join(sim_args)}")
+                           command=f"mpiexec {shown(argv)}; mpilb simulate {shlex.join(sim_args)}")
     results.write(_results.out_path(opts, "simulate_network"))
     return 0 if results.all_met() else 1
 
