@@ -233,7 +233,7 @@ class Fabric:
         heap = self.flows[res]
         if heap:
             dt = (heap[0][0] - self.v[res]) / self._speed(res)
-            heapq.heappush(self.events, (self.t[res] + max(0.0, dt), self.seq, 0, res))
+            heapq.heappush(self.events, (self.t[res] + (dt if dt > 0.0 else 0.0), self.seq, 0, res))
 
     def flow(self, t: float, res: int, nbytes: float, weight: float = 1.0) -> int:
         """Start ``nbytes`` on resource ``res`` at ``t`` (the current event time); its id."""
@@ -247,6 +247,7 @@ class Fabric:
         self.moved[res] += nbytes
         self._schedule(res)
         return fid
+
     def transfer(self, t: float, flows: list[int], token) -> None:
         """``token`` comes out of :meth:`pop` when every flow in ``flows`` is done, plus the
         latency (at once plus the latency when ``flows`` is empty)."""
@@ -281,8 +282,9 @@ class Fabric:
         res = arg
         self._advance(res, t)
         heap = self.flows[res]
-        eps = 1e-9 * max(1.0, abs(self.v[res]))
-        while heap and heap[0][0] <= self.v[res] + eps:
+        v = self.v[res]                     # (never negative)
+        done = v + 1e-9 * (v if v > 1.0 else 1.0)
+        while heap and heap[0][0] <= done:
             _, fid = heapq.heappop(heap)
             self.load[res] -= self.weight.pop(fid)
             for tid in self.waiting.pop(fid):
