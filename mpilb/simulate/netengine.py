@@ -30,16 +30,16 @@ ARRIVE, STORE_SEND, REPLY = 0, 1, 2
 
 
 class _InFlight:
-    """One worker's push on its way: slices arrived at each store, rank 0's decision."""
+    """One worker's push on its way: when its slices reached each group of stores, when
+    rank 0 decided, how many groups' replies are still to come."""
 
-    __slots__ = ("sent", "arrived", "decided", "replies", "task")
+    __slots__ = ("sent", "arrived", "decided", "replies")
 
     def __init__(self, sent: float, k: int):
         self.sent = sent
         self.arrived: list = [None] * k
         self.decided = None
         self.replies = k
-        self.task = None
 
 
 class NetEngine(Engine):
