@@ -84,7 +84,9 @@ def test_wire_imports_numpy_only():
 
 @pytest.mark.parametrize("pure", ["mpilb.server.tasks", "mpilb.server.modes", "mpilb.server.sitout",
                                   "mpilb.server.peers", "mpilb.wire", "mpilb.waiting",
-                                  "mpilb.balancer", "mpilb.simulate"])
+                                  "mpilb.balancer", "mpilb.simulate", "mpilb.simulate.engine",
+                                  "mpilb.simulate.netengine", "mpilb.simulate.network",
+                                  "mpilb.simulate.cluster"])
 def test_pure_parts_reach_no_mpi_log_or_loop(pure):
     reached = closure(pure)
     assert not reached & {"mpilb.comm", "mpi4py", "mpilb.runlog", "h5py", "mpilb.worker",

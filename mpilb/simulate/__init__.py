@@ -3,7 +3,8 @@
 The engine (:mod:`.engine`) drives the live server's balancer (:mod:`mpilb.balancer`),
 rate estimators (:mod:`mpilb.rates`), batch policies, task ledger (:mod:`mpilb.server.tasks`,
 through :mod:`.ledger`), sit-out policy (:mod:`mpilb.server.sitout`) and coverage tracker on
-simulated workers (:mod:`.cluster`: profiles and parameter stores); :mod:`.run` runs one
+simulated workers (:mod:`.cluster`: profiles and parameter stores; on a network of nodes,
+:mod:`.network` and :mod:`.netengine`: links, store layout, wire format); :mod:`.run` runs one
 configuration; :mod:`.replay` reads a run log for ``--from``; :mod:`.main` is the command.
 The model and its assumptions: docs/simulate.md.
 

@@ -53,6 +53,7 @@ class SimConfig:
     server_gbps: float = 4.8
     apply_s: float = 0.00019
     row_bytes: int = 1024
+    wire: str = "fp32"        # bytes per float on the wire (a network model only)
     inject: list = field(default_factory=list)   # parsed InjectRule objects
 
 
@@ -126,11 +127,11 @@ class Engine(EngineChores):
     """
 
     def __init__(self, cfg: SimConfig, profiles: list[Profile], shard_sizes: list[int],
-                 replay: bool = False, *, order, tracker):
+                 replay: bool = False, *, order, tracker, ranks=None):
         self.cfg = cfg
         self.replay = replay
         self.shard_sizes = [int(s) for s in shard_sizes]
-        ranks = list(range(1, len(profiles) + 1))
+        ranks = list(ranks) if ranks is not None else list(range(1, len(profiles) + 1))
         bcfg = BalancerConfig(batch=cfg.batch, batch_policy=cfg.batch_policy,
                               min_batch=cfg.min_batch, max_batch=cfg.max_batch,
                               sit_out=bool(cfg.sit_out) and cfg.mode == "sync"
@@ -183,21 +184,23 @@ class Engine(EngineChores):
         self._at(self.cfg.rebalance_interval, REBALANCE)
         heap = self.heap
         while heap and not self.done:
-            t, _, kind, rank = heapq.heappop(heap)
-            self.now = t
-            if kind == PUSH:
-                self._on_push(self.workers[rank], t)
-            elif kind == REBALANCE:
-                self._rebalance(t)
-                self._at(t + self.cfg.rebalance_interval, REBALANCE)
-                if not self.running and not self.pending_lost and not self.done:
-                    # as the server's stall check: nobody computes and nothing can change
-                    raise RuntimeError(f"simulation stalled in epoch {self.epoch + 1}: every worker "
-                                       f"is idle but the epoch is not complete")
-            else:
-                self.pending_lost -= 1
-                self._declare_lost(self.workers[rank], t)
+            self._event(*heapq.heappop(heap))
         return self._summary()
+
+    def _event(self, t: float, _seq: int, kind: int, rank: int) -> None:
+        self.now = t
+        if kind == PUSH:
+            self._on_push(self.workers[rank], t)
+        elif kind == REBALANCE:
+            self._rebalance(t)
+            self._at(t + self.cfg.rebalance_interval, REBALANCE)
+            if not self.running and not self.pending_lost and not self.done:
+                # as the server's stall check: nobody computes and nothing can change
+                raise RuntimeError(f"simulation stalled in epoch {self.epoch + 1}: every worker "
+                                   f"is idle but the epoch is not complete")
+        else:
+            self.pending_lost -= 1
+            self._declare_lost(self.workers[rank], t)
 
     def _begin_epoch(self, epoch: int, t: float) -> None:
         self.epoch, self.t_epoch = epoch, t
@@ -245,8 +248,7 @@ class Engine(EngineChores):
         comp = n * p.compute[i]
         if w.rules:
             comp, io = self._injected(w, t, comp, io)
-        up = self._link(w, t)
-        push_t = t + io + comp + up
+        push_t = t + io + comp + self._push_delay(w, t)
         if push_t >= w.fault_t:
             self._die(w, t)
             return
@@ -293,7 +295,39 @@ class Engine(EngineChores):
                     secs = max(secs, nbytes / (rule.value * 1e6))
         return secs
 
+    def _push_delay(self, w: _Worker, t: float) -> float:
+        """Seconds from a step's end to its push reaching the server."""
+        return self._link(w, t)
+
     def _on_push(self, w: _Worker, t: float) -> None:
+        task, lo, hi = self._received(w, t)
+        if self.sync:
+            self._hold(w, task, lo, hi, t)
+            return
+        self.updates += 1
+        self.ledger.record(task.epoch, task.shard, lo, hi)
+        done = self.stores.update(t)
+        if self._applied(w, done):
+            return
+        reply = done + self._link(w, done)
+        w.comm = reply - t + self._link(w, t)
+        w.epoch_busy += w.comp + w.io + w.comm
+        self._start(w, reply)
+
+    def _applied(self, w: _Worker, done: float) -> bool:
+        """An async update of w's was applied at ``done``: the epoch may end; w is topped
+        up. True when the run is over."""
+        if self.ledger.complete:
+            self._end_epoch(done)
+            if self.done:
+                return True
+        self.ledger.top_up(w.rank, w.batch)
+        self._count_moves()
+        return False
+
+    def _received(self, w: _Worker, t: float):
+        """The server's side of w's push arriving at ``t``: observe it, advance the
+        ledger; returns (task, lo, hi) of the samples it carries."""
         self.running -= 1
         busy = w.comp + w.io
         w.steps += 1
@@ -311,28 +345,18 @@ class Engine(EngineChores):
             w.ready.pop(id(finished), None)
         if not self.sized_early and w.steps == FIRST_SIZES_STEPS and self._first_sizes_due():
             self._rebalance(t)
-        if self.sync:
-            self.stores.push(t)
-            w.state = "held"
-            self.members.append(w)
-            self.round_batches.append((task.epoch, task.shard, lo, hi))
-            w.epoch_busy += busy
-            if self.running == 0:
-                self._apply_round(t)
-            return
-        self.updates += 1
-        self.ledger.record(task.epoch, task.shard, lo, hi)
-        done = self.stores.update(t)
-        if self.ledger.complete:
-            self._end_epoch(done)
-            if self.done:
-                return
-        self.ledger.top_up(w.rank, w.batch)
-        self._count_moves()
-        reply = done + self._link(w, done)
-        w.comm = reply - t + self._link(w, t)
-        w.epoch_busy += busy + w.comm
-        self._start(w, reply)
+        return task, lo, hi
+
+    def _hold(self, w: _Worker, task, lo: int, hi: int, t: float) -> None:
+        """Sync: w's gradient is summed into the round; the round is applied when no
+        member is still computing."""
+        self.stores.push(t)
+        w.state = "held"
+        self.members.append(w)
+        self.round_batches.append((task.epoch, task.shard, lo, hi))
+        w.epoch_busy += w.comp + w.io
+        if self.running == 0:
+            self._apply_round(t)
 
     def _apply_round(self, t: float) -> None:
         members, self.members = self.members, []

@@ -34,11 +34,25 @@ def add_arguments(p) -> None:
     p.add_argument("--mode", metavar="async|sync[,...]", help="default async (--from: the run's)")
     p.add_argument("--batch-policy", metavar="fixed|proportional[,...]",
                    help="default fixed (--from: the run's)")
-    p.add_argument("--servers", metavar="K[,K...]", help="parameter stores (default 1)")
+    p.add_argument("--servers", metavar="K|per-node[,...]",
+                   help="parameter stores (default 1; per-node: one on every node, with --nodes)")
     p.add_argument("--params", type=int, help="model parameters (default 100000; --from: the model's)")
     p.add_argument("--server-gbps", type=float, help="GB/s one store moves and applies (default: bench ps)")
     p.add_argument("--apply-s", type=float, help="fixed seconds per update per store (default: bench ps)")
     p.add_argument("--link-gbps", type=float, default=None, help="a worker's link, GB/s (default 10)")
+    net = p.add_argument_group("network (docs/simulate.md: the network model)")
+    net.add_argument("--nodes", type=int, metavar="N", help="nodes (a network model: pushes and "
+                     "replies as transfers over each node's link)")
+    net.add_argument("--ranks-per-node", metavar="R[,R...]",
+                     help="MPI ranks per node, stores included: one count, or one per node "
+                          "(as mpiexec -hosts n0:1,n1:2: 1,2; default 8)")
+    net.add_argument("--link-rate", metavar="RATE[,RATE...]",
+                     help="each node's link, each direction, as tc: 100mbit, 1gbit, 10gbit, "
+                          "1.5gbit, 125mbps (one, or one per node; default 10gbit)")
+    net.add_argument("--shm-rate", metavar="RATE", help="within a node (default 40gbit)")
+    net.add_argument("--latency", type=float, metavar="S", help="one way, per transfer (default 5e-5)")
+    net.add_argument("--wire", metavar="fp32|bf16|fp16[,...]",
+                     help="bytes per float on the wire: 4, 2, 2 (default fp32)")
     p.add_argument("--read-mbps", type=float, default=None, help="shard reads, MB/s (default 1000)")
     p.add_argument("--row-bytes", type=int, default=None, help="bytes per sample (default 1024)")
     p.add_argument("--rebalance-interval", type=float, help="seconds (default 2; --from: the run's)")
@@ -79,6 +93,7 @@ def run_simulate(args) -> int:
     """Simulate every configuration the options span; print the table (or JSON)."""
     from ..balancer import BALANCERS, BATCH_POLICIES
     from .engine import SimConfig
+    from .network import WIRE_BYTES, Layout, servers_count
     from .run import run
 
     clusters, base = _clusters(args)
@@ -86,14 +101,25 @@ def run_simulate(args) -> int:
     modes = _list(args.mode, base.pop("mode", "async"), "mode", ("async", "sync"))
     policies = _list(args.batch_policy, base.pop("batch_policy", "fixed"), "batch-policy",
                      BATCH_POLICIES)
-    servers = _counts(args.servers, "servers", str(base.pop("servers", 1)))
+    spec = base.pop("network", None)
+    servers = [servers_count(v, spec.nodes if spec else None)
+               for v in _list(args.servers, str(base.pop("servers", 1)), "servers")]
+    wires = _list(args.wire, "fp32", "wire", WIRE_BYTES)
+    if spec is None and args.wire is not None:
+        raise UsageError("--wire needs a network: give --nodes (or --link-rate with --from)")
+    if spec is not None and "sync" in modes:
+        raise UsageError("--mode sync on a network (--nodes/--link-rate) is not simulated yet: "
+                         "drop the network options for sync rounds")
+    layouts = {k: Layout(spec, k, base.get("node_of")) for k in servers} if spec else {}
+    base.pop("node_of", None)
     results = []
     if not args.json:   # rows as they come: a large cluster takes a while per configuration
-        print("\n".join(table_head(clusters)), flush=True)
+        print("\n".join(table_head(clusters, spec)), flush=True)
     for label, profiles, sizes, replay, extra in clusters:
-        for bal, mode, pol, k in itertools.product(balancers, modes, policies, servers):
-            cfg = SimConfig(balancer=bal, mode=mode, batch_policy=pol, servers=k, **base)
-            res = run(cfg, profiles, sizes, replay)
+        for bal, mode, pol, k, wire in itertools.product(balancers, modes, policies, servers,
+                                                          wires if spec else ["fp32"]):
+            cfg = SimConfig(balancer=bal, mode=mode, batch_policy=pol, servers=k, wire=wire, **base)
+            res = run(cfg, profiles, sizes, replay, layouts.get(k))
             res.update(extra)
             results.append(res)
             if not args.json:
@@ -139,7 +165,20 @@ def _clusters(args):
                  "measured_epoch_s": sum(run.measured_epoch_s) / len(run.measured_epoch_s),
                  "measured_utilization": sum(run.measured_utilization) / len(run.measured_utilization)}
         clusters = [(args.from_log, run.profiles, run.shard_sizes, True, extra)]
+        if _network_given(args):
+            spec, node_of = _replay_network(args, run)
+            cfg.update(network=spec, node_of=node_of, inject=run.rank_faults)
+            clusters = [(args.from_log, run.rank_profiles(), run.shard_sizes, True, extra)]
+    elif args.nodes is not None:
+        spec = _network(args, args.nodes)
+        clusters = [_net_cluster(args, spec)]
+        seed = args.seed if args.seed is not None else 0
+        params = args.params if args.params is not None else 100_000
+        cfg.update(params=params, seed=seed, network=spec,
+                   inject=parse_injects(args.inject, len(spec.node_of())))
     else:
+        if _network_given(args):
+            raise UsageError("the network options need --nodes N (or --from a run's log)")
         if args.workers is None and not args.rates.startswith("file:"):
             raise UsageError("give --from RUN.h5, or --workers W with --rates SPEC")
         counts = _counts(args.workers, "workers", "0") if args.workers else [None]
@@ -187,19 +226,32 @@ def format_table(results: list[dict], clusters) -> str:
     return "\n".join([*table_head(clusters), *map(table_row, results)])
 
 
-def table_head(clusters) -> list[str]:
+def table_head(clusters, spec=None) -> list[str]:
     """What is simulated (and, replaying, what the run measured), then the column names."""
     lines = []
     for label, profiles, sizes, replay, extra in clusters:
         what = "replay of" if replay else "cluster with"
-        lines.append(f"{what} {label}: {len(profiles)} workers, {len(sizes)} shards, "
+        who = (f"{len(profiles)} ranks" if spec is not None and not replay
+               else f"{len(profiles)} workers")
+        lines.append(f"{what} {label}: {who}, {len(sizes)} shards, "
                      f"{sum(sizes)} samples per epoch")
         if replay:
             lines.append(f"measured: epoch_s {extra['measured_epoch_s']:.3f}, "
                          f"utilization {extra['measured_utilization']:.3f}")
+    if spec is not None:
+        rates = sorted({f"{b * 8 / 1e9:g} Gbit/s" for b in spec.link_bps})
+        lines.append(f"network: {spec.nodes} nodes, ranks per node {_ranks_text(spec)}, links "
+                     f"{', '.join(rates)}, shared memory {spec.shm_bps * 8 / 1e9:g} Gbit/s, "
+                     f"latency {spec.latency_s * 1e6:g} us")
     lines.append(f"{'workers':>7} {'balancer':<12} {'batch_policy':<12} {'mode':<5} {'servers':>7} "
+                 + (f"{'wire':>5} " if spec is not None else "")
                  + " ".join(f"{c:>13}" for c in COLUMNS))
     return lines
+
+
+def _ranks_text(spec) -> str:
+    counts = sorted(set(spec.ranks_per_node))
+    return str(counts[0]) if len(counts) == 1 else f"{counts[0]}-{counts[-1]}"
 
 
 def table_row(r: dict) -> str:
@@ -208,8 +260,66 @@ def table_row(r: dict) -> str:
         v = r[c]
         vals.append(f"{'-':>13}" if v is None else f"{v:>13d}" if isinstance(v, int)
                     else f"{v:>13.3f}")
+    wire = f"{r['network']['wire']:>5} " if "network" in r else ""
     return (f"{r['workers']:>7} {r['balancer']:<12} {r['batch_policy']:<12} "
-            f"{r['mode']:<5} {r['servers']:>7} " + " ".join(vals))
+            f"{r['mode']:<5} {r['servers']:>7} {wire}" + " ".join(vals))
+
+
+def _network_given(args) -> bool:
+    return any(getattr(args, k) is not None for k in ("link_rate", "shm_rate", "latency",
+                                                      "ranks_per_node", "nodes", "wire"))
+
+
+def _network(args, nodes: int, ranks_per_node: list[int] | None = None):
+    from .network import LATENCY_S, SHM_RATE, NetSpec, parse_rate, parse_rates
+
+    if nodes < 1:
+        raise UsageError(f"--nodes must be at least 1 (got {nodes})")
+    if ranks_per_node is None:
+        counts = _list(args.ranks_per_node, "8", "ranks-per-node", kind=int)
+        if min(counts) < 1:
+            raise UsageError(f"--ranks-per-node must be at least 1 (got {min(counts)})")
+        if len(counts) not in (1, nodes):
+            raise UsageError(f"--ranks-per-node {args.ranks_per_node}: give one count, or one "
+                             f"per node ({nodes})")
+        ranks_per_node = counts * nodes if len(counts) == 1 else counts
+    return NetSpec(nodes, ranks_per_node, parse_rates(args.link_rate or "10gbit", nodes),
+                   parse_rate(args.shm_rate or SHM_RATE, "--shm-rate"),
+                   args.latency if args.latency is not None else LATENCY_S)
+
+
+def _net_cluster(args, spec):
+    """A synthetic cluster on a network: a profile for every MPI rank (stores' unused)."""
+    from . import cluster as C
+
+    if args.workers is not None:
+        raise UsageError("--nodes gives the workers (every rank that is not a store): drop --workers")
+    ranks = len(spec.node_of())
+    seed = args.seed if args.seed is not None else 0
+    read_bps = (args.read_mbps or C.READ_MBPS) * 1e6
+    rates = C.parse_rates(args.rates, None if args.rates.startswith("file:") else ranks, seed)
+    if len(rates) != ranks:
+        raise UsageError(f"--rates {args.rates}: {len(rates)} rates for {ranks} ranks "
+                         f"(--nodes x --ranks-per-node)")
+    profiles = [C.constant(r, 0.0, read_bps) for r in rates]
+    shards = args.shards if args.shards is not None else 4 * ranks
+    samples = args.samples if args.samples is not None else 1000 * shards
+    if shards < 1 or samples < shards:
+        raise UsageError(f"--samples {samples} cannot fill --shards {shards} (need >= 1 each)")
+    sizes = [samples // shards + (1 if i < samples % shards else 0) for i in range(shards)]
+    return (f"--rates {args.rates}", profiles, sizes, False, {})
+
+
+def _replay_network(args, run):
+    """The run's layout (its nodes from the log's hostnames) with the given links."""
+    node_of = run.node_of
+    if args.nodes is not None and args.nodes != max(node_of) + 1:
+        raise UsageError(f"--from {args.from_log}: the run had {max(node_of) + 1} nodes; "
+                         f"--nodes {args.nodes} does not match (drop it)")
+    if args.ranks_per_node is not None:
+        raise UsageError("--from: the ranks per node come from the run's log; drop --ranks-per-node")
+    nodes = max(node_of) + 1
+    return _network(args, nodes, [node_of.count(n) for n in range(nodes)]), node_of
 
 
 if __name__ == "__main__":  # pragma: no cover

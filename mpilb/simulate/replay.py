@@ -43,6 +43,19 @@ class Replay:
     measured_epoch_s: list[float] = field(default_factory=list)
     measured_utilization: list[float] = field(default_factory=list)
     servers: int = 1   # the run's parameter stores (its `stores`, or --servers K)
+    ranks: list[int] = field(default_factory=list)      # the MPI rank of each profile
+    node_of: list[int] = field(default_factory=list)    # every rank's node (from hostnames)
+    rank_faults: list = field(default_factory=list)     # ``faults`` by MPI rank
+
+    def rank_profiles(self) -> list:
+        """A profile for every MPI rank: the run's own for its workers; a rank that was a
+        store gets the profile of a worker on its node (else of the first worker)."""
+        own = dict(zip(self.ranks, self.profiles))
+        out = []
+        for rank, node in enumerate(self.node_of):
+            mate = next((own[r] for r in self.ranks if self.node_of[r] == node), self.profiles[0])
+            out.append(own.get(rank, mate))
+        return out
 
 
 def load_run(path: str, params: int | None = None) -> Replay:
@@ -87,18 +100,35 @@ def load_run(path: str, params: int | None = None) -> Replay:
     shard_sizes = (list(dataset.shard_sizes) if dataset is not None
                    else _shard_sizes(cols["updates"], path))
     link_model = Stores(params or 0, servers)
-    profiles = [_profile(cols, r, link_model.update_s) for r in ranks]
+    ep = cols["epochs"]
+    last = (float(ep["t_start"][-1]), float(ep["t_end"][-1]))
+    profiles = [_profile(cols, r, link_model.update_s, last) for r in ranks]
     # the engine numbers workers 1..W: map the run's ranks onto them
     faults = [rule for rule in parse_injects(config.get("inject") or [], world)
               if rule.kind in ("hang", "crash")]
+    rank_faults = list(faults)    # by MPI rank, for a replay on the run's network
     renumber = {r: i + 1 for i, r in enumerate(ranks)}
     faults = [type(f)(frozenset(renumber[r] for r in f.ranks if r in renumber)
                       if f.ranks is not None else None, f.kind, f.value, f.start, f.end,
                       f.prob, f.text) for f in faults]
-    ep = cols["epochs"]
     return Replay(path, config, profiles, shard_sizes, params, row_bytes, faults,
                   [float(e - s) for s, e in zip(ep["t_start"], ep["t_end"])],
-                  [float(u) for u in ep["utilization"]], servers)
+                  [float(u) for u in ep["utilization"]], servers, ranks, _nodes(attrs, world),
+                  rank_faults)
+
+
+def _nodes(attrs: dict, world: int) -> list[int]:
+    """Every rank's node: the log's ``nodes`` (a node per rank) or ``hostnames`` attribute,
+    nodes numbered in the order of their first rank; one node when neither says."""
+    for key in ("nodes", "hostnames"):
+        try:
+            names = json.loads(attrs.get(key, "null"))
+        except (TypeError, ValueError):
+            continue
+        if isinstance(names, list) and len(names) == world:
+            order: dict = {}
+            return [order.setdefault(str(n), len(order)) for n in names]
+    return [0] * world
 
 
 def _reason(exc: Exception) -> str:
@@ -148,23 +178,43 @@ def _shard_sizes(updates: dict, path: str) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def _profile(cols: dict, rank: int, store_s: float) -> Profile:
+def _profile(cols: dict, rank: int, store_s: float, last: tuple) -> Profile:
+    """The worker's trace: one piece per ``workers/`` row up to the end of the last epoch
+    (``last``: its start and end), then the totals over that epoch for all later times.
+
+    A row after the last epoch's end is the run's shutdown (its final steps and the wait
+    for the stop, counted as communication over a few steps): it is left out, and past the
+    log's end (a what-if whose epochs take longer than the run's) the worker keeps its
+    last epoch's mean speeds rather than that row's.
+    """
     w = cols["workers"]
     rows = np.flatnonzero(w["worker"] == rank)
     rows = rows[np.argsort(w["t"][rows], kind="stable")]
     ups = np.sort(cols["updates"]["t"][cols["updates"]["worker"] == rank])
     edges, comp, io, link = [], [], [], []
+    tail = np.zeros(4)          # samples, compute_s, io_s, comm_s over the last epoch
     t_prev = 0.0
+    start, end = last
     for i in rows:
         t, n = float(w["t"][i]), float(w["samples"][i])
+        if t > end and edges:
+            break
         steps = int(np.searchsorted(ups, t, "right") - np.searchsorted(ups, t_prev, "right"))
         if n > 0 and w["compute_s"][i] > 0:
             edges.append(t_prev)
             comp.append(float(w["compute_s"][i]) / n)
             io.append(float(w["io_s"][i]) / n)
             link.append(max(0.0, float(w["comm_s"][i]) / max(1, steps) - store_s))
+            if t_prev >= start:
+                tail += (n, w["compute_s"][i], w["io_s"][i], w["comm_s"][i])
         t_prev = t
     if not edges:
         raise UsageError(f"rank {rank} reported no work in the run log")
     edges[0] = 0.0
+    if tail[0] > 0 and end > edges[-1]:
+        steps = int(np.searchsorted(ups, end, "right") - np.searchsorted(ups, start, "right"))
+        edges.append(end)
+        comp.append(tail[1] / tail[0])
+        io.append(tail[2] / tail[0])
+        link.append(max(0.0, tail[3] / max(1, steps) - store_s))
     return Profile(edges, comp, io, link)

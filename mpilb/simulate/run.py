@@ -4,15 +4,21 @@ from __future__ import annotations
 
 from ..training import EpochTracker, epoch_order
 from .engine import Engine, SimConfig
+from .netengine import NetEngine
 
 
-def simulate(profiles, shard_sizes, replay: bool = False, **config) -> dict:
+def simulate(profiles, shard_sizes, replay: bool = False, layout=None, **config) -> dict:
     """Simulate one configuration (keywords: :class:`.engine.SimConfig` fields) on
-    ``profiles`` (:class:`.cluster.Profile`, one per worker); returns its figures."""
-    return run(SimConfig(**config), profiles, shard_sizes, replay)
+    ``profiles`` (:class:`.cluster.Profile`, one per worker; with ``layout``, one per MPI
+    rank); returns its figures."""
+    return run(SimConfig(**config), profiles, shard_sizes, replay, layout)
 
 
-def run(cfg: SimConfig, profiles, shard_sizes, replay: bool = False) -> dict:
-    """Simulate ``cfg`` on ``profiles``; returns its figures (see docs/simulate.md)."""
-    return Engine(cfg, profiles, shard_sizes, replay, order=epoch_order,
-                  tracker=EpochTracker(list(shard_sizes))).run()
+def run(cfg: SimConfig, profiles, shard_sizes, replay: bool = False, layout=None) -> dict:
+    """Simulate ``cfg`` on ``profiles``; returns its figures (see docs/simulate.md). With a
+    :class:`.network.Layout`, on its network (``profiles``: one per MPI rank)."""
+    tracker = EpochTracker(list(shard_sizes))
+    if layout is not None:
+        return NetEngine(cfg, profiles, shard_sizes, replay, order=epoch_order,
+                         tracker=tracker, layout=layout).run()
+    return Engine(cfg, profiles, shard_sizes, replay, order=epoch_order, tracker=tracker).run()

@@ -1,0 +1,165 @@
+"""Does `mpilb simulate`'s network model predict the cluster in a box? (issue 33)
+
+    sudo python benchmarks/simulate_network.py [--quick] [--link-rate 1gbit] [--out FILE]
+
+On a cluster in a box (mpilb.clusterbox: 3 nodes joined by ``--link-rate`` links; needs
+root), with ``mpiexec -hosts n0:1,n1:2,n2:2`` (rank 0 on n0, two ranks on each of n1, n2):
+
+  ps        ``mpilb bench ps --params 1000000``: one store on n0 serving 4 null workers on
+            the other nodes (updates/s, the median of the repeats); ``--servers 2`` (a
+            second store, rank 1 on n1); one store per node and ``--wire bf16`` when the
+            engine has them (``--help`` is read; a case the engine lacks is skipped and
+            listed as skipped)
+  train     ``mpilb train`` (mlp 256,256 on 96000 x 256 samples, batch 128, 2 epochs):
+            load, and static and load with rank 3 4x slow (mean epoch seconds)
+
+Predictions: ``mpilb simulate`` on the same layout and link rate: for ``ps``, null workers
+(compute at 10^9 samples/s, batch 1); for ``train``, ``--from`` each run's own log with
+``--link-rate`` (its measured compute and I/O, its layout from the log's hostnames, the
+network modelled instead of its measured communication). Targets: every prediction within
+20% of its measurement, and the ``ps`` layouts ranked as measured. Writes
+``benchmarks/results/simulate_network.json``; ``python benchmarks/gendocs.py`` renders it
+into docs/simulate.md. The box shares the machine's CPUs: on a busy machine the
+measurements are slower than the links allow and the model (which knows only links and
+the stores' CPU) reads faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _results  # noqa: E402
+import _runs  # noqa: E402
+
+HOSTS = "n0:1,n1:2,n2:2"
+RANKS_PER_NODE = "1,2,2"
+TOL = 0.20
+TRAIN = ["--model", "mlp", "--hidden", "256,256", "--batch", "128", "--no-progress"]
+
+
+def shown(argv: list[str]) -> str:
+    """A command line as a reader would type it (``mpilb`` for this Python's ``-m mpilb``)."""
+    return shlex.join(argv).replace(f"{sys.executable} -m mpilb", "mpilb")
+
+
+def engine_has(command: list[str], option: str, value: str = "") -> bool:
+    """Whether ``mpilb COMMAND --help`` offers ``option`` (and mentions ``value``)."""
+    res = subprocess.run([sys.executable, "-m", "mpilb", *command, "--help"],
+                         capture_output=True, text=True, timeout=120)
+    return option in res.stdout and value in res.stdout
+
+
+def simulate(args: list[str]) -> list[dict]:
+    res = subprocess.run([sys.executable, "-m", "mpilb", "simulate", *args, "--json"],
+                         capture_output=True, text=True, timeout=1800)
+    if res.returncode != 0:
+        sys.exit(f"mpilb simulate {shlex.join(args)} failed: {res.stderr.strip()}")
+    return json.loads(res.stdout)
+
+
+def ps_cases(per_node: bool, wire: bool) -> list[tuple[str, list[str], list[str], str]]:
+    """(label, bench ps options, simulate options, why skipped or '')."""
+    cases = [("1 store, fp32", [], ["--servers", "1"], ""),
+             ("2 stores, fp32", ["--servers", "2"], ["--servers", "2"], "")]
+    cases.append(("a store per node, fp32", ["--servers", "per-node"], ["--servers", "per-node"],
+                  "" if per_node else "the engine has no per-node stores yet"))
+    cases.append(("1 store, bf16", ["--wire", "bf16"], ["--servers", "1", "--wire", "bf16"],
+                  "" if wire else "the engine has no --wire yet"))
+    return cases
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    _results.add_output_args(ap, "simulate_network")
+    _runs.add_dataset_args(ap, os.path.join(tempfile.gettempdir(), "mpilb-simnet"))
+    ap.add_argument("--link-rate", default="1gbit")
+    ap.add_argument("--params", type=int, default=1_000_000)
+    opts = ap.parse_args()
+    from mpilb.clusterbox import ClusterBox, missing
+
+    why = missing()
+    if why:
+        sys.exit(f"cannot build a cluster in a box here: {why}")
+    if opts.quick:
+        opts.samples, opts.params = 9600, 100_000
+    results = _results.Results("simulate_network", "The network model against the cluster "
+                               "in a box", opts)
+    per_node = engine_has(["bench", "ps"], "--servers", "per-node")
+    wire = engine_has(["bench", "ps"], "--wire")
+    bench = _runs.Bench(opts, TRAIN)
+    bench.prepare()
+    seconds, repeats = ("0.5", "1") if opts.quick else ("2", "3")
+    measured, predicted, skipped = {}, {}, []
+    with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
+        g = results.group(f"bench ps, {opts.params} parameters, -hosts {HOSTS}, "
+                          f"{opts.link_rate} links: updates/s", "")
+        for label, ps_opts, sim_opts, skip in ps_cases(per_node, wire):
+            if skip:
+                skipped.append(f"{label}: {skip}")
+                continue
+            argv = ["-hosts", HOSTS, sys.executable, "-m", "mpilb", "bench", "ps", "--params",
+                    str(opts.params), "--seconds", seconds, "--repeats", repeats, "--json",
+                    *ps_opts]
+            res = box.mpiexec(argv, timeout=900)
+            if res.returncode != 0:
+                sys.exit(f"bench ps {label} failed: {res.stderr[-2000:]}")
+            got = json.loads(res.stdout.strip().splitlines()[-1])
+            rate = statistics.median(r["updates_per_s"] for r in got["runs"])
+            sim_args = ["--nodes", "3", "--ranks-per-node", RANKS_PER_NODE, "--link-rate",
+                        opts.link_rate, "--params", str(got["params"]), "--rates", "const:1e9",
+                        "--batch", "1", "--samples", "600", "--shards", "60", "--epochs", "1",
+                        "--balancer", "load", *sim_opts]
+            pred = simulate(sim_args)[0]["updates_per_s"]
+            measured[label], predicted[label] = rate, pred
+            print(f"  ps {label}: measured {rate:.1f} updates/s, predicted {pred:.1f}", flush=True)
+            results.figure(g, f"ps.{label}", f"{label}: measured {rate:.1f}, predicted "
+                           f"{pred:.1f} updates/s ({pred / rate - 1:+.0%})",
+                           [abs(pred / rate - 1)], digits=2, target=f"<= {TOL:g}",
+                           command=f"mpiexec {shown(argv)}; mpilb simulate {shlex.join(sim_args)}")
+        order_m = sorted(measured, key=measured.get)
+        order_p = sorted(predicted, key=predicted.get)
+        g["note"] = (f"Each figure: |predicted / measured - 1| (target: within {TOL:.0%}). Layouts "
+                     f"by updates/s, measured: {' < '.join(order_m)}; predicted: "
+                     f"{' < '.join(order_p)} ({'the same' if order_m == order_p else 'DIFFERENT'})."
+                     + (f" Skipped: {'; '.join(skipped)}." if skipped else ""))
+        results.figure(g, "ps.ranking", "layouts ranked as measured (1 = yes)",
+                       [1.0 if order_m == order_p else 0.0], digits=0, target=">= 1")
+        g = results.group(f"train, -hosts {HOSTS}, {opts.link_rate} links: mean epoch seconds, "
+                          f"|predicted / measured - 1|", "")
+        for label, extra in [("load", ["--balancer", "load"]),
+                             ("static, rank 3 4x slow", ["--balancer", "static", "--inject", "3:compute=4"]),
+                             ("load, rank 3 4x slow", ["--balancer", "load", "--inject", "3:compute=4"])]:
+            log = os.path.join(bench.logs, f"box-{label.split(',')[0]}-{len(extra)}.h5")
+            for old in (log, log[:-3] + ".ckpt.h5"):   # a rerun's: train refuses to overwrite
+                if os.path.exists(old):
+                    os.remove(old)
+            argv = ["-hosts", HOSTS, sys.executable, "-m", "mpilb", "train", "--data", bench.data,
+                    *TRAIN, "--epochs", "2", *extra, "--log", log]
+            res = box.mpiexec(argv, timeout=opts.run_timeout * 3)
+            if res.returncode != 0:
+                sys.exit(f"train {label} failed: {res.stderr[-2000:]}")
+            from mpilb.simulate.replay import load_run
+
+            run = load_run(log)
+            meas = statistics.mean(run.measured_epoch_s)
+            sim_args = ["--from", log, "--link-rate", opts.link_rate]
+            pred = simulate(sim_args)[0]["epoch_s"]
+            print(f"  train {label}: measured {meas:.2f} s, predicted {pred:.2f} s", flush=True)
+            results.figure(g, f"train.{label}", f"{label}: measured {meas:.2f} s, predicted "
+                           f"{pred:.2f} s ({pred / meas - 1:+.0%})", [abs(pred / meas - 1)],
+                           digits=2, target=f"<= {TOL:g}",
+                           command=f"mpiexec {shown(argv)}; mpilb simulate {shlex.join(sim_args)}")
+    results.write(_results.out_path(opts, "simulate_network"))
+    return 0 if results.all_met() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

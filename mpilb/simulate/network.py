@@ -1,0 +1,300 @@
+"""The simulated network: nodes, their links, where the stores are, and transfers sharing links.
+
+A cluster is ``nodes`` nodes of ``ranks_per_node`` MPI ranks, behind one switch that never
+congests (full bisection). Every node has a link to the switch, one resource per direction
+(``up``: what the node sends, ``down``: what it receives) at its ``--link-rate``, and one
+shared-memory resource (``--shm-rate``) that carries the transfers between two ranks of the
+node, both ways. A transfer crossing several resources (a worker's slice to a store on
+another node: the worker node's ``up`` and the store node's ``down``) is done when it is done
+on each; every resource is shared fairly among the flows crossing it at the time
+(processor sharing: n flows each get 1/n of its rate, a flow of weight w gets w/Σw).
+Each transfer then pays the one-way ``--latency`` once.
+
+Stores (:class:`Layout`): ``--servers K`` puts K stores on K different nodes (nodes 0..K-1),
+``per-node`` one on every node; a store is the lowest rank of its node (rank 0 is the first
+store and decides), every other rank is a worker. Each store holds 1/K of the parameters.
+
+Bytes (:data:`WIRE_BYTES`): a push carries each store its slice of the gradient, a reply
+brings back each store's slice of the parameters, at 4 bytes per float (``fp32``) or 2
+(``bf16``, ``fp16``); headers and rank 0's commands to the other stores are latency only.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import re
+from dataclasses import dataclass
+
+from ..errors import UsageError
+
+WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+SHM_RATE = "40gbit"     # 5 GB/s: a copy through shared memory between two ranks of a node
+LATENCY_S = 5e-5        # one way, per transfer
+
+# tc's rate units (tc(8) "RATES", as the cluster in a box takes them): bytes/s per unit;
+# "bit" units are bits per second, "bps" units bytes per second (so 1gbit = 125 MB/s)
+_UNITS = {"bit": 1 / 8, "kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "tbit": 1e12 / 8,
+          "kibit": 1024 / 8, "mibit": 1024**2 / 8, "gibit": 1024**3 / 8,
+          "bps": 1.0, "kbps": 1e3, "mbps": 1e6, "gbps": 1e9, "tbps": 1e12}
+_RATE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)(" + "|".join(sorted(_UNITS, key=len, reverse=True))
+                   + r")$")
+
+
+def parse_rate(text: str, what: str = "--link-rate") -> float:
+    """Bytes per second of a tc-style rate: ``100mbit``, ``1gbit``, ``1.5gbit``, ``10gbps``.
+
+    Raises UsageError (one line, naming ``what``) for anything else or a rate of zero.
+    """
+    m = _RATE.match(str(text).strip().lower())
+    if not m or float(m.group(1)) <= 0:
+        raise UsageError(f"{what} {text!r}: not a rate; give e.g. 100mbit, 1gbit, 1.5gbit or "
+                         f"10gbps (bit units are bits/s, bps units bytes/s)")
+    return float(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_rates(text: str, nodes: int, what: str = "--link-rate") -> list[float]:
+    """One rate for every node, or a comma list of one per node."""
+    rates = [parse_rate(r, what) for r in str(text).split(",")]
+    if len(rates) == 1:
+        return rates * nodes
+    if len(rates) != nodes:
+        raise UsageError(f"{what} {text}: give one rate, or one per node ({nodes}); got {len(rates)}")
+    return rates
+
+
+@dataclass
+class NetSpec:
+    """The cluster's network (what does not change between configurations)."""
+
+    nodes: int
+    ranks_per_node: list[int]      # per node
+    link_bps: list[float]          # bytes/s per node, each direction
+    shm_bps: float = 5e9
+    latency_s: float = LATENCY_S
+
+    def __post_init__(self):
+        if self.nodes < 1:
+            raise UsageError(f"--nodes must be at least 1 (got {self.nodes})")
+        if len(self.ranks_per_node) != self.nodes or min(self.ranks_per_node) < 1:
+            raise UsageError(f"--ranks-per-node must be at least 1 on each of the {self.nodes} nodes")
+        if self.latency_s < 0 or not math.isfinite(self.latency_s):
+            raise UsageError(f"--latency must be >= 0 s (got {self.latency_s})")
+
+    def node_of(self) -> list[int]:
+        """The node of every rank, ranks numbered node by node."""
+        return [n for n, r in enumerate(self.ranks_per_node) for _ in range(r)]
+
+
+def servers_count(text: str, nodes: int | None) -> int:
+    """``--servers`` value: a count, or ``per-node`` (one store on every node)."""
+    if text == "per-node":
+        if nodes is None:
+            raise UsageError("--servers per-node needs a network: give --nodes (or --from a run)")
+        return nodes
+    try:
+        k = int(text)
+    except ValueError:
+        raise UsageError(f"--servers: {text!r} is not a count or per-node") from None
+    if k < 1:
+        raise UsageError(f"--servers must be at least 1 (got {k})")
+    return k
+
+
+@dataclass
+class Layout:
+    """Where the K stores and the workers are (a store: the lowest rank of its node).
+
+    Args:
+        spec: the network.
+        k: stores, on nodes 0..K-1 (K = nodes: one per node).
+        node_of: each rank's node (default: ranks numbered node by node).
+    """
+
+    spec: NetSpec
+    k: int
+    node_of: list[int] | None = None
+
+    def __post_init__(self):
+        if self.k > self.spec.nodes:
+            raise UsageError(f"--servers {self.k}: more stores than nodes ({self.spec.nodes}); "
+                             f"a store is the lowest rank of its own node")
+        node_of = self.node_of if self.node_of is not None else self.spec.node_of()
+        first = {}
+        for rank, node in enumerate(node_of):
+            first.setdefault(node, rank)
+        stores = sorted(first[n] for n in range(self.k) if n in first)
+        if len(stores) != self.k:
+            raise UsageError(f"--servers {self.k}: nodes 0..{self.k - 1} do not all hold a rank")
+        self.node_of = list(node_of)
+        self.store_ranks = stores
+        self.store_nodes = [node_of[r] for r in stores]
+        taken = set(stores)
+        self.worker_ranks = [r for r in range(len(node_of)) if r not in taken]
+        if not self.worker_ranks:
+            raise UsageError(f"--servers {self.k}: no rank is left to be a worker")
+
+    def slice_floats(self, params: int) -> list[int]:
+        """Floats of each store's slice (equal, the first ones one more)."""
+        q, r = divmod(params, self.k)
+        return [q + (1 if s < r else 0) for s in range(self.k)]
+
+
+class Topology:
+    """The resources a layout's transfers cross, and which ones each node's ranks use.
+
+    Every node has its shared memory. A node without a store has its own ``up`` and ``down``
+    link. The stores are simulated in *groups* of stores whose links have the same rate:
+    every push sends each store its slice at the same moment, so the stores of a group see
+    the same traffic, and the group is one resource per direction of K_g x the link rate
+    (each flow at most one link's rate per unit of its weight: a flow spread over m of the
+    group's links has weight m), one CPU queue, one reply per push. The links of a store's
+    node are its group's: the node's workers push and receive through them as well.
+    """
+
+    def __init__(self, layout: Layout):
+        spec = layout.spec
+        n = spec.nodes
+        rates, caps = [], []
+
+        def resource(rate: float, cap: float = math.inf) -> int:
+            rates.append(rate)
+            caps.append(cap)
+            return len(rates) - 1
+
+        self.shm = [resource(spec.shm_bps) for _ in range(n)]
+        by_rate: dict[float, list[int]] = {}
+        for s, node in enumerate(layout.store_nodes):
+            by_rate.setdefault(spec.link_bps[node], []).append(s)
+        self.groups = sorted(by_rate.values())          # store indices per group
+        self.group_of_store = [0] * layout.k
+        self.up, self.down = [0] * n, [0] * n
+        self.group_up, self.group_down = [], []
+        for g, stores in enumerate(self.groups):
+            bps = spec.link_bps[layout.store_nodes[stores[0]]]
+            self.group_up.append(resource(bps * len(stores), bps))
+            self.group_down.append(resource(bps * len(stores), bps))
+            for s in stores:
+                self.group_of_store[s] = g
+                node = layout.store_nodes[s]
+                self.up[node], self.down[node] = self.group_up[g], self.group_down[g]
+        store_nodes = set(layout.store_nodes)
+        for node in range(n):
+            if node not in store_nodes:
+                self.up[node] = resource(spec.link_bps[node])
+                self.down[node] = resource(spec.link_bps[node])
+        self.links = sorted(set(self.up) | set(self.down))
+        self.rates, self.caps = rates, caps
+        self.store_nodes = list(layout.store_nodes)
+
+
+class Fabric:
+    """Transfers over shared resources (processor sharing per resource), in event time.
+
+    A *flow* is bytes on one resource, with a weight (its share): the resource's rate is
+    divided among its flows by weight, each flow getting at most ``cap`` per unit of weight.
+    A *transfer* is done when every flow it waits on is done, plus the latency. Events are
+    kept in one heap: a resource's next departure (rescheduled as flows come and go), a
+    delayed send, a finished transfer.
+    """
+
+    def __init__(self, rates: list[float], caps: list[float], latency: float):
+        self.rate = list(rates)
+        self.cap = list(caps)
+        self.latency = latency
+        r = len(self.rate)
+        self.v = [0.0] * r          # service per unit weight so far
+        self.load = [0.0] * r       # sum of the weights of the flows on it
+        self.t = [0.0] * r
+        self.flows: list[list] = [[] for _ in range(r)]   # heaps of [finish tag, id]
+        self.due = [0] * r          # seq of the resource's valid departure event
+        self.weight: dict[int, float] = {}
+        self.waiting: dict[int, list] = {}   # flow id -> transfers waiting on it
+        self.left: dict[int, list] = {}      # transfer id -> [flows left, token]
+        self.events: list = []
+        self.seq = 0
+        self.moved = [0.0] * r      # bytes each resource carried
+
+    # -- flows and transfers ----------------------------------------------------------
+    def _speed(self, res: int) -> float:
+        """Bytes/s per unit of weight on ``res`` now."""
+        share = self.rate[res] / self.load[res]
+        cap = self.cap[res]
+        return cap if cap < share else share
+
+    def _advance(self, res: int, t: float) -> None:
+        if self.load[res] > 0.0:
+            self.v[res] += (t - self.t[res]) * self._speed(res)
+        self.t[res] = t
+
+    def _schedule(self, res: int) -> None:
+        self.seq += 1
+        self.due[res] = self.seq
+        heap = self.flows[res]
+        if heap:
+            dt = (heap[0][0] - self.v[res]) / self._speed(res)
+            heapq.heappush(self.events, (self.t[res] + (dt if dt > 0.0 else 0.0), self.seq, 0, res))
+
+    def flow(self, t: float, res: int, nbytes: float, weight: float = 1.0) -> int:
+        """Start ``nbytes`` on resource ``res`` at ``t`` (the current event time); its id."""
+        self._advance(res, t)
+        self.seq += 1
+        fid = self.seq
+        heapq.heappush(self.flows[res], (self.v[res] + nbytes / weight, fid))
+        self.load[res] += weight
+        self.weight[fid] = weight
+        self.waiting[fid] = []
+        self.moved[res] += nbytes
+        self._schedule(res)
+        return fid
+
+    def transfer(self, t: float, flows: list[int], token) -> None:
+        """``token`` comes out of :meth:`pop` when every flow in ``flows`` is done, plus the
+        latency (at once plus the latency when ``flows`` is empty)."""
+        self.seq += 1
+        tid = self.seq
+        live = [f for f in flows if f in self.waiting]
+        if not live:
+            heapq.heappush(self.events, (t + self.latency, tid, 2, token))
+            return
+        self.left[tid] = [len(live), token]
+        for f in live:
+            self.waiting[f].append(tid)
+
+    def later(self, t: float, token) -> None:
+        """``token`` comes out of :meth:`pop` at ``t`` (a send that starts then)."""
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, 1, token))
+
+    # -- events -----------------------------------------------------------------------
+    def next_time(self) -> float:
+        ev = self.events
+        while ev and ev[0][2] == 0 and ev[0][1] != self.due[ev[0][3]]:
+            heapq.heappop(ev)    # a departure rescheduled since
+        return ev[0][0] if ev else math.inf
+
+    def pop(self) -> tuple[float, int, object]:
+        """The next event: (time, kind, token); kind 1: a delayed send is due, 2: a
+        transfer is done, 0: a resource moved on (token None)."""
+        t, seq, kind, arg = heapq.heappop(self.events)
+        if kind:
+            return t, kind, arg
+        res = arg
+        self._advance(res, t)
+        heap = self.flows[res]
+        v = self.v[res]                     # (never negative)
+        done = v + 1e-9 * (v if v > 1.0 else 1.0)
+        while heap and heap[0][0] <= done:
+            _, fid = heapq.heappop(heap)
+            self.load[res] -= self.weight.pop(fid)
+            for tid in self.waiting.pop(fid):
+                entry = self.left[tid]
+                entry[0] -= 1
+                if entry[0] == 0:
+                    del self.left[tid]
+                    self.seq += 1
+                    heapq.heappush(self.events, (t + self.latency, self.seq, 2, entry[1]))
+        if not heap:
+            self.load[res], self.v[res] = 0.0, 0.0
+        self._schedule(res)
+        return t, 0, None
