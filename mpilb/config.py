@@ -82,13 +82,17 @@ OPTIONS: tuple[Option, ...] = (
            "staleness; sync: synchronous rounds", ("async", "ssp", "sync"), group="mode"),
     Option("staleness_bound", int, 4, "ssp: steps a worker may run ahead of the slowest",
            check=(lambda v: v >= 0, "an integer >= 0"), group="mode", metavar="S"),
-    Option("correction", str, "none", "staleness correction: inverse = lr/max(1,tau); dc = "
-           "delay-compensated ASGD", ("none", "inverse", "dc"), group="mode"),
+    Option("correction", str, None, "staleness correction: momentum = the optimizer's "
+           "momentum lowered by what the measured staleness adds (a sync recipe works "
+           "unchanged); none = as given (the old default); inverse = lr/max(1,tau); dc = "
+           "delay-compensated ASGD", ("none", "momentum", "inverse", "dc"),
+           group="mode", default_text="momentum with --mode async or ssp, none with sync"),
     Option("dc_lambda", float, 0.04, "dc: the compensation strength lambda", check=_NON_NEGATIVE,
            group="mode"),
     Option("pipeline", int, None, "1: compute the next gradient while the previous push is in "
            "flight (one more step of staleness, less waiting)", (0, 1), group="mode",
-           default_text="1 with --mode async, 0 with ssp, sync or --correction inverse"),
+           default_text="1 with --mode async, 0 with ssp or sync, under --correction inverse, "
+           "or under --correction momentum with --optimizer momentum"),
     # optimizer
     Option("optimizer", str, "sgd", "optimizer run by the server", ("sgd", "momentum", "adam"),
            group="optimizer"),
@@ -375,13 +379,19 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
         opt = OPTION_BY_NAME[name]
         values[name] = _coerce(opt, raw, "")
         _validate_value(opt, values[name], "")
+    if values["correction"] is None:
+        values["correction"] = "none" if values["mode"] == "sync" else "momentum"
     if values["pipeline"] is None:
         # async computes ahead by default: 1.03-1.21x the samples/s where measured, at the
         # same accuracy (docs/balancing.md). Not with ssp (its bound stays what it says) or
         # sync (it cannot), nor under --correction inverse: computing ahead about doubles a
         # gradient's staleness, which that correction divides the learning rate by (digits,
-        # 20 epochs: 0.94-0.95 final accuracy instead of 0.96-0.97)
-        values["pipeline"] = int(values["mode"] == "async" and values["correction"] != "inverse")
+        # 20 epochs: 0.94-0.95 final accuracy instead of 0.96-0.97). Nor with a momentum
+        # recipe under the momentum policy: twice the staleness cost 1.5x the samples to
+        # target (docs/benchmarks/staleness.md)
+        values["pipeline"] = int(values["mode"] == "async" and values["correction"] != "inverse"
+                                 and not (values["correction"] == "momentum"
+                                          and values["optimizer"] == "momentum"))
     given = {name: source or "the config file" for name in (file_values or {})}
     given.update({name: "" for name in (cli_values or {})})
     cfg = Config(values, given)
