@@ -21,6 +21,8 @@ HIGH_MOMENTUM = 0.95
 # A plateau: the last third of the evaluations stays this far below the trend of the
 # earlier ones (accuracy points / 100).
 PLATEAU_MARGIN = 0.01
+# Below this mean staleness, a run's accuracy is not the staleness' doing.
+MIN_STALENESS = 0.5
 # Unstable: the final evaluation this far below the best one.
 UNSTABLE_DROP = 0.03
 
@@ -152,8 +154,8 @@ def warnings(config: dict, up: dict, samples: np.ndarray, accuracy: np.ndarray) 
     """One line per problem found, each naming the option to try."""
     out = []
     st = np.asarray(up["staleness"], dtype=np.float64)
-    if config.get("mode") == "sync" or not st.size:
-        return out
+    if config.get("mode") == "sync" or not st.size or st.mean() < MIN_STALENESS:
+        return out     # no staleness to blame (sync, serial)
     tau = float(st.mean())
     mu = explicit_used(config, tau)
     total = mu + implicit_momentum(tau)

@@ -63,3 +63,14 @@ def test_the_policy_keeps_the_learning_rate():
     rule = build_rule("async", store(), lambda r: True)
     _, lr_scale = rule.push(Peer(1), Update(1, 0, 0, 0, 16, 16, 1.0, 5), np.ones(4, np.float32))
     assert lr_scale == 0.5          # only the batch scaling
+
+
+def test_the_simulated_staleness_grows_with_workers_and_pipelining():
+    from mpilb.simulate.staleness import mean_staleness, worker_staleness
+
+    assert mean_staleness([1.0] * 4) == pytest.approx(3)
+    assert mean_staleness([1.0] * 4, pipeline=1) == pytest.approx(7)
+    rates = [1.0, 1.0, 1.0, 0.25]       # one 4x straggler: the mean stays W - 1,
+    assert mean_staleness(rates) == pytest.approx(3)
+    per = worker_staleness(rates)       # its own gradients are 12 versions old
+    assert per[3] == pytest.approx(12) and per[0] == pytest.approx(2.25)
