@@ -83,8 +83,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("staleness_bound", int, 4, "ssp: steps a worker may run ahead of the slowest",
            check=(lambda v: v >= 0, "an integer >= 0"), group="mode", metavar="S"),
     Option("correction", str, None, "staleness correction: momentum = the optimizer's "
-           "momentum lowered by what the measured staleness adds (a sync recipe works "
-           "unchanged); none = as given (the old default); inverse = lr/max(1,tau); dc = "
+           "momentum lowered as the measured staleness grows (asynchrony adds momentum of "
+           "its own); none = as given (the old default); inverse = lr/max(1,tau); dc = "
            "delay-compensated ASGD", ("none", "momentum", "inverse", "dc"),
            group="mode", default_text="momentum with --mode async or ssp, none with sync"),
     Option("dc_lambda", float, 0.04, "dc: the compensation strength lambda", check=_NON_NEGATIVE,
