@@ -90,7 +90,8 @@ def test_plateau_below_the_trend_is_found():
 
 def test_a_fall_from_the_best_accuracy_is_found():
     assert E.fell(np.array([0.2, 0.5, 0.45, 0.1])) == (0.5, 0.1)
-    assert E.fell(np.array([0.2, 0.5, 0.49])) is None
+    assert E.fell(np.array([0.2, 0.5, 0.47])) is None
+    assert E.fell(np.array([0.2, 0.5, 0.15, 0.64, 0.6])) == (0.5, 0.15)   # swung, recovered
     serial = {"optimizer": "momentum", "momentum": 0.9, "correction": "momentum", "mode": "async"}
     assert E.warnings(serial, updates([0] * 20), np.arange(1, 5),
                       np.array([0.2, 0.5, 0.45, 0.1])) == []    # no staleness to blame
