@@ -21,9 +21,9 @@ def test_the_meter_is_the_plain_mean_then_a_moving_average():
 def test_implicit_and_explicit_momentum():
     assert implicit_momentum(0) == 0 and implicit_momentum(3) == pytest.approx(0.75)
     assert explicit_momentum(0.9, 0) == pytest.approx(0.9)       # no staleness: the recipe's
-    assert explicit_momentum(0.9, 1) == pytest.approx(0.9)       # at most the recipe's
-    assert explicit_momentum(0.9, 3) == pytest.approx(0.8)       # 1 - 0.1 * 4 / 2
-    assert explicit_momentum(0.9, 7) == pytest.approx(0.6)
+    assert explicit_momentum(0.9, 1) == pytest.approx(0.4)       # 0.9 - (1 - 1/2)
+    assert explicit_momentum(0.9, 3) == pytest.approx(0.15)
+    assert explicit_momentum(0.9, 7) == pytest.approx(0.025)
     assert explicit_momentum(0.9, 30) == 0.0                     # never below 0
     # decreasing in the staleness
     values = [explicit_momentum(0.9, t) for t in np.linspace(0, 30, 61)]
