@@ -31,6 +31,7 @@ import _results  # noqa: E402
 REPO = _results.REPO
 RESULTS_DIR = _results.RESULTS_DIR
 DOCS = ["docs/benchmarks.md", "docs/benchmarks/models.md", "docs/benchmarks/data.md",
+        "docs/benchmarks/staleness.md",
         "docs/balancing.md", "docs/data.md", "docs/scaling.md", "docs/gpu.md", "docs/simulate.md"]
 BLOCK = re.compile(r"(<!-- BEGIN generated: ([\w.-]+) -->\n)(.*?)(<!-- END generated -->)", re.S)
 

@@ -207,13 +207,19 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
         _validate_value(opt, values[name], "")
     if values["weight_decay"] is None and not is_torch_optimizer(values["optimizer"]):
         values["weight_decay"] = 0.01 if values["optimizer"] == "adamw" else 0.0
+    if values["correction"] is None:
+        values["correction"] = "none" if values["mode"] == "sync" else "momentum"
     if values["pipeline"] is None:
         # async computes ahead by default: 1.03-1.21x the samples/s where measured, at the
         # same accuracy (docs/balancing.md). Not with ssp (its bound stays what it says) or
         # sync (it cannot), nor under --correction inverse: computing ahead about doubles a
         # gradient's staleness, which that correction divides the learning rate by (digits,
-        # 20 epochs: 0.94-0.95 final accuracy instead of 0.96-0.97)
-        values["pipeline"] = int(values["mode"] == "async" and values["correction"] != "inverse")
+        # 20 epochs: 0.94-0.95 final accuracy instead of 0.96-0.97). Nor with a momentum
+        # recipe under the momentum policy: twice the staleness cost 1.5x the samples to
+        # target (docs/benchmarks/staleness.md)
+        values["pipeline"] = int(values["mode"] == "async" and values["correction"] != "inverse"
+                                 and not (values["correction"] == "momentum"
+                                          and values["optimizer"] == "momentum"))
     given = {name: source or "the config file" for name in (file_values or {})}
     given.update({name: "" for name in (cli_values or {})})
     cfg = Config(values, given)

@@ -78,13 +78,17 @@ OPTIONS: tuple[Option, ...] = (
            "staleness; sync: synchronous rounds", ("async", "ssp", "sync"), group="mode"),
     Option("staleness_bound", int, 4, "ssp: steps a worker may run ahead of the slowest",
            check=(lambda v: v >= 0, "an integer >= 0"), group="mode", metavar="S"),
-    Option("correction", str, "none", "staleness correction: inverse = lr/max(1,tau); dc = "
-           "delay-compensated ASGD", ("none", "inverse", "dc"), group="mode"),
+    Option("correction", str, None, "staleness correction: momentum = the optimizer's "
+           "momentum lowered as the measured staleness grows (asynchrony adds momentum of "
+           "its own); none = as given (the old default); inverse = lr/max(1,tau); dc = "
+           "delay-compensated ASGD", ("none", "momentum", "inverse", "dc"),
+           group="mode", default_text="momentum with --mode async or ssp, none with sync"),
     Option("dc_lambda", float, 0.04, "dc: the compensation strength lambda", check=_NON_NEGATIVE,
            group="mode"),
     Option("pipeline", int, None, "1: compute the next gradient while the previous push is in "
            "flight (one more step of staleness, less waiting)", (0, 1), group="mode",
-           default_text="1 with --mode async, 0 with ssp, sync or --correction inverse"),
+           default_text="1 with --mode async, 0 with ssp or sync, under --correction inverse, "
+           "or under --correction momentum with --optimizer momentum"),
     # optimizer
     Option("optimizer", str, "sgd", "optimizer run by the parameter stores; adamw: decoupled "
            "weight decay, as torch.optim.AdamW; a torch.optim class by name needs torch "

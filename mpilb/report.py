@@ -14,6 +14,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import efficiency as eff
 from .errors import UsageError
 from .runlog import file_kind, read_columns, write_csv
 from .topology import crowded, default_stores, layout_lines, number_nodes
@@ -24,6 +25,7 @@ SUMMARY_KEYS = (
     "utilization", "final_test_accuracy", "best_test_accuracy", "metric", "final_test_metric",
     "best_test_metric", "final_train_loss", "time_to_target_s", "staleness", "shard_moves",
     "bytes_moved", "lost_workers", "coverage", "server_cpu_s", "per_worker", "servers",
+    "efficiency",
 )
 
 # The training loss reported for a run (or a worker) is the sample-weighted mean of the
@@ -223,6 +225,7 @@ def summarize(attrs: dict, cols: dict) -> dict:
         "server_cpu_s": float(attrs.get("server_cpu_s", 0.0)),
         "per_worker": _per_worker(world, up, wk, store_ranks(attrs, config)),
         "servers": _servers(attrs, cols["servers"]),
+        "efficiency": _efficiency(config, up, ev),
     }
 
 
@@ -234,6 +237,14 @@ def _coverage(attrs: dict) -> dict:
     if not isinstance(cov, dict) or not all(isinstance(cov.get(k), int) for k in keys):
         return dict.fromkeys(keys, 0)
     return {k: cov[k] for k in keys}
+
+
+def _efficiency(config: dict, up: dict, ev: dict) -> dict:
+    """Samples to the target, staleness and effective momentum per worker, warnings
+    (mpilb/efficiency.py); `--compare` adds samples against a reference run."""
+    e = eff.efficiency(config, up, ev)
+    return {"samples_to_target": e["samples_to_target"], "per_worker": e["per_worker"],
+            "warnings": e["warnings"]}
 
 
 def _servers(attrs: dict, sv: dict) -> list[dict]:
@@ -311,6 +322,16 @@ def format_summary(s: dict, path: str = "") -> str:
         for v in s["servers"]:
             lines.append(f"  {v['rank']:5d}  {v['params']:7d}  {v['updates']:8d}  "
                          f"{v['bytes_in'] / 1e6:5.1f}  {v['bytes_out'] / 1e6:6.1f}  {v['cpu_s']:5.2f}")
+    e = s.get("efficiency") or {}
+    if e.get("per_worker"):
+        lines.append("  rank  staleness_mean  staleness_p99  effective_momentum")
+        for w in e["per_worker"]:
+            lines.append(f"  {w['rank']:4d}  {w['staleness_mean']:14.2f}  {w['staleness_p99']:13.0f}"
+                         f"  {w['effective_momentum']:18.2f}")
+    if e.get("samples_to_target") is not None:
+        lines.append(f"  samples to the target: {e['samples_to_target']}")
+    for w in e.get("warnings", []):
+        lines.append(f"  warning: {w}")
     if s["per_worker"]:
         lines.append("  rank   samples  compute_s   io_s  comm_s  idle_s  mean_batch  train_loss")
         for w in s["per_worker"]:
@@ -350,6 +371,8 @@ def format_compare(paths: list[str], summaries: list[dict], configs: list[dict])
          else f"{s['metric']} {s['final_test_metric']:.4f}"),
         ("time to target s", lambda s: "-" if s["time_to_target_s"] is None else f"{s['time_to_target_s']:.1f}"),
         ("staleness mean", lambda s: f"{s['staleness']['mean']:.2f}"),
+        ("samples to target", lambda s: "-" if (s.get("efficiency") or {}).get("samples_to_target") is None
+         else s["efficiency"]["samples_to_target"]),
         ("shard moves", lambda s: s["shard_moves"]),
         ("bytes moved", lambda s: s["bytes_moved"]),
     ]
@@ -367,7 +390,46 @@ def format_compare(paths: list[str], summaries: list[dict], configs: list[dict])
             out.append(f"  {key}".ljust(18) + "".join(v.rjust(width + 2) for v in cells))
     else:
         out.append("settings that differ: none (same configuration)")
+    ref = next((i for i, s in enumerate(summaries) if "against_reference" in s.get("efficiency", {})), None)
+    if ref is not None:
+        base = summaries[ref]["efficiency"]["reference"]
+        out.append(f"samples to each accuracy the reference reached (reference {names[base]}; "
+                   f"x its samples):")
+        for i, level in enumerate(summaries[ref]["efficiency"]["against_reference"]):
+            cells = []
+            for s in summaries:
+                row = s["efficiency"]["against_reference"][i]
+                cells.append("never" if row["samples"] is None else
+                             f"{row['samples']}" + ("" if row["ratio"] is None or row["ratio"] == 1
+                                                    else f" ({row['ratio']:.2f}x)"))
+            out.append(f"  {level['accuracy']:.3f}".ljust(18) + "".join(v.rjust(width + 2) for v in cells))
+    for name, s in zip(names, summaries):
+        for w in (s.get("efficiency") or {}).get("warnings", []):
+            out.append(f"warning: {name}: {w}")
     return "\n".join(out)
+
+
+def reference_index(configs: list[dict]) -> int:
+    """The run the others are measured against: the first sync or serial one, else the first."""
+    for i, c in enumerate(configs):
+        if c.get("mode") == "sync" or c.get("workers", 1) <= 1 and c.get("world_size", 2) == 1:
+            return i
+    return 0
+
+
+def add_reference(logs: list[tuple[dict, dict]], summaries: list[dict]) -> None:
+    """Each summary's efficiency gains `against_reference`: samples to each accuracy the
+    reference run reached, and their ratio to the reference's (`reference`: its index)."""
+    configs = [dict(run_config(a), world_size=int(a.get("world_size", 1))) for a, _ in logs]
+    ref = reference_index(configs)
+    ref_cols = logs[ref][1]
+    ref_curve = (eff.samples_at_evals(ref_cols["updates"], ref_cols["eval"]),
+                 np.asarray(ref_cols["eval"]["test_accuracy"], dtype=np.float64))
+    for (attrs, cols), s in zip(logs, summaries):
+        curve = (eff.samples_at_evals(cols["updates"], cols["eval"]),
+                 np.asarray(cols["eval"]["test_accuracy"], dtype=np.float64))
+        s["efficiency"]["against_reference"] = eff.against_reference(curve, ref_curve)
+        s["efficiency"]["reference"] = ref
 
 
 def run_report(paths: list[str], as_json: bool = False, plots: Optional[str] = None,
@@ -393,6 +455,7 @@ def run_report(paths: list[str], as_json: bool = False, plots: Optional[str] = N
             for w in write_csv(cols, out):
                 print(f"wrote {w}", file=note)
     if compare or len(paths) > 1:
+        add_reference(logs, summaries)
         if as_json:
             print(json.dumps(dict(zip(paths, summaries)), indent=2))
         else:

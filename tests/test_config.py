@@ -9,7 +9,7 @@ from mpilb.errors import UsageError
 def test_defaults_match_design():
     cfg = build_config()
     assert cfg.mode == "async" and cfg.balancer == "load" and cfg.batch_policy == "fixed"
-    assert cfg.store == "shared" and cfg.correction == "none" and cfg.dc_lambda == 0.04
+    assert cfg.store == "shared" and cfg.correction == "momentum" and cfg.dc_lambda == 0.04
     assert cfg.replicas == 1 and cfg.pipeline == 1 and cfg.inject == []
 
 
@@ -19,10 +19,21 @@ def test_defaults_match_design():
     ({"correction": "inverse"}, 0),               # it would divide the lr by twice the staleness
     ({"pipeline": "0"}, 0), ({"mode": "ssp", "pipeline": "1"}, 1),   # as given
     ({"correction": "inverse", "pipeline": "1"}, 1),
+    # a momentum recipe under the momentum policy (the default): twice the staleness costs
+    # more samples than computing ahead gains
+    ({"optimizer": "momentum"}, 0), ({"optimizer": "momentum", "correction": "none"}, 1),
+    ({"optimizer": "momentum", "pipeline": "1"}, 1),
 ])
 def test_the_pipeline_default_follows_the_mode(values, pipeline):
     assert build_config({}, values).pipeline == pipeline
     assert build_config(values, {}, source="run.toml").pipeline == pipeline   # from a file too
+
+
+@pytest.mark.parametrize("mode,correction", [("async", "momentum"), ("ssp", "momentum"),
+                                             ("sync", "none")])
+def test_the_correction_default_follows_the_mode(mode, correction):
+    assert build_config({}, {"mode": mode}).correction == correction
+    assert build_config({}, {"mode": mode, "correction": "dc"}).correction == "dc"
 
 
 def test_toml_with_dashes_or_underscores_and_cli_override(tmp_path):

@@ -30,6 +30,7 @@ DOCUMENTED_SUMMARY_KEYS = {
     "utilization", "final_test_accuracy", "best_test_accuracy", "metric", "final_test_metric",
     "best_test_metric", "final_train_loss", "time_to_target_s", "staleness", "shard_moves",
     "bytes_moved", "lost_workers", "coverage", "server_cpu_s", "per_worker", "servers",
+    "efficiency",
 }
 PER_WORKER_KEYS = {"rank", "samples", "compute_s", "io_s", "comm_s", "idle_s", "mean_batch", "train_loss"}
 RUN_PLOTS = ("timeline.png", "rates.png", "batch.png", "staleness.png", "shards.png", "loss.png",
@@ -199,8 +200,12 @@ def test_cli_compare_table_and_overlays(tmp_path):
     assert workers_row.split()[1:] == ["3", "2"]
     assert "final train loss" in res.stdout
     lines = res.stdout.splitlines()
-    differ = lines[lines.index("settings that differ:") + 1:]
-    assert [ln.split() for ln in differ] == [["workers", "3", "2"]]
+    start = lines.index("settings that differ:") + 1
+    end = next(i for i, ln in enumerate(lines) if ln.startswith("samples to each accuracy"))
+    assert [ln.split() for ln in lines[start:end]] == [["workers", "3", "2"]]
+    # samples to the reference's accuracies (the first run: neither is sync), a's own x1
+    levels = lines[end + 1:end + 6]
+    assert levels and all(len(ln.split()) >= 3 for ln in levels)
     for name in COMPARE_PLOTS:
         assert (tmp_path / "cmp" / name).stat().st_size > 5000, name
 

@@ -170,6 +170,7 @@ class ParamStore:
         """Apply one mean gradient; returns its learning-rate scale. `consume`: the
         gradient's buffer may become the parameters (see :meth:`exchange`)."""
         lr_scale = batch / self.nominal_batch * self._scheduled()
+        self.correction.tune(self.optimizer, staleness)
         lr_scale *= self.correction.apply(grad, staleness, self.params, then)
         self._step(grad, lr_scale, consume)
         return lr_scale

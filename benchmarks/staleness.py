@@ -1,0 +1,213 @@
+"""Async that converges like sync: a DDP recipe (SGD momentum 0.9, its lr, its batch)
+unchanged under async's staleness policy, against sync; and how staleness grows.
+
+    python benchmarks/staleness.py [--repeats 3] [--only recipe,digits,table]
+
+Each group writes its own result file, benchmarks/results/staleness_GROUP.json.
+
+Groups:
+- recipe: a torch MLP 256-256-256-10 (examples/torch_mlp.py, hidden=256, layers=3) on
+  `mpilb prepare synthetic --samples 60000 --features 256 --classes 10 --shards 24 --seed 7`,
+  `--optimizer momentum --lr 0.05 --batch 128`, up to 6 epochs, stopping at test accuracy
+  0.808: samples to 0.808 as a multiple of sync's (median of sync's runs), on 4 and 8 workers
+  (8 = 9 ranks, oversubscribed here), with and without one 4x straggler (`--inject
+  3:compute=4`); time to target with the straggler against sync's; the old behaviour
+  (`--correction none`) alongside.
+- digits: the mlp, the cnn and examples/torch_cnn.py:Net on `mpilb prepare digits`, 4
+  workers, the same recipe (momentum 0.9, lr 0.05, batch 32), 10 epochs: final accuracy
+  against sync's, samples to 0.9 as a multiple of sync's.
+- table: mean staleness of the applied gradients against workers (2, 4, 6: 7 ranks,
+  oversubscribed) and --pipeline 0/1 (digits mlp, 2 epochs).
+
+Samples to an accuracy count the gradients applied up to the version each evaluation read,
+so they do not depend on the machine's speed; staleness does depend on the scheduling
+(which rank's push arrives first), and times are wall clock on whatever machine this runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # this tree's mpilb
+import _results  # noqa: E402
+import _runs  # noqa: E402
+
+NAME = "staleness"
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MLP = ["--model", os.path.join(HERE, "examples/torch_mlp.py:MLP"), "--model-arg", "hidden=256",
+       "--model-arg", "layers=3"]
+RECIPE = ["--optimizer", "momentum", "--lr", "0.05"]
+TARGET = 0.808
+STRAGGLER = ["--inject", "3:compute=4"]
+DIGITS_MODELS = {"mlp": ["--model", "mlp", "--hidden", "64"], "cnn": ["--model", "cnn"],
+                 "torch cnn": ["--model", os.path.join(HERE, "examples/torch_cnn.py:Net")]}
+DIGITS_TARGET = 0.9
+
+
+def train(data: str, log: str, ranks: int, args: list[str], timeout: float) -> dict:
+    """One run; returns its summary with the report's efficiency entry."""
+    from mpilb.efficiency import efficiency
+    from mpilb.report import open_log, run_config, summarize
+
+    cmd = [_runs.mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpilb", "train",
+           "--data", data, "--no-progress", *args, "--log", log, "--overwrite"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
+    attrs, cols = open_log(log)
+    s = summarize(attrs, cols)
+    s["efficiency"] = efficiency(run_config(attrs), cols["updates"], cols["eval"])
+    s["eval_accuracy"] = [float(a) for a in cols["eval"]["test_accuracy"]]
+    return s
+
+
+def recipe_dataset(root: str) -> str:
+    """The issue's synthetic dataset under `root`, made once and reused."""
+    data = os.path.join(root, "synthetic-60000x256")
+    if not os.path.exists(os.path.join(data, "manifest.json")):
+        subprocess.run([sys.executable, "-m", "mpilb", "prepare", "synthetic", data, "--samples",
+                        "60000", "--features", "256", "--classes", "10", "--shards", "24",
+                        "--seed", "7"], check=True, capture_output=True, text=True)
+    return data
+
+
+class Bench:
+    def __init__(self, opts):
+        self.opts = opts
+        self.log = os.path.join(opts.dir, "run.h5")
+
+    def runs(self, data, ranks, args, repeats=None):
+        out = []
+        for _ in range(repeats or self.opts.repeats):
+            s = train(data, self.log, ranks, args, self.opts.run_timeout)
+            out.append(s)
+            print(f"    {' '.join(args[-8:]):<60} best {s['best_test_accuracy']:.4f} "
+                  f"staleness {s['staleness']['mean']:.1f} "
+                  f"samples to target {s['efficiency']['samples_to_target']} "
+                  f"t {s['time_to_target_s']}", flush=True)
+        return out
+
+
+def _samples(runs):
+    return [r["efficiency"]["samples_to_target"] for r in runs]
+
+
+def _ratio(values, ref):
+    base = [v for v in ref if v is not None]
+    if not base or len(base) < len(ref):
+        return [None for _ in values]
+    m = statistics.median(base)
+    return [None if v is None else v / m for v in values]
+
+
+def recipe(b: Bench, res) -> None:
+    data = recipe_dataset(b.opts.dir)
+    stop = ["--epochs", "6", "--target-accuracy", str(TARGET), "--eval-interval", "1", "--batch", "128"]
+    for workers in (4, 8):
+        for slow in (False, True):
+            where = f"{workers} workers" + (", one 4x straggler" if slow else "")
+            g = res.group(f"torch MLP 256-256-256-10, synthetic 60000x256, {where}: samples to "
+                          f"accuracy {TARGET} / sync's", f"mpiexec -n {workers + 1} mpilb train "
+                          f"--data synth --model examples/torch_mlp.py:MLP --model-arg hidden=256 "
+                          f"--model-arg layers=3 --optimizer momentum --lr 0.05 --batch 128 "
+                          f"--epochs 6 --target-accuracy {TARGET}" + (" --inject 3:compute=4" if slow else ""))
+            extra = STRAGGLER if slow else []
+            sync = b.runs(data, workers + 1, MLP + RECIPE + stop + extra + ["--mode", "sync"])
+            new = b.runs(data, workers + 1, MLP + RECIPE + stop + extra)
+            res.figure(g, f"sync-{workers}{'s' if slow else ''}", "--mode sync: samples to target",
+                       _samples(sync), digits=0, command=g["command"] + " --mode sync")
+            res.figure(g, f"async-{workers}{'s' if slow else ''}",
+                       "async, default staleness policy: samples to target / sync's",
+                       _ratio(_samples(new), _samples(sync)), target="<= 1.3")
+            res.figure(g, f"stale-{workers}{'s' if slow else ''}", "async: mean staleness",
+                       [r["staleness"]["mean"] for r in new])
+            if slow:
+                t_sync = [r["time_to_target_s"] for r in sync]
+                res.figure(g, f"time-{workers}s", "async: time to target / sync's "
+                           "(wall clock, loaded machine)",
+                           _ratio([r["time_to_target_s"] for r in new], t_sync), target="<= 0.5")
+            if workers == 4 and not slow:
+                old = b.runs(data, workers + 1, MLP + RECIPE + stop + ["--correction", "none"])
+                res.figure(g, "old-4", "async --correction none (the old default): samples to "
+                           "target / sync's", _ratio(_samples(old), _samples(sync)))
+                res.figure(g, "old-4-best", "async --correction none: best accuracy",
+                           [r["best_test_accuracy"] for r in old], digits=4)
+
+
+def digits(b: Bench, res) -> None:
+    data = _runs.digits_dataset(b.opts.dir)
+    common = RECIPE + ["--epochs", "10", "--eval-interval", "0.5"]
+    for name, model in DIGITS_MODELS.items():
+        g = res.group(f"digits, {name}, 4 workers, momentum 0.9, lr 0.05, batch 32, 10 epochs",
+                      f"mpiexec -n 5 mpilb train --data digits {' '.join(model)} "
+                      f"--optimizer momentum --lr 0.05 --epochs 10")
+        sync = b.runs(data, 5, model + common + ["--mode", "sync"])
+        new = b.runs(data, 5, model + common)
+        first = [_first(r, DIGITS_TARGET) for r in sync]
+        res.figure(g, f"{name}-sync", "--mode sync: final accuracy",
+                   [r["final_test_accuracy"] for r in sync], digits=4)
+        res.figure(g, f"{name}-async", "async (default policy): final accuracy",
+                   [r["final_test_accuracy"] for r in new], digits=4)
+        sync_med = statistics.median(r["final_test_accuracy"] for r in sync)
+        res.figure(g, f"{name}-gap", "async final accuracy - sync's median (points)",
+                   [100 * (r["final_test_accuracy"] - sync_med) for r in new], target=">= -0.5")
+        res.figure(g, f"{name}-samples", f"async: samples to {DIGITS_TARGET} / sync's",
+                   _ratio([_first(r, DIGITS_TARGET) for r in new], first), target="<= 1.3")
+
+
+def _first(s: dict, target: float):
+    acc, samples = s["eval_accuracy"], s["efficiency"]["samples_at_eval"]
+    for a, n in zip(acc, samples):
+        if a >= target:
+            return n
+    return None
+
+
+def table(b: Bench, res) -> None:
+    data = _runs.digits_dataset(b.opts.dir)
+    g = res.group("mean staleness of applied gradients, digits mlp, 2 epochs",
+                  "mpiexec -n W+1 mpilb train --data digits --model mlp --epochs 2 --pipeline P")
+    for workers in (2, 4, 6):
+        for pipeline in (0, 1):
+            runs = b.runs(data, workers + 1, ["--model", "mlp", "--epochs", "2", "--pipeline",
+                                              str(pipeline)])
+            res.figure(g, f"w{workers}p{pipeline}", f"{workers} workers, --pipeline {pipeline}"
+                       + (" (oversubscribed)" if workers + 1 > (os.cpu_count() or 1) else ""),
+                       [r["staleness"]["mean"] for r in runs])
+
+
+GROUPS = {"recipe": recipe, "digits": digits, "table": table}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--only", default=",".join(GROUPS))
+    ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "mpilb-staleness"))
+    ap.add_argument("--run-timeout", type=float, default=900.0)
+    _results.add_output_args(ap, NAME)
+    opts = ap.parse_args(argv)
+    if opts.quick:
+        opts.repeats = 1
+    os.makedirs(opts.dir, exist_ok=True)
+    b = Bench(opts)
+    met = True
+    for group in opts.only.split(","):
+        name = f"{NAME}_{group}"
+        print(group, flush=True)
+        res = _results.Results(name, "Async with the DDP recipe: samples and time to target", opts)
+        GROUPS[group](b, res)
+        _runs.print_targets(res.checks())
+        res.write(_results.out_path(opts, name))
+        met = met and res.all_met()
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
