@@ -123,7 +123,7 @@ def _validate_value(opt: Option, value: Any, source: str) -> None:
         raise UsageError(f"{where} = {value!r}: allowed values are {allowed}{closest(str(value), map(str, opt.choices))}")
     # integers end up in 32-bit numpy arrays (log columns and the like): --batch 3000000000 was an
     # OverflowError deep in the run
-    if opt.type is int and not -INT32_MAX - 1 <= value <= INT32_MAX:
+    if opt.type is int and isinstance(value, int) and not -INT32_MAX - 1 <= value <= INT32_MAX:
         raise UsageError(f"{where} = {value!r}: out of range (integers are 32-bit: at most {INT32_MAX:,})")
     if opt.type is float and value != value:
         raise UsageError(f"{where} = nan: expected a number")

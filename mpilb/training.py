@@ -16,7 +16,7 @@ import numpy as np
 
 from .config import Config, no_effect
 from .errors import MpilbError, UsageError
-from .topology import workers_of
+from .topology import stores_of, workers_of
 
 # Set by the SIGTERM handler (any rank; SIGUSR1 too in a one-rank run): checkpoint and stop.
 PREEMPTED = threading.Event()
@@ -315,11 +315,12 @@ def check_optimizer(cfg: Config, world_size: int) -> None:
     from .config import is_torch_optimizer
 
     config_optimizer(cfg, 1)
-    if cfg.servers > 1 and is_torch_optimizer(cfg.optimizer):
+    several = len(stores_of(cfg)) > 1   # (--servers per-node on one node is one store)
+    if several and is_torch_optimizer(cfg.optimizer):
         raise UsageError(f"--optimizer {cfg.optimizer} with --servers {cfg.servers}: the state "
                          f"of a torch.optim optimizer is not sliced over parameter stores; use "
                          f"--servers 1, or a built-in optimizer (sgd, momentum, adam, adamw)")
-    if cfg.clip_norm is not None and cfg.mode == "sync" and cfg.servers > 1 and world_size > 1:
+    if cfg.clip_norm is not None and cfg.mode == "sync" and several and world_size > 1:
         raise UsageError(f"--clip-norm with --mode sync and --servers {cfg.servers}: the norm "
                          f"of a round's mean gradient would need every store's slice; use "
                          f"--servers 1 (or --mode async/ssp, where workers clip)")

@@ -80,7 +80,7 @@ def test_an_evaluation_in_the_background_is_logged_in_order_by_collect():
     s = Session.__new__(Session)
     s.evaluator, s.log, s._eval_pool, s._pending = SlowEvaluator(), Log(), None, None
     s._eval_proc = None   # (the thread: where the evaluation process could not start)
-    s.accuracy, s.evaluation, s.eval_version = None, None, -1
+    s.accuracy, s.evaluation, s.eval_version, s.best = None, None, -1, None
     params = np.array([0.5, 0.0], dtype=np.float32)
     done = []
     s.evaluate_later(params, t=1.0, version=7, epoch=0, then=lambda: done.append(s.accuracy))
@@ -183,7 +183,7 @@ def test_an_evaluation_process_that_dies_leaves_rank_0_evaluating(digits_dir, ca
 
     s = Session.__new__(Session)
     s.evaluator, s.log, s._eval_pool, s._pending = build_evaluator(model, ds), Log(), None, None
-    s.accuracy, s.evaluation, s.eval_version = None, None, -1
+    s.accuracy, s.evaluation, s.eval_version, s.best = None, None, -1, None
     s._eval_proc = EvalProcess(cfg, ds, model.num_params)
     proc = s._eval_proc.proc
     params = model.init_params(0)
