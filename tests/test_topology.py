@@ -10,7 +10,7 @@ import pytest
 
 from mpilb.config import build_config
 from mpilb.errors import UsageError
-from mpilb.report import format_layout
+from mpilb.logattrs import format_layout
 from mpilb.server.store import check_servers
 from mpilb.topology import (crowded, layout_lines, number_nodes, placement_note, span,
                             store_ranks, stores_of, workers_of)
