@@ -30,7 +30,7 @@ SCHEMA: dict[str, dict[str, str]] = {
                 "hi": "i4"},
     "workers": {"t": "f8", "worker": "i4", "samples": "i8", "compute_s": "f8", "io_s": "f8",
                 "comm_s": "f8", "idle_s": "f8", "batch": "i4", "rate": "f8",
-                "predicted_rate": "f8"},
+                "predicted_rate": "f8", "throughput": "f8"},
     "eval": {"t": "f8", "version": "i8", "epoch": "i4", "test_loss": "f8", "test_accuracy": "f8",
              "test_metric": "f8", "val_metric": "f8"},
     "shards": {"t": "f8", "epoch": "i4", "shard": "i4", "src": "i4", "dst": "i4", "event": "S10",

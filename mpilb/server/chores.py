@@ -179,8 +179,9 @@ class Chores:
             if w.lost:
                 continue
             self.log.append("workers", t=t, worker=w.rank, batch=w.batch,
-                            rate=self.balancer.measured_rate(w.rank),
-                            predicted_rate=self.balancer.effective_rate(w.rank), **w.take_row())
+                            rate=self.balancer.rate(w.rank),
+                            predicted_rate=self.balancer.predicted_rate(w.rank),
+                            throughput=self.balancer.measured_rate(w.rank), **w.take_row())
 
     # ----------------------------------------------------------------- liveness
     def _keep_alive(self, mono: float) -> None:
