@@ -76,6 +76,13 @@ def listen(callback) -> None:
     _LISTENERS.append(callback)
 
 
+def unlisten(callback) -> None:
+    """Stop calling `callback` (a worker whose run is over: rank 0 may be finalising, and a
+    notice sent then would be a message no one receives)."""
+    if callback in _LISTENERS:
+        _LISTENERS.remove(callback)
+
+
 def ignore() -> None:
     """The run is complete: ignore them at the C level (holds during MPI finalisation)."""
     for sig in PREEMPTION_SIGNALS:

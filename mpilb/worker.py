@@ -382,6 +382,7 @@ class Worker:
         except StopWorker:
             pass
         finally:
+            signals.unlisten(self._report_signals)   # the run is over: nothing more to report
             for req in self.push_reqs:
                 C.wait(req, timeout=5.0)
             for req in self.pulls or ():   # a reply that will not come (STOP)
