@@ -26,5 +26,5 @@ setup(
                  "pandas>=1.5", "tensorboardX>=2.5", "tensorboard>=2.10"],
         "tensorboard": ["tensorboardX>=2.5"],
     },
-    entry_points={"console_scripts": ["mpilb=mpilb.cli:main"]},
+    entry_points={"console_scripts": ["mpilb=mpilb.cli.main:main"]},
 )

@@ -29,7 +29,7 @@ from torch_mlp import MLP  # noqa: E402
 
 
 def load(data: str):
-    from mpilb.dataset import open_dataset
+    from mpilb.data.dataset import open_dataset
 
     ds = open_dataset(data)
     return (*_runs.load_arrays(ds), tuple(ds.sample_shape), ds.num_classes)

@@ -89,7 +89,7 @@ class Bench:
         self.runs: list[Run] = []
 
     def prepare(self):
-        """Make the dataset unless it is cached; returns it (mpilb.dataset.Dataset)."""
+        """Make the dataset unless it is cached; returns it (mpilb.data.dataset.Dataset)."""
         if os.path.exists(os.path.join(self.data, "manifest.json")):
             print(f"dataset: {self.data} (cached)")
         else:
@@ -98,7 +98,7 @@ class Bench:
                    "--classes", "10", "--shards", str(self.opts.shards)]
             subprocess.run(cmd, check=True, capture_output=True, text=True)
             print(f"dataset: {self.data} (prepared)")
-        from mpilb.dataset import open_dataset
+        from mpilb.data.dataset import open_dataset
 
         ds = open_dataset(self.data)
         self.samples_per_epoch = int(sum(ds.shard_sizes))
@@ -107,8 +107,8 @@ class Bench:
     def train(self, label: str, *args: str, ranks: int = WORKERS + 1, env: dict | None = None) -> Run:
         """One `mpiexec -n 4 mpilb train` run (`ranks`: another size; `env`: variables to
         set for it); exits the script if it fails."""
-        from mpilb.report import summarize_log
-        from mpilb.runlog import read_columns
+        from mpilb.runfiles.report import summarize_log
+        from mpilb.runfiles.runlog import read_columns
 
         log = os.path.join(self.logs, f"{label}.h5")
         # a rerun replaces this label's log and the checkpoint beside it (mpilb refuses to
@@ -149,7 +149,7 @@ class Bench:
 def marked_processes(entry: bytes) -> dict[int, dict]:
     """pid -> environment (bytes keys and values) of every live, non-zombie process whose
     environment holds exactly `entry` (``b"NAME=value"``): the ranks of one job, found by a
-    mark its launcher set (benchmarks/hostile.py, tests/test_survival.py)."""
+    mark its launcher set (benchmarks/hostile.py, tests/mpi/test_survival.py)."""
     found = {}
     for p in os.listdir("/proc"):
         if not p.isdigit():
@@ -181,7 +181,7 @@ def digits_dataset(root: str) -> str:
     """scikit-learn's digits as a dataset under `root` (8 shards), made once and reused."""
     data = os.path.join(root, "digits")
     if not os.path.exists(os.path.join(data, "manifest.json")):
-        from mpilb.dataset import prepare_digits
+        from mpilb.data.dataset import prepare_digits
 
         prepare_digits(data, shards=8, seed=0)
     return data

@@ -21,7 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mpilb.balancer import BalancerConfig, build_balancer  # noqa: E402
+from mpilb.core.balancer import BalancerConfig, build_balancer  # noqa: E402
 
 POLICIES = ["static", "demand", "load", "predictive"]
 

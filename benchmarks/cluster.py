@@ -75,8 +75,8 @@ def bench_ps(box, hosts: str, *extra) -> dict:
 
 
 def train(box, d: str, hosts: str, log: str, *args) -> dict:
-    from mpilb.report import summarize_log
-    from mpilb.runlog import read_columns
+    from mpilb.runfiles.report import summarize_log
+    from mpilb.runfiles.runlog import read_columns
 
     res = box.mpiexec(["-hosts", hosts, PY, "-m", "mpilb", "train", "--no-progress", "--log", log,
                        "--overwrite", *args], timeout=600, cwd=d)

@@ -13,7 +13,7 @@ where ``balancing`` names ``benchmarks/results/balancing.json``. Everything betw
 is rendered from that file: when and on what machine it was measured, and for every figure
 its median, its range over the repeats and its target, with missed targets shown as MISS.
 Prose outside the markers is not touched. After a fresh benchmark run (which writes the
-result file), this one command brings the docs in step; tests/test_docs_generated.py checks
+result file), this one command brings the docs in step; tests/mpi/test_docs_generated.py checks
 that the docs in the repository match their result files exactly.
 """
 

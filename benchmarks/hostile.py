@@ -70,14 +70,11 @@ class Case:
         raise RuntimeError("ranks did not start")
 
     def wait_log_rows(self, log: Path, timeout: float = 60) -> None:
-        from mpilb.runlog import read_columns
+        from mpilb.runfiles.runlog import holds_updates
 
         while time.monotonic() - self.t0 < timeout and self.proc.poll() is None:
-            try:
-                if read_columns(str(log))[1]["updates"]["t"].size:
-                    return
-            except (OSError, KeyError, RuntimeError):
-                pass
+            if holds_updates(log):
+                return
             time.sleep(0.2)
 
     def end(self, timeout: float = 120) -> dict:
@@ -103,14 +100,14 @@ def run(cmd, cwd, timeout=120, env=None) -> dict:
 
 
 def summary(log: Path) -> dict:
-    from mpilb.report import summarize_log
+    from mpilb.runfiles.report import summarize_log
 
     return summarize_log(str(log))
 
 
 def recomputed_coverage(log: Path, sizes) -> dict:
     """Coverage from updates/ (epoch, shard, lo, hi) alone, over the completed epochs."""
-    from mpilb.runlog import read_columns
+    from mpilb.runfiles.runlog import read_columns
 
     _, cols = read_columns(str(log))
     up = cols["updates"]
@@ -128,7 +125,7 @@ def recomputed_coverage(log: Path, sizes) -> dict:
 
 
 def exact(log: Path, data: Path) -> str:
-    from mpilb.dataset import open_dataset
+    from mpilb.data.dataset import open_dataset
 
     s = summary(log)
     mine = recomputed_coverage(log, open_dataset(data).shard_sizes)
@@ -279,7 +276,7 @@ from mpilb import comm   # MPI's shared-memory files are made before the disk is
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 limit = int(sys.argv.pop(1))
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-from mpilb.cli import main
+from mpilb.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

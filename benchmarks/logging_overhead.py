@@ -24,10 +24,10 @@ import _runs  # noqa: E402
 
 NAME = "logging_overhead"
 
-# mpilb.cli first: it limits BLAS threads per rank before numpy is imported
+# mpilb.cli.main first: it limits BLAS threads per rank before numpy is imported
 DROP_ROWS = (
     "import sys\n"
-    "from mpilb.cli import main\n"
+    "from mpilb.cli.main import main\n"
     "from mpilb import runlog\n"
     "runlog.RunLog.append = lambda self, group, **row: None\n"
     "sys.exit(main(sys.argv[1:]))\n"

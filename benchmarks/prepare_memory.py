@@ -34,7 +34,7 @@ import _results  # noqa: E402
 from _runs import print_targets  # noqa: E402
 
 NAME = "prepare_memory"
-IMPORTS = "import h5py, numpy, mpilb.cli, mpilb.ingest, mpilb.prepare"
+IMPORTS = "import h5py, numpy, mpilb.cli.main, mpilb.data.ingest, mpilb.data.prepare"
 
 
 def peak_mib(cmd: list[str]) -> float:

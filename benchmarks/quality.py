@@ -120,8 +120,8 @@ class Bench:
         b = self.big
         b.prepare()
         print(f"(a) {STRAGGLER}, 2 epochs, --pipeline 0 and 1, {self.opts.repeats} repeats")
-        from mpilb.config import build_config
-        from mpilb.cores import usable_cpus
+        from mpilb.config.build import build_config
+        from mpilb.mpi.cores import usable_cpus
 
         default = int(build_config().pipeline)   # async's default
         cpus = usable_cpus()   # affinity, capped by a control group's quota
@@ -193,7 +193,7 @@ class Bench:
 
     # ---------------------------------------------------------------- (c)
     def slow_reader(self) -> None:
-        from mpilb.runlog import read_columns
+        from mpilb.runfiles.runlog import read_columns
 
         b = self.small
         b.prepare()
@@ -273,7 +273,7 @@ class Bench:
 
     # ---------------------------------------------------------------- (d)
     def lost_holder(self) -> None:
-        from mpilb.report import summarize_log
+        from mpilb.runfiles.report import summarize_log
 
         b = self.small
         b.prepare()
@@ -309,7 +309,7 @@ class Bench:
 
     # ---------------------------------------------------------------- (e)
     def own_cpus(self) -> None:
-        from mpilb.cores import usable_cpus
+        from mpilb.mpi.cores import usable_cpus
 
         if usable_cpus() < 2:
             print("(e) skipped: fewer than 2 CPUs, so the ranks cannot have one each")

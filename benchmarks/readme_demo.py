@@ -46,7 +46,7 @@ PLOT = os.path.join(_results.REPO, "docs", "img", "straggler-rates.png")
 
 
 def one_repeat(seconds: float, cache: str, plot: bool = False) -> dict:
-    from mpilb.runlog import read_columns
+    from mpilb.runfiles.runlog import read_columns
 
     d = tempfile.mkdtemp(prefix="mpilb-demo-")
     try:

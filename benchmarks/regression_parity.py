@@ -46,8 +46,8 @@ def main() -> int:
     from sklearn.linear_model import Ridge
     from sklearn.metrics import r2_score
 
-    from mpilb.dataset import open_dataset, prepare_npz
-    from mpilb.report import summarize_log
+    from mpilb.data.dataset import open_dataset, prepare_npz
+    from mpilb.runfiles.report import summarize_log
 
     d = load_diabetes()
     x = (d.data - d.data.mean(0)) / d.data.std(0)

@@ -30,9 +30,9 @@ MODEL = dict(model="mlp", hidden="256,256", batch=128, lr=0.05)
 
 
 def bare_loop(data_dir: str, epochs: int) -> float:
-    from mpilb.dataset import open_dataset
+    from mpilb.data.dataset import open_dataset
     from mpilb.models import build_model
-    from mpilb.optimizers import build_optimizer
+    from mpilb.core.optimizers import build_optimizer
 
     ds = open_dataset(data_dir)
     import h5py

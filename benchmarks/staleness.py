@@ -52,8 +52,8 @@ DIGITS_TARGET = 0.9
 
 def train(data: str, log: str, ranks: int, args: list[str], timeout: float) -> dict:
     """One run; returns its summary with the report's efficiency entry."""
-    from mpilb.efficiency import efficiency
-    from mpilb.report import open_log, run_config, summarize
+    from mpilb.runfiles.efficiency import efficiency
+    from mpilb.runfiles.report import open_log, run_config, summarize
 
     cmd = [_runs.mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpilb", "train",
            "--data", data, "--no-progress", *args, "--log", log, "--overwrite"]

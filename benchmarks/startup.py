@@ -1,5 +1,5 @@
 """Start-up of rank 0 on a large dataset: the first start (every file checked) against a
-second one (files recorded as verified are not checked again; mpilb/verified.py).
+second one (files recorded as verified are not checked again; mpilb/data/verified.py).
 
 Measured from the launch of ``mpiexec -n 2 mpilb train`` to the start of training on rank 0
 (the first shard assignment), which the first progress line tells: with
@@ -35,7 +35,7 @@ LINE = re.compile(r"^mpilb \[\s*([\d.]+) s\]")
 
 def forget(data: str) -> None:
     """Remove the verification records of `data` (beside it and in $MPILB_CACHE)."""
-    from mpilb.verified import VerifiedFiles
+    from mpilb.data.verified import VerifiedFiles
 
     for p in VerifiedFiles(data).paths:
         if p.exists():

@@ -42,8 +42,8 @@ def main() -> int:
     t_start = time.perf_counter()
     if opts.quick:
         opts.samples, opts.epochs, opts.balance_epochs = 4800, 1, 2
-    from mpilb.dataset import prepare_synthetic
-    from mpilb.report import summarize_log
+    from mpilb.data.dataset import prepare_synthetic
+    from mpilb.runfiles.report import summarize_log
 
     os.makedirs(opts.dir, exist_ok=True)
     data = os.path.join(opts.dir, f"synthetic-{opts.samples}x{opts.features}")

@@ -56,7 +56,7 @@ def serial_torch(data, seed: int, epochs: int, lr: float, batch: int) -> float:
 
 
 def mpilb_run(data_dir: str, seed: int, epochs: int, lr: float, batch: int, workdir: str):
-    from mpilb.report import summarize_log
+    from mpilb.runfiles.report import summarize_log
 
     log = os.path.join(workdir, f"parity-{seed}.h5")
     cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "mpilb", "train", "--data", data_dir,
@@ -84,7 +84,7 @@ def main() -> int:
     if opts.quick:
         opts.epochs, opts.seeds = 1, 1
     os.makedirs(opts.dir, exist_ok=True)
-    from mpilb.dataset import open_dataset
+    from mpilb.data.dataset import open_dataset
 
     data_dir = digits_dataset(opts.dir)
     data = load_arrays(open_dataset(data_dir))

@@ -1,6 +1,6 @@
 """mpilb: load-balanced asynchronous data-parallel training for MPI clusters.
 
-Public surface: the ``mpilb`` command (:mod:`mpilb.cli`) and, in Python,
+Public surface: the ``mpilb`` command (:mod:`mpilb.cli.main`) and, in Python,
 
 - :class:`Model`: the model protocol (built-ins and user models follow it),
 - :func:`train`: the same run as ``mpilb train``, from a script under ``mpiexec``,
@@ -16,7 +16,7 @@ shard data), ``models`` (protocol, built-ins, user models, torch adapter), ``run
 
 __version__ = "0.1.0"
 
-from .errors import DataError, MpilbError, UsageError  # noqa: E402
+from mpilb.errors import DataError, MpilbError, UsageError  # noqa: E402
 
 # Imported on first use, by name (so that no module importing the package reaches MPI, the
 # CLI or numpy through it): `import mpilb` and the `mpilb` command must not import numpy

@@ -1,3 +1,3 @@
-from .cli import main
+from mpilb.cli.main import main
 
 raise SystemExit(main())

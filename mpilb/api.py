@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any, Optional
 
-from .errors import MpilbError, UsageError
+from mpilb.errors import MpilbError, UsageError
 
 
 def _model_spec(model) -> str:
@@ -23,7 +23,7 @@ def _model_spec(model) -> str:
         return model
     import inspect
 
-    from .models.user import OBJECTS
+    from mpilb.models.user import OBJECTS
 
     module = getattr(model, "__module__", "") or ""
     if ((inspect.isclass(model) or inspect.isfunction(model)) and module not in ("__main__", "")
@@ -38,7 +38,7 @@ def _model_spec(model) -> str:
 
 def _blas_threads() -> None:
     """One BLAS thread per rank in a multi-rank job, as the command does (if still possible)."""
-    from .cli import env_world_size
+    from mpilb.cli.main import env_world_size
 
     if env_world_size() > 1:
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -66,7 +66,7 @@ def train(model=None, data=None, **options) -> Optional[dict]:
         MpilbError: the run failed.
     """
     _blas_threads()
-    from .config import OPTION_BY_NAME, closest
+    from mpilb.config.build import OPTION_BY_NAME, closest
 
     for key in options:   # named as the caller wrote them, not as command-line options
         if key not in OPTION_BY_NAME and key != "model_args":
@@ -85,8 +85,8 @@ def train(model=None, data=None, **options) -> Optional[dict]:
     for key in ("inject", "model_arg", "optimizer_arg"):
         if isinstance(values.get(key), str):
             values[key] = [values[key]]
-    from . import comm as C
-    from .launch import train as launch_train
+    from mpilb.mpi import comm as C
+    from mpilb.run.launch import train as launch_train
 
     result: dict = {}
     code = launch_train(None, values, raise_errors=True, result=result)
@@ -95,7 +95,7 @@ def train(model=None, data=None, **options) -> Optional[dict]:
     _, rank, _ = C.world()
     if rank != 0:
         return None
-    from .report import summarize_log
+    from mpilb.runfiles.report import summarize_log
 
     return summarize_log(result["cfg"].log)
 
@@ -114,7 +114,7 @@ def load(checkpoint, model=None):
         torch model; otherwise the :class:`mpilb.Model`, with the trained flat vector in its
         ``params`` attribute (``model.evaluate(model.params, x, y)``).
     """
-    from .export import build_from_checkpoint, read_checkpoint
+    from mpilb.runfiles.export import build_from_checkpoint, read_checkpoint
 
     ckpt = read_checkpoint(checkpoint)
     built = build_from_checkpoint(ckpt, model)

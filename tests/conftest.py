@@ -1,14 +1,20 @@
 """Shared pytest fixtures (additive: each block belongs to the module it serves)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
-# ---------------------------------------------------------------- datasets (mpilb.dataset)
+# tests/unit, tests/mpi, tests/cluster and tests/openmpi share tests/mpirun.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# ---------------------------------------------------------------- datasets (mpilb.data.dataset)
 
 
 @pytest.fixture
 def small_dataset(tmp_path):
     """A synthetic dataset of 2000 x 16, 4 classes, 4 shards (1600 train, 400 test)."""
-    from mpilb.dataset import prepare_synthetic
+    from mpilb.data.dataset import prepare_synthetic
 
     return prepare_synthetic(tmp_path / "small", samples=2000, features=16, classes=4, shards=4, seed=0)
 
@@ -19,7 +25,7 @@ def small_dataset(tmp_path):
 @pytest.fixture(scope="session")
 def digits_dir(tmp_path_factory):
     """scikit-learn's digits as an mpilb dataset (8 shards), made once per session."""
-    from mpilb.dataset import prepare_digits
+    from mpilb.data.dataset import prepare_digits
 
     root = tmp_path_factory.mktemp("digits") / "digits"
     prepare_digits(root, shards=8, seed=0)
@@ -29,7 +35,7 @@ def digits_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def synth_dir(tmp_path_factory):
     """A 12000 x 32 synthetic dataset with 12 shards, made once per session."""
-    from mpilb.dataset import prepare_synthetic
+    from mpilb.data.dataset import prepare_synthetic
 
     root = tmp_path_factory.mktemp("synth") / "synth"
     prepare_synthetic(root, samples=12000, features=32, classes=10, shards=12, seed=0)

@@ -36,3 +36,44 @@ def run(n: int, *args, timeout: float = 120, cwd=None, **extra_env) -> subproces
     """Run mpilb on n ranks; raises if it outlives `timeout` (a hang is a failure)."""
     return subprocess.run(mpilb_cmd(n, *args), capture_output=True, text=True, timeout=timeout,
                           cwd=cwd, env=env(**extra_env))
+
+
+def wait_training(log, proc, timeout=60, output=None):
+    """Until the run log holds applied updates (start-up is over).
+
+    Fails at once when `proc` ends first, with `output()` (or its output) as the message.
+    """
+    import time
+
+    from mpilb.runfiles.runlog import holds_updates
+
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        assert proc.poll() is None, output() if output else proc.communicate()
+        if holds_updates(log):
+            return
+        time.sleep(0.2)
+    raise AssertionError("training did not start")
+
+def recomputed_coverage(log: str, shard_sizes: list[int]) -> dict:
+    """The summary's coverage (docs/logs.md) over the completed epochs, from updates/ (epoch, shard, lo, hi)."""
+    import numpy as np
+
+    from mpilb.runfiles.runlog import read_columns
+
+    _, cols = read_columns(log)
+    up, ep = cols["updates"], cols["epochs"]
+    offsets = np.concatenate([[0], np.cumsum(shard_sizes)]).astype(np.int64)
+    total = int(offsets[-1])
+    out = {"expected": 0, "applied": 0, "duplicates": 0, "missing": 0}
+    for e in sorted(set(int(x) for x in ep["epoch"])):
+        counts = np.zeros(total, dtype=np.int64)
+        rows = np.flatnonzero(up["epoch"] == e)
+        for s, lo, hi in zip(up["shard"][rows], up["lo"][rows], up["hi"][rows]):
+            assert 0 <= lo < hi <= shard_sizes[s], (e, s, lo, hi)
+            counts[offsets[s] + lo: offsets[s] + hi] += 1
+        out["expected"] += total
+        out["applied"] += int(np.count_nonzero(counts))
+        out["duplicates"] += int(np.count_nonzero(counts > 1))
+        out["missing"] += int(np.count_nonzero(counts == 0))
+    return out

@@ -18,10 +18,10 @@ import sys
 import threading
 from typing import Sequence
 
-from ..errors import UsageError
-from . import registry
-from .launcher import mpi_env, write_ssh
-from .system import BoxError, link_counters, netns_pids, rate_bytes, require, sh, shape
+from mpilb.errors import UsageError
+from mpilb.clusterbox import registry
+from mpilb.clusterbox.launcher import mpi_env, write_ssh
+from mpilb.clusterbox.system import BoxError, link_counters, netns_pids, rate_bytes, require, sh, shape
 
 SUBNET = "10.77.0"   # inside the box's own namespaces only
 NODE_DEV = "eth0"    # a node's end of its link (bridge end: v<K>)
@@ -229,7 +229,7 @@ class ClusterBox:
 
     def mpiexec_cmd(self, args: Sequence[str]) -> list[str]:
         """`mpiexec ARGS` with hydra told to reach the nodes through the ssh stand-in."""
-        from .launcher import mpiexec_path
+        from mpilb.clusterbox.launcher import mpiexec_path
 
         return [mpiexec_path(), "-launcher", "ssh", "-launcher-exec", self.ssh, *map(str, args)]
 

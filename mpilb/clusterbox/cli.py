@@ -6,10 +6,10 @@ import argparse
 import subprocess
 import sys
 
-from ..errors import MpilbError, UsageError
-from . import registry
-from .box import ClusterBox
-from .system import netns_pids, require
+from mpilb.errors import MpilbError, UsageError
+from mpilb.clusterbox import registry
+from mpilb.clusterbox.box import ClusterBox
+from mpilb.clusterbox.system import netns_pids, require
 
 PROG = "python -m mpilb.clusterbox"
 

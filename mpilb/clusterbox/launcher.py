@@ -9,7 +9,7 @@ import shlex
 import shutil
 import sysconfig
 
-from ..errors import UsageError
+from mpilb.errors import UsageError
 
 # What ssh options hydra (or a user) may pass before the host and that take a value.
 _SSH_VALUE_OPTIONS = "bcDEeFIiJLlmOopQRSWw"
@@ -61,7 +61,7 @@ def box_vars(box) -> dict:
 def mpi_env(box) -> dict:
     """MPICH's settings for the box. UCX would otherwise move bytes between two nodes through
     shared memory (it sees one machine), and each library is pointed at the node's veth."""
-    from .box import NODE_DEV
+    from mpilb.clusterbox.box import NODE_DEV
 
     return {**box_vars(box),
             "UCX_TLS": "tcp,self",

@@ -12,8 +12,8 @@ import signal
 import time
 from pathlib import Path
 
-from ..errors import UsageError
-from .system import BoxError, netns_list, netns_pids, sh
+from mpilb.errors import UsageError
+from mpilb.clusterbox.system import BoxError, netns_list, netns_pids, sh
 
 BASE = Path("/tmp/mpilb-box")
 PREFIX = "mpilb-"

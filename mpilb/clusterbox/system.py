@@ -9,7 +9,7 @@ import re
 import shutil
 import subprocess
 
-from ..errors import MpilbError, UsageError
+from mpilb.errors import MpilbError, UsageError
 
 TOOLS = ("ip", "tc", "unshare", "nsenter", "mount")
 

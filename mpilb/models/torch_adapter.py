@@ -30,7 +30,7 @@ from mpilb.models.base import Model, r2_score
 
 
 class FusedAdam:
-    """torch's fused CPU Adam kernel on numpy vectors, for :class:`mpilb.optimizers.Adam`
+    """torch's fused CPU Adam kernel on numpy vectors, for :class:`mpilb.core.optimizers.Adam`
     (one vectorised pass instead of numpy's ten ufuncs per block). The moments are torch's
     own m and v, in `exp_avg` and `exp_avg_sq` (shared, no copy); a step is in place."""
 

@@ -13,12 +13,12 @@ def __getattr__(name):
     # Lazy: the pure parts (tasks, modes, peers, sitout) are imported by the simulator, which
     # must not initialise MPI by importing the loop (and through it mpi4py).
     if name == "WorkerFailed":
-        from .chores import WorkerFailed
+        from mpilb.server.chores import WorkerFailed
         return WorkerFailed
     if name == "ParameterServer":
-        from .loop import ParameterServer
+        from mpilb.server.loop import ParameterServer
         return ParameterServer
     if name == "serve":
-        from .ending import serve
+        from mpilb.server.ending import serve
         return serve
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -14,11 +14,12 @@ import sys
 import time
 from typing import Optional
 
-from .. import checkpoint, signals
-from .. import comm as C
-from ..training import PREEMPTED, USR1_NOTICE
-from ..watchdog import KEEP_ALIVE_S
-from .vote import SignalVote
+from mpilb.runfiles import checkpoint
+from mpilb.run import signals
+from mpilb.mpi import comm as C
+from mpilb.run.training import PREEMPTED, USR1_NOTICE
+from mpilb.mpi.watchdog import KEEP_ALIVE_S
+from mpilb.server.vote import SignalVote
 
 FIRST_SIZES_STEPS = 16   # proportional batches are first sized after this many steps each
 WARMUP_FIRST_S = 0.25    # after the first rates, rebalance after 0.25, 0.5, 1 ... s

@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import sys
 
-from .. import comm as C
-from ..errors import LogWriteError
-from ..session import files_line, format_final
-from ..training import PREEMPTED
-from .chores import WorkerFailed
-from .loop import ParameterServer
-from .store import StoreLost
+from mpilb.mpi import comm as C
+from mpilb.errors import LogWriteError
+from mpilb.run.session import files_line, format_final
+from mpilb.run.training import PREEMPTED
+from mpilb.server.chores import WorkerFailed
+from mpilb.server.loop import ParameterServer
+from mpilb.server.store import StoreLost
 
 
 def serve(server: ParameterServer) -> int:

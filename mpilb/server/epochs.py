@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from .. import checkpoint
-from ..training import epoch_order
-from .peers import Peer
+from mpilb.runfiles import checkpoint
+from mpilb.run.training import epoch_order
+from mpilb.server.peers import Peer
 
 
 class Epochs:

@@ -7,9 +7,9 @@ import time
 
 import numpy as np
 
-from .. import wire
-from ..topology import stores_of
-from .store import RemoteStores, slice_store, store_bounds
+from mpilb.mpi import wire
+from mpilb.core.topology import stores_of
+from mpilb.server.store import RemoteStores, slice_store, store_bounds
 
 
 class StoreGroup:
@@ -20,12 +20,12 @@ class StoreGroup:
     """
 
     def __init__(self, cfg, session, comm):
-        from ..training import config_optimizer
+        from mpilb.run.training import config_optimizer
 
         self.session = session
         self.ranks = stores_of(cfg)   # the store ranks, in slice order (rank 0 first)
         self.bounds = store_bounds(cfg, session.model)
-        from ..training import PREEMPTED
+        from mpilb.run.training import PREEMPTED
 
         # no-ops with K = 1; a stalled store is lost after --worker-timeout, at once on a stop
         self.remote = RemoteStores(comm, self.bounds, cfg.worker_timeout, PREEMPTED.is_set,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import time
 
-from ..training import EpochStats
-from ..wire import Cmd
+from mpilb.run.training import EpochStats
+from mpilb.mpi.wire import Cmd
 
 
 class Lifecycle:

@@ -19,21 +19,22 @@ import sys
 import time
 from typing import Optional
 
-from .. import comm as C
-from .. import doorbell, wire
-from ..session import Session
-from ..shards import placement
-from ..topology import workers_of
-from ..wire import Cmd
-from .chores import Chores
-from .epochs import Epochs
-from .lifecycle import Lifecycle
-from .modes import Update, build_rule
-from .outbox import Outbox
-from .peers import Link, Peer
-from .sitout import SitOut
-from .group import StoreGroup
-from .tasks import TaskLedger
+from mpilb.mpi import comm as C
+from mpilb.mpi import doorbell
+from mpilb.mpi import wire
+from mpilb.run.session import Session
+from mpilb.data.shards import placement
+from mpilb.core.topology import workers_of
+from mpilb.mpi.wire import Cmd
+from mpilb.server.chores import Chores
+from mpilb.server.epochs import Epochs
+from mpilb.server.lifecycle import Lifecycle
+from mpilb.server.modes import Update, build_rule
+from mpilb.server.outbox import Outbox
+from mpilb.server.peers import Link, Peer
+from mpilb.core.sitout import SitOut
+from mpilb.server.group import StoreGroup
+from mpilb.core.tasks import TaskLedger
 
 
 class ParameterServer(Epochs, Lifecycle, Chores):

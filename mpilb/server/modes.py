@@ -18,7 +18,7 @@ from typing import Callable, Iterable, NamedTuple, Optional
 
 import numpy as np
 
-from ..errors import UsageError
+from mpilb.errors import UsageError
 
 RULES: dict[str, type] = {}
 
@@ -179,7 +179,7 @@ class ParamStore:
         """Apply a sum of gradients over `batch` samples as one mean (a sync round)."""
         grad_sum /= max(1, batch)
         if self.clip_norm is not None:   # as DDP + clip_grad_norm_: the averaged gradient
-            from ..optimizers import clip_grad_norm
+            from mpilb.core.optimizers import clip_grad_norm
 
             clip_grad_norm(grad_sum, self.clip_norm)
         lr_scale = batch / self.nominal_batch * self._scheduled()

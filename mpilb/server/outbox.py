@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 
-from .. import comm as C
-from .. import wire
-from ..wire import Cmd
+from mpilb.mpi import comm as C
+from mpilb.mpi import wire
+from mpilb.mpi.wire import Cmd
 
 
 class Outbox:

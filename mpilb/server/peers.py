@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
-from .. import wire
-from ..waiting import WaitEstimate
+from mpilb.mpi import wire
+from mpilb.mpi.waiting import WaitEstimate
 
 
 class Waiting(Enum):

@@ -26,14 +26,14 @@ from typing import Optional
 
 import numpy as np
 
-from .. import comm as C
-from .. import wire
-from ..corrections import build_correction
-from ..errors import MpilbError
-from ..topology import PER_NODE, span, store_ranks, stores_of, workers_of
-from ..watchdog import Rank0Watch
-from ..wire import Op
-from .modes import ParamStore
+from mpilb.mpi import comm as C
+from mpilb.mpi import wire
+from mpilb.core.corrections import build_correction
+from mpilb.errors import MpilbError
+from mpilb.core.topology import PER_NODE, span, store_ranks, stores_of, workers_of
+from mpilb.mpi.watchdog import Rank0Watch
+from mpilb.mpi.wire import Op
+from mpilb.server.modes import ParamStore
 
 END_TIMEOUT_S = 30.0
 PING_S = 0.25        # how often rank 0 asks every store for its counters (its liveness)
@@ -57,8 +57,8 @@ def check_servers(cfg, world_size: int, num_params: int, num_state: int = 0,
                   nodes: Optional[list] = None) -> None:
     """--servers K or per-node on the node layout `nodes` (node index by rank; default one
     node): at least one worker rank left, and at least one float per store."""
-    from ..errors import UsageError
-    from ..inject import parse_inject
+    from mpilb.errors import UsageError
+    from mpilb.core.inject import parse_inject
 
     nodes = list(nodes) if nodes else [0] * world_size
     stores = store_ranks(nodes, cfg.servers)
@@ -127,7 +127,7 @@ class StoreRank:
     rank 0's commands say."""
 
     def __init__(self, cfg, dataset, comm, rank: int):
-        from ..training import config_model, config_optimizer
+        from mpilb.run.training import config_model, config_optimizer
 
         self.comm = comm
         self.rank = rank

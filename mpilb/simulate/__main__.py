@@ -2,6 +2,6 @@
 
 import sys
 
-from ..cli import main
+from mpilb.cli.main import main
 
 raise SystemExit(main(["simulate", *sys.argv[1:]]))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .engine import _Worker
+    from mpilb.simulate.engine import _Worker
 
 PUSH, REBALANCE, LOST = 0, 1, 2
 # as mpilb.server.chores.FIRST_SIZES_STEPS (chores is not pure: it imports MPI); a test

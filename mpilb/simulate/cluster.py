@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import UsageError
+from mpilb.errors import UsageError
 
 # Defaults fitted to this machine's `mpilb bench ps` (sgd, 3 workers; see docs/simulate.md):
 # 0.1M params 2819 updates/s, 1M params 537 updates/s -> 0.19 ms per update + 8 bytes per

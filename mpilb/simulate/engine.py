@@ -11,9 +11,9 @@ of its samples applied, and the next one is planned at once; an idle worker wait
 work (a rebalance, a part-way move, the next epoch).
 
 What the engine does as the server does (mpilb/server/): top-up to two tasks and part-way
-moves (the server's task ledger, :mod:`mpilb.server.tasks`), the first proportional sizing
+moves (the server's task ledger, :mod:`mpilb.core.tasks`), the first proportional sizing
 after 16 steps each, batch sizes revised at each rebalance and epoch start, sync rounds
-over the workers that are not idle, sit-out (the server's :class:`~mpilb.server.sitout.SitOut`
+over the workers that are not idle, sit-out (the server's :class:`~mpilb.core.sitout.SitOut`
 on the simulated workers: lags per round, benching, probes), lost workers
 (``hang``/``crash`` injections; their tasks go back).
 """
@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..balancer import BalancerConfig, build_balancer
-from ..server.sitout import SitOut
-from .chores import FIRST_SIZES_STEPS, PUSH, REBALANCE, EngineChores
-from .cluster import Profile, Stores
-from .ledger import Ledger
+from mpilb.core.balancer import BalancerConfig, build_balancer
+from mpilb.core.sitout import SitOut
+from mpilb.simulate.chores import FIRST_SIZES_STEPS, PUSH, REBALANCE, EngineChores
+from mpilb.simulate.cluster import Profile, Stores
+from mpilb.simulate.ledger import Ledger
 
 
 @dataclass
@@ -121,8 +121,8 @@ class Engine(EngineChores):
         replay: I/O comes from the profiles' per-sample traces (a replayed run) rather
             than from modelled shard reads.
         order: ``order(seed, epoch, shards)``, each epoch's shard order (the server's
-            :func:`mpilb.training.epoch_order`; passed in, as that module reaches HDF5).
-        tracker: the coverage counter (a :class:`mpilb.training.EpochTracker`).
+            :func:`mpilb.run.training.epoch_order`; passed in, as that module reaches HDF5).
+        tracker: the coverage counter (a :class:`mpilb.run.training.EpochTracker`).
         See :func:`mpilb.simulate.run.simulate`, which passes the server's own.
     """
 

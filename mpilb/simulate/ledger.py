@@ -1,7 +1,7 @@
-"""The task ledger the simulator drives: the live server's own (:mod:`mpilb.server.tasks`).
+"""The task ledger the simulator drives: the live server's own (:mod:`mpilb.core.tasks`).
 
-:class:`Ledger` wraps :class:`~mpilb.server.tasks.TaskLedger` (assign, top up, part-way moves,
-take back) and the server's coverage counter (:class:`mpilb.training.EpochTracker`) in the
+:class:`Ledger` wraps :class:`~mpilb.core.tasks.TaskLedger` (assign, top up, part-way moves,
+take back) and the server's coverage counter (:class:`mpilb.run.training.EpochTracker`) in the
 few calls the engine makes, at the moments the server makes them: plan and begin an epoch,
 top a worker up after its push (or when it is woken), tell a worker its reply (its batch;
 a cut reaches it there), advance its current task, count applied samples, take back a lost
@@ -10,16 +10,16 @@ or benched worker's tasks. Nothing of the ledger's logic lives here.
 
 from __future__ import annotations
 
-from ..server.tasks import TaskLedger
+from mpilb.core.tasks import TaskLedger
 
 
 class Ledger:
     """The server's task ledger and coverage, for simulated workers.
 
     Args:
-        balancer: the :class:`mpilb.balancer.Balancer` (shard queues and rates).
-        tracker: the server's coverage counter, a :class:`mpilb.training.EpochTracker`
-            (passed in: mpilb.training reaches HDF5, and this package stays pure).
+        balancer: the :class:`mpilb.core.balancer.Balancer` (shard queues and rates).
+        tracker: the server's coverage counter, a :class:`mpilb.run.training.EpochTracker`
+            (passed in: mpilb.run.training reaches HDF5, and this package stays pure).
         shard_sizes: samples per shard.
         ranks: the workers.
         part_way: split a started task for an idle worker (every policy but static and

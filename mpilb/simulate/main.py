@@ -10,7 +10,7 @@ import itertools
 import json
 import sys
 
-from ..errors import UsageError
+from mpilb.errors import UsageError
 
 COLUMNS = ("epoch_s", "utilization", "imbalance_s", "moves", "updates_per_s", "server_busy")
 DEFAULT_BALANCERS = "static,load,predictive"
@@ -91,10 +91,10 @@ def _counts(text: str | None, what: str, default: str) -> list[int]:
 
 def run_simulate(args) -> int:
     """Simulate every configuration the options span; print the table (or JSON)."""
-    from ..balancer import BALANCERS, BATCH_POLICIES
-    from .engine import SimConfig
-    from .network import WIRE_BYTES, Layout, servers_count
-    from .run import run
+    from mpilb.core.balancer import BALANCERS, BATCH_POLICIES
+    from mpilb.simulate.engine import SimConfig
+    from mpilb.simulate.network import WIRE_BYTES, Layout, servers_count
+    from mpilb.simulate.run import run
 
     clusters, base = _clusters(args)
     balancers = _list(args.balancer, base.pop("balancer", DEFAULT_BALANCERS), "balancer", BALANCERS)
@@ -127,7 +127,7 @@ def run_simulate(args) -> int:
     if args.json:
         print(json.dumps(results))
     if args.plot:
-        from .plot import plot_results
+        from mpilb.simulate.plot import plot_results
 
         plot_results(results, args.plot)
         if not args.json:
@@ -137,14 +137,14 @@ def run_simulate(args) -> int:
 
 def _clusters(args):
     """[(label, profiles, shard sizes, replay?, extra result keys)] and the shared settings."""
-    from ..inject import parse_injects
-    from . import cluster as C
+    from mpilb.core.inject import parse_injects
+    from mpilb.simulate import cluster as C
 
     cfg = {}
     if args.from_log:
         if args.workers or args.inject:
             raise UsageError("--from replays a run: --workers and --inject come from its log")
-        from .replay import load_run
+        from mpilb.simulate.replay import load_run
 
         run = load_run(args.from_log, args.params)
         rc = run.config
@@ -271,7 +271,7 @@ def _network_given(args) -> bool:
 
 
 def _network(args, nodes: int, ranks_per_node: list[int] | None = None):
-    from .network import LATENCY_S, SHM_RATE, NetSpec, parse_rate, parse_rates
+    from mpilb.simulate.network import LATENCY_S, SHM_RATE, NetSpec, parse_rate, parse_rates
 
     if nodes < 1:
         raise UsageError(f"--nodes must be at least 1 (got {nodes})")
@@ -290,7 +290,7 @@ def _network(args, nodes: int, ranks_per_node: list[int] | None = None):
 
 def _net_cluster(args, spec):
     """A synthetic cluster on a network: a profile for every MPI rank (stores' unused)."""
-    from . import cluster as C
+    from mpilb.simulate import cluster as C
 
     if args.workers is not None:
         raise UsageError("--nodes gives the workers (every rank that is not a store): drop --workers")

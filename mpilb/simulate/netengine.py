@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import heapq
 
-from ..errors import UsageError
-from .chores import REBALANCE
-from .engine import Engine, _Worker
-from .network import WIRE_BYTES, Fabric, Layout, Topology
+from mpilb.errors import UsageError
+from mpilb.simulate.chores import REBALANCE
+from mpilb.simulate.engine import Engine, _Worker
+from mpilb.simulate.network import WIRE_BYTES, Fabric, Layout, Topology
 
 ARRIVE, STORE_SEND, REPLY = 0, 1, 2
 

@@ -26,7 +26,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from ..errors import UsageError
+from mpilb.errors import UsageError
 
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SHM_RATE = "40gbit"     # 5 GB/s: a copy through shared memory between two ranks of a node

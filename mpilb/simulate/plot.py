@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..errors import UsageError
+from mpilb.errors import UsageError
 
 
 def _label(r: dict) -> str:

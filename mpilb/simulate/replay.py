@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import UsageError
-from ..inject import parse_injects
-from ..topology import default_stores
-from .cluster import Profile, Stores
+from mpilb.errors import UsageError
+from mpilb.core.inject import parse_injects
+from mpilb.core.topology import default_stores
+from mpilb.simulate.cluster import Profile, Stores
 
 
 @dataclass
@@ -61,7 +61,7 @@ class Replay:
 def load_run(path: str, params: int | None = None) -> Replay:
     """Read a finished run's log. UsageError (one line, naming the file) when it cannot be
     read, is not a run log, or did not finish an epoch."""
-    from ..runlog import file_kind, read_columns
+    from mpilb.runfiles.runlog import file_kind, read_columns
 
     try:
         attrs, cols = read_columns(path)
@@ -137,7 +137,7 @@ def _reason(exc: Exception) -> str:
 
 
 def _dataset(config: dict):
-    from ..dataset import open_dataset
+    from mpilb.data.dataset import open_dataset
 
     data = config.get("data")
     if not data:
@@ -151,13 +151,13 @@ def _dataset(config: dict):
 def _params(config: dict, dataset) -> int | None:
     if dataset is None:
         return None
-    from ..models import is_user_spec
+    from mpilb.models import is_user_spec
 
     if is_user_spec(config.get("model")):
         return None    # never import code a run log names: ask for --params instead
     try:
-        from ..config import parse_hidden
-        from ..models import build_model
+        from mpilb.config.build import parse_hidden
+        from mpilb.models import build_model
 
         model = build_model(config["model"], tuple(dataset.sample_shape), dataset.num_classes,
                             parse_hidden(config.get("hidden", "256,128")))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ..training import EpochTracker, epoch_order
-from .engine import Engine, SimConfig
-from .netengine import NetEngine
+from mpilb.run.training import EpochTracker, epoch_order
+from mpilb.simulate.engine import Engine, SimConfig
+from mpilb.simulate.netengine import NetEngine
 
 
 def simulate(profiles, shard_sizes, replay: bool = False, layout=None, **config) -> dict:

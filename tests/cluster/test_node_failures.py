@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "benchmar
 import mpirun  # noqa: E402
 from _runs import marked_processes  # noqa: E402
 from mpilb.clusterbox import ClusterBox, missing  # noqa: E402
-from mpilb.dataset import open_dataset, prepare_synthetic  # noqa: E402
-from mpilb.report import summarize_log  # noqa: E402
-from mpilb.shards import placement  # noqa: E402
-from test_resume import recomputed_coverage  # noqa: E402
+from mpilb.data.dataset import open_dataset, prepare_synthetic  # noqa: E402
+from mpilb.runfiles.report import summarize_log  # noqa: E402
+from mpilb.data.shards import placement  # noqa: E402
+from mpirun import recomputed_coverage  # noqa: E402
 
 WHY = missing()
 pytestmark = [pytest.mark.cluster,
@@ -122,15 +122,4 @@ def _wait_ranks(mark: bytes, proc, ranks: set, timeout=60) -> list[int]:
 
 
 def _wait_training(log, proc, timeout=120):
-    from mpilb.runlog import read_columns
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        assert proc.poll() is None, proc.communicate()
-        try:
-            if read_columns(str(log))[1]["updates"]["t"].size:
-                return
-        except (OSError, KeyError, RuntimeError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError("training did not start")
+    mpirun.wait_training(log, proc, timeout)

@@ -26,7 +26,7 @@ import json, sys, time
 import numpy as np
 import cupy as cp
 from mpilb.models import build_model
-from mpilb.optimizers import build_optimizer
+from mpilb.core.optimizers import build_optimizer
 
 out = {"gpu": cp.cuda.runtime.getDeviceProperties(0)["name"].decode(), "models": {}}
 rng = np.random.default_rng(0)

@@ -20,9 +20,10 @@ import pytest
 
 TESTS = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(TESTS))
-from test_resume import recomputed_coverage  # noqa: E402
-from mpilb.dataset import open_dataset  # noqa: E402
-from mpilb.report import summarize_log  # noqa: E402
+from mpirun import wait_training as wait_for_updates  # noqa: E402
+from mpirun import recomputed_coverage  # noqa: E402
+from mpilb.data.dataset import open_dataset  # noqa: E402
+from mpilb.runfiles.report import summarize_log  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 
@@ -135,18 +136,7 @@ def test_two_stores(digits_dir, tmp_path):
 
 
 def wait_training(log, job, timeout=90):
-    from mpilb.runlog import read_columns
-
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        assert job.proc.poll() is None, job.stderr
-        try:
-            if read_columns(str(log))[1]["updates"]["t"].size:
-                return
-        except (OSError, KeyError, RuntimeError):
-            pass
-        time.sleep(0.2)
-    raise AssertionError("training did not start")
+    wait_for_updates(log, job.proc, timeout, output=lambda: job.stderr)
 
 
 def ranks_of(job) -> list[int]:

@@ -1,0 +1,278 @@
+"""`mpilb bench ps`: the real parameter server against workers that compute nothing.
+
+In the same run, a bare loop gives the baseline: one preposted Irecv per worker, Waitany,
+`w -= lr*g`, Isend back. The ratio of the two update rates is the server's overhead:
+headers, staleness bookkeeping, coverage counting, the run log, the balancer and the
+optimizer's own cost (sgd is the same arithmetic as the bare loop; adam is more).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpilb.mpi import comm as C
+from mpilb.mpi import wire
+from mpilb.mpi.wire import Cmd
+from mpilb.errors import UsageError
+
+TAG_BARE = 21
+TAG_BARE_STOP = 22
+
+
+@dataclass
+class _BenchDataset:
+    """Just enough of a Dataset for the server: big shards, a tiny test set."""
+
+    features: int
+    shard_sizes: list
+    num_classes: int = 10
+    root: str = "<bench>"
+
+    @property
+    def sample_shape(self):
+        return (self.features,)
+
+    def load_test(self):
+        return (np.zeros((2, self.features), np.float32), np.zeros(2, np.int64))
+
+
+def _bare_server(comm, n: int, seconds: float, lr: float) -> float:
+    workers = list(range(1, comm.Get_size()))
+    w = np.zeros(n, np.float32)
+    bufs = [np.empty(n, np.float32) for _ in workers]
+    reqs = [comm.Irecv(b, source=r, tag=TAG_BARE) for b, r in zip(bufs, workers)]
+    sends = [None] * len(workers)
+    updates = 0
+    t0 = time.perf_counter()
+    while True:
+        i = C.Request.Waitany(reqs)
+        w -= lr * bufs[i]
+        updates += 1
+        if sends[i] is not None:
+            sends[i].Wait()
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            break
+        sends[i] = comm.Isend(w, dest=workers[i], tag=TAG_BARE)
+        reqs[i] = comm.Irecv(bufs[i], source=workers[i], tag=TAG_BARE)
+    # Stop: the worker that just pushed and every other one (after its push lands).
+    pending = set(range(len(workers))) - {i}
+    comm.Send(np.zeros(1, np.float32), dest=workers[i], tag=TAG_BARE_STOP)
+    for j in pending:
+        reqs[j].Wait()
+        if sends[j] is not None:
+            sends[j].Wait()
+        comm.Send(np.zeros(1, np.float32), dest=workers[j], tag=TAG_BARE_STOP)
+    for s in sends:
+        if s is not None:
+            s.Wait()
+    return updates / elapsed
+
+
+def _bare_worker(comm, n: int) -> None:
+    g = np.full(n, 1e-3, np.float32)
+    w = np.empty(n, np.float32)
+    status = C.MPI.Status()
+    backoff = C.Backoff()
+    while True:
+        # like a real worker, it does not wait for its push to complete before it waits
+        # for the reply (the server has received the push when it replies)
+        send = comm.Isend(g, dest=0, tag=TAG_BARE)
+        backoff.reset()
+        while not comm.Iprobe(source=0, tag=C.MPI.ANY_TAG, status=status):
+            backoff.sleep()
+        if status.Get_tag() == TAG_BARE_STOP:
+            comm.Recv(np.empty(1, np.float32), source=0, tag=TAG_BARE_STOP)
+            C.complete(send)
+            return
+        C.recv_when_ready(comm, w, 0, TAG_BARE, backoff)
+        C.complete(send)
+
+
+def _null_worker(comm, n: int, bounds: list, stores: list) -> None:
+    """The worker protocol without computing: push zero-cost gradients of the tasks assigned,
+    honouring their ends, cuts and drops (so coverage stays exact, as with real workers).
+    Slices go to their stores (`bounds`, the store ranks `stores`) as real workers send them."""
+    push_buf, push_hdr, push_payload = wire.new_message(n)
+    push_payload[:] = 1e-3
+    recv_buf, recv_hdr, recv_params = wire.new_message(n)
+    tasks: list[list[int]] = []   # [epoch, shard, pos, end]
+    backoff = C.Backoff()
+    step = 0
+    pulls = None
+    pushes: list = []
+    while True:
+        if pulls is None:
+            pulls = [comm.Irecv(recv_params[bounds[s]:bounds[s + 1]], source=r, tag=wire.TAG_PARAMS)
+                     for s, r in enumerate(stores)]
+        C.recv_when_ready(comm, recv_buf[:wire.HEADER_BYTES], 0, wire.TAG_REPLY, backoff)
+        reply = wire.decode_reply(recv_hdr)
+        for req in pushes:   # done: the server replied (as a real worker, it did not wait)
+            C.complete(req)
+        pushes = []
+        if reply.cmd == Cmd.STOP:
+            for req in pulls:
+                req.Cancel()
+                C.wait(req, timeout=1.0)
+            return
+        if reply.cmd == Cmd.PARAMS:
+            backoff.reset()
+            while not C.Request.Testall(pulls):
+                backoff.sleep()
+            pulls = None
+        if reply.cmd == Cmd.ORDERS:   # rows for another rank: only with --store local
+            continue
+        if reply.drop:
+            tasks.clear()
+        tasks.extend([t.epoch, t.shard, t.start, t.end] for t in reply.assigns)
+        if reply.cut is not None:   # the task holding the cut (two may share a shard)
+            for t in tasks:
+                if (t[0], t[1]) == (reply.cut.epoch, reply.cut.shard) and t[2] <= reply.cut.end < t[3]:
+                    t[3] = reply.cut.end
+                    break
+        tasks = [t for t in tasks if t[2] < t[3]]
+        if not tasks:
+            continue
+        epoch, shard, lo, end = tasks[0]
+        hi = min(lo + max(1, reply.batch), end)
+        tasks[0][2] = hi
+        wire.encode_push(push_hdr, step=step, version=reply.version, epoch=epoch, shard=shard,
+                         lo=lo, hi=hi, batch=hi - lo, loss=0.0, compute_s=0.0, io_s=0.0,
+                         comm_s=0.0, idle_s=0.0, nonfinite=False, t=0.0)
+        pushes = [comm.Isend(push_payload[bounds[s]:bounds[s + 1]], dest=r, tag=wire.TAG_GRAD)
+                  for s, r in enumerate(stores) if s > 0]
+        pushes.append(comm.Isend(push_buf[:wire.HEADER_BYTES + 4 * bounds[1]], dest=0,
+                                 tag=wire.TAG_PUSH))
+        step += 1
+
+
+_NULL_SHARD = 1_000_000
+
+
+def _bench_config(n: int, seconds: float, optimizer: str, lr: float, stores: list, log: str):
+    from mpilb.config.build import build_config
+
+    cfg = build_config({}, {"model": "softmax", "optimizer": optimizer, "lr": lr,
+                            "epochs": 1, "max_seconds": seconds, "eval_interval": 1e9,
+                            "rebalance_interval": 1.0, "progress": False,
+                            "servers": len(stores), "log": log, "data": "<bench>"})
+    cfg.store_ranks = tuple(stores)
+    return cfg
+
+
+def _bench_dataset(n: int, workers: int) -> _BenchDataset:
+    return _BenchDataset(max(1, n // 10 - 1), [_NULL_SHARD] * (2 * workers + 2))
+
+
+def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: list) -> dict:
+    """One timed run of the real server (rank 0), its stores and null workers (every rank).
+    Rank 0 returns {updates_per_s, server_cpu_s, train_s, updates, servers: [...]}."""
+    from mpilb.server.store import StoreRank, store_bounds
+    from mpilb.run.training import config_model
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    dataset = _bench_dataset(n, size - len(stores))
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = _bench_config(n, seconds, optimizer, lr, stores, os.path.join(tmp, "bench.h5"))
+        if rank not in stores:
+            _null_worker(comm, n, store_bounds(cfg, config_model(cfg, dataset)), stores)
+            return {}
+        if rank > 0:
+            StoreRank(cfg, dataset, comm, rank).run()
+            return {}
+        from mpilb.server import ParameterServer
+
+        server = ParameterServer(cfg, dataset, comm, {"config": cfg.to_json(), "world_size": size})
+        server.run()
+        updates, train_s = server.version, server.train_s
+        summary = server.finish("finished")
+    return {"updates_per_s": updates / train_s, "updates": updates, "train_s": train_s,
+            "server_cpu_s": summary["server_cpu_s"], "servers": summary["servers"]}
+
+
+def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sgd",
+             as_json: bool = False, repeats: int = 3, servers=1) -> int:
+    """Run both loops on every rank, alternating `repeats` times; rank 0 prints medians
+    (the ratio is the median of the per-pair ratios). With `servers` K > 1 (or "per-node")
+    the real server has that many parameter stores, placed by node as `mpilb train` places
+    them (topology.store_ranks); the bare loop stays one server, P-1 workers."""
+    from mpilb.core.topology import PER_NODE, store_ranks
+
+    comm, rank, size = C.world()
+    nodes = C.nodes(comm)
+    if size < 2:
+        if rank == 0:
+            raise UsageError("bench ps needs at least 2 ranks: mpiexec -n 4 mpilb bench ps")
+        return 2
+    if params < 10 or seconds <= 0 or repeats < 1:
+        raise UsageError("bench ps: --params must be >= 10, --seconds > 0 and --repeats >= 1")
+    if servers != PER_NODE:
+        try:
+            servers = int(servers)
+        except ValueError:
+            raise UsageError(f"bench ps: --servers {servers!r}: expected an integer or "
+                             f"{PER_NODE}") from None
+    if servers != PER_NODE and (servers < 1 or servers >= size):
+        raise UsageError(f"bench ps: --servers {servers} must be >= 1 and leave a worker "
+                         f"(this job has {size} ranks)")
+    stores = store_ranks(nodes, servers)
+    if len(stores) >= size:
+        raise UsageError(f"bench ps: --servers {servers} leaves no worker: each of the job's "
+                         f"{len(stores)} nodes has one rank (start more ranks per node)")
+    if len(stores) > params:
+        raise UsageError(f"bench ps: --servers {servers} exceeds --params {params}")
+    from mpilb.mpi import cores
+
+    cores.start_waits(comm, stores)   # the waits of `mpilb train` here, for both loops
+    lr = 1e-6
+    # Use the server's actual parameter count (softmax: 10*(features+1)) for both loops.
+    n = (max(1, params // 10 - 1)) * 10 + 10
+    baselines, rates, runs = [], [], []
+    for _ in range(repeats):   # alternate, so both loops see the same machine load
+        C.wait(comm.Ibarrier())
+        if rank == 0:
+            baselines.append(_bare_server(comm, n, seconds, lr))
+        else:
+            _bare_worker(comm, n)
+        C.wait(comm.Ibarrier())
+        run = _real_run(comm, n, seconds, optimizer, lr, stores)
+        if rank == 0:
+            runs.append(run)
+            rates.append(run["updates_per_s"])
+    C.wait(comm.Ibarrier())
+    if rank != 0:
+        return 0
+    rate, baseline = statistics.median(rates), statistics.median(baselines)
+    result = {
+        "params": n,
+        "workers": size - len(stores),
+        "optimizer": optimizer,
+        "updates_per_s": rate,
+        "gb_per_s": rate * n * 4 * 2 / 1e9,
+        "baseline_updates_per_s": baseline,
+        "ratio": statistics.median(r / b for r, b in zip(rates, baselines)),
+        "ratios": [r / b for r, b in zip(rates, baselines)],
+        "repeats": repeats,
+        "servers": servers,
+        "stores": stores,   # their ranks
+        "nodes": nodes,     # node index by rank
+        "runs": runs,   # per repeat: updates/s, rank 0's CPU seconds, per-store counters
+    }
+    if as_json:
+        print(json.dumps(result))
+    else:
+        k, where = len(stores), len(set(nodes))
+        print(f"parameter server ({k} store{'s' if k > 1 else ''} on {where} node"
+              f"{'s' if where > 1 else ''}), {n} float32 params, {size - k} workers, {optimizer}: "
+              f"{rate:.0f} updates/s ({result['gb_per_s']:.2f} GB/s in+out); bare loop "
+              f"{baseline:.0f} updates/s; ratio {result['ratio']:.2f} (medians of {repeats})")
+    sys.stdout.flush()
+    return 0

@@ -1,0 +1,217 @@
+"""What a training run holds whoever drives it: the serial trainer and the parameter server.
+
+The model, its optimizer, the balancer, the epoch tracker, the evaluator, the stop rule, the
+checkpoint it resumes from, the run log and the progress line are set up the same way on one
+rank or on rank 0 of many; this module does it once, so neither driver imports the other.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional
+
+import numpy as np
+
+from mpilb.runfiles import checkpoint
+from mpilb.runfiles.best import BestCheckpoint
+from mpilb.core.balancer import BalancerConfig, build_balancer
+from mpilb.run.evalproc import EvalProcess, EvalProcessGone
+from mpilb.models import initial_params
+from mpilb.run.progress import Progress, tapped
+from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.runlog import RunLog
+from mpilb.core.schedules import build_schedule
+from mpilb.runfiles.tensorboard import tap_for
+from mpilb.run.training import EpochTracker, Evaluation, build_evaluator, build_stop_rule, config_model, config_optimizer
+
+
+def balancer_config(cfg) -> BalancerConfig:
+    return BalancerConfig(batch=cfg.batch, batch_policy=cfg.batch_policy,
+                          min_batch=cfg.min_batch, max_batch=cfg.max_batch,
+                          sit_out=(bool(cfg.sit_out) and cfg.mode == "sync"
+                                   and cfg.batch_policy == "proportional"),
+                          rebalance_interval=cfg.rebalance_interval)
+
+
+def format_final(summary: dict) -> str:
+    """The last line of a run."""
+    acc = summary.get("final_test_accuracy")
+    metric, value = summary.get("metric", "accuracy"), summary.get("final_test_metric")
+    if acc is None and value is not None:
+        acc_txt = f"n/a, test {metric} {value:.4f}"
+    else:
+        acc_txt = "n/a" if acc is None else f"{acc:.4f}"
+    cov = summary["coverage"]
+    return (f"mpilb: {summary['status']}: {summary['epochs_completed']} epoch(s), "
+            f"{summary['samples']} samples in {summary['train_s']:.1f} s "
+            f"({summary['samples_per_s']:.0f} samples/s), test accuracy {acc_txt}, "
+            f"coverage {cov['applied']}/{cov['expected']} "
+            f"(duplicates {cov['duplicates']}, missing {cov['missing']})")
+
+
+def files_line(cfg) -> str:
+    """The very last line(s) of a run: where its log and its final parameters are (and,
+    with --save-best, the best evaluation's)."""
+    from mpilb.runfiles.best import best_line
+
+    best = best_line(cfg)
+    return f"mpilb: log {cfg.log}, checkpoint {cfg.checkpoint}" + (f"\n{best}" if best else "")
+
+
+class Session:
+    """The shared state of one run, built from its config.
+
+    Args:
+        cfg: the run's Config.
+        dataset: the opened dataset.
+        run_attrs: root attributes of the run log.
+        ranks: the workers the balancer plans for.
+        holders: shard -> ranks holding a copy (--store local), or None.
+        xp: array module of the optimizer state (numpy, or cupy for a serial GPU run).
+    """
+
+    def __init__(self, cfg, dataset, run_attrs: dict, ranks: list[int],
+                 holders: Optional[dict] = None, xp=np):
+        self.cfg = cfg
+        self.dataset = dataset
+        self.model = config_model(cfg, dataset)
+        self.params = initial_params(self.model, cfg.seed, cfg.model)
+        self.optimizer = config_optimizer(cfg, self.model.num_params, xp=xp)
+        self.balancer = build_balancer(cfg.balancer, ranks, dataset.shard_sizes,
+                                       balancer_config(cfg), holders)
+        self.tracker = EpochTracker(dataset.shard_sizes)
+        self.evaluator = build_evaluator(self.model, dataset)
+        self.stop = build_stop_rule(cfg)
+        # the factor on --lr at each update (--lr-schedule, --warmup): schedules.py
+        self.schedule = build_schedule(cfg, dataset.shard_sizes, len(ranks))
+        self.resumed: Optional[checkpoint.Checkpoint] = None
+        if cfg.resume:
+            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed,
+                                           validation_fraction=cfg.validation_fraction)
+            self.params[:] = self.resumed.params
+            self.optimizer.load_state_dict(self.resumed.optimizer)
+            checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
+        self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
+                                 samples_per_epoch=self.tracker.total,
+                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds,
+                                 metric=self.model.metric)
+        # the progress display and --tensorboard see every row of the run log
+        self.log = tapped(RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
+                                resume_at=self.resumed.train_s if self.resumed else None,
+                                checkpoint=cfg.checkpoint,
+                                completed=self.resumed.completed if self.resumed else None),
+                         self.progress, tap_for(cfg))
+        self.accuracy: Optional[float] = None   # the headline metric, for the progress line
+        self.evaluation: Optional[Evaluation] = None   # what --target-* decide on
+        self.eval_version = -1   # parameter version of the last evaluation
+        self._eval_pool: Optional[ThreadPoolExecutor] = None
+        self._eval_proc: Optional[EvalProcess] = None
+        self._pending = None     # an evaluation running in the background (evaluate_later)
+        self.best = BestCheckpoint(cfg) if cfg.save_best else None
+
+    def start_background_evaluation(self, ranks_here: int) -> None:
+        """Start the process that :meth:`evaluate_later` hands its evaluations to (rank 0
+        of a job; see evalproc.py) when this node has a core to spare for it: more CPUs
+        for this rank than the job has ranks here (``MPILB_EVAL_PROCESS=1`` or ``0``: always,
+        never). Otherwise they run on a thread, which costs no process start-up (~1 s of
+        CPU) on a node whose cores the ranks already share."""
+        if self.model.num_state:
+            return   # (statistics the pushes update are evaluated where they are)
+        choice = os.environ.get("MPILB_EVAL_PROCESS", "auto")
+        cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                else os.cpu_count() or 1)
+        if choice == "0" or (choice != "1" and cpus <= ranks_here):
+            return
+        try:
+            self._eval_proc = EvalProcess(self.cfg, self.dataset, self.model.num_params)
+        except OSError as exc:
+            print(f"mpilb: warning: no evaluation process ({exc}); evaluating on a thread",
+                  file=sys.stderr, flush=True)
+
+    def evaluate(self, params: np.ndarray, t: float, version: int, epoch: int) -> None:
+        """Evaluate host parameters on the test (and validation) set and log the row."""
+        self.collect(wait=True)   # rows in order
+        self._record(self.evaluator.evaluate(params), t, version, epoch, params)
+
+    def evaluate_later(self, params: np.ndarray, t: float, version: int, epoch: int,
+                       then: Optional[Callable[[], None]] = None) -> None:
+        """Evaluate `params` in the background while rank 0 goes on serving pushes: in the
+        evaluation process (:meth:`start_background_evaluation`), else a copy on a thread;
+        :meth:`collect` logs the row and calls `then`. Only for models without state the
+        server updates (BatchNorm statistics)."""
+        self.collect(wait=True)
+        kept = None if self.best is None else np.array(params, copy=True)   # (to save)
+        job = None
+        if self._eval_proc is not None:
+            try:
+                self._eval_proc.submit(params)
+                job = self._eval_proc
+            except OSError as exc:   # it died while idle: its pipe is closed
+                print(f"mpilb: warning: the evaluation process ended ({exc}); rank 0 "
+                      f"evaluates from now on", file=sys.stderr, flush=True)
+                self._eval_proc.close()
+                self._eval_proc = None
+        if job is None:
+            if self._eval_pool is None:
+                self._eval_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpilb-eval")
+            job = self._eval_pool.submit(self._timed, np.array(params, copy=True))
+        self._pending = (job, t, version, epoch, then, kept)
+
+    def _timed(self, params: np.ndarray):
+        before = self.evaluator.seconds
+        ev = self.evaluator.evaluate(params)
+        return ev, self.evaluator.seconds - before
+
+    def collect(self, wait: bool = False) -> bool:
+        """Log a background evaluation that has finished (`wait`: wait for it); its error,
+        if it failed, is raised here."""
+        if self._pending is None or not (wait or self._pending[0].done()):
+            return False
+        job, t, version, epoch, then, kept = self._pending
+        self._pending = None
+        try:
+            ev, seconds = job.result()
+        except EvalProcessGone as exc:
+            print(f"mpilb: warning: {exc}; rank 0 evaluates from now on", file=sys.stderr,
+                  flush=True)
+            self._eval_proc = None
+            ev, seconds = self._timed(job.submitted())
+        else:
+            if job is self._eval_proc:
+                self.evaluator.seconds += seconds   # (a thread counted its own)
+        self._record(ev, t, version, epoch, kept)
+        if then is not None:
+            then()
+        return True
+
+    def _record(self, ev: Evaluation, t: float, version: int, epoch: int, params=None) -> None:
+        self.evaluation, self.accuracy = ev, ev.decides[1]
+        self.eval_version = version
+        self.log.append("eval", t=t, version=version, epoch=epoch, **ev.columns())
+        if self.best is not None and params is not None:
+            def save(path, evaluated, best):
+                checkpoint.save(path, cfg=self.cfg, model=self.model, dataset=self.dataset,
+                                params=evaluated, optimizer=self.optimizer, version=version,
+                                epoch=epoch, tracker=self.tracker, balancer=self.balancer,
+                                train_s=t, run_id=self.log.run_id, best=best)
+
+            self.best.offer(ev, params, epoch, version, save)
+
+    def close(self, status: str, attrs: dict) -> dict:
+        """Close the run log, write the summary, end the progress display on its figures."""
+        if self._pending is not None:
+            if self._pending[0] is not self._eval_proc:
+                self._pending[0].cancel()   # (a run that failed meanwhile: not waited for)
+            self._pending = None
+        if self._eval_pool is not None:
+            self._eval_pool.shutdown(wait=False)
+        if self._eval_proc is not None:
+            self._eval_proc.close()
+            self._eval_proc = None
+        self.log.close(status, attrs)
+        summary = summarize_log(self.cfg.log)
+        self.log.write_summary(summary)
+        self.progress.close(summary)
+        return summary

@@ -1,0 +1,175 @@
+"""Configuration: defaults, TOML files, command-line overrides, validation messages."""
+
+import pytest
+
+from mpilb.config.build import OPTIONS, build_config, load_toml, parse_hidden
+from mpilb.errors import UsageError
+
+
+def test_defaults_match_design():
+    cfg = build_config()
+    assert cfg.mode == "async" and cfg.balancer == "load" and cfg.batch_policy == "fixed"
+    assert cfg.store == "shared" and cfg.correction == "momentum" and cfg.dc_lambda == 0.04
+    assert cfg.replicas == 1 and cfg.pipeline == 1 and cfg.inject == []
+
+
+@pytest.mark.parametrize("values,pipeline", [
+    ({}, 1), ({"correction": "dc"}, 1),          # async computes ahead by default
+    ({"mode": "ssp"}, 0), ({"mode": "sync"}, 0),  # ssp keeps its bound exact; sync cannot
+    ({"correction": "inverse"}, 0),               # it would divide the lr by twice the staleness
+    ({"pipeline": "0"}, 0), ({"mode": "ssp", "pipeline": "1"}, 1),   # as given
+    ({"correction": "inverse", "pipeline": "1"}, 1),
+    # a momentum recipe under the momentum policy (the default): twice the staleness costs
+    # more samples than computing ahead gains
+    ({"optimizer": "momentum"}, 0), ({"optimizer": "momentum", "correction": "none"}, 1),
+    ({"optimizer": "momentum", "pipeline": "1"}, 1),
+])
+def test_the_pipeline_default_follows_the_mode(values, pipeline):
+    assert build_config({}, values).pipeline == pipeline
+    assert build_config(values, {}, source="run.toml").pipeline == pipeline   # from a file too
+
+
+@pytest.mark.parametrize("mode,correction", [("async", "momentum"), ("ssp", "momentum"),
+                                             ("sync", "none")])
+def test_the_correction_default_follows_the_mode(mode, correction):
+    assert build_config({}, {"mode": mode}).correction == correction
+    assert build_config({}, {"mode": mode, "correction": "dc"}).correction == "dc"
+
+
+def test_toml_with_dashes_or_underscores_and_cli_override(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text('model = "softmax"\nstaleness-bound = 3\nbatch_policy = "proportional"\n'
+                 'inject = ["3:compute=4"]\nhidden = [64, 32]\n')
+    cfg = build_config(load_toml(str(f)), {"model": "cnn", "lr": "0.5"}, source=str(f))
+    assert cfg.model == "cnn" and cfg.staleness_bound == 3 and cfg.lr == 0.5
+    assert cfg.batch_policy == "proportional" and cfg.inject == ["3:compute=4"]
+    assert cfg.hidden_sizes == (64, 32)
+
+
+def test_unknown_key_names_closest(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("staleness_bund = 3\n")
+    with pytest.raises(UsageError, match="staleness_bund.*did you mean 'staleness_bound'"):
+        load_toml(str(f))
+
+
+def test_unknown_key_without_a_close_one_lists_the_valid_keys(tmp_path):
+    f = tmp_path / "c1.toml"
+    f.write_text("bogus_key = 3\n")
+    with pytest.raises(UsageError) as err:
+        load_toml(str(f))
+    text = str(err.value)
+    assert text.startswith(f"{f}: unknown key 'bogus_key'; valid keys: balancer, batch, ")
+    assert all(o.name in text for o in OPTIONS) and "model_args" in text
+
+
+def test_target_accuracy_on_regression_data_is_refused_or_warned(tmp_path, capsys):
+    """--target-accuracy does nothing on float targets: refused on the command line
+    (pointing to --target-metric), a warning from a config file, like NO_EFFECT."""
+    from types import SimpleNamespace
+
+    from mpilb.run.training import check_world
+
+    regression = SimpleNamespace(num_classes=0, root="reg", sample_shape=(5,))
+    with pytest.raises(UsageError, match=r"--target-accuracy 0\.9 has no effect with regression "
+                       r"data \(reg holds float targets.*use --target-metric"):
+        check_world(build_config({}, {"target_accuracy": "0.9"}), 2, regression)
+    f = tmp_path / "c.toml"
+    f.write_text("target_accuracy = 0.9\n")
+    check_world(build_config(load_toml(str(f)), {}, source=str(f)), 2, regression)
+    assert "c.toml: target_accuracy = 0.9 has no effect with regression data" in capsys.readouterr().err
+    check_world(build_config({}, {"target_metric": "0.9"}), 2, regression)   # the right one
+    classes = SimpleNamespace(num_classes=10, root="d", sample_shape=(64,))
+    check_world(build_config({}, {"target_accuracy": "0.9"}), 2, classes)
+    assert capsys.readouterr().err == ""
+
+
+def test_unknown_cli_option_names_closest():
+    with pytest.raises(UsageError, match="did you mean 'balancer'"):
+        build_config({}, {"balancr": "load"})
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("lr", "-0.1", "--lr.*must be a number > 0"),
+    ("lr", "abc", "--lr.*expected a number"),
+    ("batch", "0", "--batch.*must be an integer >= 1"),
+    ("batch", "2.5", "--batch.*expected an integer"),
+    ("mode", "fast", "--mode.*allowed values are async, ssp, sync"),
+    ("balancer", "lod", "did you mean 'load'"),
+    ("hidden", "64,0", "--hidden.*positive layer sizes"),
+    ("hidden", "a,b", "--hidden.*positive layer sizes"),
+    ("target_accuracy", "1.5", "--target-accuracy.*\\(0, 1\\]"),
+    ("momentum", "1.0", "--momentum.*\\[0, 1\\)"),
+    ("pipeline", "2", "--pipeline.*allowed values are 0, 1"),
+])
+def test_bad_values_name_the_option(key, value, message):
+    with pytest.raises(UsageError, match=message):
+        build_config({}, {key: value})
+
+
+def test_bad_value_in_file_names_file_and_key(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_text("batch = -3\n")
+    with pytest.raises(UsageError, match=r"c\.toml: batch = -3: must be"):
+        build_config(load_toml(str(f)), {}, source=str(f))
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"min_batch": "64", "max_batch": "32"}, "--min-batch 64 is larger than --max-batch 32"),
+    ({"resume": True}, "--resume needs --log RUN.h5"),
+    ({"resume": True, "log": "r.h5", "overwrite": True}, "--resume continues"),
+    ({"replicas": "2"}, "--replicas 2 has no effect with --store shared"),
+    ({"pipeline": "1", "mode": "sync"}, "--pipeline 1 cannot be combined with --mode sync"),
+])
+def test_bad_combinations(values, message):
+    with pytest.raises(UsageError, match=message):
+        build_config({}, values)
+
+
+def test_toml_errors(tmp_path):
+    with pytest.raises(UsageError, match="config file not found"):
+        load_toml(str(tmp_path / "missing.toml"))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("model = \n")
+    with pytest.raises(UsageError, match="bad.toml: not valid TOML"):
+        load_toml(str(bad))
+
+
+def test_parse_hidden():
+    assert parse_hidden("256,128") == (256, 128)
+    assert parse_hidden([8]) == (8,)
+    with pytest.raises(UsageError):
+        parse_hidden("")
+
+
+def test_every_option_has_help_and_a_valid_default():
+    for opt in OPTIONS:
+        assert opt.help
+        if opt.choices is not None and opt.default_text is None:
+            assert opt.default in opt.choices
+        if opt.default_text is not None:   # decided by build_config (or at run time)
+            assert opt.default is None
+            value = build_config().values[opt.name]
+            if opt.choices is not None:    # from other options: one of its choices
+                assert value in opt.choices
+            elif value is not None:
+                assert opt.check[0](value)
+
+
+def test_adamw_decays_by_default_as_torch_and_torch_classes_keep_their_own_default():
+    assert build_config({}, {"optimizer": "adamw"}).weight_decay == 0.01
+    assert build_config({}, {"optimizer": "adam"}).weight_decay == 0.0
+    assert build_config({}, {"optimizer": "adamw", "weight_decay": 0.0}).weight_decay == 0.0
+    assert build_config({}, {"optimizer": "torch.optim.AdamW"}).weight_decay is None
+    with pytest.raises(UsageError, match="--optimizer = 'rmsprop'.*torch.optim.NAME"):
+        build_config({}, {"optimizer": "rmsprop"})
+
+
+def test_configuration_reference_is_current():
+    from pathlib import Path
+
+    from mpilb.config.build import reference_markdown
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    assert page.read_text() == reference_markdown(), \
+        "docs/configuration.md is stale: python -m mpilb.config.build > docs/configuration.md"

@@ -1,0 +1,252 @@
+"""mpilb simulate's network model: rates, link sharing, bytes on the wire, store placement."""
+
+import json
+
+import pytest
+
+from mpilb.cli.main import main
+from mpilb.errors import UsageError
+from mpilb.simulate.cluster import constant
+from mpilb.simulate.engine import SimConfig
+from mpilb.simulate.netengine import NetEngine
+from mpilb.simulate.network import (Fabric, Layout, NetSpec, Topology, parse_rate,
+                                    parse_rates, servers_count)
+from mpilb.run.training import EpochTracker, epoch_order
+
+GBIT = 125e6   # bytes/s
+
+
+def test_rates_are_tc_rates():
+    assert parse_rate("100mbit") == pytest.approx(12.5e6)
+    assert parse_rate("1gbit") == pytest.approx(GBIT)
+    assert parse_rate("1.5GBit") == pytest.approx(1.5 * GBIT)
+    assert parse_rate("125mbps") == pytest.approx(125e6)     # tc: bps units are bytes/s
+    assert parse_rate("1000000bit") == pytest.approx(125e3)
+    assert parse_rates("1gbit,100mbit", 2) == [pytest.approx(GBIT), pytest.approx(12.5e6)]
+    assert parse_rates("1gbit", 3) == [pytest.approx(GBIT)] * 3
+    for bad in ("1gigabit", "fast", "0mbit", "-1gbit", "1 gbit/s"):
+        with pytest.raises(UsageError, match="not a rate"):
+            parse_rate(bad)
+    with pytest.raises(UsageError, match="one per node"):
+        parse_rates("1gbit,1gbit", 3)
+
+
+def drain(fab):
+    """Every transfer's token and when it was done."""
+    done = {}
+    while fab.next_time() < float("inf"):
+        t, kind, token = fab.pop()
+        if kind == 2:
+            done[token] = t
+    return done
+
+
+def test_flows_share_a_link_fairly():
+    b, c = 1e6, 1e6        # 1 MB at 1 MB/s: 1 s alone
+    fab = Fabric([c], [float("inf")], latency=0.0)
+    fab.transfer(0.0, [fab.flow(0.0, 0, b)], "a")
+    fab.transfer(0.0, [fab.flow(0.0, 0, b)], "b")
+    assert drain(fab) == {"a": pytest.approx(2.0), "b": pytest.approx(2.0)}
+    # b starts half-way through a: both at 0.5 MB/s until a is done at 0.5 + 0.5/0.5 = 1.5,
+    # then b's last 0.5 MB alone: done at 2.0 (each + 10 ms latency)
+    fab = Fabric([c], [float("inf")], latency=0.01)
+    fab.transfer(0.0, [fab.flow(0.0, 0, b)], "a")
+    fab.later(0.5, "start b")
+    t, kind, token = fab.pop()
+    assert (t, kind, token) == (0.5, 1, "start b")
+    fab.transfer(t, [fab.flow(t, 0, b)], "b")
+    assert drain(fab) == {"a": pytest.approx(1.51), "b": pytest.approx(2.01)}
+
+
+def test_weights_and_caps():
+    fab = Fabric([4e6], [float("inf")], latency=0.0)
+    fab.transfer(0.0, [fab.flow(0.0, 0, 3e6, weight=3)], "heavy")   # gets 3 MB/s
+    fab.transfer(0.0, [fab.flow(0.0, 0, 1e6)], "light")             # gets 1 MB/s
+    assert drain(fab) == {"heavy": pytest.approx(1.0), "light": pytest.approx(1.0)}
+    # a group of two 1 MB/s links: one flow on one link still moves at 1 MB/s
+    fab = Fabric([2e6], [1e6], latency=0.0)
+    fab.transfer(0.0, [fab.flow(0.0, 0, 1e6)], "one")
+    assert drain(fab) == {"one": pytest.approx(1.0)}
+    # a transfer is done when its slowest flow is
+    fab = Fabric([1e6, 4e6], [float("inf")] * 2, latency=0.0)
+    fab.transfer(0.0, [fab.flow(0.0, 0, 1e6), fab.flow(0.0, 1, 1e6)], "both")
+    assert drain(fab) == {"both": pytest.approx(1.0)}
+
+
+def test_store_placement():
+    spec = NetSpec(4, [3] * 4, [GBIT] * 4)
+    two = Layout(spec, 2)
+    assert two.store_ranks == [0, 3] and two.store_nodes == [0, 1]
+    assert two.worker_ranks == [1, 2, 4, 5, 6, 7, 8, 9, 10, 11]
+    per_node = Layout(spec, servers_count("per-node", 4))
+    assert per_node.store_ranks == [0, 3, 6, 9] and len(per_node.worker_ranks) == 8
+    assert per_node.slice_floats(10) == [3, 3, 2, 2]
+    # a run's layout: -hosts n0:1,n1:2,n2:2, one store
+    run = Layout(NetSpec(3, [1, 2, 2], [GBIT] * 3), 1, [0, 1, 1, 2, 2])
+    assert run.store_ranks == [0] and run.worker_ranks == [1, 2, 3, 4]
+    with pytest.raises(UsageError, match="more stores than nodes"):
+        Layout(spec, 5)
+    with pytest.raises(UsageError, match="no rank is left"):
+        Layout(NetSpec(2, [1, 1], [GBIT] * 2), 2)
+    # stores with the same link rate are one group; a slow node's store is its own
+    topo = Topology(Layout(NetSpec(3, [2] * 3, [GBIT, GBIT, GBIT / 10]), 3))
+    assert topo.groups == [[0, 1], [2]]
+
+
+def engine(nodes, ranks, k, wire="fp32", params=1_000_000, rate=1e6, link=GBIT, **kw):
+    spec = NetSpec(nodes, ranks, [link] * nodes)
+    layout = Layout(spec, k, kw.pop("node_of", None))
+    profiles = [constant(rate, 0.0, 1e12) for _ in range(sum(ranks))]
+    sizes = kw.pop("sizes", [100] * 20)
+    cfg = SimConfig(balancer=kw.pop("balancer", "load"), epochs=1, batch=10, params=params,
+                    apply_s=2e-4, wire=wire, servers=k, **kw)
+    return NetEngine(cfg, profiles, sizes, order=epoch_order, tracker=EpochTracker(sizes),
+                     layout=layout)
+
+
+@pytest.mark.parametrize("wire, nbytes", [("fp32", 4), ("bf16", 2), ("fp16", 2)])
+def test_bytes_per_push_and_reply(wire, nbytes):
+    # one store on n0, one worker on n1: every push crosses n1's up and n0's down link
+    eng = engine(2, [1, 1], 1, wire=wire, params=1000)
+    res = eng.run()
+    updates = res["coverage"]["applied"] // 10
+    topo, fab = eng.topo, eng.fabric
+    assert fab.moved[topo.up[1]] == updates * 1000 * nbytes
+    assert fab.moved[topo.down[0]] == updates * 1000 * nbytes
+    # the replies (the run ends with the last update, before its reply)
+    assert fab.moved[topo.up[0]] == (updates - 1) * 1000 * nbytes
+    assert fab.moved[topo.shm[0]] == fab.moved[topo.shm[1]] == 0
+
+
+def test_a_store_beside_its_workers_uses_shared_memory():
+    eng = engine(2, [2, 2], 2, params=1000)    # per node: a store and a worker
+    eng.run()
+    topo, fab = eng.topo, eng.fabric
+    assert fab.moved[topo.shm[0]] > 0 and fab.moved[topo.shm[1]] > 0
+    # each push and reply: half through shared memory, half over the links (the two
+    # stores' links are one group: equal rates; its down carries pushes and replies)
+    assert topo.groups == [[0, 1]]
+    assert fab.moved[topo.shm[0]] + fab.moved[topo.shm[1]] == pytest.approx(
+        fab.moved[topo.group_down[0]], rel=0.01)
+
+
+def test_one_store_behind_a_gigabit_link_is_link_bound():
+    # 1M parameters: 4 MB in and 4 MB out per update over the store's 125 MB/s link
+    res = engine(3, [1, 2, 2], 1, node_of=[0, 1, 1, 2, 2]).run()
+    bound = GBIT / 4e6
+    assert 0.5 * bound < res["updates_per_s"] < bound
+    assert res["network"]["busiest_link"] > 0.5
+    bf16 = engine(3, [1, 2, 2], 1, node_of=[0, 1, 1, 2, 2], wire="bf16").run()
+    assert bf16["updates_per_s"] > 1.7 * res["updates_per_s"]
+
+
+def test_coverage_exact_on_a_network():
+    res = engine(4, [3] * 4, 4, balancer="load", sizes=[37 + k for k in range(30)]).run()
+    cov = res["coverage"]
+    assert cov["applied"] == cov["expected"] and cov["duplicates"] == 0
+
+
+def test_a_small_what_if(capsys):
+    code = main(["simulate", "--nodes", "4", "--ranks-per-node", "3", "--link-rate", "1gbit",
+                 "--params", "1000000", "--rates", "const:2000", "--samples", "4800",
+                 "--shards", "48", "--epochs", "1", "--balancer", "static,load",
+                 "--servers", "1,per-node", "--wire", "fp32,bf16", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out) == 8
+    by = {(r["balancer"], r["servers"], r["network"]["wire"]): r for r in out}
+    assert by[("load", 1, "fp32")]["workers"] == 11 and by[("load", 4, "fp32")]["workers"] == 8
+    for bal in ("static", "load"):
+        for k in (1, 4):
+            assert by[(bal, k, "bf16")]["epoch_s"] < by[(bal, k, "fp32")]["epoch_s"]
+    assert by[("load", 4, "fp32")]["network"]["per_node"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--nodes", "0"], "--nodes must be at least 1"),
+    (["--nodes", "2", "--link-rate", "fast"], "not a rate"),
+    (["--nodes", "2", "--servers", "3"], "more stores than nodes"),
+    (["--nodes", "2", "--wire", "fp8"], "--wire"),
+    (["--workers", "4", "--servers", "per-node"], "needs a network"),
+    (["--workers", "4", "--link-rate", "1gbit"], "need --nodes"),
+    (["--nodes", "2", "--mode", "sync"], "not simulated yet"),
+])
+def test_bad_network_input_is_one_line_and_exit_2(capsys, argv, words):
+    code = main(["simulate", *argv, "--epochs", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and words in err and "\n" not in err
+
+
+def test_replay_on_the_runs_layout(tmp_path, capsys):
+    from mpilb.runfiles.runlog import RunLog
+    from mpilb.simulate.replay import load_run
+
+    cfg = {"balancer": "static", "mode": "async", "batch_policy": "fixed", "batch": 10,
+           "rebalance_interval": 2.0, "seed": 0, "inject": [], "data": str(tmp_path / "gone")}
+    path = str(tmp_path / "run.h5")
+    log = RunLog(path, {"config": json.dumps(cfg), "world_size": 5,
+                        "hostnames": json.dumps(["n0", "n1", "n1", "n2", "n2"])})
+    for t in range(2, 12, 2):
+        for w in (1, 2, 3, 4):
+            log.append("workers", t=t, worker=w, samples=200, compute_s=1.0, io_s=0.0,
+                       comm_s=0.5, idle_s=0.0, batch=10, rate=200.0, predicted_rate=200.0)
+            for k in range(20):
+                log.append("updates", t=t - 2 + k * 0.1, worker=w, version=0, staleness=0,
+                           batch=10, loss=0.0, lr_scale=1.0, epoch=0, shard=k % 20)
+    log.append("epochs", epoch=0, t_start=0.0, t_end=10.0, samples=4000, utilization=0.6,
+               imbalance_s=1.0)
+    log.close("finished")
+    rep = load_run(path, params=1000)
+    assert rep.node_of == [0, 1, 1, 2, 2] and rep.ranks == [1, 2, 3, 4]
+    assert len(rep.rank_profiles()) == 5
+    code = main(["simulate", "--from", path, "--params", "100000", "--link-rate", "1gbit",
+                 "--servers", "1,per-node", "--wire", "fp32,bf16", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [(r["servers"], r["workers"]) for r in out] == [(1, 4)] * 2 + [(3, 2)] * 2
+
+
+def test_a_replay_past_the_logs_end_keeps_the_last_epochs_speeds(tmp_path):
+    """The row after the last epoch (the shutdown: a few steps and the wait for the stop,
+    counted as communication) used to hold for every later time, so a what-if whose epochs
+    outlast the run's paid that wait at every step."""
+    from mpilb.runfiles.runlog import RunLog
+    from mpilb.simulate.replay import load_run
+    from mpilb.simulate.run import simulate
+
+    cfg = {"balancer": "load", "mode": "async", "batch_policy": "fixed", "batch": 10,
+           "rebalance_interval": 2.0, "seed": 0, "inject": [], "data": str(tmp_path / "gone")}
+    path = str(tmp_path / "run.h5")
+    log = RunLog(path, {"config": json.dumps(cfg), "world_size": 3})
+    for t in [2, 4, 6, 8, 10, 11]:          # the last row: after the epoch's end at 10 s
+        for w, rate in ((1, 200.0), (2, 50.0)):
+            n = int(rate * 2) if t <= 10 else 10
+            log.append("workers", t=t, worker=w, samples=n, compute_s=n / rate, io_s=0.0,
+                       comm_s=0.0 if t <= 10 else 1.0, idle_s=0.0, batch=10, rate=rate,
+                       predicted_rate=rate)
+            for k in range(n // 10):
+                log.append("updates", t=t - 2 + k * 0.01 if t <= 10 else 10.5, worker=w,
+                           version=0, staleness=0, batch=10, loss=0.0, lr_scale=1.0, epoch=0,
+                           shard=k % 20)
+    log.append("epochs", epoch=0, t_start=0.0, t_end=10.0, samples=2500, utilization=1.0,
+               imbalance_s=0.0)
+    log.close("finished")
+    rep = load_run(path, params=1000)
+    slow = rep.profiles[1]
+    assert slow.edges[-1] == 10.0 and slow.link[-1] == 0.0      # not the shutdown's 1 s/step
+    assert slow.compute[-1] == pytest.approx(1 / 50)
+    # static: 1250 samples each; the slow worker at 50/s takes 25 s, 15 s past the log's end
+    res = simulate(rep.profiles, [125] * 20, True, balancer="static", epochs=1, batch=10,
+                   params=1000, apply_s=0.0)
+    assert res["epoch_s"] == pytest.approx(25.0, rel=0.02)
+
+
+def test_inject_addresses_mpi_ranks_on_a_network():
+    from mpilb.core.inject import parse_injects
+
+    # 2 nodes of 2 ranks, one store (rank 0): workers are ranks 1, 2, 3; rank 2 4x slow
+    plain = engine(2, [2, 2], 1, params=1000, rate=1000, balancer="static").run()
+    slow = engine(2, [2, 2], 1, params=1000, rate=1000, balancer="static",
+                  inject=parse_injects(["2:compute=4"], 4)).run()
+    assert slow["workers"] == 3
+    assert slow["epoch_s"] > 3 * plain["epoch_s"]

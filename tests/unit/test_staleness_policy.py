@@ -1,0 +1,76 @@
+"""The momentum staleness policy (`--correction momentum`) without MPI: the staleness meter,
+the momentum it leaves the optimizer, and the old behaviour under `--correction none`."""
+
+import numpy as np
+import pytest
+
+from mpilb.core.corrections import (StalenessMeter, build_correction, explicit_momentum,
+                               implicit_momentum)
+from mpilb.core.optimizers import build_optimizer
+from mpilb.server.modes import ParamStore, Update, build_rule
+from mpilb.server.peers import Peer
+
+
+def test_the_meter_is_the_plain_mean_then_a_moving_average():
+    m = StalenessMeter(alpha=0.25)
+    assert [m.add(s) for s in (2, 4, 6)] == [2, 3, 4]   # mean while 1/count > alpha
+    assert m.add(4) == 4
+    assert m.add(8) == pytest.approx(4 + 0.25 * 4)
+
+
+def test_implicit_and_explicit_momentum():
+    assert implicit_momentum(0) == 0 and implicit_momentum(3) == pytest.approx(0.75)
+    assert explicit_momentum(0.9, 0) == pytest.approx(0.9)       # no staleness: the recipe's
+    assert explicit_momentum(0.9, 1) == pytest.approx(0.4)       # 0.9 - (1 - 1/2)
+    assert explicit_momentum(0.9, 3) == pytest.approx(0.15)
+    assert explicit_momentum(0.9, 7) == pytest.approx(0.025)
+    assert explicit_momentum(0.9, 30) == 0.0                     # never below 0
+    # decreasing in the staleness
+    values = [explicit_momentum(0.9, t) for t in np.linspace(0, 30, 61)]
+    assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def store(optimizer="momentum", correction="momentum", n=4):
+    opt = build_optimizer(optimizer, n, lr=0.1, momentum=0.9)
+    return ParamStore(np.zeros(n, np.float32), opt, build_correction(correction), 32)
+
+
+def push_all(rule, staleness, count=50):
+    for _ in range(count):
+        rule.push(Peer(1), Update(1, 0, 0, 0, 32, 32, 1.0, staleness), np.ones(4, np.float32))
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_the_policy_sets_the_momentum_from_the_measured_staleness(mode):
+    rule = build_rule(mode, store(), lambda r: True, staleness_bound=100)
+    push_all(rule, staleness=3)
+    assert rule.store.optimizer.momentum == pytest.approx(explicit_momentum(0.9, 3))
+    push_all(rule, staleness=0, count=2000)     # the staleness falls: the recipe's momentum
+    assert rule.store.optimizer.momentum == pytest.approx(0.9, abs=1e-3)
+
+
+def test_the_old_behaviour_and_other_optimizers_are_left_alone():
+    rule = build_rule("async", store(correction="none"), lambda r: True)
+    push_all(rule, staleness=7)
+    assert rule.store.optimizer.momentum == 0.9
+    rule = build_rule("async", store(optimizer="sgd"), lambda r: True)
+    push_all(rule, staleness=7)                 # nothing to lower: a plain sgd step
+    assert np.allclose(rule.store.params, -0.1 * 50)
+    assert not hasattr(rule.store.optimizer, "momentum")
+
+
+def test_the_policy_keeps_the_learning_rate():
+    rule = build_rule("async", store(), lambda r: True)
+    _, lr_scale = rule.push(Peer(1), Update(1, 0, 0, 0, 16, 16, 1.0, 5), np.ones(4, np.float32))
+    assert lr_scale == 0.5          # only the batch scaling
+
+
+def test_the_simulated_staleness_grows_with_workers_and_pipelining():
+    from mpilb.simulate.staleness import mean_staleness, worker_staleness
+
+    assert mean_staleness([1.0] * 4) == pytest.approx(3)
+    assert mean_staleness([1.0] * 4, pipeline=1) == pytest.approx(7)
+    rates = [1.0, 1.0, 1.0, 0.25]       # one 4x straggler: the mean stays W - 1,
+    assert mean_staleness(rates) == pytest.approx(3)
+    per = worker_staleness(rates)       # its own gradients are 12 versions old
+    assert per[3] == pytest.approx(12) and per[0] == pytest.approx(2.25)
