@@ -154,7 +154,7 @@ def test_crashed_worker_ends_job_and_resume_completes(medium, tmp_path):
 POISON = textwrap.dedent("""
     import sys
     import numpy as np
-    from mpilb import worker
+    from mpilb.worker import loop as worker
     original = worker.Worker._compute
     calls = [0]
     ALWAYS = sys.argv.pop(1) == "always"
