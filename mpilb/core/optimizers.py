@@ -348,7 +348,8 @@ class Adam(Optimizer):
             out *= shrink
         self._fused(out, grad, self.steps, lr, self.beta1, self.beta2, weight_decay, self.eps)
 
-    def _update_blocks(self, params, grad, lr, out):
+    def _update_blocks(self, params, grad, lr, out, shrink=1.0):
+        """The update block by block; with ``shrink`` (AdamW's decay) from ``params * shrink``."""
         xp, b1, b2 = self.xp, self.beta1, self.beta2
         bias1 = 1.0 - b1 ** self.steps
         bias2 = 1.0 - b2 ** self.steps
@@ -356,7 +357,7 @@ class Adam(Optimizer):
         # == M / (sqrt(V) + eps/c) * (1-b1)/(bias1*c), where c = sqrt((1-b2)/bias2)
         c = math.sqrt((1.0 - b2) / bias2)
         eps, scale = self.eps / c, lr * (1.0 - b1) / (bias1 * c)
-        for p, g, o, m, v, _, s in self._blocks(params, grad, out):
+        for p, g, o, m, v, d, s in self._blocks(params, grad, out):
             m *= b1
             m += g
             xp.square(g, out=s)      # a unary ufunc: cheaper than multiply(g, g)
@@ -366,6 +367,9 @@ class Adam(Optimizer):
             s += eps
             xp.divide(m, s, out=s)
             s *= scale
+            if shrink != 1.0:        # AdamW (no L2 term, so the first scratch block is free)
+                xp.multiply(p, shrink, out=d)
+                p = d
             xp.subtract(p, s, out=o)
 
 
@@ -382,21 +386,7 @@ class AdamW(Adam):
         shrink = 1.0 - lr * self.decay
         if self._fused is not None:
             return self._fused_step(params, grad, lr, out, 0.0, shrink)
-        xp, b1, b2 = self.xp, self.beta1, self.beta2
-        c = math.sqrt((1.0 - b2) / (1.0 - b2 ** self.steps))
-        eps, scale = self.eps / c, lr * (1.0 - b1) / ((1.0 - b1 ** self.steps) * c)
-        for p, g, o, m, v, d, s in self._blocks(params, grad, out):
-            m *= b1              # as Adam's blocks, then from the decayed params
-            m += g
-            xp.square(g, out=s)
-            v *= b2
-            v += s
-            xp.sqrt(v, out=s)
-            s += eps
-            xp.divide(m, s, out=s)
-            s *= scale
-            xp.multiply(p, shrink, out=d)
-            xp.subtract(d, s, out=o)
+        self._update_blocks(params, grad, lr, out, shrink)
 
 
 def clip_grad_norm(grad, max_norm, xp=np) -> None:
