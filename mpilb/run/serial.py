@@ -6,7 +6,6 @@ a multi-rank job, without a server. The one "worker" is rank 0 itself.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -16,43 +15,33 @@ from typing import Optional
 from mpilb.runfiles import checkpoint
 from mpilb.run import signals
 from mpilb.backend import select_backend
-from mpilb.core.balancer import build_balancer
 from mpilb.errors import LogWriteError, MpilbError
 from mpilb.core.batches import GradientStep, ShardFeed
 from mpilb.core.inject import Injector, parse_injects
-from mpilb.models import initial_params
-from mpilb.run.progress import Progress, tapped
-from mpilb.runfiles.report import summarize_log
-from mpilb.runfiles.runlog import RunLog
-from mpilb.runfiles.best import BestCheckpoint
 from mpilb.core.optimizers import clip_grad_norm
-from mpilb.run.session import balancer_config, files_line, format_final
+from mpilb.run.session import Session, files_line, format_final
 from mpilb.data.shards import ShardStore
-from mpilb.core.schedules import build_schedule
-from mpilb.runfiles.tensorboard import tap_for
-from mpilb.run.training import PREEMPTED, EpochStats, EpochTracker, build_evaluator, build_stop_rule, config_model, config_optimizer, epoch_order
+from mpilb.run.training import PREEMPTED, EpochStats, epoch_order
 
 
 class SerialTrainer:
-    """Train with one process; `run()` returns the final status."""
+    """Train with one process; `run()` returns the final status.
+
+    Its set-up is the parameter server's (:class:`~mpilb.run.session.Session`: model,
+    optimizer, balancer, tracker, evaluator, stop rule, resume, run log, progress), with one
+    worker, rank 0, whose parameters and optimizer state live on its device.
+    """
 
     def __init__(self, cfg, dataset, run_attrs: dict):
         self.cfg = cfg
         self.dataset = dataset
         self.backend = select_backend(cfg.device, 0)
-        self.model = config_model(cfg, dataset)
-        host_params = initial_params(self.model, cfg.seed, cfg.model)
-        self.optimizer = config_optimizer(cfg, self.model.num_params, xp=self.backend.xp)
-        self.balancer = build_balancer(cfg.balancer, [0], dataset.shard_sizes, balancer_config(cfg))
-        self.tracker = EpochTracker(dataset.shard_sizes)
-        self.resumed: Optional[checkpoint.Checkpoint] = None
-        if cfg.resume:
-            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed,
-                                           validation_fraction=cfg.validation_fraction)
-            host_params = self.resumed.params
-            self.optimizer.load_state_dict(self.resumed.optimizer)
-            checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
-        self.params = self.backend.asarray(host_params)
+        self.session = s = Session(cfg, dataset, run_attrs, [0], xp=self.backend.xp)
+        self.model, self.optimizer, self.balancer = s.model, s.optimizer, s.balancer
+        self.tracker, self.evaluator, self.stop = s.tracker, s.evaluator, s.stop
+        self.resumed, self.log, self.progress = s.resumed, s.log, s.progress
+        self.schedule = s.schedule
+        self.params = self.backend.asarray(s.params)
         self.injector = Injector(parse_injects(cfg.inject, 1), 0, cfg.seed)
         inj = self.injector
         self.store = ShardStore(dataset, seed=cfg.seed,
@@ -60,31 +49,22 @@ class SerialTrainer:
                                 cache_mb=cfg.cache_mb)
         self.feed = ShardFeed(self.store, self.backend)
         self.step = GradientStep(self.model, self.backend, self.injector)
-        self.evaluator = build_evaluator(self.model, dataset)
-        self.stop = build_stop_rule(cfg)
-        self.schedule = build_schedule(cfg, dataset.shard_sizes)
-        self.evaluation = None
-        self.best = BestCheckpoint(cfg) if cfg.save_best else None
-        self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
-                                 samples_per_epoch=self.tracker.total,
-                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds,
-                                 metric=self.model.metric)
-        # the progress display and --tensorboard see every row of the run log
-        self.log = tapped(RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
-                                resume_at=self.resumed.train_s if self.resumed else None,
-                                checkpoint=cfg.checkpoint,
-                                completed=self.resumed.completed if self.resumed else None),
-                         self.progress, tap_for(cfg))
-        self.eval_version = -1
         self.version = self.resumed.version if self.resumed else 0
         self.epoch = self.resumed.epoch if self.resumed else 0
-        self.accuracy: Optional[float] = None
         # accumulators for the workers/ log rows and the epoch's utilization
         self.rejected = 0
         self.window_samples = 0
         self.window_compute = 0.0
         self.io_reported = 0.0
         self.epoch_busy = 0.0
+
+    @property
+    def accuracy(self) -> Optional[float]:
+        return self.session.accuracy
+
+    @property
+    def evaluation(self):
+        return self.session.evaluation
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -110,7 +90,7 @@ class SerialTrainer:
                 break
         self.train_s = self.now()
         self._report_window()
-        if self.eval_version != self.version:   # every stop ends with the final metric
+        if self.session.eval_version != self.version:   # every stop ends with the final metric
             self._evaluate()
         if PREEMPTED.is_set():
             return "preempted"
@@ -220,48 +200,24 @@ class SerialTrainer:
         self.stop.check(stats.epoch + 1, self.now(), self.evaluation)
 
     def _evaluate(self) -> None:
-        params = self.backend.to_host(self.params)
-        ev = self.evaluator.evaluate(params)
-        self.evaluation, self.accuracy = ev, ev.decides[1]
-        self.log.append("eval", t=self.now(), version=self.version, epoch=self.epoch,
-                        **ev.columns())
-        if self.best is not None:
-            self.best.offer(ev, params, self.epoch, self.version, self._save_best)
+        self.session.evaluate(self.backend.to_host(self.params), self.now(), self.version,
+                              self.epoch)
         self.last_eval = time.monotonic()
-        self.eval_version = self.version
 
     def _checkpoint(self) -> None:
         self.last_checkpoint = time.monotonic()
-        if not self.cfg.checkpoint:
-            return
-        self.log.flush()
-        self._save_checkpoint()
+        self.session.checkpoint(self.backend.to_host(self.params), self.version, self.epoch,
+                                self.now())
 
     def _save_checkpoint(self) -> None:
-        checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
-                        params=self.backend.to_host(self.params), optimizer=self.optimizer,
-                        version=self.version, epoch=self.epoch, tracker=self.tracker,
-                        balancer=self.balancer, train_s=self.now(), run_id=self.log.run_id)
-
-    def _save_best(self, path: str, params, best: dict) -> None:
-        checkpoint.save(path, cfg=self.cfg, model=self.model, dataset=self.dataset,
-                        params=params, optimizer=self.optimizer, version=self.version,
-                        epoch=self.epoch, tracker=self.tracker, balancer=self.balancer,
-                        train_s=self.now(), run_id=self.log.run_id, best=best)
+        self.session.write_checkpoint(self.backend.to_host(self.params), self.version,
+                                      self.epoch, self.now())
 
     def finish(self, status: str) -> dict:
         self.store.close()
-        self.log.close(status, {"train_s": getattr(self, "train_s", self.now()),
-                                "wall_s": self.now(),
-                                "server_cpu_s": time.process_time() - self.cpu0,
-                                "coverage": json.dumps(self.tracker.coverage()),
-                                "lost_workers": "[]", "stop_reason": self.stop.reason,
-                                "rejected_gradients": self.rejected,
-                                "eval_s": self.evaluator.seconds})
-        summary = summarize_log(self.cfg.log)
-        self.log.write_summary(summary)
-        self.progress.close(summary)
-        return summary
+        return self.session.finish(status, train_s=getattr(self, "train_s", self.now()),
+                                   wall_s=self.now(), cpu_s=time.process_time() - self.cpu0,
+                                   rejected=self.rejected)
 
 
 def run_serial(trainer: SerialTrainer) -> int:
@@ -274,7 +230,7 @@ def run_serial(trainer: SerialTrainer) -> int:
             summary = trainer.finish(status)
     except LogWriteError as exc:
         trainer.store.close()
-        rescued = checkpoint.rescue(trainer.cfg.checkpoint, trainer._save_checkpoint)
+        rescued = trainer.session.rescue_checkpoint(trainer._save_checkpoint)
         print(f"mpilb: error: {exc}; {rescued}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)   # HDF5 would try (and fail) to flush the log's objects again at exit

@@ -7,6 +7,7 @@ rank or on rank 0 of many; this module does it once, so neither driver imports t
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -192,12 +193,45 @@ class Session:
         self.log.append("eval", t=t, version=version, epoch=epoch, **ev.columns())
         if self.best is not None and params is not None:
             def save(path, evaluated, best):
-                checkpoint.save(path, cfg=self.cfg, model=self.model, dataset=self.dataset,
-                                params=evaluated, optimizer=self.optimizer, version=version,
-                                epoch=epoch, tracker=self.tracker, balancer=self.balancer,
-                                train_s=t, run_id=self.log.run_id, best=best)
+                self.write_checkpoint(evaluated, version, epoch, t, path=path, best=best)
 
             self.best.offer(ev, params, epoch, version, save)
+
+    # ----------------------------------------------------------------- checkpoints
+    def write_checkpoint(self, params: np.ndarray, version: int, epoch: int, train_s: float,
+                         path: Optional[str] = None, best: Optional[dict] = None) -> None:
+        """The one checkpoint writer of a run (serial or rank 0): `params` (host memory) at
+        `version` with this run's optimizer, epoch counts and balancer, into `path`
+        (default --checkpoint); `best`: the evaluation a --save-best checkpoint holds."""
+        checkpoint.save(path or self.cfg.checkpoint, cfg=self.cfg, model=self.model,
+                        dataset=self.dataset, params=params, optimizer=self.optimizer,
+                        version=version, epoch=epoch, tracker=self.tracker,
+                        balancer=self.balancer, train_s=train_s, run_id=self.log.run_id,
+                        best=best)
+
+    def checkpoint(self, params: np.ndarray, version: int, epoch: int, train_s: float) -> None:
+        """The run's checkpoint (nothing with --checkpoint off), the run log flushed first:
+        the log holds everything up to the checkpoint, so a resume continues it."""
+        if not self.cfg.checkpoint:
+            return
+        self.log.flush()
+        self.write_checkpoint(params, version, epoch, train_s)
+
+    def rescue_checkpoint(self, save: Callable[[], None]) -> str:
+        """The run log cannot be written: the weights go into the checkpoint all the same
+        (its disk may have room). Returns what the run's last line says of it."""
+        return checkpoint.rescue(self.cfg.checkpoint, save)
+
+    # ----------------------------------------------------------------- end
+    def finish(self, status: str, *, train_s: float, wall_s: float, cpu_s: float,
+               lost: tuple = (), rejected: int = 0, **extra) -> dict:
+        """End the run: the summary attributes every driver writes (docs/logs.md), plus the
+        driver's own `extra` ones, then :meth:`close`. Returns the summary."""
+        attrs = {"train_s": train_s, "wall_s": wall_s, "server_cpu_s": cpu_s,
+                 "coverage": json.dumps(self.tracker.coverage()),
+                 "lost_workers": json.dumps(list(lost)), "stop_reason": self.stop.reason,
+                 "rejected_gradients": rejected, "eval_s": self.evaluator.seconds, **extra}
+        return self.close(status, attrs)
 
     def close(self, status: str, attrs: dict) -> dict:
         """Close the run log, write the summary, end the progress display on its figures."""
