@@ -102,7 +102,8 @@ def _validate(config_file, cli_values, world_size, all_args, nodes):
     from mpilb.server.store import check_servers
     from mpilb.runfiles.paths import check_paths, resolve_data, run_identity
     from mpilb.core.topology import store_ranks
-    from mpilb.run.training import check_model_step, check_optimizer, check_world, config_model, hold_out_validation
+    from mpilb.config.validate import check_model_step, check_optimizer, check_world
+    from mpilb.run.components import config_model, hold_out_validation
 
     file_values = load_toml(config_file) if config_file else {}
     cfg = build_config(file_values, cli_values, source=config_file or "")
@@ -160,7 +161,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
 
     def make_role():
         from mpilb.data.dataset import open_dataset
-        from mpilb.run.training import hold_out_validation
+        from mpilb.run.components import hold_out_validation
 
         # rank 0 checked the files just now
         dataset = hold_out_validation(cfg, open_dataset(data_dir, check_files=False))
@@ -259,11 +260,11 @@ def _install_signal_handlers(size: int) -> None:
     """SIGTERM/SIGUSR1 (Slurm preemption, time limit, `scancel --signal`) and Ctrl-C: checkpoint
     and stop.
     In a multi-rank job SIGUSR1 is only a notice until rank 0 has ruled out a failed rank
-    (see training.USR1_NOTICE)."""
+    (see signals.USR1_NOTICE)."""
     import signal
 
     from mpilb.run import signals
-    from mpilb.run.training import PREEMPTED, USR1_NOTICE
+    from mpilb.run.signals import PREEMPTED, USR1_NOTICE
 
     def on_signal(signum):
         if signum == signal.SIGUSR1 and size > 1:

@@ -25,7 +25,9 @@ from mpilb.runfiles.report import summarize_log
 from mpilb.runfiles.runlog import RunLog
 from mpilb.core.schedules import build_schedule
 from mpilb.runfiles.tensorboard import tap_for
-from mpilb.run.training import EpochTracker, Evaluation, build_evaluator, build_stop_rule, config_model, config_optimizer
+from mpilb.run.training import EpochTracker, build_stop_rule
+from mpilb.run.evaluation import Evaluation, build_evaluator
+from mpilb.run.components import config_model, config_optimizer
 
 
 def balancer_config(cfg) -> BalancerConfig:

@@ -16,7 +16,7 @@ from typing import Optional
 
 from mpilb.run import signals
 from mpilb.mpi import comm as C
-from mpilb.run.training import PREEMPTED, USR1_NOTICE
+from mpilb.run.signals import PREEMPTED, USR1_NOTICE
 from mpilb.mpi.watchdog import KEEP_ALIVE_S
 from mpilb.server.vote import SignalVote
 

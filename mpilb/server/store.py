@@ -127,7 +127,7 @@ class StoreRank:
     rank 0's commands say."""
 
     def __init__(self, cfg, dataset, comm, rank: int):
-        from mpilb.run.training import config_model, config_optimizer
+        from mpilb.run.components import config_model, config_optimizer
 
         self.comm = comm
         self.rank = rank

@@ -68,7 +68,7 @@ def test_target_accuracy_on_regression_data_is_refused_or_warned(tmp_path, capsy
     (pointing to --target-metric), a warning from a config file, like NO_EFFECT."""
     from types import SimpleNamespace
 
-    from mpilb.run.training import check_world
+    from mpilb.config.validate import check_world
 
     regression = SimpleNamespace(num_classes=0, root="reg", sample_shape=(5,))
     with pytest.raises(UsageError, match=r"--target-accuracy 0\.9 has no effect with regression "
