@@ -1,5 +1,8 @@
 """The run's components built from its configuration, the same on every rank: the model,
-its optimizer (built-in or torch.optim) and the dataset with its validation shards held out."""
+its optimizer (built-in or torch.optim) and the dataset with its validation shards held out.
+
+Each takes the section it reads (``cfg.optim``, ``cfg.inputs``); a whole Config serves too
+while callers still hand it (its flat names are the sections' fields)."""
 
 from __future__ import annotations
 
@@ -7,49 +10,52 @@ import dataclasses
 
 import numpy as np
 
-from mpilb.config.build import Config
+from mpilb.config.sections import Config, DataConfig, OptimizerConfig
 from mpilb.config.options import is_torch_optimizer
 from mpilb.errors import UsageError
 
 
 def config_model(cfg: Config, dataset):
-    """The run's model (built-in or the user's), built from --seed: the same on every rank."""
+    """The run's model (built-in or the user's: ``cfg.network``), built from --seed: the
+    same on every rank."""
     from mpilb.models import build_model, parse_model_args
 
-    return build_model(cfg.model, tuple(dataset.sample_shape), dataset.num_classes,
-                       cfg.hidden_sizes, target_shape=tuple(getattr(dataset, "target_shape", ())),
-                       model_args=parse_model_args(cfg.model_arg), seed=cfg.seed)
+    net = cfg.network
+    return build_model(net.model, tuple(dataset.sample_shape), dataset.num_classes,
+                       net.hidden_sizes, target_shape=tuple(getattr(dataset, "target_shape", ())),
+                       model_args=parse_model_args(net.model_arg), seed=cfg.experiment.seed)
 
 
-def hold_out_validation(cfg: Config, dataset):
+def hold_out_validation(inputs: DataConfig, dataset):
     """The dataset without its last ``round(F x shards)`` shards (at least one), which become
     its ``validation`` set; the dataset itself when ``--validation-fraction`` is 0."""
-    if not cfg.validation_fraction:
+    fraction = inputs.validation_fraction
+    if not fraction:
         return dataset
     n = len(dataset.shards)
-    k = max(1, round(cfg.validation_fraction * n))
+    k = max(1, round(fraction * n))
     if k >= n:
-        raise UsageError(f"--validation-fraction {cfg.validation_fraction} of {n} shard(s) in "
+        raise UsageError(f"--validation-fraction {fraction} of {n} shard(s) in "
                          f"{dataset.root} leaves no shard to train on; prepare more shards (--shards)")
     return dataclasses.replace(dataset, shards=dataset.shards[:n - k], validation=dataset.shards[n - k:])
 
 
-def config_optimizer(cfg: Config, num_params: int, xp=np):
+def config_optimizer(optim: OptimizerConfig, num_params: int, xp=np):
     """The run's optimizer over `num_params` floats: a built-in one (optimizers.py) or a
     torch.optim class (torch_optim.py), with --optimizer-arg."""
     from mpilb.models import parse_model_args
     from mpilb.core.optimizers import build_optimizer
 
-    args = parse_model_args(cfg.optimizer_arg, "--optimizer-arg")
-    if is_torch_optimizer(cfg.optimizer):
+    args = parse_model_args(optim.optimizer_arg, "--optimizer-arg")
+    if is_torch_optimizer(optim.optimizer):
         from mpilb.models.torch_optim import TorchOptimizer
 
-        if cfg.weight_decay is not None:
-            args["weight_decay"] = cfg.weight_decay
-        return TorchOptimizer(cfg.optimizer, num_params, lr=cfg.lr, kwargs=args, xp=xp)
-    return build_optimizer(cfg.optimizer, num_params, lr=cfg.lr, momentum=cfg.momentum,
-                           nesterov=cfg.nesterov, weight_decay=cfg.weight_decay, xp=xp,
-                           **_builtin_args(cfg.optimizer, args))
+        if optim.weight_decay is not None:
+            args["weight_decay"] = optim.weight_decay
+        return TorchOptimizer(optim.optimizer, num_params, lr=optim.lr, kwargs=args, xp=xp)
+    return build_optimizer(optim.optimizer, num_params, lr=optim.lr, momentum=optim.momentum,
+                           nesterov=optim.nesterov, weight_decay=optim.weight_decay, xp=xp,
+                           **_builtin_args(optim.optimizer, args))
 
 
 def _builtin_args(name: str, args: dict) -> dict:

@@ -149,7 +149,7 @@ def main() -> int:
     if data is None:
         return 0
     try:
-        from mpilb.config.build import Config
+        from mpilb.config.sections import Config
         from mpilb.run.evaluation import build_evaluator
         from mpilb.run.components import config_model
 
@@ -158,7 +158,7 @@ def main() -> int:
         shared = None
         if fd >= 0:
             shared = np.frombuffer(mmap.mmap(fd, 4 * num_params), dtype=np.float32)
-        evaluator = build_evaluator(config_model(Config(values), dataset), dataset)
+        evaluator = build_evaluator(config_model(Config.from_values(values), dataset), dataset)
     except Exception:
         evaluator, setup_error = None, traceback.format_exc()
     while (data := _read(src)) is not None:

@@ -15,6 +15,7 @@ from typing import Optional
 from mpilb.runfiles import checkpoint
 from mpilb.run import signals
 from mpilb.backend import select_backend
+from mpilb.config.sections import Config
 from mpilb.errors import LogWriteError, MpilbError
 from mpilb.core.batches import GradientStep, ShardFeed
 from mpilb.core.inject import Injector, parse_injects
@@ -33,21 +34,21 @@ class SerialTrainer:
     worker, rank 0, whose parameters and optimizer state live on its device.
     """
 
-    def __init__(self, cfg, dataset, run_attrs: dict):
+    def __init__(self, cfg: Config, dataset, run_attrs: dict):
         self.cfg = cfg
         self.dataset = dataset
-        self.backend = select_backend(cfg.device, 0)
+        self.backend = select_backend(cfg.network.device, 0)
         self.session = s = Session(cfg, dataset, run_attrs, [0], xp=self.backend.xp)
         self.model, self.optimizer, self.balancer = s.model, s.optimizer, s.balancer
         self.tracker, self.evaluator, self.stop = s.tracker, s.evaluator, s.stop
         self.resumed, self.log, self.progress = s.resumed, s.log, s.progress
         self.schedule = s.schedule
         self.params = self.backend.asarray(s.params)
-        self.injector = Injector(parse_injects(cfg.inject, 1), 0, cfg.seed)
+        self.injector = Injector(parse_injects(cfg.experiment.inject, 1), 0, cfg.experiment.seed)
         inj = self.injector
-        self.store = ShardStore(dataset, seed=cfg.seed,
+        self.store = ShardStore(dataset, seed=cfg.experiment.seed,
                                 io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
-                                cache_mb=cfg.cache_mb)
+                                cache_mb=cfg.inputs.cache_mb)
         self.feed = ShardFeed(self.store, self.backend)
         self.step = GradientStep(self.model, self.backend, self.injector)
         self.version = self.resumed.version if self.resumed else 0
@@ -84,7 +85,7 @@ class SerialTrainer:
             # must checkpoint the interrupted epoch's counts, not zeros
             self.tracker.begin(first, self.now(), counts)
         self.progress.begin(first, 0 if counts is None else int((counts > 0).sum()), self.now())
-        for epoch in range(first, self.cfg.epochs):
+        for epoch in range(first, self.cfg.stopping.epochs):
             self._run_epoch(epoch, counts)
             counts = None
             if self.stop.reason:
@@ -99,7 +100,7 @@ class SerialTrainer:
         return "finished"
 
     def _run_epoch(self, epoch: int, counts) -> None:
-        order = epoch_order(self.cfg.seed, epoch, len(self.dataset.shard_sizes))
+        order = epoch_order(self.cfg.experiment.seed, epoch, len(self.dataset.shard_sizes))
         ranges: dict[int, list] = {}
         self.tracker.begin(epoch, self.now(), counts)
         if counts is not None:
@@ -113,7 +114,7 @@ class SerialTrainer:
             if more and not self.feed.queue:
                 # hand out the next shard now, so that it is read while this one is consumed
                 more = self._hand_out(epoch, ranges)
-            batch = self.feed.take(self.cfg.batch)
+            batch = self.feed.take(self.cfg.balancing.batch)
             if batch is None:
                 if more:
                     continue
@@ -146,8 +147,8 @@ class SerialTrainer:
             raise MpilbError(f"non-finite gradient for shard {batch.shard} [{batch.lo}, {batch.hi}) "
                              f"at update {self.version + 1}; lower --lr?")
         grad /= b
-        clip_grad_norm(grad, self.cfg.clip_norm, self.backend.xp)
-        lr_scale = b / self.cfg.batch * self.schedule(self.version, self.now())
+        clip_grad_norm(grad, self.cfg.optim.clip_norm, self.backend.xp)
+        lr_scale = b / self.cfg.balancing.batch * self.schedule(self.version, self.now())
         self.optimizer.step(self.params, grad, lr_scale)
         self.version += 1
         self.tracker.record(batch.epoch, batch.shard, batch.lo, batch.hi)
@@ -166,11 +167,12 @@ class SerialTrainer:
             self._checkpoint()
             self.stop.reason = "preempted"
             return True
-        if mono - self.last_report >= self.cfg.rebalance_interval:
+        if mono - self.last_report >= self.cfg.balancing.rebalance_interval:
             self._report_window()
-        if mono - self.last_eval >= self.cfg.eval_interval:
+        if mono - self.last_eval >= self.cfg.stopping.eval_interval:
             self._evaluate()
-        if self.cfg.checkpoint and mono - self.last_checkpoint >= self.cfg.checkpoint_interval:
+        out = self.cfg.output
+        if out.checkpoint and mono - self.last_checkpoint >= out.checkpoint_interval:
             self._checkpoint()
         self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy)
         return self.stop.check(self.epoch, self.now(), self.evaluation) and self.stop.reason != "epochs"
@@ -183,7 +185,7 @@ class SerialTrainer:
         if self.window_samples:
             self.balancer.observe(0, self.now(), self.window_samples, busy)
             self.log.append("workers", t=self.now(), worker=0, samples=self.window_samples,
-                            compute_s=self.window_compute, io_s=io_new, batch=self.cfg.batch,
+                            compute_s=self.window_compute, io_s=io_new, batch=self.cfg.balancing.batch,
                             rate=self.window_samples / max(1e-9, busy),
                             predicted_rate=self.balancer.predicted_rate(0))
         self.window_samples, self.window_compute = 0, 0.0
@@ -236,5 +238,5 @@ def run_serial(trainer: SerialTrainer) -> int:
         sys.stdout.flush()
         os._exit(1)   # HDF5 would try (and fail) to flush the log's objects again at exit
     print(format_final(summary), flush=True)
-    print(files_line(trainer.cfg), flush=True)
+    print(files_line(trainer.cfg.output), flush=True)
     return 0

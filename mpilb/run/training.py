@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from mpilb.config.build import Config
+from mpilb.config.sections import Config
 from mpilb.run.evaluation import Evaluation
 
 def epoch_order(seed: int, epoch: int, num_shards: int) -> list[int]:
