@@ -22,7 +22,6 @@ from mpilb.core.inject import Injector, parse_injects
 from mpilb.core.optimizers import clip_grad_norm
 from mpilb.run.session import Session, files_line, format_final
 from mpilb.data.shards import ShardStore
-from mpilb.run.signals import PREEMPTED
 from mpilb.run.training import EpochStats, epoch_order
 
 
@@ -47,7 +46,7 @@ class SerialTrainer:
         self.injector = Injector(parse_injects(cfg.experiment.inject, 1), 0, cfg.experiment.seed)
         inj = self.injector
         self.store = ShardStore(dataset, seed=cfg.experiment.seed,
-                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
+                                io_delay=lambda nbytes, shard: inj.io_extra(time.monotonic(), nbytes, shard),
                                 cache_mb=cfg.inputs.cache_mb)
         self.feed = ShardFeed(self.store, self.backend)
         self.step = GradientStep(self.model, self.backend, self.injector)
@@ -59,6 +58,10 @@ class SerialTrainer:
         self.window_compute = 0.0
         self.io_reported = 0.0
         self.epoch_busy = 0.0
+        # the clocks, started by run(): train_s counts from a resumed run's own
+        self.t0 = self.cpu0 = 0.0
+        self.train_s: Optional[float] = None
+        self.last_eval = self.last_report = self.last_checkpoint = 0.0
 
     @property
     def accuracy(self) -> Optional[float]:
@@ -94,7 +97,7 @@ class SerialTrainer:
         self._report_window()
         if self.session.eval_version != self.version:   # every stop ends with the final metric
             self._evaluate()
-        if PREEMPTED.is_set():
+        if signals.PREEMPTED.is_set():
             return "preempted"
         self._checkpoint()
         return "finished"
@@ -162,7 +165,7 @@ class SerialTrainer:
     def _between_steps(self) -> bool:
         """Timers between steps; True when training must stop now."""
         mono = time.monotonic()
-        if PREEMPTED.is_set():
+        if signals.PREEMPTED.is_set():
             print(f"mpilb: {signals.stop_text()}: checkpointing and stopping", file=sys.stderr, flush=True)
             self._checkpoint()
             self.stop.reason = "preempted"
@@ -218,7 +221,8 @@ class SerialTrainer:
 
     def finish(self, status: str) -> dict:
         self.store.close()
-        return self.session.finish(status, train_s=getattr(self, "train_s", self.now()),
+        train_s = self.train_s if self.train_s is not None else self.now()
+        return self.session.finish(status, train_s=train_s,
                                    wall_s=self.now(), cpu_s=time.process_time() - self.cpu0,
                                    rejected=self.rejected)
 
