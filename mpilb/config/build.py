@@ -11,7 +11,6 @@ underscores) is accepted in the file. :func:`build_config` returns the typed
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,14 +19,14 @@ try:  # Python 3.11+
 except ModuleNotFoundError:  # pragma: no cover - older Pythons get tomli from setup.py
     import tomli as tomllib  # type: ignore[no-redef]
 
-from mpilb.config.options import OPTION_BY_NAME, OPTIONS, Option, is_torch_optimizer
+from mpilb.config.options import OPTION_BY_NAME, OPTIONS, Option, closest, is_torch_optimizer
 from mpilb.config.reference import reference_markdown
 from mpilb.config.sections import Config, parse_hidden
-from mpilb.config.validate import check_combinations, check_no_effect, check_value, closest, warn
+from mpilb.config.validate import check_combinations, check_no_effect, check_value, warn
 from mpilb.errors import UsageError
 
-__all__ = ["Config", "build_config", "closest", "default_cache_dir", "load_toml", "parse_hidden",
-           "reference_markdown", "unknown_key"]
+__all__ = ["Config", "build_config", "closest", "load_toml", "parse_hidden", "reference_markdown",
+           "unknown_key"]
 
 
 def _coerce(opt: Option, value: Any, source: str) -> Any:
@@ -163,11 +162,6 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
     for warning in check_no_effect(cfg):
         warn(warning)
     return cfg
-
-
-def default_cache_dir() -> Path:
-    """$MPILB_CACHE, else ~/.cache/mpilb."""
-    return Path(os.environ.get("MPILB_CACHE") or Path.home() / ".cache" / "mpilb")
 
 
 if __name__ == "__main__":  # pragma: no cover

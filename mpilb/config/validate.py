@@ -12,7 +12,6 @@ rank count (:func:`check_injects`), the data (:func:`check_world`), the optimize
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import sys
@@ -21,18 +20,12 @@ from typing import Any, Optional
 
 import numpy as np
 
-from mpilb.config.options import INT32_MAX, NO_EFFECT, OPTION_BY_NAME, Option, is_torch_optimizer
+from mpilb.config.options import INT32_MAX, NO_EFFECT, OPTION_BY_NAME, Option, closest, is_torch_optimizer
 from mpilb.config.sections import Config
 from mpilb.core.inject import parse_inject, parse_injects
 from mpilb.core.topology import PER_NODE, span, store_ranks, stores_of, workers_of
 from mpilb.errors import UsageError
 from mpilb.run.components import config_optimizer
-
-
-def closest(name: str, candidates) -> str:
-    """Return a ' (did you mean X?)' hint for a misspelt name, or ''."""
-    match = difflib.get_close_matches(name, list(candidates), n=2, cutoff=0.6)
-    return f" (did you mean {' or '.join(repr(m) for m in match)}?)" if match else ""
 
 
 # ---------------------------------------------------------------- the options alone

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 
-from mpilb.config.build import Config, default_cache_dir
+from mpilb.config.options import default_cache_dir
+from mpilb.config.sections import Config
 from mpilb.errors import UsageError
 
 DEFAULT_DATASET = dict(samples=24000, features=64, classes=10, shards=12, noise=0.0,
