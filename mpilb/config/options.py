@@ -5,7 +5,10 @@ from it."""
 
 from __future__ import annotations
 
+import difflib
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 
@@ -231,3 +234,14 @@ def _warmup_ok(text) -> bool:
     return value >= 0
 
 OPTION_BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def closest(name: str, candidates) -> str:
+    """Return a ' (did you mean X?)' hint for a misspelt name, or ''."""
+    match = difflib.get_close_matches(name, list(candidates), n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(repr(m) for m in match)}?)" if match else ""
+
+
+def default_cache_dir() -> Path:
+    """$MPILB_CACHE, else ~/.cache/mpilb."""
+    return Path(os.environ.get("MPILB_CACHE") or Path.home() / ".cache" / "mpilb")

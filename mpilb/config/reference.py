@@ -1,21 +1,16 @@
-"""docs/configuration.md, generated from :data:`mpilb.config.build.OPTIONS` and
-:data:`mpilb.config.build.NO_EFFECT` (``python -m mpilb.config.build > docs/configuration.md``).
+"""docs/configuration.md, generated from :data:`mpilb.config.options.OPTIONS` and
+:data:`mpilb.config.options.NO_EFFECT` (``python -m mpilb.config.build > docs/configuration.md``).
 
-Kept importable as ``mpilb.config.build.reference_markdown``.
+It reads the option table only (mpilb.config.build imports it, not the other way round).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from mpilb.config.build import Option
+from mpilb.config.options import NO_EFFECT, OPTION_BY_NAME, OPTIONS, Option
 
 
 def reference_markdown() -> str:
     """docs/configuration.md, generated from OPTIONS (`python -m mpilb.config.build > docs/configuration.md`)."""
-    # imported here: mpilb.config.build imports this module (also when run as ``python -m``)
-    from mpilb.config.build import NO_EFFECT, OPTION_BY_NAME, OPTIONS
     lines = ["# Configuration reference", "",
              "Generated from `mpilb/config/build.py` by `python -m mpilb.config.build > docs/configuration.md`;",
              "a test fails when this page and the code disagree.", "",

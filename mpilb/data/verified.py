@@ -27,7 +27,7 @@ RACY_S = 2.0
 
 
 def _user_cache_path(root: Path) -> Path:
-    from mpilb.config.build import default_cache_dir
+    from mpilb.config.options import default_cache_dir
 
     digest = hashlib.sha256(str(root).encode()).hexdigest()[:24]
     return default_cache_dir() / "verified" / f"{digest}.json"

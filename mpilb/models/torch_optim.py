@@ -36,7 +36,7 @@ def class_name(spec: str) -> str:
 
 def resolve(spec: str):
     """The torch.optim class that ``spec`` names; UsageError naming the problem."""
-    from mpilb.config.build import closest
+    from mpilb.config.options import closest
 
     if torch is None:
         raise UsageError(f"--optimizer {spec} needs PyTorch, which is not installed: "

@@ -176,7 +176,7 @@ def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: l
     """One timed run of the real server (rank 0), its stores and null workers (every rank).
     Rank 0 returns {updates_per_s, server_cpu_s, train_s, updates, servers: [...]}."""
     from mpilb.server.store import StoreRank, store_bounds
-    from mpilb.run.training import config_model
+    from mpilb.run.components import config_model
 
     rank, size = comm.Get_rank(), comm.Get_size()
     dataset = _bench_dataset(n, size - len(stores))

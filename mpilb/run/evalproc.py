@@ -12,7 +12,7 @@ process has its own interpreter, and on a node with a core to spare, its own cor
 The child (``python -m mpilb.run.evalproc``, started once per run with the MPI launcher's
 variables removed, so that nothing in it joins the job) builds the run's model and test set
 itself and then answers one request at a time: parameters in, an
-:class:`~mpilb.run.training.Evaluation` and its seconds out (a pickle: once per epoch, off the
+:class:`~mpilb.run.evaluation.Evaluation` and its seconds out (a pickle: once per epoch, off the
 hot path). On Linux the parameters travel through an anonymous shared mapping (a memfd
 the child inherits, gone when both have closed it, whatever way they end): rank 0 copies
 them there and writes an empty request, so a large model costs rank 0 one memcpy, not a
@@ -149,15 +149,16 @@ def main() -> int:
     if data is None:
         return 0
     try:
-        from mpilb.config.build import Config
-        from mpilb.run.training import build_evaluator, config_model
+        from mpilb.config.sections import Config
+        from mpilb.run.evaluation import build_evaluator
+        from mpilb.run.components import config_model
 
         values, dataset, fd, num_params, path = pickle.loads(data)
         sys.path[:] = path + [p for p in sys.path if p not in path]
         shared = None
         if fd >= 0:
             shared = np.frombuffer(mmap.mmap(fd, 4 * num_params), dtype=np.float32)
-        evaluator = build_evaluator(config_model(Config(values), dataset), dataset)
+        evaluator = build_evaluator(config_model(Config.from_values(values), dataset), dataset)
     except Exception:
         evaluator, setup_error = None, traceback.format_exc()
     while (data := _read(src)) is not None:

@@ -78,54 +78,38 @@ def together(comm, rank: int, step: Callable[[], Any],
     raise JobStop(*first)
 
 
-def _same_options(mine: tuple, all_args: list) -> None:
-    """Every rank of an MPMD job (`mpiexec ... : ...`, heterogeneous Slurm steps) must be
-    started with the same options, or the ranks build different models and buffers."""
-    for r, theirs in enumerate(all_args):
-        if theirs == mine:
-            continue
-        if theirs[0] != mine[0]:
-            raise UsageError(f"rank {r} was started with config file {theirs[0]!r}, rank 0 with "
-                             f"{mine[0]!r}: every rank must get the same config and options")
-        keys = sorted(set(mine[1]) | set(theirs[1]))
-        differ = [k for k in keys if mine[1].get(k) != theirs[1].get(k)]
-        shown = ", ".join(f"--{k.replace('_', '-')} {theirs[1].get(k)!r} vs {mine[1].get(k)!r}"
-                          for k in differ[:3])
-        raise UsageError(f"rank {r} was started with other options than rank 0 ({shown}): "
-                         f"every rank of the job must get the same options")
-
-
 def _validate(config_file, cli_values, world_size, all_args, nodes):
+    """Rank 0's part of the start-up: the configuration built and every check of it
+    (mpilb.config.validate) run against this job, its data and its model."""
+    from mpilb.config import validate
     from mpilb.config.build import build_config, load_toml
     from mpilb.data.dataset import verify_dataset
-    from mpilb.core.inject import parse_injects
-    from mpilb.server.store import check_servers
     from mpilb.runfiles.paths import check_paths, resolve_data, run_identity
     from mpilb.core.topology import store_ranks
-    from mpilb.run.training import check_model_step, check_optimizer, check_world, config_model, hold_out_validation
+    from mpilb.run.components import config_model, hold_out_validation
 
     file_values = load_toml(config_file) if config_file else {}
     cfg = build_config(file_values, cli_values, source=config_file or "")
-    cfg.store_ranks = tuple(store_ranks(nodes, cfg.servers))
-    _same_options(all_args[0], all_args)
-    parse_injects(cfg.inject, world_size)
+    cfg.store_ranks = tuple(store_ranks(nodes, cfg.updates.servers))
+    validate.same_options(all_args[0], all_args)
+    validate.check_injects(cfg, world_size)
     data_dir = resolve_data(cfg)
     # files checked before are not re-hashed
-    dataset = hold_out_validation(cfg, verify_dataset(data_dir, cached=True))
-    check_world(cfg, world_size, dataset)
-    check_optimizer(cfg, world_size)
+    dataset = hold_out_validation(cfg.inputs, verify_dataset(data_dir, cached=True))
+    validate.check_world(cfg, world_size, dataset)
+    validate.check_optimizer(cfg, world_size)
     model = config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
-    check_model_step(cfg, model, dataset)
-    check_servers(cfg, world_size, model.num_params, model.num_state, nodes)
+    validate.check_model_step(cfg, model, dataset)
+    validate.check_servers(cfg, world_size, model.num_params, model.num_state, nodes)
     check_paths(cfg, dataset, config_file)   # the log and checkpoint names, once decided
     run_id = run_identity(cfg)   # on --resume: the log and the checkpoint are one run's
-    if cfg.device == "gpu" and world_size == 1:
+    if cfg.network.device == "gpu" and world_size == 1:
         from mpilb.backend import select_backend
 
         select_backend("gpu", 0)
     # what rank 0 verified, for the other nodes' copies (--store local: node_copies.py)
     files = [(s.file, s.samples, s.sha256) for s in dataset.shards]
-    return cfg.values, data_dir, run_id, files
+    return dict(cfg.values), data_dir, run_id, files
 
 
 def _start(comm, rank: int, size: int, config_file, cli_values: dict):
@@ -133,7 +117,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     import json
 
     from mpilb.mpi import comm as C
-    from mpilb.config.build import Config
+    from mpilb.config.sections import Config
     from mpilb.core.topology import placement_note, store_ranks, workers_of
 
     all_args = comm.allgather((config_file, cli_values))
@@ -141,14 +125,14 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     verdict = together(comm, rank, lambda: _validate(config_file, cli_values, size, all_args,
                                                      nodes) if rank == 0 else None)
     values, data_dir, run_id, files = comm.bcast(verdict, root=0)
-    cfg = Config(dict(values))
+    cfg = Config.from_values(values)   # (validated on rank 0)
     # the same list on every rank: computed from the same node split and option
-    cfg.store_ranks = tuple(store_ranks(nodes, cfg.servers))
+    cfg.store_ranks = tuple(store_ranks(nodes, cfg.updates.servers))
     hosts = C.hostnames(comm)
-    if cfg.store == "local":   # each other node's first rank checks the copies placed there
+    if cfg.inputs.store == "local":   # each other node's first rank checks the copies placed there
         from mpilb.worker.node_copies import shards_to_verify, verify_node_copies
 
-        mine = shards_to_verify(hosts, rank, workers_of(cfg, size), cfg.replicas, len(files))
+        mine = shards_to_verify(hosts, rank, workers_of(cfg, size), cfg.inputs.replicas, len(files))
         together(comm, rank, lambda: verify_node_copies(data_dir, files, mine, hosts, rank))
     mpi_library = C.library_version()
     from mpilb.mpi import doorbell
@@ -160,10 +144,10 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
 
     def make_role():
         from mpilb.data.dataset import open_dataset
-        from mpilb.run.training import hold_out_validation
+        from mpilb.run.components import hold_out_validation
 
         # rank 0 checked the files just now
-        dataset = hold_out_validation(cfg, open_dataset(data_dir, check_files=False))
+        dataset = hold_out_validation(cfg.inputs, open_dataset(data_dir, check_files=False))
         run_attrs = {"config": json.dumps(dict(cfg.values, data=data_dir), sort_keys=True),
                      "run_id": run_id, "mpi_library": mpi_library, "world_size": size,
                      "hostnames": json.dumps(hosts), "nodes": json.dumps(nodes),
@@ -185,7 +169,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
         return Worker(cfg, dataset, comm, rank, hosts)
 
     role = together(comm, rank, make_role, on_fail=lambda r: getattr(r, "abandon", lambda: None)())
-    note = placement_note(nodes, cfg.servers) if size > 1 else None
+    note = placement_note(nodes, cfg.updates.servers) if size > 1 else None
     if rank == 0 and note:
         print(f"mpilb: {note}", file=sys.stderr, flush=True)
     return cfg, role
@@ -259,11 +243,11 @@ def _install_signal_handlers(size: int) -> None:
     """SIGTERM/SIGUSR1 (Slurm preemption, time limit, `scancel --signal`) and Ctrl-C: checkpoint
     and stop.
     In a multi-rank job SIGUSR1 is only a notice until rank 0 has ruled out a failed rank
-    (see training.USR1_NOTICE)."""
+    (see signals.USR1_NOTICE)."""
     import signal
 
     from mpilb.run import signals
-    from mpilb.run.training import PREEMPTED, USR1_NOTICE
+    from mpilb.run.signals import PREEMPTED, USR1_NOTICE
 
     def on_signal(signum):
         if signum == signal.SIGUSR1 and size > 1:

@@ -6,7 +6,6 @@ a multi-rank job, without a server. The one "worker" is rank 0 itself.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -16,75 +15,61 @@ from typing import Optional
 from mpilb.runfiles import checkpoint
 from mpilb.run import signals
 from mpilb.backend import select_backend
-from mpilb.core.balancer import build_balancer
+from mpilb.config.sections import Config
 from mpilb.errors import LogWriteError, MpilbError
 from mpilb.core.batches import GradientStep, ShardFeed
 from mpilb.core.inject import Injector, parse_injects
-from mpilb.models import initial_params
-from mpilb.run.progress import Progress, tapped
-from mpilb.runfiles.report import summarize_log
-from mpilb.runfiles.runlog import RunLog
-from mpilb.runfiles.best import BestCheckpoint
 from mpilb.core.optimizers import clip_grad_norm
-from mpilb.run.session import balancer_config, files_line, format_final
+from mpilb.run.session import Session, files_line, format_final
 from mpilb.data.shards import ShardStore
-from mpilb.core.schedules import build_schedule
-from mpilb.runfiles.tensorboard import tap_for
-from mpilb.run.training import PREEMPTED, EpochStats, EpochTracker, build_evaluator, build_stop_rule, config_model, config_optimizer, epoch_order
+from mpilb.run.training import EpochStats, epoch_order
 
 
 class SerialTrainer:
-    """Train with one process; `run()` returns the final status."""
+    """Train with one process; `run()` returns the final status.
 
-    def __init__(self, cfg, dataset, run_attrs: dict):
+    Its set-up is the parameter server's (:class:`~mpilb.run.session.Session`: model,
+    optimizer, balancer, tracker, evaluator, stop rule, resume, run log, progress), with one
+    worker, rank 0, whose parameters and optimizer state live on its device.
+    """
+
+    def __init__(self, cfg: Config, dataset, run_attrs: dict):
         self.cfg = cfg
         self.dataset = dataset
-        self.backend = select_backend(cfg.device, 0)
-        self.model = config_model(cfg, dataset)
-        host_params = initial_params(self.model, cfg.seed, cfg.model)
-        self.optimizer = config_optimizer(cfg, self.model.num_params, xp=self.backend.xp)
-        self.balancer = build_balancer(cfg.balancer, [0], dataset.shard_sizes, balancer_config(cfg))
-        self.tracker = EpochTracker(dataset.shard_sizes)
-        self.resumed: Optional[checkpoint.Checkpoint] = None
-        if cfg.resume:
-            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed,
-                                           validation_fraction=cfg.validation_fraction)
-            host_params = self.resumed.params
-            self.optimizer.load_state_dict(self.resumed.optimizer)
-            checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
-        self.params = self.backend.asarray(host_params)
-        self.injector = Injector(parse_injects(cfg.inject, 1), 0, cfg.seed)
+        self.backend = select_backend(cfg.network.device, 0)
+        self.session = s = Session(cfg, dataset, run_attrs, [0], xp=self.backend.xp)
+        self.model, self.optimizer, self.balancer = s.model, s.optimizer, s.balancer
+        self.tracker, self.evaluator, self.stop = s.tracker, s.evaluator, s.stop
+        self.resumed, self.log, self.progress = s.resumed, s.log, s.progress
+        self.schedule = s.schedule
+        self.params = self.backend.asarray(s.params)
+        self.injector = Injector(parse_injects(cfg.experiment.inject, 1), 0, cfg.experiment.seed)
         inj = self.injector
-        self.store = ShardStore(dataset, seed=cfg.seed,
-                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
-                                cache_mb=cfg.cache_mb)
+        self.store = ShardStore(dataset, seed=cfg.experiment.seed,
+                                io_delay=lambda nbytes, shard: inj.io_extra(time.monotonic(), nbytes, shard),
+                                cache_mb=cfg.inputs.cache_mb)
         self.feed = ShardFeed(self.store, self.backend)
         self.step = GradientStep(self.model, self.backend, self.injector)
-        self.evaluator = build_evaluator(self.model, dataset)
-        self.stop = build_stop_rule(cfg)
-        self.schedule = build_schedule(cfg, dataset.shard_sizes)
-        self.evaluation = None
-        self.best = BestCheckpoint(cfg) if cfg.save_best else None
-        self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
-                                 samples_per_epoch=self.tracker.total,
-                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds,
-                                 metric=self.model.metric)
-        # the progress display and --tensorboard see every row of the run log
-        self.log = tapped(RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
-                                resume_at=self.resumed.train_s if self.resumed else None,
-                                checkpoint=cfg.checkpoint,
-                                completed=self.resumed.completed if self.resumed else None),
-                         self.progress, tap_for(cfg))
-        self.eval_version = -1
         self.version = self.resumed.version if self.resumed else 0
         self.epoch = self.resumed.epoch if self.resumed else 0
-        self.accuracy: Optional[float] = None
         # accumulators for the workers/ log rows and the epoch's utilization
         self.rejected = 0
         self.window_samples = 0
         self.window_compute = 0.0
         self.io_reported = 0.0
         self.epoch_busy = 0.0
+        # the clocks, started by run(): train_s counts from a resumed run's own
+        self.t0 = self.cpu0 = 0.0
+        self.train_s: Optional[float] = None
+        self.last_eval = self.last_report = self.last_checkpoint = 0.0
+
+    @property
+    def accuracy(self) -> Optional[float]:
+        return self.session.accuracy
+
+    @property
+    def evaluation(self):
+        return self.session.evaluation
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -103,22 +88,22 @@ class SerialTrainer:
             # must checkpoint the interrupted epoch's counts, not zeros
             self.tracker.begin(first, self.now(), counts)
         self.progress.begin(first, 0 if counts is None else int((counts > 0).sum()), self.now())
-        for epoch in range(first, self.cfg.epochs):
+        for epoch in range(first, self.cfg.stopping.epochs):
             self._run_epoch(epoch, counts)
             counts = None
             if self.stop.reason:
                 break
         self.train_s = self.now()
         self._report_window()
-        if self.eval_version != self.version:   # every stop ends with the final metric
+        if self.session.eval_version != self.version:   # every stop ends with the final metric
             self._evaluate()
-        if PREEMPTED.is_set():
+        if signals.PREEMPTED.is_set():
             return "preempted"
         self._checkpoint()
         return "finished"
 
     def _run_epoch(self, epoch: int, counts) -> None:
-        order = epoch_order(self.cfg.seed, epoch, len(self.dataset.shard_sizes))
+        order = epoch_order(self.cfg.experiment.seed, epoch, len(self.dataset.shard_sizes))
         ranges: dict[int, list] = {}
         self.tracker.begin(epoch, self.now(), counts)
         if counts is not None:
@@ -132,7 +117,7 @@ class SerialTrainer:
             if more and not self.feed.queue:
                 # hand out the next shard now, so that it is read while this one is consumed
                 more = self._hand_out(epoch, ranges)
-            batch = self.feed.take(self.cfg.batch)
+            batch = self.feed.take(self.cfg.balancing.batch)
             if batch is None:
                 if more:
                     continue
@@ -165,8 +150,8 @@ class SerialTrainer:
             raise MpilbError(f"non-finite gradient for shard {batch.shard} [{batch.lo}, {batch.hi}) "
                              f"at update {self.version + 1}; lower --lr?")
         grad /= b
-        clip_grad_norm(grad, self.cfg.clip_norm, self.backend.xp)
-        lr_scale = b / self.cfg.batch * self.schedule(self.version, self.now())
+        clip_grad_norm(grad, self.cfg.optim.clip_norm, self.backend.xp)
+        lr_scale = b / self.cfg.balancing.batch * self.schedule(self.version, self.now())
         self.optimizer.step(self.params, grad, lr_scale)
         self.version += 1
         self.tracker.record(batch.epoch, batch.shard, batch.lo, batch.hi)
@@ -180,16 +165,17 @@ class SerialTrainer:
     def _between_steps(self) -> bool:
         """Timers between steps; True when training must stop now."""
         mono = time.monotonic()
-        if PREEMPTED.is_set():
+        if signals.PREEMPTED.is_set():
             print(f"mpilb: {signals.stop_text()}: checkpointing and stopping", file=sys.stderr, flush=True)
             self._checkpoint()
             self.stop.reason = "preempted"
             return True
-        if mono - self.last_report >= self.cfg.rebalance_interval:
+        if mono - self.last_report >= self.cfg.balancing.rebalance_interval:
             self._report_window()
-        if mono - self.last_eval >= self.cfg.eval_interval:
+        if mono - self.last_eval >= self.cfg.stopping.eval_interval:
             self._evaluate()
-        if self.cfg.checkpoint and mono - self.last_checkpoint >= self.cfg.checkpoint_interval:
+        out = self.cfg.output
+        if out.checkpoint and mono - self.last_checkpoint >= out.checkpoint_interval:
             self._checkpoint()
         self.progress.update(self.epoch, self.tracker.distinct, self.version, self.accuracy)
         return self.stop.check(self.epoch, self.now(), self.evaluation) and self.stop.reason != "epochs"
@@ -202,7 +188,7 @@ class SerialTrainer:
         if self.window_samples:
             self.balancer.observe(0, self.now(), self.window_samples, busy)
             self.log.append("workers", t=self.now(), worker=0, samples=self.window_samples,
-                            compute_s=self.window_compute, io_s=io_new, batch=self.cfg.batch,
+                            compute_s=self.window_compute, io_s=io_new, batch=self.cfg.balancing.batch,
                             rate=self.window_samples / max(1e-9, busy),
                             predicted_rate=self.balancer.predicted_rate(0))
         self.window_samples, self.window_compute = 0, 0.0
@@ -220,48 +206,25 @@ class SerialTrainer:
         self.stop.check(stats.epoch + 1, self.now(), self.evaluation)
 
     def _evaluate(self) -> None:
-        params = self.backend.to_host(self.params)
-        ev = self.evaluator.evaluate(params)
-        self.evaluation, self.accuracy = ev, ev.decides[1]
-        self.log.append("eval", t=self.now(), version=self.version, epoch=self.epoch,
-                        **ev.columns())
-        if self.best is not None:
-            self.best.offer(ev, params, self.epoch, self.version, self._save_best)
+        self.session.evaluate(self.backend.to_host(self.params), self.now(), self.version,
+                              self.epoch)
         self.last_eval = time.monotonic()
-        self.eval_version = self.version
 
     def _checkpoint(self) -> None:
         self.last_checkpoint = time.monotonic()
-        if not self.cfg.checkpoint:
-            return
-        self.log.flush()
-        self._save_checkpoint()
+        self.session.checkpoint(self.backend.to_host(self.params), self.version, self.epoch,
+                                self.now())
 
     def _save_checkpoint(self) -> None:
-        checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
-                        params=self.backend.to_host(self.params), optimizer=self.optimizer,
-                        version=self.version, epoch=self.epoch, tracker=self.tracker,
-                        balancer=self.balancer, train_s=self.now(), run_id=self.log.run_id)
-
-    def _save_best(self, path: str, params, best: dict) -> None:
-        checkpoint.save(path, cfg=self.cfg, model=self.model, dataset=self.dataset,
-                        params=params, optimizer=self.optimizer, version=self.version,
-                        epoch=self.epoch, tracker=self.tracker, balancer=self.balancer,
-                        train_s=self.now(), run_id=self.log.run_id, best=best)
+        self.session.write_checkpoint(self.backend.to_host(self.params), self.version,
+                                      self.epoch, self.now())
 
     def finish(self, status: str) -> dict:
         self.store.close()
-        self.log.close(status, {"train_s": getattr(self, "train_s", self.now()),
-                                "wall_s": self.now(),
-                                "server_cpu_s": time.process_time() - self.cpu0,
-                                "coverage": json.dumps(self.tracker.coverage()),
-                                "lost_workers": "[]", "stop_reason": self.stop.reason,
-                                "rejected_gradients": self.rejected,
-                                "eval_s": self.evaluator.seconds})
-        summary = summarize_log(self.cfg.log)
-        self.log.write_summary(summary)
-        self.progress.close(summary)
-        return summary
+        train_s = self.train_s if self.train_s is not None else self.now()
+        return self.session.finish(status, train_s=train_s,
+                                   wall_s=self.now(), cpu_s=time.process_time() - self.cpu0,
+                                   rejected=self.rejected)
 
 
 def run_serial(trainer: SerialTrainer) -> int:
@@ -274,10 +237,10 @@ def run_serial(trainer: SerialTrainer) -> int:
             summary = trainer.finish(status)
     except LogWriteError as exc:
         trainer.store.close()
-        rescued = checkpoint.rescue(trainer.cfg.checkpoint, trainer._save_checkpoint)
+        rescued = trainer.session.rescue_checkpoint(trainer._save_checkpoint)
         print(f"mpilb: error: {exc}; {rescued}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         os._exit(1)   # HDF5 would try (and fail) to flush the log's objects again at exit
     print(format_final(summary), flush=True)
-    print(files_line(trainer.cfg), flush=True)
+    print(files_line(trainer.cfg.output), flush=True)
     return 0

@@ -7,6 +7,7 @@ rank or on rank 0 of many; this module does it once, so neither driver imports t
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,8 @@ from typing import Callable, Optional
 import numpy as np
 
 from mpilb.runfiles import checkpoint
-from mpilb.runfiles.best import BestCheckpoint
+from mpilb.config.sections import Config, OutputConfig
+from mpilb.runfiles.best import BestCheckpoint, best_line
 from mpilb.core.balancer import BalancerConfig, build_balancer
 from mpilb.run.evalproc import EvalProcess, EvalProcessGone
 from mpilb.models import initial_params
@@ -24,15 +26,19 @@ from mpilb.runfiles.report import summarize_log
 from mpilb.runfiles.runlog import RunLog
 from mpilb.core.schedules import build_schedule
 from mpilb.runfiles.tensorboard import tap_for
-from mpilb.run.training import EpochTracker, Evaluation, build_evaluator, build_stop_rule, config_model, config_optimizer
+from mpilb.run.training import EpochTracker, build_stop_rule
+from mpilb.run.evaluation import Evaluation, build_evaluator
+from mpilb.run.components import config_model, config_optimizer
 
 
-def balancer_config(cfg) -> BalancerConfig:
-    return BalancerConfig(batch=cfg.batch, batch_policy=cfg.batch_policy,
-                          min_batch=cfg.min_batch, max_batch=cfg.max_batch,
-                          sit_out=(bool(cfg.sit_out) and cfg.mode == "sync"
-                                   and cfg.batch_policy == "proportional"),
-                          rebalance_interval=cfg.rebalance_interval)
+def balancer_config(cfg: Config) -> BalancerConfig:
+    """The balancer's settings: ``cfg.balancing``, with sit-outs only for sync rounds."""
+    bal = cfg.balancing
+    return BalancerConfig(batch=bal.batch, batch_policy=bal.batch_policy,
+                          min_batch=bal.min_batch, max_batch=bal.max_batch,
+                          sit_out=(bool(bal.sit_out) and cfg.updates.mode == "sync"
+                                   and bal.batch_policy == "proportional"),
+                          rebalance_interval=bal.rebalance_interval)
 
 
 def format_final(summary: dict) -> str:
@@ -51,20 +57,18 @@ def format_final(summary: dict) -> str:
             f"(duplicates {cov['duplicates']}, missing {cov['missing']})")
 
 
-def files_line(cfg) -> str:
+def files_line(output: OutputConfig) -> str:
     """The very last line(s) of a run: where its log and its final parameters are (and,
     with --save-best, the best evaluation's)."""
-    from mpilb.runfiles.best import best_line
-
-    best = best_line(cfg)
-    return f"mpilb: log {cfg.log}, checkpoint {cfg.checkpoint}" + (f"\n{best}" if best else "")
+    best = best_line(output)
+    return f"mpilb: log {output.log}, checkpoint {output.checkpoint}" + (f"\n{best}" if best else "")
 
 
 class Session:
     """The shared state of one run, built from its config.
 
     Args:
-        cfg: the run's Config.
+        cfg: the run's Config (each part is handed its section).
         dataset: the opened dataset.
         run_attrs: root attributes of the run log.
         ranks: the workers the balancer plans for.
@@ -72,44 +76,45 @@ class Session:
         xp: array module of the optimizer state (numpy, or cupy for a serial GPU run).
     """
 
-    def __init__(self, cfg, dataset, run_attrs: dict, ranks: list[int],
+    def __init__(self, cfg: Config, dataset, run_attrs: dict, ranks: list[int],
                  holders: Optional[dict] = None, xp=np):
         self.cfg = cfg
         self.dataset = dataset
+        out, seed = cfg.output, cfg.experiment.seed
         self.model = config_model(cfg, dataset)
-        self.params = initial_params(self.model, cfg.seed, cfg.model)
-        self.optimizer = config_optimizer(cfg, self.model.num_params, xp=xp)
-        self.balancer = build_balancer(cfg.balancer, ranks, dataset.shard_sizes,
+        self.params = initial_params(self.model, seed, cfg.network.model)
+        self.optimizer = config_optimizer(cfg.optim, self.model.num_params, xp=xp)
+        self.balancer = build_balancer(cfg.balancing.balancer, ranks, dataset.shard_sizes,
                                        balancer_config(cfg), holders)
         self.tracker = EpochTracker(dataset.shard_sizes)
         self.evaluator = build_evaluator(self.model, dataset)
-        self.stop = build_stop_rule(cfg)
+        self.stop = build_stop_rule(cfg.stopping)
         # the factor on --lr at each update (--lr-schedule, --warmup): schedules.py
         self.schedule = build_schedule(cfg, dataset.shard_sizes, len(ranks))
         self.resumed: Optional[checkpoint.Checkpoint] = None
-        if cfg.resume:
-            self.resumed = checkpoint.load(cfg.checkpoint, self.model, dataset, seed=cfg.seed,
-                                           validation_fraction=cfg.validation_fraction)
+        if out.resume:
+            self.resumed = checkpoint.load(out.checkpoint, self.model, dataset, seed=seed,
+                                           validation_fraction=cfg.inputs.validation_fraction)
             self.params[:] = self.resumed.params
             self.optimizer.load_state_dict(self.resumed.optimizer)
             checkpoint.restore_balancer(self.balancer, self.resumed.balancer)
-        self.progress = Progress(enabled=cfg.progress, total_epochs=cfg.epochs,
+        self.progress = Progress(enabled=out.progress, total_epochs=cfg.stopping.epochs,
                                  samples_per_epoch=self.tracker.total,
-                                 interval=cfg.progress_interval, max_seconds=cfg.max_seconds,
-                                 metric=self.model.metric)
+                                 interval=out.progress_interval,
+                                 max_seconds=cfg.stopping.max_seconds, metric=self.model.metric)
         # the progress display and --tensorboard see every row of the run log
-        self.log = tapped(RunLog(cfg.log, dict(run_attrs, metric=self.model.metric),
+        self.log = tapped(RunLog(out.log, dict(run_attrs, metric=self.model.metric),
                                 resume_at=self.resumed.train_s if self.resumed else None,
-                                checkpoint=cfg.checkpoint,
+                                checkpoint=out.checkpoint,
                                 completed=self.resumed.completed if self.resumed else None),
-                         self.progress, tap_for(cfg))
+                         self.progress, tap_for(out))
         self.accuracy: Optional[float] = None   # the headline metric, for the progress line
         self.evaluation: Optional[Evaluation] = None   # what --target-* decide on
         self.eval_version = -1   # parameter version of the last evaluation
         self._eval_pool: Optional[ThreadPoolExecutor] = None
         self._eval_proc: Optional[EvalProcess] = None
         self._pending = None     # an evaluation running in the background (evaluate_later)
-        self.best = BestCheckpoint(cfg) if cfg.save_best else None
+        self.best = BestCheckpoint(out) if out.save_best else None
 
     def start_background_evaluation(self, ranks_here: int) -> None:
         """Start the process that :meth:`evaluate_later` hands its evaluations to (rank 0
@@ -192,12 +197,45 @@ class Session:
         self.log.append("eval", t=t, version=version, epoch=epoch, **ev.columns())
         if self.best is not None and params is not None:
             def save(path, evaluated, best):
-                checkpoint.save(path, cfg=self.cfg, model=self.model, dataset=self.dataset,
-                                params=evaluated, optimizer=self.optimizer, version=version,
-                                epoch=epoch, tracker=self.tracker, balancer=self.balancer,
-                                train_s=t, run_id=self.log.run_id, best=best)
+                self.write_checkpoint(evaluated, version, epoch, t, path=path, best=best)
 
             self.best.offer(ev, params, epoch, version, save)
+
+    # ----------------------------------------------------------------- checkpoints
+    def write_checkpoint(self, params: np.ndarray, version: int, epoch: int, train_s: float,
+                         path: Optional[str] = None, best: Optional[dict] = None) -> None:
+        """The one checkpoint writer of a run (serial or rank 0): `params` (host memory) at
+        `version` with this run's optimizer, epoch counts and balancer, into `path`
+        (default --checkpoint); `best`: the evaluation a --save-best checkpoint holds."""
+        checkpoint.save(path or self.cfg.output.checkpoint, cfg=self.cfg, model=self.model,
+                        dataset=self.dataset, params=params, optimizer=self.optimizer,
+                        version=version, epoch=epoch, tracker=self.tracker,
+                        balancer=self.balancer, train_s=train_s, run_id=self.log.run_id,
+                        best=best)
+
+    def checkpoint(self, params: np.ndarray, version: int, epoch: int, train_s: float) -> None:
+        """The run's checkpoint (nothing with --checkpoint off), the run log flushed first:
+        the log holds everything up to the checkpoint, so a resume continues it."""
+        if not self.cfg.output.checkpoint:
+            return
+        self.log.flush()
+        self.write_checkpoint(params, version, epoch, train_s)
+
+    def rescue_checkpoint(self, save: Callable[[], None]) -> str:
+        """The run log cannot be written: the weights go into the checkpoint all the same
+        (its disk may have room). Returns what the run's last line says of it."""
+        return checkpoint.rescue(self.cfg.output.checkpoint, save)
+
+    # ----------------------------------------------------------------- end
+    def finish(self, status: str, *, train_s: float, wall_s: float, cpu_s: float,
+               lost: tuple = (), rejected: int = 0, **extra) -> dict:
+        """End the run: the summary attributes every driver writes (docs/logs.md), plus the
+        driver's own `extra` ones, then :meth:`close`. Returns the summary."""
+        attrs = {"train_s": train_s, "wall_s": wall_s, "server_cpu_s": cpu_s,
+                 "coverage": json.dumps(self.tracker.coverage()),
+                 "lost_workers": json.dumps(list(lost)), "stop_reason": self.stop.reason,
+                 "rejected_gradients": rejected, "eval_s": self.evaluator.seconds, **extra}
+        return self.close(status, attrs)
 
     def close(self, status: str, attrs: dict) -> dict:
         """Close the run log, write the summary, end the progress display on its figures."""
@@ -211,7 +249,7 @@ class Session:
             self._eval_proc.close()
             self._eval_proc = None
         self.log.close(status, attrs)
-        summary = summarize_log(self.cfg.log)
+        summary = summarize_log(self.cfg.output.log)
         self.log.write_summary(summary)
         self.progress.close(summary)
         return summary

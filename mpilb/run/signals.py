@@ -11,6 +11,15 @@ and honoured once training runs, instead of killing the rank (exit 15, no checkp
 from __future__ import annotations
 
 import signal
+import threading
+
+# Set by the SIGTERM handler (any rank; SIGUSR1 too in a one-rank run): checkpoint and stop.
+PREEMPTED = threading.Event()
+# Set by SIGUSR1 on a rank of a multi-rank job. Slurm's `--signal=USR1` means preemption, but
+# MPICH's Hydra under `-disable-auto-cleanup` sends the same signal to the survivors when a
+# rank dies; rank 0 tells them apart (server/chores.py): a preemption only when every worker
+# present at the signal reports it too, none of them dying first.
+USR1_NOTICE = threading.Event()
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import time
 
-from mpilb.config.build import Config, default_cache_dir
+from mpilb.config.options import default_cache_dir
+from mpilb.config.sections import Config
 from mpilb.errors import UsageError
 
 DEFAULT_DATASET = dict(samples=24000, features=64, classes=10, shards=12, noise=0.0,
@@ -142,10 +143,9 @@ def check_paths(cfg: Config, dataset, config_file=None) -> None:
                 raise UsageError(f"{prior} {prior_path} and {what} {path} are the same file: {fix}")
         seen.append((what, path))
     if not cfg.log:
-        cfg.values["log"] = next_run_log(os.path.join(os.getcwd(), RUNS_DIR))
-        cfg.values["log"] = os.path.relpath(cfg.values["log"])
+        cfg.set_files(log=os.path.relpath(next_run_log(os.path.join(os.getcwd(), RUNS_DIR))))
     if not cfg.checkpoint:
-        cfg.values["checkpoint"] = default_checkpoint(cfg.log)
+        cfg.set_files(checkpoint=default_checkpoint(cfg.log))
 
 
 def _same_file(a: str, b: str) -> bool:

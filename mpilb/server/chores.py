@@ -14,10 +14,9 @@ import sys
 import time
 from typing import Optional
 
-from mpilb.runfiles import checkpoint
 from mpilb.run import signals
 from mpilb.mpi import comm as C
-from mpilb.run.training import PREEMPTED, USR1_NOTICE
+from mpilb.run.signals import PREEMPTED, USR1_NOTICE
 from mpilb.mpi.watchdog import KEEP_ALIVE_S
 from mpilb.server.vote import SignalVote
 
@@ -344,14 +343,11 @@ class Chores:
     def rescue_checkpoint(self) -> str:
         """The run log cannot be written: the weights go into the checkpoint all the same
         (its disk may have room). Returns what the run's last line says of it."""
-        return checkpoint.rescue(self.cfg.checkpoint, self._save_checkpoint)
+        return self.session.rescue_checkpoint(self._save_checkpoint)
 
     def _save_checkpoint(self) -> None:
         self.checkpointed_at = self.version
-        checkpoint.save(self.cfg.checkpoint, cfg=self.cfg, model=self.model, dataset=self.dataset,
-                        params=self.params, optimizer=self.optimizer, version=self.version,
-                        epoch=self.epoch, tracker=self.tracker, balancer=self.balancer,
-                        train_s=self.now(), run_id=self.log.run_id)
+        self.session.write_checkpoint(self.params, self.version, self.epoch, self.now())
 
     def _preempt(self) -> None:
         """SIGTERM/SIGUSR1 on some rank: checkpoint, tell every worker to stop, exit 0."""

@@ -10,7 +10,7 @@ import sys
 from mpilb.mpi import comm as C
 from mpilb.errors import LogWriteError
 from mpilb.run.session import files_line, format_final
-from mpilb.run.training import PREEMPTED
+from mpilb.run.signals import PREEMPTED
 from mpilb.server.chores import WorkerFailed
 from mpilb.server.loop import ParameterServer
 from mpilb.server.store import StoreLost

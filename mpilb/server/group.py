@@ -20,12 +20,12 @@ class StoreGroup:
     """
 
     def __init__(self, cfg, session, comm):
-        from mpilb.run.training import config_optimizer
+        from mpilb.run.components import config_optimizer
 
         self.session = session
         self.ranks = stores_of(cfg)   # the store ranks, in slice order (rank 0 first)
         self.bounds = store_bounds(cfg, session.model)
-        from mpilb.run.training import PREEMPTED
+        from mpilb.run.signals import PREEMPTED
 
         # no-ops with K = 1; a stalled store is lost after --worker-timeout, at once on a stop
         self.remote = RemoteStores(comm, self.bounds, cfg.worker_timeout, PREEMPTED.is_set,

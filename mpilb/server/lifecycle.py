@@ -66,16 +66,7 @@ class Lifecycle:
     def finish(self, status: str) -> dict:
         servers = self.stores.end(self.log, self.now(),
                                   wait=status != "failed" and not self.store_lost)
-        attrs = {
-            "servers": json.dumps(servers),
-            "train_s": getattr(self, "train_s", self.now()),
-            "wall_s": self.now(),
-            "server_cpu_s": time.process_time() - self.cpu0,
-            "coverage": json.dumps(self.tracker.coverage()),
-            "lost_workers": json.dumps(self.lost),
-            "stop_reason": self.stop.reason,
-            "rejected_gradients": self.rejected,
-            "eval_s": self.evaluator.seconds,
-            "stray_samples": self.tracker.stray,
-        }
-        return self.session.close(status, attrs)
+        return self.session.finish(status, train_s=getattr(self, "train_s", self.now()),
+                                   wall_s=self.now(), cpu_s=time.process_time() - self.cpu0,
+                                   lost=self.lost, rejected=self.rejected,
+                                   servers=json.dumps(servers), stray_samples=self.tracker.stray)

@@ -30,7 +30,7 @@ from mpilb.mpi import comm as C
 from mpilb.mpi import wire
 from mpilb.core.corrections import build_correction
 from mpilb.errors import MpilbError
-from mpilb.core.topology import PER_NODE, span, store_ranks, stores_of, workers_of
+from mpilb.core.topology import stores_of, workers_of
 from mpilb.mpi.watchdog import Rank0Watch
 from mpilb.mpi.wire import Op
 from mpilb.server.modes import ParamStore
@@ -53,43 +53,6 @@ class StoreLost(MpilbError):
         self.rank = rank
 
 
-def check_servers(cfg, world_size: int, num_params: int, num_state: int = 0,
-                  nodes: Optional[list] = None) -> None:
-    """--servers K or per-node on the node layout `nodes` (node index by rank; default one
-    node): at least one worker rank left, and at least one float per store."""
-    from mpilb.errors import UsageError
-    from mpilb.core.inject import parse_inject
-
-    nodes = list(nodes) if nodes else [0] * world_size
-    stores = store_ranks(nodes, cfg.servers)
-    k, shown = len(stores), cfg.servers
-    if k > 1 and num_state:
-        raise UsageError(f"--servers {shown}: this model has {num_state} state values (buffers "
-                         f"such as BatchNorm statistics), which travel to rank 0 with each push; "
-                         f"several parameter stores do not carry them yet: use --servers 1")
-    if world_size > 1 and shown == PER_NODE and k >= world_size:
-        raise UsageError(f"--servers per-node leaves no worker: each of the job's {k} nodes has "
-                         f"one rank, which would be its store; start more ranks per node "
-                         f"(mpiexec -ppn 2, or -hosts n0:2,...) or give --servers K")
-    if world_size > 1 and shown != PER_NODE and int(shown) >= world_size:
-        raise UsageError(f"--servers {shown} leaves no worker: this job has {world_size} ranks "
-                         f"(ranks 0..{int(shown) - 1} would all be parameter stores); use "
-                         f"--servers {max(1, world_size - 1)} or fewer, or more ranks")
-    if world_size == 1 and shown != PER_NODE and int(shown) > 1:
-        raise UsageError(f"--servers {shown} needs an MPI job of more than {shown} ranks "
-                         f"(mpiexec -n P with P > {shown}); a one-rank run trains serially")
-    if k > num_params:
-        raise UsageError(f"--servers {shown} exceeds the model's {num_params} parameters "
-                         f"(each store needs at least one)")
-    for text in getattr(cfg, "inject", None) or ():
-        for rank in sorted(parse_inject(text).ranks or ()):
-            if rank in stores[1:]:
-                workers = [r for r in range(world_size) if r not in stores]
-                raise UsageError(f"--inject {text!r}: rank {rank} is a parameter store "
-                                 f"(--servers {shown}: ranks {span(stores)}), not a worker; "
-                                 f"target workers {span(workers)}")
-
-
 def store_bounds(cfg, model) -> list[int]:
     """Slice bounds of the --servers stores for `model` (the same on every rank): store s
     (rank stores_of(cfg)[s]) holds [bounds[s], bounds[s+1])."""
@@ -102,7 +65,7 @@ def slice_store(cfg, params: np.ndarray, optimizer, new_buffer=None) -> ParamSto
     correction = build_correction(cfg.correction, cfg.dc_lambda)
     keep = (2 if cfg.pipeline else 1) if correction.needs_old_params else 0
     clip = cfg.clip_norm if cfg.mode == "sync" and cfg.servers == 1 else None   # (workers
-    # clip what is applied on arrival; sync with K > 1 is refused: training.check_optimizer)
+    # clip what is applied on arrival; sync with K > 1 is refused: config/validate.check_optimizer)
     return ParamStore(params, optimizer, correction, cfg.batch, keep_sent=keep,
                       new_buffer=new_buffer, finished=C.finished, clip_norm=clip)
 
@@ -127,7 +90,7 @@ class StoreRank:
     rank 0's commands say."""
 
     def __init__(self, cfg, dataset, comm, rank: int):
-        from mpilb.run.training import config_model, config_optimizer
+        from mpilb.run.components import config_model, config_optimizer
 
         self.comm = comm
         self.rank = rank

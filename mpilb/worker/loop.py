@@ -30,7 +30,8 @@ from mpilb.worker.row_exchange import RowExchange, held_shards
 from mpilb.data.shards import ShardStore
 from mpilb.core.optimizers import clip_grad_norm
 from mpilb.core.topology import stores_of, workers_of
-from mpilb.run.training import PREEMPTED, USR1_NOTICE, config_model
+from mpilb.run.signals import PREEMPTED, USR1_NOTICE
+from mpilb.run.components import config_model
 from mpilb.mpi.waiting import WaitEstimate
 from mpilb.mpi.watchdog import Rank0Watch
 from mpilb.mpi import wire

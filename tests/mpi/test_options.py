@@ -9,7 +9,8 @@ import pytest
 
 import mpirun
 from mpilb.cli.main import build_parser
-from mpilb.config.build import NO_EFFECT, OPTION_BY_NAME, OPTIONS, build_config
+from mpilb.config.build import build_config
+from mpilb.config.options import NO_EFFECT, OPTION_BY_NAME, OPTIONS
 from mpilb.errors import UsageError
 
 

@@ -19,7 +19,8 @@ from mpilb.config.build import build_config
 from mpilb.errors import UsageError
 from mpilb.server.modes import ParamStore
 from mpilb.core.optimizers import clip_grad_norm
-from mpilb.run.training import check_optimizer, config_optimizer
+from mpilb.config.validate import check_optimizer
+from mpilb.run.components import config_optimizer
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

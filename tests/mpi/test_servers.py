@@ -17,7 +17,7 @@ from mpilb.errors import UsageError
 from mpilb.core.optimizers import build_optimizer
 from mpilb.runfiles.report import summarize_log
 from mpilb.server.modes import ParamStore
-from mpilb.server.store import check_servers
+from mpilb.config.validate import check_servers
 
 
 # ------------------------------------------------------------------ slices

@@ -255,7 +255,7 @@ def test_a_usr1_vote_counts_only_pushes_sent_after_the_signal():
     """A worker that died right after a push has that push still on its way: it must not
     count as heard from, or Hydra's notice of its death is taken for a preemption."""
     from mpilb.server.chores import Chores
-    from mpilb.run.training import PREEMPTED
+    from mpilb.run.signals import PREEMPTED
 
     class Server(Chores):
         preempted = False
@@ -290,7 +290,7 @@ def test_a_usr1_after_mpi_reported_a_worker_dead_is_its_notice_not_a_preemption(
     same death arrives), the vote started by the signal no longer expects the dead rank and
     passed on the others' pushes: `preempted`, exit 0, in 3 of 5 runs of the command above."""
     from mpilb.server.chores import Chores
-    from mpilb.run.training import PREEMPTED
+    from mpilb.run.signals import PREEMPTED
 
     class Server(Chores):
         preempted = False

@@ -2,7 +2,8 @@
 
 import pytest
 
-from mpilb.config.build import OPTIONS, build_config, load_toml, parse_hidden
+from mpilb.config.build import build_config, load_toml, parse_hidden
+from mpilb.config.options import OPTIONS
 from mpilb.errors import UsageError
 
 
@@ -68,7 +69,7 @@ def test_target_accuracy_on_regression_data_is_refused_or_warned(tmp_path, capsy
     (pointing to --target-metric), a warning from a config file, like NO_EFFECT."""
     from types import SimpleNamespace
 
-    from mpilb.run.training import check_world
+    from mpilb.config.validate import check_world
 
     regression = SimpleNamespace(num_classes=0, root="reg", sample_shape=(5,))
     with pytest.raises(UsageError, match=r"--target-accuracy 0\.9 has no effect with regression "
@@ -173,3 +174,85 @@ def test_configuration_reference_is_current():
     page = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
     assert page.read_text() == reference_markdown(), \
         "docs/configuration.md is stale: python -m mpilb.config.build > docs/configuration.md"
+
+
+# ---------------------------------------------------------------- typed sections (sections.py)
+
+
+def test_every_option_is_a_field_of_exactly_one_typed_section():
+    from dataclasses import fields
+
+    from mpilb.config.sections import SECTIONS
+
+    placed = [f.name for kind in SECTIONS.values() for f in fields(kind)]
+    assert sorted(placed) == sorted(o.name for o in OPTIONS)   # each once
+    assert not set(SECTIONS) & {o.name for o in OPTIONS}        # no section hides an option
+
+
+def test_sections_hold_the_values_and_the_flat_names_read_them():
+    from dataclasses import FrozenInstanceError
+
+    from mpilb.config.sections import (SECTION_OF, BalancingConfig, Config, OptimizerConfig,
+                                       OutputConfig)
+
+    cfg = build_config({}, {"lr": "0.5", "batch": "64", "log": "r.h5", "optimizer": "adamw"})
+    assert isinstance(cfg.optim, OptimizerConfig) and cfg.optim.lr == 0.5
+    assert isinstance(cfg.balancing, BalancingConfig) and cfg.balancing.batch == 64
+    assert isinstance(cfg.output, OutputConfig) and cfg.output.log == "r.h5"
+    assert cfg.optim.weight_decay == 0.01   # the defaults build_config decides are in them
+    for name, section in SECTION_OF.items():
+        assert getattr(cfg, name) == getattr(getattr(cfg, section), name) == cfg.values[name]
+    with pytest.raises(AttributeError):
+        cfg.lr = 1.0                        # flat names are read-only
+    with pytest.raises(FrozenInstanceError):
+        cfg.optim.lr = 1.0                  # and so are the sections
+    with pytest.raises(TypeError):
+        cfg.values["lr"] = 1.0              # the flat values are a read-only view
+    again = Config.from_values(dict(cfg.values))   # what the other ranks rebuild
+    assert again == cfg and again.to_json() == cfg.to_json()
+    cfg.set_files(checkpoint="r.ckpt.h5")   # the one change after validation
+    assert cfg.output.checkpoint == cfg.checkpoint == "r.ckpt.h5" and cfg.output.log == "r.h5"
+
+
+def test_validation_lives_in_config_validate_and_reference_reads_the_table_only():
+    """The checks once spread over build.py, run/training.py, server/store.py and
+    run/launch.py are in mpilb.config.validate; config.build and config.reference no
+    longer import each other in a circle."""
+    import ast
+    from pathlib import Path
+
+    import mpilb.config.validate as validate
+
+    for name in ("check_value", "check_combinations", "check_no_effect", "no_effect",
+                 "same_options", "check_injects", "check_world", "check_optimizer",
+                 "check_model_step", "check_servers"):
+        assert callable(getattr(validate, name)), name
+    root = Path(validate.__file__).resolve().parents[1]
+
+    def defined(path):
+        tree = ast.parse((root / path).read_text())
+        return {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+
+    def imported(path):
+        tree = ast.parse((root / path).read_text())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+
+    assert not {f for f in defined("run/training.py") if f.startswith("check_")}
+    assert "check_servers" not in defined("server/store.py")
+    assert "_same_options" not in defined("run/launch.py")
+    assert "mpilb.config.build" not in imported("config/reference.py")
+    assert "mpilb.config.build" not in imported("config/validate.py")
+    assert "mpilb.config.build" not in imported("config/sections.py")
+
+
+def test_no_import_circle_through_the_configuration_or_the_set_up():
+    """config.build <-> config.reference was a circle; the checks moved into config.validate
+    must not make new ones (through the optimizer factory, the data's cache directory)."""
+    from test_layers import MODULES, closure, imports
+
+    mine = [m for m in MODULES if m.startswith("mpilb.config.")] + [
+        f"mpilb.run.{m}" for m in ("session", "serial", "components", "evaluation", "training",
+                                   "signals", "evalproc", "launch")]
+    circles = [(m, i) for m in mine for i in imports(m)
+               if i in MODULES and i != m and m in closure(i)]
+    assert circles == []

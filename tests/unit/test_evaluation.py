@@ -1,4 +1,4 @@
-"""Evaluation, stop rules and validation hold-out (mpilb.run.training): pure, no MPI."""
+"""Evaluation (mpilb.run.evaluation), stop rules (mpilb.run.training) and validation hold-out (mpilb.run.components): pure, no MPI."""
 
 import math
 
@@ -10,8 +10,9 @@ import pytest
 from mpilb.config.build import build_config
 from mpilb.errors import UsageError
 from mpilb.models import build_model
-from mpilb.run.training import (Evaluation, StopRule, build_evaluator, build_stop_rule,
-                            hold_out_validation)
+from mpilb.run.evaluation import Evaluation, build_evaluator
+from mpilb.run.training import StopRule, build_stop_rule
+from mpilb.run.components import hold_out_validation
 
 
 def test_stop_rule_target_metric_uses_validation_when_held_out():
@@ -47,7 +48,7 @@ def test_evaluator_requires_the_models_metric(small_dataset):
             return {"loss": 1.0}
 
     from mpilb.errors import MpilbError
-    from mpilb.run.training import Evaluator
+    from mpilb.run.evaluation import Evaluator
 
     with pytest.raises(MpilbError, match="must return 'loss' and its metric 'r2'"):
         Evaluator(Broken(), np.zeros((2, 3)), np.zeros(2)).evaluate(np.zeros(3))
@@ -102,7 +103,8 @@ def test_the_evaluation_process_matches_rank_0_and_reports_its_errors(digits_dir
     from mpilb.data.dataset import open_dataset
     from mpilb.errors import MpilbError
     from mpilb.run.evalproc import EvalProcess, child_env
-    from mpilb.run.training import build_evaluator, config_model
+    from mpilb.run.evaluation import build_evaluator
+    from mpilb.run.components import config_model
 
     cfg = build_config(cli_values={"data": digits_dir, "model": "mlp", "hidden": "16"})
     ds = open_dataset(digits_dir)
@@ -169,7 +171,8 @@ def test_an_evaluation_process_that_dies_leaves_rank_0_evaluating(digits_dir, ca
     from mpilb.data.dataset import open_dataset
     from mpilb.run.evalproc import EvalProcess
     from mpilb.run.session import Session
-    from mpilb.run.training import build_evaluator, config_model
+    from mpilb.run.evaluation import build_evaluator
+    from mpilb.run.components import config_model
 
     cfg = build_config(cli_values={"data": digits_dir, "model": "mlp", "hidden": "16"})
     ds = open_dataset(digits_dir)
@@ -216,7 +219,7 @@ def test_the_evaluation_process_imports_user_models_from_rank_0s_path(digits_dir
 
     from mpilb.config.build import build_config
     from mpilb.data.dataset import open_dataset
-    from mpilb.run.training import config_model
+    from mpilb.run.components import config_model
 
     examples = str(Path(__file__).resolve().parents[2] / "examples")
     monkeypatch.syspath_prepend(examples)            # not on PYTHONPATH: only in this process
@@ -238,7 +241,7 @@ def test_the_evaluation_process_loads_a_file_model_that_imports_its_neighbour(di
 
     from mpilb.config.build import build_config
     from mpilb.data.dataset import open_dataset
-    from mpilb.run.training import config_model
+    from mpilb.run.components import config_model
 
     monkeypatch.setattr(sys, "path", list(sys.path))
     monkeypatch.delenv("PYTHONPATH", raising=False)
@@ -256,7 +259,7 @@ def test_the_evaluation_process_loads_a_file_model_that_imports_its_neighbour(di
 def assert_child_evaluates_as_rank_0(cfg, ds, model, params):
     """The evaluation process, building the model from `cfg` itself, gets rank 0's loss."""
     from mpilb.run.evalproc import EvalProcess
-    from mpilb.run.training import build_evaluator
+    from mpilb.run.evaluation import build_evaluator
 
     proc = EvalProcess(cfg, ds, model.num_params)
     try:

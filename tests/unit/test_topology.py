@@ -11,7 +11,7 @@ import pytest
 from mpilb.config.build import build_config
 from mpilb.errors import UsageError
 from mpilb.runfiles.logattrs import format_layout
-from mpilb.server.store import check_servers
+from mpilb.config.validate import check_servers
 from mpilb.core.topology import (crowded, layout_lines, number_nodes, placement_note, span,
                             store_ranks, stores_of, workers_of)
 
