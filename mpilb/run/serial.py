@@ -30,7 +30,9 @@ from mpilb.run.session import balancer_config, files_line, format_final
 from mpilb.data.shards import ShardStore
 from mpilb.core.schedules import build_schedule
 from mpilb.runfiles.tensorboard import tap_for
-from mpilb.run.training import PREEMPTED, EpochStats, EpochTracker, build_evaluator, build_stop_rule, config_model, config_optimizer, epoch_order
+from mpilb.core.epochs import EpochStats, EpochTracker, epoch_order
+from mpilb.core.stop import build_stop_rule
+from mpilb.run.training import PREEMPTED, build_evaluator, config_model, config_optimizer
 
 
 class SerialTrainer:

@@ -24,7 +24,9 @@ from mpilb.runfiles.report import summarize_log
 from mpilb.runfiles.runlog import RunLog
 from mpilb.core.schedules import build_schedule
 from mpilb.runfiles.tensorboard import tap_for
-from mpilb.run.training import EpochTracker, Evaluation, build_evaluator, build_stop_rule, config_model, config_optimizer
+from mpilb.core.epochs import EpochTracker
+from mpilb.core.stop import build_stop_rule
+from mpilb.run.training import Evaluation, build_evaluator, config_model, config_optimizer
 
 
 def balancer_config(cfg) -> BalancerConfig:

@@ -12,7 +12,7 @@ import time
 from typing import Optional
 
 from mpilb.runfiles import checkpoint
-from mpilb.run.training import epoch_order
+from mpilb.core.epochs import epoch_order
 from mpilb.server.peers import Peer
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from mpilb.run.training import EpochStats
+from mpilb.core.epochs import EpochStats
 from mpilb.mpi.wire import Cmd
 
 

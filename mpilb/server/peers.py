@@ -1,37 +1,17 @@
 """The server's view of each worker: its link (buffers, requests) and an explicit state.
 
-A worker's state has two parts, changed only by the named methods below:
-
-- waiting: COMPUTING (it has work and parameters; a push is to come), IDLE (told it has
-  nothing to do; it waits for a message), HELD (it pushed; the reply is held by ssp or sync);
-- membership: ACTIVE, BENCHED (sits sync rounds out), STOPPED (told to stop), LOST (silent
-  past --worker-timeout).
-
-    IDLE --wake--> COMPUTING --hold--> HELD --release--> COMPUTING --go_idle--> IDLE
-    ACTIVE --bench--> BENCHED --unbench--> ACTIVE;  any --stop--> STOPPED;  any --lose--> LOST
+A worker's state has two parts, waiting and membership (:mod:`mpilb.core.worker_state`),
+changed only by the named methods below.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Optional
 
+from mpilb.core.worker_state import Membership, Waiting
 from mpilb.mpi import wire
 from mpilb.mpi.waiting import WaitEstimate
-
-
-class Waiting(Enum):
-    COMPUTING = "computing"
-    IDLE = "idle"
-    HELD = "held"
-
-
-class Membership(Enum):
-    ACTIVE = "active"
-    BENCHED = "benched"
-    STOPPED = "stopped"
-    LOST = "lost"
 
 
 @dataclass

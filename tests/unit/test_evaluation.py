@@ -10,8 +10,8 @@ import pytest
 from mpilb.config.build import build_config
 from mpilb.errors import UsageError
 from mpilb.models import build_model
-from mpilb.run.training import (Evaluation, StopRule, build_evaluator, build_stop_rule,
-                            hold_out_validation)
+from mpilb.core.stop import StopRule, build_stop_rule
+from mpilb.run.training import Evaluation, build_evaluator, hold_out_validation
 
 
 def test_stop_rule_target_metric_uses_validation_when_held_out():

@@ -183,10 +183,3 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, words):
     code = main(["simulate", *[a.format(tmp=tmp_path) for a in argv]])
     err = capsys.readouterr().err.strip()
     assert code == 2 and words in err and "\n" not in err
-
-
-def test_engine_and_server_agree_on_constants():
-    from mpilb.server import chores
-    from mpilb.simulate import engine
-
-    assert engine.FIRST_SIZES_STEPS == chores.FIRST_SIZES_STEPS
