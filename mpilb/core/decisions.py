@@ -1,11 +1,12 @@
 """The server's decisions between pushes, pure: when to rebalance, and what a rebalance does.
 
-One copy, driven by the live server (:mod:`mpilb.server.chores`) and by the simulator
+One copy, driven by the live server (:mod:`mpilb.server.epochs`, :mod:`mpilb.server.chores`) and by the simulator
 (:mod:`mpilb.simulate.engine`) alike:
 
 - :class:`FirstSizes`: proportional batches are sized as soon as every busy worker has taken
   ``FIRST_SIZES_STEPS`` steps, not only at the first --rebalance-interval (a slow worker
   costs every round);
+- :class:`Interval`: a timer of the live server (evaluations, checkpoints);
 - :class:`RebalanceTimer`: the interval, the first sizes, and the warm-up rebalances of
   the live server (the simulator rebalances on its own event clock);
 - :class:`Decisions`: a rebalance (probes, the balancer's plan, moves), waking idle workers
@@ -54,6 +55,25 @@ class FirstSizes:
         """As :meth:`due`, judged only as a worker reaches its FIRST_SIZES_STEPS-th step
         (an event-driven caller: nothing else can make it due)."""
         return not self.done and step == FIRST_SIZES_STEPS and self.due(busy(present()))
+
+
+class Interval:
+    """A timer that is due every ``every`` seconds after its last :meth:`reset`.
+
+    Args:
+        every: seconds (--eval-interval, --checkpoint-interval).
+        start: the clock's reading it counts from.
+    """
+
+    def __init__(self, every: float, start: float = 0.0):
+        self.every = every
+        self.last = start
+
+    def due(self, now: float) -> bool:
+        return now - self.last >= self.every
+
+    def reset(self, now: float) -> None:
+        self.last = now
 
 
 class RebalanceTimer:

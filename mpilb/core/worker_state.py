@@ -28,3 +28,48 @@ class Membership(Enum):
     BENCHED = "benched"
     STOPPED = "stopped"
     LOST = "lost"
+
+
+class WorkerState:
+    """Reading and changing a worker's two-part state (``waiting``, ``membership``): the
+    common base of the server's :class:`~mpilb.server.peers.Peer` and the simulator's
+    :class:`~mpilb.simulate.workers.SimWorker`, which hold the two attributes."""
+
+    __slots__ = ()
+    waiting: Waiting
+    membership: Membership
+
+    @property
+    def idle(self) -> bool:
+        return self.waiting is Waiting.IDLE
+
+    @property
+    def held(self) -> bool:
+        return self.waiting is Waiting.HELD
+
+    @property
+    def waits_for_message(self) -> bool:
+        """Idle or held: it reads only what the server sends (orders must go out now)."""
+        return self.waiting is not Waiting.COMPUTING
+
+    @property
+    def benched(self) -> bool:
+        return self.membership is Membership.BENCHED
+
+    @property
+    def stopped(self) -> bool:
+        return self.membership is Membership.STOPPED
+
+    @property
+    def lost(self) -> bool:
+        return self.membership is Membership.LOST
+
+    def go_idle(self) -> None:
+        """Told it has nothing to do: it waits for the server's next message."""
+        self.waiting = Waiting.IDLE
+
+    def stop(self) -> None:
+        self.membership = Membership.STOPPED
+
+    def lose(self) -> None:
+        self.membership = Membership.LOST

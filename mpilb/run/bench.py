@@ -188,7 +188,7 @@ def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: l
         if rank > 0:
             StoreRank(cfg, dataset, comm, rank).run()
             return {}
-        from mpilb.server import ParameterServer
+        from mpilb.server.loop import ParameterServer
 
         server = ParameterServer(cfg, dataset, comm, {"config": cfg.to_json(), "world_size": size})
         server.run()

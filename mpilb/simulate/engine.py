@@ -157,7 +157,7 @@ class Engine:
         heap = self.heap
         while heap and not self.done:
             self._event(*heapq.heappop(heap))
-        return self._summary()
+        return summarize(self)
 
     def _event(self, t: float, _seq: int, kind: int, rank: int) -> None:
         self.now = t
@@ -219,7 +219,7 @@ class Engine:
         io = n * p.io[i] if self.replay else self._read_wait(w, task, t)
         comp = n * p.compute[i]
         if w.rules:
-            comp, io = self._injected(w, t, comp, io)
+            comp, io = w.injected(t, comp, io, self.replay)
         push_t = t + io + comp + self._push_delay(w, t)
         if push_t >= w.fault_t:
             self._die(w, t)
@@ -229,21 +229,6 @@ class Engine:
         self.running += 1
         self._at(push_t, PUSH, w.rank)
 
-    def _injected(self, w: SimWorker, t: float, comp: float, io: float) -> tuple[float, float]:
-        elapsed = t
-        hits = w.rng.random(len(w.rules)) if w.rng is not None else None
-        factor, delay = 1.0, 0.0
-        for k, rule in enumerate(w.rules):
-            if not rule.in_window(elapsed) or (hits is not None and hits[k] >= rule.prob):
-                continue
-            if rule.kind == "compute":
-                factor += rule.value - 1.0
-            elif rule.kind == "delay":
-                delay += rule.value
-            elif rule.kind == "io" and self.replay:
-                io *= rule.value
-        return comp * factor + delay, io
-
     def _read_wait(self, w: SimWorker, task, t: float) -> float:
         """Seconds w waits for the rows of ``task`` (synthetic reads, one at a time, each
         started when the worker knows of the task, behind the previous one)."""
@@ -252,20 +237,10 @@ class Engine:
             key = id(tk)
             if key not in w.ready:
                 start = max(w.read_free, t)
-                w.read_free = start + self._read_s(w, tk, start)
+                w.read_free = start + w.read_seconds(self.shard_sizes[tk.shard] * self.cfg.row_bytes,
+                                                      start)
                 w.ready[key] = w.read_free
         return max(0.0, w.ready[id(task)] - t)
-
-    def _read_s(self, w: SimWorker, task, t: float) -> float:
-        nbytes = self.shard_sizes[task.shard] * self.cfg.row_bytes
-        secs = nbytes / w.profile.read_bps
-        for rule in w.rules:
-            if rule.in_window(t):
-                if rule.kind == "io":
-                    secs *= rule.value
-                elif rule.kind == "readbw":
-                    secs = max(secs, nbytes / (rule.value * 1e6))
-        return secs
 
     def _push_delay(self, w: SimWorker, t: float) -> float:
         """Seconds from a step's end to its push reaching the server."""
@@ -354,22 +329,23 @@ class Engine:
             self._start(w, reply)
         self._count_moves()
 
-    # ------------------------------------------------------------------ results
-    def _summary(self) -> dict:
-        total = max(self.now, 1e-12)
-        cov = self.ledger.coverage()
-        ep = self.epochs
-        return {
-            "balancer": self.cfg.balancer, "batch_policy": self.cfg.batch_policy,
-            "mode": self.cfg.mode, "workers": len(self.workers), "servers": self.cfg.servers,
-            "epoch_s": float(np.mean([e["epoch_s"] for e in ep])) if ep else None,
-            "utilization": float(np.mean([e["utilization"] for e in ep])) if ep else None,
-            "imbalance_s": float(np.mean([e["imbalance_s"] for e in ep])) if ep else None,
-            "moves": self.ledger.moved,
-            "updates_per_s": self.updates / total,
-            "server_busy": min(1.0, self.stores.busy / total),
-            "total_s": total,
-            "epochs": [dict(e) for e in ep],
-            "lost_workers": list(self.lost),
-            "coverage": cov,
-        }
+
+def summarize(engine: Engine) -> dict:
+    """The figures of a finished simulation (docs/simulate.md)."""
+    total = max(engine.now, 1e-12)
+    cov = engine.ledger.coverage()
+    ep = engine.epochs
+    return {
+        "balancer": engine.cfg.balancer, "batch_policy": engine.cfg.batch_policy,
+        "mode": engine.cfg.mode, "workers": len(engine.workers), "servers": engine.cfg.servers,
+        "epoch_s": float(np.mean([e["epoch_s"] for e in ep])) if ep else None,
+        "utilization": float(np.mean([e["utilization"] for e in ep])) if ep else None,
+        "imbalance_s": float(np.mean([e["imbalance_s"] for e in ep])) if ep else None,
+        "moves": engine.ledger.moved,
+        "updates_per_s": engine.updates / total,
+        "server_busy": min(1.0, engine.stores.busy / total),
+        "total_s": total,
+        "epochs": [dict(e) for e in ep],
+        "lost_workers": list(engine.lost),
+        "coverage": cov,
+    }

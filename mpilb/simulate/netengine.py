@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 
 from mpilb.errors import UsageError
-from mpilb.simulate.engine import Engine
+from mpilb.simulate.engine import Engine, summarize
 from mpilb.simulate.workers import REBALANCE, SimWorker
 from mpilb.simulate.network import WIRE_BYTES, Fabric, Layout, Topology
 
@@ -99,7 +99,7 @@ class NetEngine(Engine):
             self.now = t
             if kind:
                 self._net(t, token)
-        res = self._summary()
+        res = summarize(self)
         total = max(self.now, 1e-12)
         res["server_busy"] = min(1.0, max(self.store_busy) / total)
         res["servers"] = self.k

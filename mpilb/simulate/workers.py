@@ -10,7 +10,7 @@ from typing import Optional
 
 import numpy as np
 
-from mpilb.core.worker_state import Membership, Waiting
+from mpilb.core.worker_state import Membership, Waiting, WorkerState
 from mpilb.simulate.cluster import Profile
 
 PUSH, REBALANCE, LOST = 0, 1, 2   # the engine's events
@@ -49,7 +49,7 @@ class SimPush:
         self.lo, self.hi, self.compute_s = lo, hi, compute_s
 
 
-class SimWorker:
+class SimWorker(WorkerState):
     """A simulated worker, and the server's view of it: ``waiting`` and ``membership`` as a
     live :class:`~mpilb.server.peers.Peer`'s (what :class:`~mpilb.core.sitout.SitOut` and
     :class:`~mpilb.core.decisions.Decisions` read and set: ``benched``, ``bench``,
@@ -86,23 +86,7 @@ class SimWorker:
         self.last_gap: Optional[float] = None
         self.last_push: Optional[SimPush] = None
 
-    # -- reading -------------------------------------------------------------------------
-    @property
-    def idle(self) -> bool:
-        return self.waiting is Waiting.IDLE
-
-    @property
-    def held(self) -> bool:
-        return self.waiting is Waiting.HELD
-
-    @property
-    def benched(self) -> bool:
-        return self.membership is Membership.BENCHED
-
-    @property
-    def lost(self) -> bool:
-        return self.membership is Membership.LOST
-
+    # -- reading (and go_idle, lose: WorkerState) ------------------------------------
     @property
     def present(self) -> bool:
         """In the run as the engine counts it: not lost, and not dead (hung or crashed)."""
@@ -117,15 +101,9 @@ class SimWorker:
         """Sync: its push joined the round; the reply waits for the round."""
         self.waiting = Waiting.HELD
 
-    def go_idle(self) -> None:
-        self.waiting = Waiting.IDLE
-
     def die(self) -> None:
         """It hangs or crashes at its next step; to the server it still computes."""
         self.dead, self.waiting = True, Waiting.COMPUTING
-
-    def lose(self) -> None:
-        self.membership = Membership.LOST
 
     def bench(self, now: float) -> None:
         self.membership, self.waiting = Membership.BENCHED, Waiting.IDLE
@@ -135,3 +113,31 @@ class SimWorker:
     def unbench(self, probe_batch: int) -> None:
         self.membership, self.waiting = Membership.ACTIVE, Waiting.IDLE
         self.probing, self.batch = 2, probe_batch
+
+    # -- the cost of a step --------------------------------------------------------------
+    def injected(self, t: float, comp: float, io: float, replay: bool) -> tuple[float, float]:
+        """(compute, I/O) seconds of a step at ``t`` under its --inject rules."""
+        elapsed = t
+        hits = self.rng.random(len(self.rules)) if self.rng is not None else None
+        factor, delay = 1.0, 0.0
+        for k, rule in enumerate(self.rules):
+            if not rule.in_window(elapsed) or (hits is not None and hits[k] >= rule.prob):
+                continue
+            if rule.kind == "compute":
+                factor += rule.value - 1.0
+            elif rule.kind == "delay":
+                delay += rule.value
+            elif rule.kind == "io" and replay:
+                io *= rule.value
+        return comp * factor + delay, io
+
+    def read_seconds(self, nbytes: int, t: float) -> float:
+        """Seconds to read a shard of ``nbytes`` started at ``t`` (synthetic reads)."""
+        secs = nbytes / self.profile.read_bps
+        for rule in self.rules:
+            if rule.in_window(t):
+                if rule.kind == "io":
+                    secs *= rule.value
+                elif rule.kind == "readbw":
+                    secs = max(secs, nbytes / (rule.value * 1e6))
+        return secs
