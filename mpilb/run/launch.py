@@ -177,9 +177,9 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
 
             return ParameterServer(cfg, dataset, comm, run_attrs)
         if rank in cfg.store_ranks:
-            from mpilb.server.store import StoreRank
+            from mpilb.server.store import SliceRank
 
-            return StoreRank(cfg, dataset, comm, rank)
+            return SliceRank(cfg, dataset, comm, rank)
         from mpilb.worker.loop import Worker
 
         return Worker(cfg, dataset, comm, rank, hosts)

@@ -87,7 +87,7 @@ class Chores:
         session: the evaluations, run log, progress, stop rule, balancer, tracker.
         clock: the run's clock.
         roster: the workers.
-        stores: rank 0's parameter stores (their `servers/` rows).
+        slices: rank 0's parameter slices (:class:`~mpilb.server.group.SliceGroup`) (their `servers/` rows).
         epochs: evaluations and the decisions (:class:`~mpilb.server.epochs.Epochs`).
         liveness: lost workers (:class:`~mpilb.server.liveness.Liveness`).
         signals: stop signals (:class:`~mpilb.server.stopsignals.StopSignals`).
@@ -103,14 +103,14 @@ class Chores:
     # server's CPU from 0.050-0.057 to 0.046-0.048 of the wall time, workers at 50 ms a step)
     RUNG_NAP_S = 0.1
 
-    def __init__(self, cfg, comm, session, clock, roster, stores, epochs, liveness, signals,
+    def __init__(self, cfg, comm, session, clock, roster, slices, epochs, liveness, signals,
                  checkpoints: Checkpoints, eval_timer: Interval, begin_stop: Callable[[], None]):
         self.cfg = cfg
         self.comm = comm
         self.session = session
         self.clock = clock
         self.roster = roster
-        self.stores = stores
+        self.slices = slices
         self.epochs = epochs
         self.liveness = liveness
         self.signals = signals
@@ -175,7 +175,7 @@ class Chores:
         self.log.maybe_flush()
         if self.progress.enabled:
             self.progress.update(self.epochs.ledger.epoch, self.tracker.distinct,
-                                 self.stores.local.version, self.session.accuracy,
+                                 self.slices.local.version, self.session.accuracy,
                                  [w.rank for w in self.roster.present()], lost=self.roster.lost)
 
     def rebalance(self, mono: float) -> None:
@@ -186,7 +186,7 @@ class Chores:
     def log_worker_rows(self) -> None:
         """One `workers/` row per worker with what it reported since the previous row."""
         t = self.clock.now()
-        self.stores.log_rows(self.log, t)
+        self.slices.log_rows(self.log, t)
         for w in self.roster.peers.values():
             if w.lost:
                 continue

@@ -41,13 +41,13 @@ class Epochs:
         ledger: the :class:`~mpilb.core.tasks.TaskLedger`.
         roster: the workers (:class:`~mpilb.server.peers.Roster`).
         clock: the run's clock (``now()``, ``t0``).
-        stores: rank 0's parameter stores (the whole vector, for evaluations).
+        slices: rank 0's parameter slices (:class:`~mpilb.server.group.SliceGroup`) (the whole vector, for evaluations).
         sitout: the sit-out policy, or None.
         replies: the server's protocol (:class:`Replies`).
         eval_timer: the --eval-interval timer, restarted by every evaluation.
     """
 
-    def __init__(self, cfg, dataset, session, ledger, roster: Roster, clock, stores, sitout,
+    def __init__(self, cfg, dataset, session, ledger, roster: Roster, clock, slices, sitout,
                  replies: Replies, eval_timer: Interval):
         self.cfg = cfg
         self.dataset = dataset
@@ -55,7 +55,7 @@ class Epochs:
         self.ledger = ledger
         self.roster = roster
         self.clock = clock
-        self.stores = stores
+        self.slices = slices
         self.sitout = sitout
         self.replies = replies
         self.eval_timer = eval_timer
@@ -159,7 +159,7 @@ class Epochs:
                 self.progress.epoch_done(stats.epoch, self.session.accuracy)
             else:
                 self.session.evaluate_later(
-                    self.stores.full_params(), self.clock.now(), self.stores.local.version,
+                    self.slices.full_params(), self.clock.now(), self.slices.local.version,
                     stats.epoch,
                     then=lambda: self.progress.epoch_done(stats.epoch, self.session.accuracy))
             return
@@ -171,6 +171,6 @@ class Epochs:
             self.begin(stats.epoch + 1)
 
     def evaluate(self, epoch: Optional[int] = None) -> None:
-        self.session.evaluate(self.stores.full_params(), self.clock.now(), self.stores.local.version,
+        self.session.evaluate(self.slices.full_params(), self.clock.now(), self.slices.local.version,
                               self.ledger.epoch if epoch is None else epoch)
         self.eval_timer.reset(time.monotonic())

@@ -40,7 +40,7 @@ class Lifecycle:
         session: resume, evaluations, tracker, stop rule, progress, run log.
         clock: the run's :class:`Clock`.
         roster: the workers.
-        stores: rank 0's parameter stores.
+        slices: rank 0's parameter slices (:class:`~mpilb.server.group.SliceGroup`).
         receiver: posts the workers' receives (:class:`~mpilb.server.receive.Receiver`).
         epochs: begins epochs, evaluates (:class:`~mpilb.server.epochs.Epochs`).
         chores: the timers, the preemption flag, worker rows (:class:`~mpilb.server.chores.Chores`).
@@ -48,13 +48,13 @@ class Lifecycle:
         ranks_here: ranks on rank 0's node (the background evaluation's cores).
     """
 
-    def __init__(self, cfg, session, clock: Clock, roster, stores, receiver, epochs, chores,
+    def __init__(self, cfg, session, clock: Clock, roster, slices, receiver, epochs, chores,
                  server, ranks_here: int):
         self.cfg = cfg
         self.session = session
         self.clock = clock
         self.roster = roster
-        self.stores = stores
+        self.slices = slices
         self.receiver = receiver
         self.epochs = epochs
         self.chores = chores
@@ -77,7 +77,7 @@ class Lifecycle:
             w.last_seen = t0
             self.receiver.post(w)
             w.go_idle()
-        self.stores.start(self.resumed.version if self.resumed else 0)
+        self.slices.start(self.resumed.version if self.resumed else 0)
         if not self.stop.waits_on_evaluations:
             # epochs' evaluations will run beside the pushes (epochs.py): their process
             # starts now, to be ready by the first epoch's end
@@ -123,7 +123,7 @@ class Lifecycle:
         self.log.close("failed")
 
     def finish(self, status: str) -> dict:
-        servers = self.stores.end(self.log, self.now(),
+        servers = self.slices.end(self.log, self.now(),
                                   wait=status != "failed" and not self.store_lost)
         attrs = {
             "servers": json.dumps(servers),

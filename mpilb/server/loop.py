@@ -36,7 +36,7 @@ from mpilb.mpi.wire import Cmd
 from mpilb.run.session import Session
 from mpilb.server.chores import Checkpoints, Chores
 from mpilb.server.epochs import Epochs
-from mpilb.server.group import StoreGroup
+from mpilb.server.group import SliceGroup
 from mpilb.server.lifecycle import Clock, Lifecycle
 from mpilb.server.liveness import Liveness
 from mpilb.server.modes import Update, build_rule
@@ -62,10 +62,10 @@ class ParameterServer:
         self.model, self.balancer, self.tracker = s.model, s.balancer, s.tracker
         self.stop, self.log = s.stop, s.log
         self.clock = Clock()
-        self.stores = StoreGroup(cfg, s, comm)   # --servers K: rank 0's slice and the others
-        self.store, self.remote = self.stores.local, self.stores.remote
+        self.slices = SliceGroup(cfg, s, comm)   # --servers K: rank 0's slice and the others
+        self.ring, self.remote = self.slices.local, self.slices.remote
         # the factor on --lr (--lr-schedule, --warmup) at each version, on rank 0's clock
-        self.store.schedule = lambda version: s.schedule(version, self.now())
+        self.ring.schedule = lambda version: s.schedule(version, self.now())
         self.ledger = TaskLedger(self.balancer, dataset.shard_sizes, self.ranks, holders=holders,
                                  row_nbytes=dataset.row_nbytes if holders is not None else 0,
                                  pipeline=bool(cfg.pipeline),
@@ -73,19 +73,19 @@ class ParameterServer:
         self.ledger.epoch = s.resumed.epoch if s.resumed else 0
         sitout = (SitOut(self.balancer, self.ledger, cfg.batch, cfg.min_batch, cfg.max_batch,
                          cfg.rebalance_interval) if self.balancer.config.sit_out else None)
-        self.rule = build_rule(cfg.mode, self.store, lambda r: self.ledger.of[r].owed,
+        self.rule = build_rule(cfg.mode, self.ring, lambda r: self.ledger.of[r].owed,
                                cfg.staleness_bound, sitout)
         # a push carries the gradient (rank 0's slice), then the model's state (e.g. BatchNorm
         # statistics; only with one store, see server/store.py check_servers)
         self.roster = Roster({r: Peer(rank=r, batch=cfg.batch, link=Link.allocate(
-                                  self.stores.n0, bool(cfg.pipeline), push_floats=self.stores.push_floats))
+                                  self.slices.n0, bool(cfg.pipeline), push_floats=self.slices.push_floats))
                               for r in self.ranks})
         self.peers = self.roster.peers
         bell = doorbell.current()
         self.outbox = Outbox(comm, self.ledger, self.remote, bell)
         self.rejected = 0
         eval_timer = Interval(cfg.eval_interval)
-        self.epochs = Epochs(cfg, dataset, s, self.ledger, self.roster, self.clock, self.stores,
+        self.epochs = Epochs(cfg, dataset, s, self.ledger, self.roster, self.clock, self.slices,
                              sitout, self, eval_timer)
         signals = StopSignals(comm, self.roster, self.clock)
         self.liveness = Liveness(cfg, self.roster, self.ledger, self.balancer, self.remote, bell,
@@ -94,20 +94,20 @@ class ParameterServer:
         self.receiver = Receiver(comm, self.roster, bell, self.outbox, self.remote,
                                  self.liveness.declare_lost)
         self.checkpoints = Checkpoints(cfg, dataset, s, self)
-        self.chores = Chores(cfg, comm, s, self.clock, self.roster, self.stores, self.epochs,
+        self.chores = Chores(cfg, comm, s, self.clock, self.roster, self.slices, self.epochs,
                              self.liveness, signals, self.checkpoints, eval_timer, self.begin_stop)
-        self.lifecycle = Lifecycle(cfg, s, self.clock, self.roster, self.stores, self.receiver,
+        self.lifecycle = Lifecycle(cfg, s, self.clock, self.roster, self.slices, self.receiver,
                                    self.epochs, self.chores, self, ranks_here)
 
     # ----------------------------------------------------------------- state
     @property
     def params(self):
         """The whole parameter vector (gathered from every store with --servers K > 1)."""
-        return self.stores.full_params()
+        return self.slices.full_params()
 
     @property
     def version(self) -> int:
-        return self.store.version
+        return self.ring.version
 
     @property
     def epoch(self) -> int:
@@ -135,7 +135,7 @@ class ParameterServer:
         self.receiver.serve(lambda: bool(self.stop.reason) and self.roster.all_stopped(),
                             self.on_push, self.chores)
         self.lifecycle.wind_down()
-        self.receiver.drain(self.store.pending() + self.outbox.sending)
+        self.receiver.drain(self.ring.pending() + self.outbox.sending)
         return self.lifecycle.status()
 
     def finish(self, status: str) -> dict:
@@ -151,7 +151,7 @@ class ParameterServer:
         """Send w the current parameters (or STOP) with its assignments and batch size."""
         w.last_seen = time.monotonic()   # its silence counts from now (--worker-timeout)
         w.awaiting = cmd != Cmd.STOP and not w.idle
-        self.outbox.reply(w, self.store, cmd, held_s)
+        self.outbox.reply(w, self.ring, cmd, held_s)
         if cmd == Cmd.STOP:
             w.stop()
         elif w.idle and self.ledger.has_orders(w.rank):
@@ -188,9 +188,9 @@ class ParameterServer:
     # ----------------------------------------------------------------- pushes
     def on_push(self, w: Peer) -> None:
         _, hdr, payload = w.link.recv
-        grad = payload[:self.stores.n0]   # rank 0's slice of the gradient
+        grad = payload[:self.slices.n0]   # rank 0's slice of the gradient
         push = wire.decode_push(hdr)
-        self.store.bytes_in += w.link.recv[0].nbytes
+        self.ring.bytes_in += w.link.recv[0].nbytes
         self.remote.pushed(w.rank)
         w.last_push = push
         now = self.now()
@@ -237,13 +237,13 @@ class ParameterServer:
             return
         update = Update(w.rank, push.epoch, push.shard, push.lo, push.hi, push.batch, push.loss,
                         self.version - push.version)
-        then = self.store.params_of(push.version) if self.rule.needs_old_params else None
+        then = self.ring.params_of(push.version) if self.rule.needs_old_params else None
         if self.model.num_state:   # the server keeps the latest state pushed
-            self.model.set_state(payload[self.stores.n0:])
+            self.model.set_state(payload[self.slices.n0:])
         self.remote.gradient(w.rank, update.batch, update.staleness, push.version, self.rule.rounds,
-                             self.store.factor())
+                             self.ring.factor())
         applied = self.rule.push(w, update, grad, then, consume=True)
-        given = self.store.exchange()
+        given = self.ring.exchange()
         if given is not None:   # the push's buffer holds the parameters now: receive in this
             w.link.recv = wire.message_of(given)
         if applied is None:   # it joined a round that is not complete yet
@@ -328,7 +328,7 @@ class ParameterServer:
 
     def _close_round(self) -> None:
         """Apply a complete sync round and release its members."""
-        self.remote.round(self.rule.batch, self.store.factor())
+        self.remote.round(self.rule.batch, self.ring.factor())
         updates, lr_scale, ranks = self.rule.close_round()
         self._record(updates, lr_scale, self.now())
         members = [self.peers[r] for r in ranks]

@@ -30,7 +30,7 @@ class Link:
     @classmethod
     def allocate(cls, n: int, pipelined: bool, push_floats: Optional[int] = None) -> "Link":
         # pipelined workers compute on the previous reply while the next is sent: two slots
-        # (the parameters are sent from the ParamStore itself, not from a copy per worker);
+        # (the parameters are sent from the ParamRing itself, not from a copy per worker);
         # a push may carry more than the n parameters' gradient (the model's state after it)
         return cls(recv=wire.new_message(n if push_floats is None else push_floats),
                    replies=[wire.new_message(0) for _ in range(2 if pipelined else 1)],

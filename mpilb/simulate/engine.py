@@ -30,7 +30,7 @@ from mpilb.core.balancer import BalancerConfig, build_balancer
 from mpilb.core.decisions import Decisions, FirstSizes
 from mpilb.core.epochs import EpochTracker, epoch_order
 from mpilb.core.sitout import SitOut
-from mpilb.simulate.cluster import Profile, Stores
+from mpilb.simulate.cluster import Profile, Slices
 from mpilb.simulate.ledger import Ledger
 from mpilb.simulate.workers import LOST, PUSH, REBALANCE, SimConfig, SimPush, SimWorker
 
@@ -72,7 +72,7 @@ class Engine:
         self.decisions = Decisions(self.balancer, self.ledger.tasks_ledger, self.sitout, cfg.batch,
                                    self)
         self.first_sizes = FirstSizes(cfg.batch_policy == "proportional")
-        self.stores = Stores(cfg.params, cfg.servers, cfg.server_gbps, cfg.apply_s)
+        self.slices = Slices(cfg.params, cfg.servers, cfg.server_gbps, cfg.apply_s)
         self.workers = {r: SimWorker(r, p, cfg.inject, cfg.batch, cfg.seed)
                         for r, p in zip(ranks, profiles)}
         self.sync = cfg.mode == "sync"
@@ -253,7 +253,7 @@ class Engine:
             return
         self.updates += 1
         self.ledger.record(task.epoch, task.shard, lo, hi)
-        done = self.stores.update(t)
+        done = self.slices.update(t)
         if self._applied(w, done):
             return
         reply = done + self._link(w, done)
@@ -297,7 +297,7 @@ class Engine:
     def _hold(self, w: SimWorker, task, lo: int, hi: int, t: float) -> None:
         """Sync: w's gradient is summed into the round; the round is applied when no
         member is still computing."""
-        self.stores.push(t)
+        self.slices.push(t)
         w.hold()
         self.members.append(w)
         self.round_batches.append((task.epoch, task.shard, lo, hi))
@@ -308,7 +308,7 @@ class Engine:
     def _apply_round(self, t: float) -> None:
         members, self.members = self.members, []
         batches, self.round_batches = self.round_batches, []
-        done = self.stores.round(t, len(members))
+        done = self.slices.round(t, len(members))
         self.updates += len(members)
         for batch in batches:
             self.ledger.record(*batch)
@@ -343,7 +343,7 @@ def summarize(engine: Engine) -> dict:
         "imbalance_s": float(np.mean([e["imbalance_s"] for e in ep])) if ep else None,
         "moves": engine.ledger.moved,
         "updates_per_s": engine.updates / total,
-        "server_busy": min(1.0, engine.stores.busy / total),
+        "server_busy": min(1.0, engine.slices.busy / total),
         "total_s": total,
         "epochs": [dict(e) for e in ep],
         "lost_workers": list(engine.lost),

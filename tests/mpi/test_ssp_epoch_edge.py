@@ -26,7 +26,7 @@ from mpilb.runfiles.runlog import read_columns
 from mpilb.server.epochs import Epochs
 from mpilb.server.lifecycle import Clock
 from mpilb.server.loop import ParameterServer
-from mpilb.server.modes import ParamStore, build_rule
+from mpilb.server.modes import ParamRing, build_rule
 from mpilb.server.peers import Peer, Roster
 from mpilb.core.tasks import TaskLedger
 from mpilb.mpi.wire import Cmd
@@ -44,7 +44,7 @@ class FakeOutbox:
     def __init__(self, ledger, sim):
         self.ledger, self.sim = ledger, sim
 
-    def reply(self, peer, store, cmd=Cmd.PARAMS, held_s=0.0):
+    def reply(self, peer, ring, cmd=Cmd.PARAMS, held_s=0.0):
         if cmd == Cmd.STOP:
             self.sim.computing.pop(peer.rank, None)
             return
@@ -71,13 +71,13 @@ class Sim:
         self.done = 0
         bal = build_balancer(policy, ranks, shard_sizes, BalancerConfig(batch=batch))
         ledger = TaskLedger(bal, shard_sizes, ranks, split=policy not in ("static", "round-robin"))
-        store = ParamStore(np.zeros(4, np.float32), build_optimizer("sgd", 4, lr=0.5),
+        store = ParamRing(np.zeros(4, np.float32), build_optimizer("sgd", 4, lr=0.5),
                            build_correction("none"), nominal_batch=batch)
         # the server's protocol over its real parts (epochs, ledger, rule), MPI left out
         s = self.server = ParameterServer.__new__(ParameterServer)
         s.cfg = SimpleNamespace(seed=0, batch=batch, balancer=policy)
         dataset = SimpleNamespace(shard_sizes=list(shard_sizes))
-        s.balancer, s.ledger, s.store = bal, ledger, store
+        s.balancer, s.ledger, s.ring = bal, ledger, store
         s.rule = build_rule(mode, store, lambda r: ledger.of[r].owed, bound)
         s.roster = Roster({r: Peer(rank=r, batch=batch) for r in ranks})
         s.peers = s.roster.peers

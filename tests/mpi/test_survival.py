@@ -398,20 +398,20 @@ def test_a_receive_mpi_failed_and_freed_is_not_taken_for_the_previous_push_again
 
 
 def test_a_failed_send_to_a_dead_worker_frees_its_parameter_buffer():
-    """The server's ParamStore tests its sends with comm.finished: a send MPI failed (its
+    """The server's ParamRing tests its sends with comm.finished: a send MPI failed (its
     worker died) is done, and does not raise out of the optimizer step."""
     import numpy as np
 
     from mpilb.mpi import comm as C
     from mpilb.core.corrections import build_correction
     from mpilb.core.optimizers import build_optimizer
-    from mpilb.server.modes import ParamStore
+    from mpilb.server.modes import ParamRing
 
     class FailedSend:
         def Test(self):
             raise C.MPIError(C.MPI.ERR_OTHER)
 
-    store = ParamStore(np.zeros(4, np.float32), build_optimizer("sgd", 4, lr=0.5),
+    store = ParamRing(np.zeros(4, np.float32), build_optimizer("sgd", 4, lr=0.5),
                        build_correction("none"), nominal_batch=1, finished=C.finished)
     store.sending(FailedSend(), rank=2)
     assert store._target() == store.cur and store.pending() == []
