@@ -175,7 +175,7 @@ def _bench_dataset(n: int, workers: int) -> _BenchDataset:
 def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: list) -> dict:
     """One timed run of the real server (rank 0), its stores and null workers (every rank).
     Rank 0 returns {updates_per_s, server_cpu_s, train_s, updates, servers: [...]}."""
-    from mpilb.server.store import StoreRank, store_bounds
+    from mpilb.server.store import SliceRank, store_bounds
     from mpilb.run.components import config_model
 
     rank, size = comm.Get_rank(), comm.Get_size()
@@ -186,9 +186,9 @@ def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: l
             _null_worker(comm, n, store_bounds(cfg, config_model(cfg, dataset)), stores)
             return {}
         if rank > 0:
-            StoreRank(cfg, dataset, comm, rank).run()
+            SliceRank(cfg, dataset, comm, rank).run()
             return {}
-        from mpilb.server import ParameterServer
+        from mpilb.server.loop import ParameterServer
 
         server = ParameterServer(cfg, dataset, comm, {"config": cfg.to_json(), "world_size": size})
         server.run()

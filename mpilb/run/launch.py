@@ -157,13 +157,13 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
 
             return SerialTrainer(cfg, dataset, run_attrs)
         if rank == 0:
-            from mpilb.server import ParameterServer
+            from mpilb.server.loop import ParameterServer
 
             return ParameterServer(cfg, dataset, comm, run_attrs)
         if rank in cfg.store_ranks:
-            from mpilb.server.store import StoreRank
+            from mpilb.server.store import SliceRank
 
-            return StoreRank(cfg, dataset, comm, rank)
+            return SliceRank(cfg, dataset, comm, rank)
         from mpilb.worker.loop import Worker
 
         return Worker(cfg, dataset, comm, rank, hosts)
@@ -213,7 +213,7 @@ def train(config_file, cli_values: dict, raise_errors: bool = False,
             _ignore_stop_signals()
             return code
         if rank == 0:
-            from mpilb.server import serve
+            from mpilb.server.ending import serve
 
             code = serve(role)
         else:

@@ -22,7 +22,7 @@ from mpilb.core.inject import Injector, parse_injects
 from mpilb.core.optimizers import clip_grad_norm
 from mpilb.run.session import Session, files_line, format_final
 from mpilb.data.shards import ShardStore
-from mpilb.run.training import EpochStats, epoch_order
+from mpilb.core.epochs import EpochStats, epoch_order
 
 
 class SerialTrainer:

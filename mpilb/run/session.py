@@ -26,7 +26,8 @@ from mpilb.runfiles.report import summarize_log
 from mpilb.runfiles.runlog import RunLog
 from mpilb.core.schedules import build_schedule
 from mpilb.runfiles.tensorboard import tap_for
-from mpilb.run.training import EpochTracker, build_stop_rule
+from mpilb.core.epochs import EpochTracker
+from mpilb.core.stop import build_stop_rule
 from mpilb.run.evaluation import Evaluation, build_evaluator
 from mpilb.run.components import config_model, config_optimizer
 

@@ -11,7 +11,7 @@ from mpilb.mpi import comm as C
 from mpilb.errors import LogWriteError
 from mpilb.run.session import files_line, format_final
 from mpilb.run.signals import PREEMPTED
-from mpilb.server.chores import WorkerFailed
+from mpilb.server.liveness import WorkerFailed
 from mpilb.server.loop import ParameterServer
 from mpilb.server.store import StoreLost
 
@@ -23,7 +23,7 @@ def serve(server: ParameterServer) -> int:
     except StoreLost as exc:
         # its slice is gone: end the job (a stop asked for meanwhile ends it as one, exit 0,
         # with the last checkpoint, which a store that keeps silent cannot add to)
-        server.train_s, server.store_lost = server.now(), True
+        server.lifecycle.train_s, server.lifecycle.store_lost = server.now(), True
         code = 0 if PREEMPTED.is_set() else 1
         print(f"mpilb: error: {exc}" if code else
               f"mpilb: stopped: {exc}; the checkpoint {server.cfg.checkpoint} is the last one "
@@ -36,7 +36,7 @@ def serve(server: ParameterServer) -> int:
     except LogWriteError as exc:
         _log_failed(server, exc)
     except WorkerFailed as exc:
-        server.train_s = server.now()
+        server.lifecycle.train_s = server.now()
         # the line first: a launcher's SIGKILL may follow within a second (vote.py)
         print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
         try:
@@ -72,6 +72,6 @@ def serve(server: ParameterServer) -> int:
 def _log_failed(server: ParameterServer, exc: LogWriteError) -> None:
     """The run log cannot be written (a full disk): the weights into the checkpoint, one
     line, and the job ends."""
-    print(f"mpilb: error: {exc}; {server.rescue_checkpoint()}", file=sys.stderr, flush=True)
+    print(f"mpilb: error: {exc}; {server.checkpoints.rescue_checkpoint()}", file=sys.stderr, flush=True)
     C.abort(1)
     os._exit(1)

@@ -3,90 +3,146 @@
 Epochs are strict (docs/cli.md): an epoch ends when every one of its samples has been applied
 exactly once. At its start the balancer plans the shard queues and idle workers get tasks;
 at its end the `epochs/` row is logged, the model is evaluated and the stop rules decide.
-Mixed into :class:`~mpilb.server.loop.ParameterServer`.
+:class:`Epochs` is also the server's :class:`~mpilb.core.decisions.Driver`: the pure
+decisions (rebalance, waking idle workers, batch sizes) reach the workers through it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Protocol
 
+from mpilb.core.decisions import Decisions, Interval
+from mpilb.core.epochs import epoch_order
 from mpilb.runfiles import checkpoint
-from mpilb.run.training import epoch_order
-from mpilb.server.peers import Peer
+from mpilb.server.peers import Peer, Roster
+
+
+class Replies(Protocol):
+    """What the epochs ask of the server's protocol (:class:`~mpilb.server.loop.ParameterServer`)."""
+
+    def reply(self, w: Peer) -> None:
+        """Send ``w`` its work and the parameters."""
+
+    def send_orders_to_waiting(self) -> None:
+        """Tell the waiting workers given send orders."""
+
+    def begin_stop(self) -> None:
+        """A stop rule fired: stop every worker."""
 
 
 class Epochs:
-    """Epoch bookkeeping and handing out tasks (a mixin: it reads the server's state)."""
+    """Epoch bookkeeping and handing out tasks.
 
-    def _log_shards(self) -> None:
-        events = self.ledger.take_events()
-        if events:
-            t = self.now()
-            for e in events:
-                self.log.append("shards", t=t, epoch=e.epoch, shard=e.shard, src=e.src, dst=e.dst,
-                                event=e.event, bytes=e.bytes)
+    Args:
+        cfg: the run's configuration (--seed, --batch).
+        dataset: its shard sizes.
+        session: the run's model, balancer, tracker, stop rule, log, progress, evaluations.
+        ledger: the :class:`~mpilb.core.tasks.TaskLedger`.
+        roster: the workers (:class:`~mpilb.server.peers.Roster`).
+        clock: the run's clock (``now()``, ``t0``).
+        slices: rank 0's parameter slices (:class:`~mpilb.server.group.SliceGroup`) (the whole vector, for evaluations).
+        sitout: the sit-out policy, or None.
+        replies: the server's protocol (:class:`Replies`).
+        eval_timer: the --eval-interval timer, restarted by every evaluation.
+    """
 
-    def _top_up(self, w: Peer) -> None:
+    def __init__(self, cfg, dataset, session, ledger, roster: Roster, clock, slices, sitout,
+                 replies: Replies, eval_timer: Interval):
+        self.cfg = cfg
+        self.dataset = dataset
+        self.session = session
+        self.ledger = ledger
+        self.roster = roster
+        self.clock = clock
+        self.slices = slices
+        self.sitout = sitout
+        self.replies = replies
+        self.eval_timer = eval_timer
+        self.balancer, self.tracker, self.stop = session.balancer, session.tracker, session.stop
+        self.log, self.progress, self.model = session.log, session.progress, session.model
+        self.decisions = Decisions(self.balancer, ledger, sitout, cfg.batch, self)
+
+    # ----------------------------------------------------------------- the Driver of decisions
+    def present(self) -> list[Peer]:
+        return self.roster.present()
+
+    def top_up(self, w: Peer) -> None:
         """Hand w shards until it holds enough; with none left, split another's task."""
         if self.stop.reason or w.lost or w.benched:
             return
         self.ledger.top_up(w.rank, w.batch)
-        self._send_orders_to_waiting()
-        self._log_shards()
+        self.replies.send_orders_to_waiting()
+        self.log_shards()
 
-    def _begin_epoch(self, epoch: int, resume_counts=None) -> None:
+    def has_work(self, w: Peer) -> bool:
+        return not self.stop.reason and bool(self.ledger.of[w.rank].assigns)
+
+    def wake(self, w: Peer, t: float, floor: Optional[int]) -> None:
+        if floor is not None:
+            w.step = max(w.step, floor)
+        w.wake()
+        self.replies.reply(w)
+
+    def benched(self, w: Peer) -> None:
+        self.log_shards()
+
+    def shards_moved(self) -> None:
+        self.log_shards()
+
+    # ----------------------------------------------------------------- handing out
+    def log_shards(self) -> None:
+        events = self.ledger.take_events()
+        if events:
+            t = self.clock.now()
+            for e in events:
+                self.log.append("shards", t=t, epoch=e.epoch, shard=e.shard, src=e.src, dst=e.dst,
+                                event=e.event, bytes=e.bytes)
+
+    def wake_idle(self) -> None:
+        """Send work to idle workers that the balancer has given shards to (see
+        :meth:`mpilb.core.decisions.Decisions.wake_idle`)."""
+        self.decisions.wake_idle(self.clock.now())
+
+    def update_batches(self) -> None:
+        self.decisions.update_batches(time.monotonic())
+
+    # ----------------------------------------------------------------- epochs
+    def begin(self, epoch: int, resume_counts=None) -> None:
         self.ledger.epoch = epoch
         order = epoch_order(self.cfg.seed, epoch, len(self.dataset.shard_sizes))
         # An empty shard (allowed by the format) holds no work: handed out, it would be a
         # task no push ever advances, and its worker would look silent.
         order = [s for s in order if self.dataset.shard_sizes[s] > 0]
         if resume_counts is None:
-            self.tracker.begin(epoch, self.now())
+            self.tracker.begin(epoch, self.clock.now())
         else:   # an interrupted epoch: only what was not applied yet
-            self.tracker.begin(epoch, self.now(), resume_counts)
+            self.tracker.begin(epoch, self.clock.now(), resume_counts)
             order, pending = checkpoint.resume_plan(order, resume_counts, self.tracker.offsets,
                                                     self.dataset.shard_sizes)
             self.ledger.begin_epoch(epoch, pending)
         self.balancer.plan_epoch(epoch, order)
-        self._update_batches()
+        self.update_batches()
         if self.tracker.complete:   # resumed from a checkpoint taken as the epoch ended
-            self._end_epoch()
+            self.end()
             return
         self.ledger.collect_moves()
-        self._log_shards()
+        self.log_shards()
         for w in self.present():
             w.epoch_busy = 0.0
             w.epoch_finish = None
-        self._wake_idle()
+        self.wake_idle()
 
-    def _wake_idle(self) -> None:
-        """Send work to idle workers that the balancer has given shards to (e.g. by a move).
-        A woken worker's step count starts at the busy ones' lowest, as at an epoch's start:
-        its old count, left behind while it idled, would have ssp hold every other worker
-        until it caught up."""
-        if self.stop.reason:
-            return
-        floor = min((w.step for w in self.present() if not w.idle), default=None)
-        for w in self.present():
-            if w.idle:
-                self._top_up(w)
-                if self.ledger.of[w.rank].assigns:
-                    if floor is not None:
-                        w.step = max(w.step, floor)
-                    w.wake()
-                    self._reply(w)
-
-    def _end_epoch(self) -> None:
-        t = self.now()
+    def end(self) -> None:
+        t = self.clock.now()
         stats = self.tracker.end(t)
         span = max(1e-9, stats.t_end - stats.t_start)
-        active = [w for w in self.peers.values() if not w.lost]
+        active = [w for w in self.roster.peers.values() if not w.lost]
         busy = sum(w.epoch_busy for w in active)
         # seconds on the bench are not seats a worker could have filled (sit-out)
-        sitout = self.rule.sitout
+        sitout, t0 = self.sitout, self.clock.t0
         benched = 0.0 if sitout is None else sum(
-            sitout.benched_s(w.rank, self.t0 + stats.t_start, self.t0 + stats.t_end) for w in active)
+            sitout.benched_s(w.rank, t0 + stats.t_start, t0 + stats.t_end) for w in active)
         seats = len(active) * span - benched
         util = min(1.0, busy / seats) if seats > 0 else 0.0
         finishes = [w.epoch_finish for w in active if w.epoch_finish is not None]
@@ -97,23 +153,24 @@ class Epochs:
             # The run goes on whatever this evaluation says: hand out the next epoch first,
             # and evaluate while serving the workers (on the straggler benchmark every
             # worker used to wait 0.12 s for it at each epoch's end).
-            self._begin_epoch(stats.epoch + 1)
+            self.begin(stats.epoch + 1)
             if self.model.num_state:   # statistics the pushes update: evaluate them now
-                self._evaluate(epoch=stats.epoch)
-                self.progress.epoch_done(stats.epoch, self.accuracy)
+                self.evaluate(epoch=stats.epoch)
+                self.progress.epoch_done(stats.epoch, self.session.accuracy)
             else:
                 self.session.evaluate_later(
-                    self.params, self.now(), self.version, stats.epoch,
-                    then=lambda: self.progress.epoch_done(stats.epoch, self.accuracy))
+                    self.slices.full_params(), self.clock.now(), self.slices.local.version,
+                    stats.epoch,
+                    then=lambda: self.progress.epoch_done(stats.epoch, self.session.accuracy))
             return
-        self._evaluate()
-        self.progress.epoch_done(stats.epoch, self.accuracy)
+        self.evaluate()
+        self.progress.epoch_done(stats.epoch, self.session.accuracy)
         if self.stop.check(stats.epoch + 1, t, self.session.evaluation):
-            self._begin_stop()
+            self.replies.begin_stop()
         else:
-            self._begin_epoch(stats.epoch + 1)
+            self.begin(stats.epoch + 1)
 
-    def _evaluate(self, epoch: Optional[int] = None) -> None:
-        self.session.evaluate(self.params, self.now(), self.version,
-                              self.epoch if epoch is None else epoch)
-        self.last_eval = time.monotonic()
+    def evaluate(self, epoch: Optional[int] = None) -> None:
+        self.session.evaluate(self.slices.full_params(), self.clock.now(), self.slices.local.version,
+                              self.ledger.epoch if epoch is None else epoch)
+        self.eval_timer.reset(time.monotonic())

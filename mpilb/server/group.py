@@ -9,11 +9,11 @@ import numpy as np
 
 from mpilb.mpi import wire
 from mpilb.core.topology import stores_of
-from mpilb.server.store import RemoteStores, slice_store, store_bounds
+from mpilb.server.store import RemoteSlices, slice_ring, store_bounds
 
 
-class StoreGroup:
-    """Rank 0's parameter stores: its own slice (`local`, a ParamStore the update rule
+class SliceGroup:
+    """Rank 0's parameter stores: its own slice (`local`, a ParamRing the update rule
     drives) and, with --servers K > 1, the others (`remote`). `session.params` and
     `session.optimizer` hold the whole vector and its state: with K > 1 they are filled
     from every store when needed (evaluation, checkpoints).
@@ -28,20 +28,20 @@ class StoreGroup:
         from mpilb.run.signals import PREEMPTED
 
         # no-ops with K = 1; a stalled store is lost after --worker-timeout, at once on a stop
-        self.remote = RemoteStores(comm, self.bounds, cfg.worker_timeout, PREEMPTED.is_set,
+        self.remote = RemoteSlices(comm, self.bounds, cfg.worker_timeout, PREEMPTED.is_set,
                                    self.ranks)
         self.sliced = len(self.ranks) > 1
         n0 = self.bounds[1]
         # a push to rank 0 carries its slice of the gradient, then the model's state
         self.push_floats = n0 + session.model.num_state
 
-        def new_buffer() -> np.ndarray:   # the ring's buffers can receive pushes (ParamStore)
+        def new_buffer() -> np.ndarray:   # the ring's buffers can receive pushes (ParamRing)
             return wire.new_message(self.push_floats)[2][:n0]
 
         if not self.sliced:
-            self.local = slice_store(cfg, session.params, session.optimizer, new_buffer)
+            self.local = slice_ring(cfg, session.params, session.optimizer, new_buffer)
         else:
-            self.local = slice_store(cfg, np.zeros(n0, np.float32), config_optimizer(cfg, n0),
+            self.local = slice_ring(cfg, np.zeros(n0, np.float32), config_optimizer(cfg, n0),
                                      new_buffer)
         self.cpu0 = time.process_time()
         self.last = np.zeros(5)

@@ -1,6 +1,6 @@
 """Update rules (--mode): how a pushed gradient reaches the parameters, and when a reply waits.
 
-A rule owns a :class:`ParamStore` (a flat float32 vector, or a slice of one, with its
+A rule owns a :class:`ParamRing` (a flat float32 vector, or a slice of one, with its
 optimizer, staleness correction and version) and decides, per push, whether the gradient is
 applied now (async, ssp) or joins a round (sync), and whether the worker's reply goes out now
 or is held (ssp: a worker more than --staleness-bound steps ahead of the slowest waits; sync:
@@ -45,7 +45,7 @@ class Update(NamedTuple):
     staleness: int
 
 
-class ParamStore:
+class ParamRing:
     """A flat parameter vector (or a contiguous slice of one), its optimizer and version.
 
     Replies are sent straight from the parameters, without a copy: while a send still reads
@@ -217,7 +217,7 @@ class UpdateRule:
     """Base: apply each gradient on arrival and reply at once (async).
 
     Args:
-        store: the parameters.
+        ring: the parameters (a :class:`ParamRing`).
         has_work: rank -> True while the worker holds tasks or is owed some.
         staleness_bound: --staleness-bound (ssp).
         sitout: the sync rule's sit-out policy (sitout.py), None elsewhere.
@@ -228,20 +228,20 @@ class UpdateRule:
     rounds = False    # gradients join rounds (sync) instead of being applied on arrival
     holds_replies = False   # holds() and releasable() may say otherwise than "no" (ssp)
 
-    def __init__(self, store: ParamStore, has_work: Callable[[int], bool], staleness_bound: int = 0,
+    def __init__(self, ring: ParamRing, has_work: Callable[[int], bool], staleness_bound: int = 0,
                  sitout=None):
-        self.store = store
+        self.ring = ring
         self.has_work = has_work
         self.staleness_bound = staleness_bound
         self.sitout = None
-        self.needs_old_params = store.correction.needs_old_params
+        self.needs_old_params = ring.correction.needs_old_params
 
     def push(self, peer, update: Update, grad: np.ndarray, then: Optional[np.ndarray] = None,
              consume: bool = False) -> Optional[tuple[list[Update], float]]:
         """Take a worker's mean gradient. Returns ([updates applied], lr_scale), or None
         when it joined a round that is not complete yet (the reply waits). `consume`: the
-        gradient's buffer may become the parameters (:meth:`ParamStore.exchange`)."""
-        lr_scale = self.store.apply(grad, update.batch, update.staleness, then, consume)
+        gradient's buffer may become the parameters (:meth:`ParamRing.exchange`)."""
+        lr_scale = self.ring.apply(grad, update.batch, update.staleness, then, consume)
         return [update], lr_scale
 
     def holds(self, peer, peers: Iterable) -> bool:
@@ -294,10 +294,10 @@ class Synchronous(UpdateRule):
 
     rounds = True
 
-    def __init__(self, store, has_work, staleness_bound=0, sitout=None):
-        super().__init__(store, has_work, staleness_bound)
+    def __init__(self, ring, has_work, staleness_bound=0, sitout=None):
+        super().__init__(ring, has_work, staleness_bound)
         self.sitout = sitout
-        self.grad = store.new_buffer()   # the round's sum; its buffer may join the ring
+        self.grad = ring.new_buffer()   # the round's sum; its buffer may join the ring
         self.grad[...] = 0
         self.batch = 0
         self.members: list[int] = []
@@ -323,8 +323,8 @@ class Synchronous(UpdateRule):
 
     def close_round(self) -> tuple[list[Update], float, list[int]]:
         """Apply the round. Returns (its updates, lr_scale, member ranks)."""
-        lr_scale = self.store.apply_sum(self.grad, self.batch, consume=True)
-        given = self.store.exchange()
+        lr_scale = self.ring.apply_sum(self.grad, self.batch, consume=True)
+        given = self.ring.exchange()
         if given is not None:   # the sum's buffer holds the parameters now
             self.grad = given
         updates, members = self.updates, self.members
@@ -334,9 +334,9 @@ class Synchronous(UpdateRule):
         return updates, lr_scale, members
 
 
-def build_rule(mode: str, store: ParamStore, has_work: Callable[[int], bool],
+def build_rule(mode: str, ring: ParamRing, has_work: Callable[[int], bool],
                staleness_bound: int = 0, sitout=None) -> UpdateRule:
     """The update rule registered as `mode`."""
     if mode not in RULES:
         raise UsageError(f"--mode {mode!r}: choose one of {', '.join(sorted(RULES))}")
-    return RULES[mode](store, has_work, staleness_bound, sitout)
+    return RULES[mode](ring, has_work, staleness_bound, sitout)

@@ -2,7 +2,7 @@
 
 Each worker has preallocated reply headers (two when pipelined: it computes on the previous
 reply while the next is sent) and a header-only buffer for orders; wire.py encodes them.
-The parameters follow a PARAMS header as a message of their own, sent from the ParamStore's
+The parameters follow a PARAMS header as a message of their own, sent from the ParamRing's
 current buffer without a copy.
 Sends are nonblocking; the requests not known to be complete are kept so that the main loop
 can keep MPI progressing while they travel.
@@ -20,7 +20,7 @@ from mpilb.mpi.wire import Cmd
 class Outbox:
     """Sends to workers on `comm`; what a reply carries comes from the task ledger.
 
-    `remote`: the other stores (RemoteStores; none with --servers 1), told to send their
+    `remote`: the other stores (RemoteSlices; none with --servers 1), told to send their
     slices too.
     """
 
@@ -33,15 +33,15 @@ class Outbox:
         self.remote = remote
         self.sending: list = []    # sends not known to be complete
 
-    def reply(self, peer, store, cmd: Cmd = Cmd.PARAMS, held_s: float = 0.0) -> None:
+    def reply(self, peer, ring, cmd: Cmd = Cmd.PARAMS, held_s: float = 0.0) -> None:
         """Send `peer` a reply header (PARAMS or STOP) with the tasks, orders and cut it is
         owed, its batch size and the flags it must see (retry, drop); with PARAMS, the
-        parameters follow from `store` (a ParamStore) and every other store."""
+        parameters follow from `ring` (a ParamRing) and every other store."""
         link = peer.link
         if link.reply_req is not None:
             link.reply_req.Wait()   # the previous reply was received before it pushed again
         buf, hdr, _ = link.next_reply_slot()
-        version = store.version
+        version = ring.version
         if cmd == Cmd.STOP:
             wire.encode_reply(hdr, cmd, version=version, batch=peer.batch, held_s=held_s,
                               retry=peer.retry, drop=peer.drop)
@@ -54,14 +54,14 @@ class Outbox:
         peer.told_at = time.monotonic()
         link.reply_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)
         self.sending.append(link.reply_req)
-        store.bytes_out += buf.nbytes
+        ring.bytes_out += buf.nbytes
         if cmd == Cmd.STOP:
             self.bell.ring(peer.rank)
             return
-        # Straight from the parameters: the store steps into another buffer while this reads.
-        link.params_req = self.comm.Isend(store.params, dest=peer.rank, tag=wire.TAG_PARAMS)
-        store.sending(link.params_req, peer.rank)
-        store.bytes_out += store.params.nbytes
+        # Straight from the parameters: the ring steps into another buffer while this reads.
+        link.params_req = self.comm.Isend(ring.params, dest=peer.rank, tag=wire.TAG_PARAMS)
+        ring.sending(link.params_req, peer.rank)
+        ring.bytes_out += ring.params.nbytes
         self.sending.append(link.params_req)
         # A worker that pushed a moment ago is still polling finely for this reply (see
         # TimeSincePush.reply_window): a ring would cost rank 0 a wake-up call (~60 µs on a

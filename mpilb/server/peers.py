@@ -1,37 +1,17 @@
 """The server's view of each worker: its link (buffers, requests) and an explicit state.
 
-A worker's state has two parts, changed only by the named methods below:
-
-- waiting: COMPUTING (it has work and parameters; a push is to come), IDLE (told it has
-  nothing to do; it waits for a message), HELD (it pushed; the reply is held by ssp or sync);
-- membership: ACTIVE, BENCHED (sits sync rounds out), STOPPED (told to stop), LOST (silent
-  past --worker-timeout).
-
-    IDLE --wake--> COMPUTING --hold--> HELD --release--> COMPUTING --go_idle--> IDLE
-    ACTIVE --bench--> BENCHED --unbench--> ACTIVE;  any --stop--> STOPPED;  any --lose--> LOST
+A worker's state has two parts, waiting and membership (:mod:`mpilb.core.worker_state`),
+changed only by the named methods below.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Optional
 
+from mpilb.core.worker_state import Membership, Waiting, WorkerState
 from mpilb.mpi import wire
 from mpilb.mpi.waiting import WaitEstimate
-
-
-class Waiting(Enum):
-    COMPUTING = "computing"
-    IDLE = "idle"
-    HELD = "held"
-
-
-class Membership(Enum):
-    ACTIVE = "active"
-    BENCHED = "benched"
-    STOPPED = "stopped"
-    LOST = "lost"
 
 
 @dataclass
@@ -50,7 +30,7 @@ class Link:
     @classmethod
     def allocate(cls, n: int, pipelined: bool, push_floats: Optional[int] = None) -> "Link":
         # pipelined workers compute on the previous reply while the next is sent: two slots
-        # (the parameters are sent from the ParamStore itself, not from a copy per worker);
+        # (the parameters are sent from the ParamRing itself, not from a copy per worker);
         # a push may carry more than the n parameters' gradient (the model's state after it)
         return cls(recv=wire.new_message(n if push_floats is None else push_floats),
                    replies=[wire.new_message(0) for _ in range(2 if pipelined else 1)],
@@ -63,8 +43,8 @@ class Link:
 
 
 @dataclass
-class Peer:
-    """One worker as rank 0 sees it."""
+class Peer(WorkerState):
+    """One worker as rank 0 sees it (its state read through :class:`WorkerState`)."""
 
     rank: int
     link: Optional[Link] = None
@@ -98,31 +78,6 @@ class Peer:
 
     # ----------------------------------------------------------------- reading
     @property
-    def idle(self) -> bool:
-        return self.waiting is Waiting.IDLE
-
-    @property
-    def held(self) -> bool:
-        return self.waiting is Waiting.HELD
-
-    @property
-    def waits_for_message(self) -> bool:
-        """Idle or held: it reads only what the server sends (orders must go out now)."""
-        return self.waiting is not Waiting.COMPUTING
-
-    @property
-    def benched(self) -> bool:
-        return self.membership is Membership.BENCHED
-
-    @property
-    def stopped(self) -> bool:
-        return self.membership is Membership.STOPPED
-
-    @property
-    def lost(self) -> bool:
-        return self.membership is Membership.LOST
-
-    @property
     def present(self) -> bool:
         """Still in the run (active or benched): not stopped, not lost."""
         return self.membership in (Membership.ACTIVE, Membership.BENCHED)
@@ -143,10 +98,6 @@ class Peer:
         self.waiting = Waiting.COMPUTING
         return held_s
 
-    def go_idle(self) -> None:
-        """Told it has nothing to do: it waits for the server's next message."""
-        self.waiting = Waiting.IDLE
-
     # ----------------------------------------------------------------- membership
     def bench(self, now: float) -> None:
         """Sits sync rounds out; its next reply tells it to drop its tasks."""
@@ -162,12 +113,6 @@ class Peer:
         self.probing = 2   # two steps: the first after a long idle wait runs cold
         self.batch = probe_batch
 
-    def stop(self) -> None:
-        self.membership = Membership.STOPPED
-
-    def lose(self) -> None:
-        self.membership = Membership.LOST
-
     # ----------------------------------------------------------------- accounting
     def take_row(self) -> dict:
         """Its `workers/` counters since the last row (and reset them)."""
@@ -180,3 +125,22 @@ class Peer:
 def present(peers) -> list[Peer]:
     """The workers still in the run (the old `active()`)."""
     return [p for p in peers if p.present]
+
+
+class Roster:
+    """Every worker of the run as rank 0 sees it, and the ranks lost so far.
+
+    Args:
+        peers: rank -> :class:`Peer`.
+    """
+
+    def __init__(self, peers: dict):
+        self.peers = peers
+        self.lost: list[int] = []   # ranks declared lost, in order
+
+    def present(self) -> list[Peer]:
+        """Workers still in the run (active or benched; not stopped, not lost)."""
+        return [p for p in self.peers.values() if p.present]
+
+    def all_stopped(self) -> bool:
+        return all(w.stopped or w.lost for w in self.peers.values())

@@ -14,8 +14,8 @@ a worker its slice, forget a lost worker. Every store therefore applies the same
 in the same order as rank 0: with sync rounds the sliced parameters are the same floats as
 one store's. A command is 64 bytes; the slices carry the bytes, so rank 0 moves 1/K of them.
 
-    StoreRank(cfg, dataset, comm, rank).run()    # a store rank other than 0, until Op.END
-    RemoteStores(comm, bounds, stores)             # on rank 0 (in its StoreGroup, group.py)
+    SliceRank(cfg, dataset, comm, rank).run()    # a store rank other than 0, until Op.END
+    RemoteSlices(comm, bounds, stores)             # on rank 0 (in its SliceGroup, group.py)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from mpilb.errors import MpilbError
 from mpilb.core.topology import stores_of, workers_of
 from mpilb.mpi.watchdog import Rank0Watch
 from mpilb.mpi.wire import Op
-from mpilb.server.modes import ParamStore
+from mpilb.server.modes import ParamRing
 
 END_TIMEOUT_S = 30.0
 PING_S = 0.25        # how often rank 0 asks every store for its counters (its liveness)
@@ -59,14 +59,14 @@ def store_bounds(cfg, model) -> list[int]:
     return wire.cut_slices(model.num_params, len(stores_of(cfg)), wire.layer_sizes(model))
 
 
-def slice_store(cfg, params: np.ndarray, optimizer, new_buffer=None) -> ParamStore:
-    """A ParamStore over `params` with the run's correction (and dc's kept versions);
-    `new_buffer`: see ParamStore."""
+def slice_ring(cfg, params: np.ndarray, optimizer, new_buffer=None) -> ParamRing:
+    """A ParamRing over `params` with the run's correction (and dc's kept versions);
+    `new_buffer`: see ParamRing."""
     correction = build_correction(cfg.correction, cfg.dc_lambda)
     keep = (2 if cfg.pipeline else 1) if correction.needs_old_params else 0
     clip = cfg.clip_norm if cfg.mode == "sync" and cfg.servers == 1 else None   # (workers
     # clip what is applied on arrival; sync with K > 1 is refused: config/validate.check_optimizer)
-    return ParamStore(params, optimizer, correction, cfg.batch, keep_sent=keep,
+    return ParamRing(params, optimizer, correction, cfg.batch, keep_sent=keep,
                       new_buffer=new_buffer, finished=C.finished, clip_norm=clip)
 
 
@@ -85,7 +85,7 @@ def _recv_state(comm, source: int, tag: int, params, optimizer, lo: int, hi: int
         optimizer.load_state_slice(name, lo, hi, buf)
 
 
-class StoreRank:
+class SliceRank:
     """A store rank other than 0 (store s of stores_of(cfg)): its slice, applied and sent as
     rank 0's commands say."""
 
@@ -98,7 +98,7 @@ class StoreRank:
         self.bounds = store_bounds(cfg, model)
         s = stores_of(cfg).index(rank)
         self.n = self.bounds[s + 1] - self.bounds[s]
-        self.store = slice_store(cfg, np.zeros(self.n, np.float32), config_optimizer(cfg, self.n))
+        self.ring = slice_ring(cfg, np.zeros(self.n, np.float32), config_optimizer(cfg, self.n))
         self.workers = workers_of(cfg, comm.Get_size())
         self.grads = {w: np.empty(self.n, np.float32) for w in self.workers}
         self.recvs: dict = {}
@@ -150,20 +150,20 @@ class StoreRank:
             if any(m.op == Op.LOSE and m.rank == w for m in self.queue):
                 return None
             self.backoff.sleep()
-        self.store.bytes_in += self.grads[w].nbytes
+        self.ring.bytes_in += self.grads[w].nbytes
         return self.grads[w]
 
     def _send_stats(self) -> None:
         if self.stats_req is not None:
             C.wait(self.stats_req, timeout=END_TIMEOUT_S)
-        s = self.store
+        s = self.ring
         self.stats[:] = (s.updates, s.bytes_in, s.bytes_out, s.apply_s,
                          time.process_time() - self.cpu0, s.version)
         self.stats_req = self.comm.Isend(self.stats, dest=0, tag=wire.TAG_STATS)
 
     # ----------------------------------------------------------------- commands
     def _do(self, m: wire.CtrlMsg) -> None:
-        s = self.store
+        s = self.ring
         if m.op in (Op.APPLY, Op.ADD, Op.DISCARD):
             if m.rank in self.lost:
                 return
@@ -234,12 +234,12 @@ class StoreRank:
             if req is not None and not req.Test():
                 req.Cancel()
                 C.wait(req, timeout=1.0)
-        for req in self.store.pending() + [self.stats_req]:
+        for req in self.ring.pending() + [self.stats_req]:
             if req is not None:
                 C.wait(req, timeout=max(0.0, deadline - time.monotonic()))
 
 
-class RemoteStores:
+class RemoteSlices:
     """Rank 0's handle on the other stores: commands in the order rank 0 decides (with K = 1
     there are none, and every command is a no-op). Everything here is keyed by store rank.
 

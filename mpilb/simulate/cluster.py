@@ -6,7 +6,7 @@ clusters get constant profiles from a rate spec (``const:R``, ``lognormal:mean=R
 ``file:CSV``); replays of a run get piecewise-constant traces from its log
 (:mod:`mpilb.simulate.replay`).
 
-The parameter stores are :class:`Stores`: every update costs each of the K stores
+The parameter stores are :class:`Slices` (each holds a slice of the parameters): every update costs each of the K stores
 ``apply_s + bytes / K / bandwidth``; they see the same stream of updates, so they are one
 FIFO queue of that service time, and an update waits while the stores are busy.
 """
@@ -148,7 +148,7 @@ def _rates_file(path: str, spec: str) -> list[float]:
 
 
 @dataclass
-class Stores:
+class Slices:
     """K parameter stores sharing each update (FIFO; an update waits while they are busy).
 
     Args:

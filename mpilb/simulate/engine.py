@@ -10,9 +10,10 @@ arrives. Epochs are strict, as in the server: an epoch ends when the tracker has
 of its samples applied, and the next one is planned at once; an idle worker waits for
 work (a rebalance, a part-way move, the next epoch).
 
-What the engine does as the server does (mpilb/server/): top-up to two tasks and part-way
-moves (the server's task ledger, :mod:`mpilb.core.tasks`), the first proportional sizing
-after 16 steps each, batch sizes revised at each rebalance and epoch start, sync rounds
+What the engine does as the server does (mpilb/server/), with the server's own code:
+top-up to two tasks and part-way moves (the task ledger, :mod:`mpilb.core.tasks`), the first
+proportional sizing after 16 steps each, rebalances, waking idle workers and batch sizes
+revised at each rebalance and epoch start (:mod:`mpilb.core.decisions`), sync rounds
 over the workers that are not idle, sit-out (the server's :class:`~mpilb.core.sitout.SitOut`
 on the simulated workers: lags per round, benching, probes), lost workers
 (``hang``/``crash`` injections; their tasks go back).
@@ -21,98 +22,24 @@ on the simulated workers: lags per round, benching, probes), lost workers
 from __future__ import annotations
 
 import heapq
-import math
-from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
 from mpilb.core.balancer import BalancerConfig, build_balancer
+from mpilb.core.decisions import Decisions, FirstSizes
+from mpilb.core.epochs import EpochTracker, epoch_order
 from mpilb.core.sitout import SitOut
-from mpilb.simulate.chores import FIRST_SIZES_STEPS, PUSH, REBALANCE, EngineChores
-from mpilb.simulate.cluster import Profile, Stores
+from mpilb.simulate.cluster import Profile, Slices
 from mpilb.simulate.ledger import Ledger
+from mpilb.simulate.workers import LOST, PUSH, REBALANCE, SimConfig, SimPush, SimWorker
+
+__all__ = ["Engine", "SimConfig", "SimWorker"]
 
 
-@dataclass
-class SimConfig:
-    """One configuration to simulate (the options of `mpilb train` that matter here)."""
-
-    balancer: str = "load"
-    mode: str = "async"
-    batch_policy: str = "fixed"
-    servers: int = 1
-    batch: int = 32
-    min_batch: int = 1
-    max_batch: int = 4096
-    sit_out: bool = True
-    rebalance_interval: float = 2.0
-    epochs: int = 1
-    seed: int = 0
-    worker_timeout: float = 60.0
-    params: int = 100_000
-    server_gbps: float = 4.8
-    apply_s: float = 0.00019
-    row_bytes: int = 1024
-    wire: str = "fp32"        # bytes per float on the wire (a network model only)
-    inject: list = field(default_factory=list)   # parsed InjectRule objects
-
-
-class _Push:
-    """What sit-out reads of a worker's last push."""
-
-    __slots__ = ("lo", "hi", "compute_s")
-
-    def __init__(self, lo: int, hi: int, compute_s: float):
-        self.lo, self.hi, self.compute_s = lo, hi, compute_s
-
-
-class _Worker:
-    """A simulated worker, and the server's view of it (what :class:`SitOut` reads and sets:
-    ``benched``, ``bench``, ``unbench``, ``probing``, ``batch``, ``lags``, ``last_gap``,
-    ``last_push``)."""
-
-    __slots__ = ("rank", "profile", "rules", "batch", "state", "reply_t", "n", "comp", "io",
-                 "comm", "epoch_busy", "epoch_finish", "busy", "steps", "fault_t",
-                 "read_free", "ready", "rng", "benched_at", "probing", "samples", "lags",
-                 "last_gap", "last_push")
-
-    def __init__(self, rank: int, profile: Profile, rules, batch: int, seed: int):
-        self.rank, self.profile, self.batch = rank, profile, batch
-        self.rules = [r for r in rules if r.applies_to(rank) and r.kind not in ("hang", "crash")]
-        faults = [r.start for r in rules if r.applies_to(rank) and r.kind in ("hang", "crash")]
-        self.fault_t = min(faults) if faults else math.inf
-        self.state = "idle"      # run (computing), held (sync), idle, benched, dead, lost
-        self.reply_t = 0.0
-        self.n = 0
-        self.comp = self.io = self.comm = 0.0
-        self.epoch_busy = 0.0
-        self.epoch_finish = None
-        self.busy = 0.0
-        self.steps = self.samples = 0
-        self.read_free = 0.0
-        self.ready: dict[int, float] = {}
-        self.rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, rank]) if any(
-            r.prob < 1.0 for r in self.rules) else None
-        self.benched_at = 0.0
-        self.probing = 0
-        self.lags: list = []
-        self.last_gap = None
-        self.last_push = None
-
-    @property
-    def benched(self) -> bool:
-        return self.state == "benched"
-
-    def bench(self, now: float) -> None:
-        self.state, self.probing, self.benched_at, self.batch = "benched", 0, now, 0
-        self.ready.clear()
-
-    def unbench(self, probe_batch: int) -> None:
-        self.state, self.probing, self.batch = "idle", 2, probe_batch
-
-
-class Engine(EngineChores):
-    """Simulate one configuration on a cluster of profiles.
+class Engine:
+    """Simulate one configuration on a cluster of profiles (the :class:`Driver
+    <mpilb.core.decisions.Driver>` of the server's decisions).
 
     Args:
         cfg: the :class:`SimConfig`.
@@ -120,14 +47,13 @@ class Engine(EngineChores):
         shard_sizes: samples per shard.
         replay: I/O comes from the profiles' per-sample traces (a replayed run) rather
             than from modelled shard reads.
-        order: ``order(seed, epoch, shards)``, each epoch's shard order (the server's
-            :func:`mpilb.run.training.epoch_order`; passed in, as that module reaches HDF5).
-        tracker: the coverage counter (a :class:`mpilb.run.training.EpochTracker`).
-        See :func:`mpilb.simulate.run.simulate`, which passes the server's own.
+        ranks: the workers' ranks (default 1..W).
+    The epochs' shard order and coverage counter are the server's
+    (:mod:`mpilb.core.epochs`).
     """
 
     def __init__(self, cfg: SimConfig, profiles: list[Profile], shard_sizes: list[int],
-                 replay: bool = False, *, order, tracker, ranks=None):
+                 replay: bool = False, *, ranks=None):
         self.cfg = cfg
         self.replay = replay
         self.shard_sizes = [int(s) for s in shard_sizes]
@@ -138,13 +64,16 @@ class Engine(EngineChores):
                               and cfg.batch_policy == "proportional",
                               rebalance_interval=cfg.rebalance_interval)
         self.balancer = build_balancer(cfg.balancer, ranks, self.shard_sizes, bcfg)
-        self.order = order
-        self.ledger = Ledger(self.balancer, tracker, self.shard_sizes, ranks,
+        self.order = epoch_order
+        self.ledger = Ledger(self.balancer, EpochTracker(self.shard_sizes), self.shard_sizes, ranks,
                              part_way=cfg.balancer not in ("static", "round-robin"))
         self.sitout = (SitOut(self.balancer, self.ledger.tasks_ledger, cfg.batch, cfg.min_batch,
                               cfg.max_batch, cfg.rebalance_interval) if bcfg.sit_out else None)
-        self.stores = Stores(cfg.params, cfg.servers, cfg.server_gbps, cfg.apply_s)
-        self.workers = {r: _Worker(r, p, cfg.inject, cfg.batch, cfg.seed)
+        self.decisions = Decisions(self.balancer, self.ledger.tasks_ledger, self.sitout, cfg.batch,
+                                   self)
+        self.first_sizes = FirstSizes(cfg.batch_policy == "proportional")
+        self.slices = Slices(cfg.params, cfg.servers, cfg.server_gbps, cfg.apply_s)
+        self.workers = {r: SimWorker(r, p, cfg.inject, cfg.batch, cfg.seed)
                         for r, p in zip(ranks, profiles)}
         self.sync = cfg.mode == "sync"
         self.heap: list = []
@@ -153,10 +82,9 @@ class Engine(EngineChores):
         self.epoch = -1
         self.t_epoch = 0.0
         self.done = False
-        self.sized_early = cfg.batch_policy != "proportional"
         self.running = 0          # workers computing (sync: the round is complete at 0)
         self.pending_lost = 0     # hung or crashed workers not yet declared lost
-        self.members: list[_Worker] = []
+        self.members: list[SimWorker] = []
         self.round_batches: list[tuple] = []
         self.updates = 0
         self.lost: list[int] = []
@@ -167,15 +95,59 @@ class Engine(EngineChores):
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, rank))
 
-    def _link(self, w: _Worker, t: float) -> float:
+    def _link(self, w: SimWorker, t: float) -> float:
         p = w.profile
         return p.link[p.piece(t)] / 2.0
 
     def _count_moves(self) -> None:
         self.ledger.count_moves()
 
-    def _present(self) -> list[_Worker]:
-        return [w for w in self.workers.values() if w.state not in ("lost", "dead")]
+    def _present(self) -> list[SimWorker]:
+        return [w for w in self.workers.values() if w.present]
+
+    # ------------------------------------------------------------------ the server's decisions
+    # (the Driver of mpilb.core.decisions: what the server does, done to simulated workers)
+    def present(self) -> list[SimWorker]:
+        return self._present()
+
+    def top_up(self, w: SimWorker) -> None:
+        if not w.benched:
+            self.ledger.top_up(w.rank, w.batch)
+
+    def has_work(self, w: SimWorker) -> bool:
+        return not w.benched and bool(self.ledger.tasks(w.rank))
+
+    def wake(self, w: SimWorker, t: float, floor: Optional[int]) -> None:
+        self._start(w, t + self._link(w, t))   # (no ssp here: the step floor is not needed)
+
+    def benched(self, w: SimWorker) -> None:
+        pass   # its tasks' events are counted with the next moves
+
+    def shards_moved(self) -> None:
+        self._count_moves()
+
+    def _rebalance(self, t: float) -> None:
+        self.decisions.rebalance(t, t)
+
+    # ------------------------------------------------------------------ lost workers
+    def _die(self, w: SimWorker, t: float) -> None:
+        """w hangs or crashes: the server notices after --worker-timeout of silence."""
+        w.die()
+        self.pending_lost += 1
+        self._at(max(t, w.fault_t) + self.cfg.worker_timeout, LOST, w.rank)
+
+    def _declare_lost(self, w: SimWorker, t: float) -> None:
+        w.lose()
+        self.lost.append(w.rank)
+        if all(o.lost for o in self.workers.values()):
+            raise RuntimeError("every simulated worker was lost")
+        self.balancer.remove_worker(w.rank)
+        w.ready.clear()
+        self.ledger.take_back(w.rank, lost=True)
+        self._count_moves()
+        self.decisions.wake_idle(t)
+        if self.sync and self.members and self.running == 0:
+            self._apply_round(t)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict:
@@ -185,7 +157,7 @@ class Engine(EngineChores):
         heap = self.heap
         while heap and not self.done:
             self._event(*heapq.heappop(heap))
-        return self._summary()
+        return summarize(self)
 
     def _event(self, t: float, _seq: int, kind: int, rank: int) -> None:
         self.now = t
@@ -206,17 +178,17 @@ class Engine(EngineChores):
         self.epoch, self.t_epoch = epoch, t
         order = self.order(self.cfg.seed, epoch, len(self.shard_sizes))
         self.ledger.begin_epoch(epoch, order, t)
-        self._update_batches(t)
+        self.decisions.update_batches(t)
         self._count_moves()
         for w in self.workers.values():
             w.epoch_busy, w.epoch_finish = 0.0, None
             w.ready.clear()
-        self._wake_idle(t)
+        self.decisions.wake_idle(t)
 
     def _end_epoch(self, t: float) -> None:
         self.ledger.end_epoch(t)
         span = max(1e-12, t - self.t_epoch)
-        alive = [w for w in self.workers.values() if w.state != "lost"]
+        alive = [w for w in self.workers.values() if not w.lost]
         finishes = [w.epoch_finish for w in alive if w.epoch_finish is not None]
         self.epochs.append({
             "epoch_s": span,
@@ -230,12 +202,12 @@ class Engine(EngineChores):
         self._begin_epoch(self.epoch + 1, t)
 
     # ------------------------------------------------------------------ steps
-    def _start(self, w: _Worker, t: float) -> None:
+    def _start(self, w: SimWorker, t: float) -> None:
         """w got a reply at ``t``: start its next step, or go idle with nothing to do."""
         self.ledger.reply(w.rank, w.batch)
         tasks = self.ledger.tasks(w.rank)
         if not tasks or w.batch <= 0:
-            w.state = "idle"
+            w.go_idle()
             return
         if t >= w.fault_t:
             self._die(w, t)
@@ -247,32 +219,17 @@ class Engine(EngineChores):
         io = n * p.io[i] if self.replay else self._read_wait(w, task, t)
         comp = n * p.compute[i]
         if w.rules:
-            comp, io = self._injected(w, t, comp, io)
+            comp, io = w.injected(t, comp, io, self.replay)
         push_t = t + io + comp + self._push_delay(w, t)
         if push_t >= w.fault_t:
             self._die(w, t)
             return
         w.n, w.comp, w.io, w.reply_t = n, comp, io, t
-        w.state = "run"
+        w.compute()
         self.running += 1
         self._at(push_t, PUSH, w.rank)
 
-    def _injected(self, w: _Worker, t: float, comp: float, io: float) -> tuple[float, float]:
-        elapsed = t
-        hits = w.rng.random(len(w.rules)) if w.rng is not None else None
-        factor, delay = 1.0, 0.0
-        for k, rule in enumerate(w.rules):
-            if not rule.in_window(elapsed) or (hits is not None and hits[k] >= rule.prob):
-                continue
-            if rule.kind == "compute":
-                factor += rule.value - 1.0
-            elif rule.kind == "delay":
-                delay += rule.value
-            elif rule.kind == "io" and self.replay:
-                io *= rule.value
-        return comp * factor + delay, io
-
-    def _read_wait(self, w: _Worker, task, t: float) -> float:
+    def _read_wait(self, w: SimWorker, task, t: float) -> float:
         """Seconds w waits for the rows of ``task`` (synthetic reads, one at a time, each
         started when the worker knows of the task, behind the previous one)."""
         tasks = self.ledger.tasks(w.rank)
@@ -280,33 +237,23 @@ class Engine(EngineChores):
             key = id(tk)
             if key not in w.ready:
                 start = max(w.read_free, t)
-                w.read_free = start + self._read_s(w, tk, start)
+                w.read_free = start + w.read_seconds(self.shard_sizes[tk.shard] * self.cfg.row_bytes,
+                                                      start)
                 w.ready[key] = w.read_free
         return max(0.0, w.ready[id(task)] - t)
 
-    def _read_s(self, w: _Worker, task, t: float) -> float:
-        nbytes = self.shard_sizes[task.shard] * self.cfg.row_bytes
-        secs = nbytes / w.profile.read_bps
-        for rule in w.rules:
-            if rule.in_window(t):
-                if rule.kind == "io":
-                    secs *= rule.value
-                elif rule.kind == "readbw":
-                    secs = max(secs, nbytes / (rule.value * 1e6))
-        return secs
-
-    def _push_delay(self, w: _Worker, t: float) -> float:
+    def _push_delay(self, w: SimWorker, t: float) -> float:
         """Seconds from a step's end to its push reaching the server."""
         return self._link(w, t)
 
-    def _on_push(self, w: _Worker, t: float) -> None:
+    def _on_push(self, w: SimWorker, t: float) -> None:
         task, lo, hi = self._received(w, t)
         if self.sync:
             self._hold(w, task, lo, hi, t)
             return
         self.updates += 1
         self.ledger.record(task.epoch, task.shard, lo, hi)
-        done = self.stores.update(t)
+        done = self.slices.update(t)
         if self._applied(w, done):
             return
         reply = done + self._link(w, done)
@@ -314,7 +261,7 @@ class Engine(EngineChores):
         w.epoch_busy += w.comp + w.io + w.comm
         self._start(w, reply)
 
-    def _applied(self, w: _Worker, done: float) -> bool:
+    def _applied(self, w: SimWorker, done: float) -> bool:
         """An async update of w's was applied at ``done``: the epoch may end; w is topped
         up. True when the run is over."""
         if self.ledger.complete:
@@ -325,12 +272,12 @@ class Engine(EngineChores):
         self._count_moves()
         return False
 
-    def _received(self, w: _Worker, t: float):
+    def _received(self, w: SimWorker, t: float):
         """The server's side of w's push arriving at ``t``: observe it, advance the
         ledger; returns (task, lo, hi) of the samples it carries."""
         self.running -= 1
         busy = w.comp + w.io
-        w.steps += 1
+        w.step += 1
         w.samples += w.n
         w.busy += busy
         w.last_gap = t - w.reply_t
@@ -338,20 +285,20 @@ class Engine(EngineChores):
         tasks = self.ledger.tasks(w.rank)
         task = tasks[0]
         lo, hi = task.pos, task.pos + w.n
-        w.last_push = _Push(lo, hi, w.comp)
+        w.last_push = SimPush(lo, hi, w.comp)
         finished = self.ledger.advance(w.rank, hi)
         if finished is not None:
             w.epoch_finish = t
             w.ready.pop(id(finished), None)
-        if not self.sized_early and w.steps == FIRST_SIZES_STEPS and self._first_sizes_due():
+        if self.first_sizes.due_after_step(w.step, self._present):
             self._rebalance(t)
         return task, lo, hi
 
-    def _hold(self, w: _Worker, task, lo: int, hi: int, t: float) -> None:
+    def _hold(self, w: SimWorker, task, lo: int, hi: int, t: float) -> None:
         """Sync: w's gradient is summed into the round; the round is applied when no
         member is still computing."""
-        self.stores.push(t)
-        w.state = "held"
+        self.slices.push(t)
+        w.hold()
         self.members.append(w)
         self.round_batches.append((task.epoch, task.shard, lo, hi))
         w.epoch_busy += w.comp + w.io
@@ -361,7 +308,7 @@ class Engine(EngineChores):
     def _apply_round(self, t: float) -> None:
         members, self.members = self.members, []
         batches, self.round_batches = self.round_batches, []
-        done = self.stores.round(t, len(members))
+        done = self.slices.round(t, len(members))
         self.updates += len(members)
         for batch in batches:
             self.ledger.record(*batch)
@@ -373,7 +320,7 @@ class Engine(EngineChores):
             if self.done:
                 return
         for w in members:
-            if w.state != "held":
+            if not w.held:
                 continue
             self.ledger.top_up(w.rank, w.batch)
             reply = done + self._link(w, done)
@@ -382,22 +329,23 @@ class Engine(EngineChores):
             self._start(w, reply)
         self._count_moves()
 
-    # ------------------------------------------------------------------ results
-    def _summary(self) -> dict:
-        total = max(self.now, 1e-12)
-        cov = self.ledger.coverage()
-        ep = self.epochs
-        return {
-            "balancer": self.cfg.balancer, "batch_policy": self.cfg.batch_policy,
-            "mode": self.cfg.mode, "workers": len(self.workers), "servers": self.cfg.servers,
-            "epoch_s": float(np.mean([e["epoch_s"] for e in ep])) if ep else None,
-            "utilization": float(np.mean([e["utilization"] for e in ep])) if ep else None,
-            "imbalance_s": float(np.mean([e["imbalance_s"] for e in ep])) if ep else None,
-            "moves": self.ledger.moved,
-            "updates_per_s": self.updates / total,
-            "server_busy": min(1.0, self.stores.busy / total),
-            "total_s": total,
-            "epochs": [dict(e) for e in ep],
-            "lost_workers": list(self.lost),
-            "coverage": cov,
-        }
+
+def summarize(engine: Engine) -> dict:
+    """The figures of a finished simulation (docs/simulate.md)."""
+    total = max(engine.now, 1e-12)
+    cov = engine.ledger.coverage()
+    ep = engine.epochs
+    return {
+        "balancer": engine.cfg.balancer, "batch_policy": engine.cfg.batch_policy,
+        "mode": engine.cfg.mode, "workers": len(engine.workers), "servers": engine.cfg.servers,
+        "epoch_s": float(np.mean([e["epoch_s"] for e in ep])) if ep else None,
+        "utilization": float(np.mean([e["utilization"] for e in ep])) if ep else None,
+        "imbalance_s": float(np.mean([e["imbalance_s"] for e in ep])) if ep else None,
+        "moves": engine.ledger.moved,
+        "updates_per_s": engine.updates / total,
+        "server_busy": min(1.0, engine.slices.busy / total),
+        "total_s": total,
+        "epochs": [dict(e) for e in ep],
+        "lost_workers": list(engine.lost),
+        "coverage": cov,
+    }

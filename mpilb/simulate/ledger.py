@@ -1,7 +1,7 @@
 """The task ledger the simulator drives: the live server's own (:mod:`mpilb.core.tasks`).
 
 :class:`Ledger` wraps :class:`~mpilb.core.tasks.TaskLedger` (assign, top up, part-way moves,
-take back) and the server's coverage counter (:class:`mpilb.run.training.EpochTracker`) in the
+take back) and the server's coverage counter (:class:`mpilb.core.epochs.EpochTracker`) in the
 few calls the engine makes, at the moments the server makes them: plan and begin an epoch,
 top a worker up after its push (or when it is woken), tell a worker its reply (its batch;
 a cut reaches it there), advance its current task, count applied samples, take back a lost
@@ -18,8 +18,7 @@ class Ledger:
 
     Args:
         balancer: the :class:`mpilb.core.balancer.Balancer` (shard queues and rates).
-        tracker: the server's coverage counter, a :class:`mpilb.run.training.EpochTracker`
-            (passed in: mpilb.run.training reaches HDF5, and this package stays pure).
+        tracker: the server's coverage counter, a :class:`mpilb.core.epochs.EpochTracker`.
         shard_sizes: samples per shard.
         ranks: the workers.
         part_way: split a started task for an idle worker (every policy but static and

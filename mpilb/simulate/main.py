@@ -92,7 +92,7 @@ def _counts(text: str | None, what: str, default: str) -> list[int]:
 def run_simulate(args) -> int:
     """Simulate every configuration the options span; print the table (or JSON)."""
     from mpilb.core.balancer import BALANCERS, BATCH_POLICIES
-    from mpilb.simulate.engine import SimConfig
+    from mpilb.simulate.workers import SimConfig
     from mpilb.simulate.network import WIRE_BYTES, Layout, servers_count
     from mpilb.simulate.run import run
 

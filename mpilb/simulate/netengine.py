@@ -22,8 +22,8 @@ from __future__ import annotations
 import heapq
 
 from mpilb.errors import UsageError
-from mpilb.simulate.chores import REBALANCE
-from mpilb.simulate.engine import Engine, _Worker
+from mpilb.simulate.engine import Engine, summarize
+from mpilb.simulate.workers import REBALANCE, SimWorker
 from mpilb.simulate.network import WIRE_BYTES, Fabric, Layout, Topology
 
 ARRIVE, STORE_SEND, REPLY = 0, 1, 2
@@ -46,16 +46,14 @@ class NetEngine(Engine):
     """Simulate ``cfg`` on the workers of ``layout`` (``profiles``: one per MPI rank; the
     stores' entries are not used). Keywords as :class:`Engine`'s."""
 
-    def __init__(self, cfg, profiles, shard_sizes, replay: bool = False, *, order, tracker,
-                 layout: Layout):
+    def __init__(self, cfg, profiles, shard_sizes, replay: bool = False, *, layout: Layout):
         if cfg.mode != "async":
             raise UsageError("--mode sync on a network (--nodes/--link-rate) is not simulated "
                              "yet: drop the network options for sync rounds")
         if cfg.wire not in WIRE_BYTES:
             raise UsageError(f"--wire {cfg.wire!r}: valid: {', '.join(WIRE_BYTES)}")
         ranks = layout.worker_ranks
-        super().__init__(cfg, [profiles[r] for r in ranks], shard_sizes, replay, order=order,
-                         tracker=tracker, ranks=ranks)
+        super().__init__(cfg, [profiles[r] for r in ranks], shard_sizes, replay, ranks=ranks)
         self.layout = layout
         self.k = layout.k
         topo = self.topo = Topology(layout)
@@ -83,10 +81,10 @@ class NetEngine(Engine):
         self.comm_total = self.step_total = 0.0
 
     # -- hooks of the engine ------------------------------------------------------------
-    def _link(self, w: _Worker, t: float) -> float:
+    def _link(self, w: SimWorker, t: float) -> float:
         return self.fabric.latency      # a message from rank 0 (an idle worker woken)
 
-    def _push_delay(self, w: _Worker, t: float) -> float:
+    def _push_delay(self, w: SimWorker, t: float) -> float:
         return 0.0                      # the push's transfers are simulated
 
     def run(self) -> dict:
@@ -101,7 +99,7 @@ class NetEngine(Engine):
             self.now = t
             if kind:
                 self._net(t, token)
-        res = self._summary()
+        res = summarize(self)
         total = max(self.now, 1e-12)
         res["server_busy"] = min(1.0, max(self.store_busy) / total)
         res["servers"] = self.k
@@ -114,7 +112,7 @@ class NetEngine(Engine):
                           if self.step_total else 0.0}
         return res
 
-    def _on_push(self, w: _Worker, t: float) -> None:
+    def _on_push(self, w: SimWorker, t: float) -> None:
         """w's step is done at ``t``: its slices leave for the stores."""
         fab, topo, a = self.fabric, self.topo, self.node[w.rank]
         plan = self.plan[a]
@@ -156,7 +154,7 @@ class NetEngine(Engine):
                 self.running -= 1
                 self._start(w, t)
 
-    def _decide(self, w: _Worker, flight: _InFlight, t: float) -> None:
+    def _decide(self, w: SimWorker, flight: _InFlight, t: float) -> None:
         """Rank 0 has the header and its slice: the server's side of the push."""
         task, lo, hi = self._received(w, t)
         self.running += 1               # still busy: waiting for its reply
@@ -170,7 +168,7 @@ class NetEngine(Engine):
                 self._apply(w, g, max(arrived, t + lat))
         self._applied(w, done)
 
-    def _apply(self, w: _Worker, g: int, ready: float) -> float:
+    def _apply(self, w: SimWorker, g: int, ready: float) -> float:
         """Group g's stores apply w's slices once ``ready``; their replies leave when applied."""
         start = self.free[g] if self.free[g] > ready else ready
         done = self.free[g] = start + self.service[g]

@@ -26,7 +26,7 @@ import numpy as np
 from mpilb.errors import UsageError
 from mpilb.core.inject import parse_injects
 from mpilb.core.topology import default_stores
-from mpilb.simulate.cluster import Profile, Stores
+from mpilb.simulate.cluster import Profile, Slices
 
 
 @dataclass
@@ -99,7 +99,7 @@ def load_run(path: str, params: int | None = None) -> Replay:
         params = _params(config, dataset)
     shard_sizes = (list(dataset.shard_sizes) if dataset is not None
                    else _shard_sizes(cols["updates"], path))
-    link_model = Stores(params or 0, servers)
+    link_model = Slices(params or 0, servers)
     ep = cols["epochs"]
     last = (float(ep["t_start"][-1]), float(ep["t_end"][-1]))
     profiles = [_profile(cols, r, link_model.update_s, last) for r in ranks]

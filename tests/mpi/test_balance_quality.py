@@ -257,33 +257,22 @@ def test_shard_cache_reads_each_shard_once_and_injected_reads_only_then(small_da
 
 
 def test_first_rebalance_comes_with_the_first_rates_then_at_doubling_gaps():
-    from types import SimpleNamespace
-
-    from mpilb.server.chores import Chores
+    from mpilb.core.decisions import RebalanceTimer
     from mpilb.server.peers import Peer, Waiting
 
     bal = build_balancer("load", [1, 2], [100] * 4, BalancerConfig(batch=32))
     peers = [Peer(rank=1, waiting=Waiting.COMPUTING), Peer(rank=2, waiting=Waiting.COMPUTING)]
-
-    class Server(Chores):
-        balancer = bal
-        cfg = SimpleNamespace(rebalance_interval=2.0)
-        last_rebalance = 0.0
-
-        def present(self):
-            return peers
-
-    s = Server()
-    assert not s._warmup_due(0.1)                 # no rates yet: nothing to plan on
+    timer = RebalanceTimer(2.0, proportional=False, start=0.0)
+    assert not timer.warmup_due(0.1, peers, bal.rate_known)    # no rates yet: nothing to plan on
     bal.observe(1, 0.1, 100, 0.05)
-    assert not s._warmup_due(0.15)                # one worker is not all of them
+    assert not timer.warmup_due(0.15, peers, bal.rate_known)   # one worker is not all of them
     bal.observe(2, 0.2, 50, 0.05)
     due = []
     for k in range(1, 400):
         mono = 0.2 + 0.01 * k
-        if s._warmup_due(mono):
+        if timer.warmup_due(mono, peers, bal.rate_known):
             due.append(round(mono, 2))
-            s.last_rebalance = mono
+            timer.done(mono)
     assert due[0] == 0.21                          # as soon as every busy worker has a rate
     gaps = [b - a for a, b in zip(due, due[1:])]
     assert gaps == pytest.approx([0.25, 0.5, 1.0], abs=0.011)   # then every --rebalance-interval

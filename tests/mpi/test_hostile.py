@@ -156,7 +156,7 @@ FULL_DISK = textwrap.dedent("""
     from mpilb.models import build_model
     from mpilb.core.optimizers import build_optimizer
     from mpilb.run.session import balancer_config
-    from mpilb.run.training import EpochTracker
+    from mpilb.core.epochs import EpochTracker
     data, out = sys.argv[1], sys.argv[2]
     ds = open_dataset(data)
     cfg = build_config({}, {"hidden": "256,256"})

@@ -17,7 +17,7 @@ import pytest
 import mpirun
 from mpilb.config.build import build_config
 from mpilb.errors import UsageError
-from mpilb.server.modes import ParamStore
+from mpilb.server.modes import ParamRing
 from mpilb.core.optimizers import clip_grad_norm
 from mpilb.config.validate import check_optimizer
 from mpilb.run.components import config_optimizer
@@ -56,7 +56,7 @@ class _Sgd:
 def test_a_sync_round_clips_its_mean_gradient_not_each_push():
     from mpilb.core.corrections import build_correction
 
-    store = ParamStore(np.zeros(2, np.float32), _Sgd(), build_correction("none", 0.0), 1,
+    store = ParamRing(np.zeros(2, np.float32), _Sgd(), build_correction("none", 0.0), 1,
                        clip_norm=1.0)
     # pushes (10, 0) and (-6, 0) of batch 1: their mean (2, 0) is clipped to (1, 0), then
     # applied with lr scale 2 (the round's batch over --batch 1); clipping each push first

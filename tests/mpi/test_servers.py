@@ -16,7 +16,7 @@ from mpilb.core.corrections import build_correction
 from mpilb.errors import UsageError
 from mpilb.core.optimizers import build_optimizer
 from mpilb.runfiles.report import summarize_log
-from mpilb.server.modes import ParamStore
+from mpilb.server.modes import ParamRing
 from mpilb.config.validate import check_servers
 
 
@@ -84,7 +84,7 @@ def test_out_of_place_step_is_the_same_floats(name, wd, nesterov, into):
 
 def test_a_send_in_flight_keeps_its_parameters():
     n = 64
-    store = ParamStore(np.zeros(n, np.float32), build_optimizer("sgd", n, lr=1.0),
+    store = ParamRing(np.zeros(n, np.float32), build_optimizer("sgd", n, lr=1.0),
                        build_correction("none"), nominal_batch=1)
     g = np.ones(n, np.float32)
     store.apply(g, 1, 0)
@@ -102,7 +102,7 @@ def test_a_send_in_flight_keeps_its_parameters():
 
 def test_dc_keeps_the_version_a_worker_computed_on():
     n = 8
-    store = ParamStore(np.zeros(n, np.float32), build_optimizer("sgd", n, lr=1.0),
+    store = ParamRing(np.zeros(n, np.float32), build_optimizer("sgd", n, lr=1.0),
                        build_correction("dc"), nominal_batch=1, keep_sent=1)
     store.sending(FakeSend(), rank=5)   # worker 5 got version 0 (its send never completes)
     done = FakeSend()

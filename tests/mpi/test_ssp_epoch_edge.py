@@ -1,18 +1,17 @@
 """ssp at an epoch's edge: a held reply released after the epoch moved on carries the new
 epoch's work, so no worker idles with shards still queued for it.
 
-The first test drives rank 0's own protocol code (ParameterServer's _begin_epoch, _advance,
+The first test drives rank 0's own protocol code (Epochs.begin, ParameterServer's _advance,
 _respond, _release_held) without MPI: a fake outbox records replies, and a small event loop
 stands in for the workers (each pushes its current task's next batch some seconds after its
 reply). Every worker waiting (idle or held) with the epoch unfinished is what a live run
-spends a whole --rebalance-interval on (the rebalance's _wake_idle ends it): a stall here.
+spends a whole --rebalance-interval on (the rebalance's wake_idle ends it): a stall here.
 The second runs the engine under mpiexec.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,12 +19,15 @@ import pytest
 
 from mpilb.core.balancer import BalancerConfig, build_balancer
 from mpilb.core.corrections import build_correction
+from mpilb.core.decisions import Interval
 from mpilb.core.optimizers import build_optimizer
 from mpilb.runfiles.report import summarize_log
 from mpilb.runfiles.runlog import read_columns
+from mpilb.server.epochs import Epochs
+from mpilb.server.lifecycle import Clock
 from mpilb.server.loop import ParameterServer
-from mpilb.server.modes import ParamStore, build_rule
-from mpilb.server.peers import Peer
+from mpilb.server.modes import ParamRing, build_rule
+from mpilb.server.peers import Peer, Roster
 from mpilb.core.tasks import TaskLedger
 from mpilb.mpi.wire import Cmd
 
@@ -42,7 +44,7 @@ class FakeOutbox:
     def __init__(self, ledger, sim):
         self.ledger, self.sim = ledger, sim
 
-    def reply(self, peer, store, cmd=Cmd.PARAMS, held_s=0.0):
+    def reply(self, peer, ring, cmd=Cmd.PARAMS, held_s=0.0):
         if cmd == Cmd.STOP:
             self.sim.computing.pop(peer.rank, None)
             return
@@ -69,21 +71,26 @@ class Sim:
         self.done = 0
         bal = build_balancer(policy, ranks, shard_sizes, BalancerConfig(batch=batch))
         ledger = TaskLedger(bal, shard_sizes, ranks, split=policy not in ("static", "round-robin"))
-        store = ParamStore(np.zeros(4, np.float32), build_optimizer("sgd", 4, lr=0.5),
+        store = ParamRing(np.zeros(4, np.float32), build_optimizer("sgd", 4, lr=0.5),
                            build_correction("none"), nominal_batch=batch)
+        # the server's protocol over its real parts (epochs, ledger, rule), MPI left out
         s = self.server = ParameterServer.__new__(ParameterServer)
         s.cfg = SimpleNamespace(seed=0, batch=batch, balancer=policy)
-        s.dataset = SimpleNamespace(shard_sizes=list(shard_sizes))
-        s.balancer, s.ledger, s.store = bal, ledger, store
+        dataset = SimpleNamespace(shard_sizes=list(shard_sizes))
+        s.balancer, s.ledger, s.ring = bal, ledger, store
         s.rule = build_rule(mode, store, lambda r: ledger.of[r].owed, bound)
-        s.peers = {r: Peer(rank=r, batch=batch) for r in ranks}
+        s.roster = Roster({r: Peer(rank=r, batch=batch) for r in ranks})
+        s.peers = s.roster.peers
         s.stop = SimpleNamespace(reason=None)
         s.tracker = SimpleNamespace(begin=lambda epoch, t, counts=None: None, complete=False)
         s.log = SimpleNamespace(append=lambda *a, **k: None)
         s.outbox = FakeOutbox(ledger, self)
-        s.t0 = time.monotonic()
-        s.lost = []
-        s._begin_epoch(0)
+        s.clock = Clock()
+        session = SimpleNamespace(balancer=bal, tracker=s.tracker, stop=s.stop, log=s.log,
+                                  progress=None, model=None)
+        s.epochs = Epochs(s.cfg, dataset, session, ledger, s.roster, s.clock, None, None, s,
+                          Interval(1e9))
+        s.epochs.begin(0)
 
     def run(self) -> int:
         """Serve pushes until every worker is stopped; returns the epochs completed."""
@@ -111,9 +118,9 @@ class Sim:
                 self.done = 0
                 if epoch == self.epochs:
                     s.stop.reason = "epochs"
-                    s._begin_stop()
+                    s.begin_stop()
                 else:
-                    s._begin_epoch(epoch)
+                    s.epochs.begin(epoch)
             s._respond(w)
         return epoch
 
@@ -169,7 +176,7 @@ def test_released_held_worker_gets_the_new_epochs_shards():
     sim.t = sim.computing.pop(2)
     p2.step += 1
     s._advance(p2, s.ledger.current(2).end)
-    s._begin_epoch(1)
+    s.epochs.begin(1)
     s._respond(p2)
     assert not p1.held and not p1.idle, "released with nothing to do: idle all epoch"
     assert [t.epoch for t in s.ledger.tasks(1)] == [1, 1]
@@ -209,5 +216,5 @@ def test_a_worker_woken_mid_epoch_starts_at_the_busy_ones_lowest_step():
     s.ledger.take_back(2)   # (its shards back in the balancer's queue for it)
     idle.go_idle()
     idle.step, busy.step = 1, 9
-    s._wake_idle()
+    s.epochs.wake_idle()
     assert not idle.idle and idle.step == 9

@@ -254,32 +254,26 @@ class _Peer:
 def test_a_usr1_vote_counts_only_pushes_sent_after_the_signal():
     """A worker that died right after a push has that push still on its way: it must not
     count as heard from, or Hydra's notice of its death is taken for a preemption."""
-    from mpilb.server.chores import Chores
+    from types import SimpleNamespace
+
+    from mpilb.server.stopsignals import StopSignals
     from mpilb.run.signals import PREEMPTED
 
-    class Server(Chores):
-        preempted = False
-        peers = {1: _Peer(1), 2: _Peer(2)}
-
-        def present(self):
-            return list(self.peers.values())
-
-        def now(self):
-            return 1.0
-
-    server = Server()
+    peers = {1: _Peer(1), 2: _Peer(2)}
+    roster = SimpleNamespace(peers=peers, present=lambda: list(peers.values()))
+    signals = StopSignals(None, roster, SimpleNamespace(now=lambda: 1.0))
     PREEMPTED.clear()
     try:
-        server._signal_from(0, signal.SIGUSR1)
-        for p in server.peers.values():
+        signals.report(0, signal.SIGUSR1)
+        for p in peers.values():
             p.step += 1            # each one's push in flight at the signal arrives
-        server._judge_signals()
+        assert signals.judge(preempted=False) is None
         assert not PREEMPTED.is_set()
-        server.peers[1].step += 1  # rank 1 pushed again: alive; rank 2 not yet
-        server._judge_signals()
+        peers[1].step += 1  # rank 1 pushed again: alive; rank 2 not yet
+        signals.judge(preempted=False)
         assert not PREEMPTED.is_set()
-        server._signal_from(2, signal.SIGUSR1)   # rank 2 reports the signal itself: all alive
-        server._judge_signals()
+        signals.report(2, signal.SIGUSR1)   # rank 2 reports the signal itself: all alive
+        signals.judge(preempted=False)
         assert PREEMPTED.is_set()
     finally:
         PREEMPTED.clear()
@@ -289,43 +283,31 @@ def test_a_usr1_after_mpi_reported_a_worker_dead_is_its_notice_not_a_preemption(
     """With the dead worker's failed receive seen at once (before Hydra's SIGUSR1 for the
     same death arrives), the vote started by the signal no longer expects the dead rank and
     passed on the others' pushes: `preempted`, exit 0, in 3 of 5 runs of the command above."""
-    from mpilb.server.chores import Chores
+    from types import SimpleNamespace
+
+    from mpilb.server.liveness import Liveness
+    from mpilb.server.stopsignals import StopSignals
     from mpilb.run.signals import PREEMPTED
 
-    class Server(Chores):
-        preempted = False
-        peers = {1: _Peer(1), 2: _Peer(2)}
-        bell = type("Bell", (), {"forget": lambda self, r: None})()
-        remote = type("Remote", (), {"lose": lambda self, r: None})()
-        balancer = type("Balancer", (), {"remove_worker": lambda self, r: None})()
-        ledger = type("Ledger", (), {"take_back": lambda self, r, lost: None, "holders": None})()
-        lost = []
-        rule = type("Rule", (), {"round_complete": lambda self, p: False})()
-
-        def present(self):
-            return [p for p in self.peers.values() if not p.lost]
-
-        def now(self):
-            return 1.0
-
-        def _log_shards(self):
-            pass
-
-        def _wake_idle(self):
-            pass
-
-        def _release_held(self):
-            pass
-
-    server = Server()
-    server.peers[2].lose = lambda: setattr(server.peers[2], "lost", True)
+    peers = {1: _Peer(1), 2: _Peer(2)}
+    roster = SimpleNamespace(peers=peers, lost=[],
+                             present=lambda: [p for p in peers.values() if not p.lost])
+    signals = StopSignals(None, roster, SimpleNamespace(now=lambda: 1.0))
+    liveness = Liveness(
+        SimpleNamespace(worker_timeout=60.0), roster,
+        ledger=SimpleNamespace(take_back=lambda r, lost: None, holders=None),
+        balancer=SimpleNamespace(remove_worker=lambda r: None),
+        remote=SimpleNamespace(lose=lambda r: None), bell=SimpleNamespace(forget=lambda r: None),
+        outbox=None, tracker=None, stop=None, signals=signals, log_shards=lambda: None,
+        after_loss=lambda: None)
+    peers[2].lose = lambda: setattr(peers[2], "lost", True)
     PREEMPTED.clear()
     try:
-        server._declare_lost(server.peers[2], "ended (MPI: receive failed, nothing received)")
-        server._signal_from(0, signal.SIGUSR1)
-        server._signal_from(1, signal.SIGUSR1)
-        server.peers[1].step += 2   # rank 1 goes on pushing
-        server._judge_signals()
+        liveness.declare_lost(peers[2], "ended (MPI: receive failed, nothing received)")
+        signals.report(0, signal.SIGUSR1)
+        signals.report(1, signal.SIGUSR1)
+        peers[1].step += 2   # rank 1 goes on pushing
+        signals.judge(preempted=False)
         assert not PREEMPTED.is_set()
     finally:
         PREEMPTED.clear()
@@ -335,7 +317,7 @@ def test_a_receive_mpi_fails_declares_its_worker_lost_at_once():
     """Under -disable-auto-cleanup MPICH may fail a dead worker's receive (MPI_ERR_IN_STATUS
     from Testsome) instead of leaving it pending: that worker is lost, the rest go on."""
     from mpilb.mpi import comm as C
-    from mpilb.server.loop import ParameterServer
+    from mpilb.server.receive import Receiver
 
     class Req:
         def __init__(self, outcome):
@@ -348,16 +330,14 @@ def test_a_receive_mpi_fails_declares_its_worker_lost_at_once():
 
     lost = []
 
-    class Server:
-        _failed_receives = ParameterServer._failed_receives
-
-        def _declare_lost(self, w, why=""):
-            lost.append((w.rank, why))
-            w.lost = True
+    def declare_lost(w, why=""):
+        lost.append((w.rank, why))
+        w.lost = True
 
     order = [_Peer(1), _Peer(2), _Peer(3)]
     reqs = [Req("done"), Req("fail"), Req("pending")]
-    assert Server()._failed_receives(order, reqs) == [0]
+    receiver = Receiver(None, None, None, None, None, declare_lost)
+    assert receiver.failed(order, reqs) == [0]
     assert [r for r, _ in lost] == [2] and "ended (MPI: " in lost[0][1]
     assert reqs[1] == C.REQUEST_NULL and order[1].link.recv_req == C.REQUEST_NULL
     assert C.finished(Req("fail")) and not C.finished(Req("pending"))
@@ -375,8 +355,8 @@ def test_a_receive_mpi_failed_and_freed_is_not_taken_for_the_previous_push_again
     from mpilb.mpi import comm as C
     from mpilb.mpi import wire
     from mpilb.core.balancer import BalancerConfig, build_balancer
-    from mpilb.server.loop import ParameterServer
     from mpilb.server.peers import Link, Peer
+    from mpilb.server.receive import Receiver
     from mpilb.core.tasks import TaskLedger
 
     class Req:
@@ -392,16 +372,11 @@ def test_a_receive_mpi_failed_and_freed_is_not_taken_for_the_previous_push_again
 
     lost = []
 
-    class Server:
-        comm = Comm()
-        _post_recv = ParameterServer._post_recv
-        _failed_receives = ParameterServer._failed_receives
+    def declare_lost(w, why=""):
+        lost.append((w.rank, why))
+        w.lose()
 
-        def _declare_lost(self, w, why=""):
-            lost.append((w.rank, why))
-            w.lose()
-
-    server = Server()
+    server = Receiver(Comm(), None, None, None, None, declare_lost)
     order = [Peer(r, link=Link.allocate(4, True)) for r in (1, 2)]
     ledger = TaskLedger(build_balancer("static", [1, 2], [1600], BalancerConfig(batch=32)),
                         [1600], (1, 2))
@@ -410,12 +385,12 @@ def test_a_receive_mpi_failed_and_freed_is_not_taken_for_the_previous_push_again
                 compute_s=0.0, io_s=0.0, comm_s=0.0, idle_s=0.0, nonfinite=False, t=1.0)
     wire.encode_push(order[1].link.recv[1], **push)   # rank 2's last push arrives
     assert ledger.matches(2, 0, 0, 1504, 1536) and not ledger.advance(2, 1536)
-    server._post_recv(order[1])                       # and its next receive is posted
-    server._post_recv(order[0])
+    server.post(order[1])                       # and its next receive is posted
+    server.post(order[0])
     wire.encode_push(order[0].link.recv[1], **{**push, "lo": 0, "hi": 32})   # rank 1's push
     # the failed Testsome freed rank 1's completed request and rank 2's failed one
     reqs = [Req("done"), Req("done")]
-    assert server._failed_receives(order, reqs) == [0]
+    assert server.failed(order, reqs) == [0]
     assert [r for r, _ in lost] == [2] and "ended (MPI: " in lost[0][1]
     assert reqs[1] == C.REQUEST_NULL
     # handled again, the old push would have been the batch "outside its task": dropped
@@ -423,20 +398,20 @@ def test_a_receive_mpi_failed_and_freed_is_not_taken_for_the_previous_push_again
 
 
 def test_a_failed_send_to_a_dead_worker_frees_its_parameter_buffer():
-    """The server's ParamStore tests its sends with comm.finished: a send MPI failed (its
+    """The server's ParamRing tests its sends with comm.finished: a send MPI failed (its
     worker died) is done, and does not raise out of the optimizer step."""
     import numpy as np
 
     from mpilb.mpi import comm as C
     from mpilb.core.corrections import build_correction
     from mpilb.core.optimizers import build_optimizer
-    from mpilb.server.modes import ParamStore
+    from mpilb.server.modes import ParamRing
 
     class FailedSend:
         def Test(self):
             raise C.MPIError(C.MPI.ERR_OTHER)
 
-    store = ParamStore(np.zeros(4, np.float32), build_optimizer("sgd", 4, lr=0.5),
+    store = ParamRing(np.zeros(4, np.float32), build_optimizer("sgd", 4, lr=0.5),
                        build_correction("none"), nominal_batch=1, finished=C.finished)
     store.sending(FailedSend(), rank=2)
     assert store._target() == store.cur and store.pending() == []

@@ -1,4 +1,4 @@
-"""Evaluation (mpilb.run.evaluation), stop rules (mpilb.run.training) and validation hold-out (mpilb.run.components): pure, no MPI."""
+"""Evaluation (mpilb.run.evaluation), stop rules (mpilb.core.stop) and validation hold-out (mpilb.run.components): pure, no MPI."""
 
 import math
 
@@ -11,7 +11,7 @@ from mpilb.config.build import build_config
 from mpilb.errors import UsageError
 from mpilb.models import build_model
 from mpilb.run.evaluation import Evaluation, build_evaluator
-from mpilb.run.training import StopRule, build_stop_rule
+from mpilb.core.stop import StopRule, build_stop_rule
 from mpilb.run.components import hold_out_validation
 
 

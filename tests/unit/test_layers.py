@@ -63,7 +63,7 @@ def closure(name: str) -> set[str]:
 
 def test_the_graph_is_read():
     assert "mpilb.server.loop" in MODULES and "mpilb.mpi.wire" in MODULES
-    assert "mpilb.mpi.comm" in imports("mpilb.server.loop")
+    assert "mpilb.mpi.comm" in imports("mpilb.server.receive")
     assert "mpilb.mpi.wire" in imports("mpilb.core.tasks")
 
 
@@ -129,3 +129,18 @@ def test_importing_the_simulator_does_not_start_mpi():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_the_simulator_reaches_the_core_but_not_the_server_or_mpi():
+    """The simulator drives the server's decisions through mpilb.core (decisions, tasks,
+    epochs, worker states), never through the server's package or MPI. (`python -m
+    mpilb.simulate`, its __main__, is the command line's front, which reaches everything.)"""
+    simulator = [m for m in MODULES if m == "mpilb.simulate"
+                 or (m.startswith("mpilb.simulate.") and m != "mpilb.simulate.__main__")]
+    for mod in simulator:
+        reached = closure(mod)
+        server = {m for m in reached if m == "mpilb.server" or m.startswith("mpilb.server.")}
+        assert not server and not reached & {"mpilb.mpi.comm", "mpi4py"}, (mod, server)
+    engine = closure("mpilb.simulate.engine")
+    assert {"mpilb.core.decisions", "mpilb.core.tasks", "mpilb.core.epochs",
+            "mpilb.core.worker_state"} <= engine

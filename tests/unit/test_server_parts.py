@@ -10,7 +10,7 @@ from mpilb.core.balancer import BalancerConfig, build_balancer
 from mpilb.core.corrections import build_correction
 from mpilb.errors import UsageError
 from mpilb.core.optimizers import build_optimizer
-from mpilb.server.modes import RULES, ParamStore, Update, build_rule
+from mpilb.server.modes import RULES, ParamRing, Update, build_rule
 from mpilb.server.peers import Membership, Peer, Waiting
 from mpilb.core.sitout import PROBE_S, SitOut
 from mpilb.core.tasks import COMMITTED, Task, TaskLedger
@@ -174,7 +174,7 @@ def test_a_failed_probe_leaves_the_global_batch_to_the_others():
 
 # ---------------------------------------------------------------- update rules
 def store(n=4, batch=32, correction="none"):
-    return ParamStore(np.zeros(n, np.float32), build_optimizer("sgd", n, lr=0.5),
+    return ParamRing(np.zeros(n, np.float32), build_optimizer("sgd", n, lr=0.5),
                       build_correction(correction), batch)
 
 
@@ -199,8 +199,8 @@ def test_async_applies_each_gradient_scaled_by_its_batch():
     rule = build_rule("async", store(), lambda r: True)
     p = Peer(1)
     (applied, lr_scale) = rule.push(p, update(1, batch=16), np.ones(4, np.float32))
-    assert lr_scale == 0.5 and rule.store.version == 1
-    assert np.allclose(rule.store.params, -0.25)
+    assert lr_scale == 0.5 and rule.ring.version == 1
+    assert np.allclose(rule.ring.params, -0.25)
     assert not rule.holds(p, [p]) and list(rule.releasable([p])) == []
 
 
@@ -235,14 +235,14 @@ def test_sync_round_weights_by_batch_and_applies_once():
     peers = [p1, p2]
     g1, g2 = np.full(4, 1.0, np.float32), np.full(4, 3.0, np.float32)   # mean gradients
     assert rule.push(p1, update(1, batch=10), g1) is None
-    assert not rule.round_complete(peers) and rule.store.version == 0
+    assert not rule.round_complete(peers) and rule.ring.version == 0
     assert rule.push(p2, update(2, batch=30), g2) is None
     assert rule.round_complete(peers)
     updates, lr_scale, members = rule.close_round()
     assert members == [1, 2] and [u.rank for u in updates] == [1, 2]
-    assert lr_scale == pytest.approx(40 / 32) and rule.store.version == 1
+    assert lr_scale == pytest.approx(40 / 32) and rule.ring.version == 1
     mean = (10 * 1.0 + 30 * 3.0) / 40
-    assert np.allclose(rule.store.params, -0.5 * lr_scale * mean)
+    assert np.allclose(rule.ring.params, -0.5 * lr_scale * mean)
     assert not rule.round_complete(peers) and rule.batch == 0 and not rule.grad.any()
 
 

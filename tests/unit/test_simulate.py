@@ -8,7 +8,7 @@ from mpilb.core.balancer import BALANCERS
 from mpilb.cli.main import main
 from mpilb.runfiles.runlog import RunLog
 from mpilb.simulate.run import simulate
-from mpilb.simulate.cluster import Stores, constant, parse_rates
+from mpilb.simulate.cluster import Slices, constant, parse_rates
 from mpilb.core.inject import parse_injects
 from mpilb.errors import UsageError
 
@@ -55,7 +55,7 @@ def test_every_sample_applied_once_per_epoch(name, mode):
 
 def test_sync_round_lasts_as_long_as_its_slowest_member_plus_apply():
     # two workers, batch 10, 100 and 50 samples/s: each round 0.2 s + the stores' work
-    stores = Stores(params=1000, apply_s=0.01)
+    stores = Slices(params=1000, apply_s=0.01)
     res = run([100, 50], [100, 100], balancer="static", mode="sync", epochs=1,
               apply_s=0.01, server_gbps=stores.gbps)
     rounds = 10
@@ -69,7 +69,7 @@ def test_stores_saturate_and_more_stores_relieve_them():
               apply_s=0.0002)
     one = simulate(cluster([2000.0] * 64), [3200] * 64, servers=1, **kw)
     four = simulate(cluster([2000.0] * 64), [3200] * 64, servers=4, **kw)
-    per_update = Stores(25_000_000, 1, 4.8, 0.0002).update_s
+    per_update = Slices(25_000_000, 1, 4.8, 0.0002).update_s
     assert one["server_busy"] > 0.95
     assert one["updates_per_s"] == pytest.approx(1 / per_update, rel=0.05)
     assert four["updates_per_s"] > 3.0 * one["updates_per_s"]
@@ -183,10 +183,3 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, words):
     code = main(["simulate", *[a.format(tmp=tmp_path) for a in argv]])
     err = capsys.readouterr().err.strip()
     assert code == 2 and words in err and "\n" not in err
-
-
-def test_engine_and_server_agree_on_constants():
-    from mpilb.server import chores
-    from mpilb.simulate import engine
-
-    assert engine.FIRST_SIZES_STEPS == chores.FIRST_SIZES_STEPS

@@ -7,11 +7,10 @@ import pytest
 from mpilb.cli.main import main
 from mpilb.errors import UsageError
 from mpilb.simulate.cluster import constant
-from mpilb.simulate.engine import SimConfig
+from mpilb.simulate.workers import SimConfig
 from mpilb.simulate.netengine import NetEngine
 from mpilb.simulate.network import (Fabric, Layout, NetSpec, Topology, parse_rate,
                                     parse_rates, servers_count)
-from mpilb.run.training import EpochTracker, epoch_order
 
 GBIT = 125e6   # bytes/s
 
@@ -100,8 +99,7 @@ def engine(nodes, ranks, k, wire="fp32", params=1_000_000, rate=1e6, link=GBIT, 
     sizes = kw.pop("sizes", [100] * 20)
     cfg = SimConfig(balancer=kw.pop("balancer", "load"), epochs=1, batch=10, params=params,
                     apply_s=2e-4, wire=wire, servers=k, **kw)
-    return NetEngine(cfg, profiles, sizes, order=epoch_order, tracker=EpochTracker(sizes),
-                     layout=layout)
+    return NetEngine(cfg, profiles, sizes, layout=layout)
 
 
 @pytest.mark.parametrize("wire, nbytes", [("fp32", 4), ("bf16", 2), ("fp16", 2)])

@@ -7,7 +7,7 @@ import pytest
 from mpilb.core.corrections import (StalenessMeter, build_correction, explicit_momentum,
                                implicit_momentum)
 from mpilb.core.optimizers import build_optimizer
-from mpilb.server.modes import ParamStore, Update, build_rule
+from mpilb.server.modes import ParamRing, Update, build_rule
 from mpilb.server.peers import Peer
 
 
@@ -32,7 +32,7 @@ def test_implicit_and_explicit_momentum():
 
 def store(optimizer="momentum", correction="momentum", n=4):
     opt = build_optimizer(optimizer, n, lr=0.1, momentum=0.9)
-    return ParamStore(np.zeros(n, np.float32), opt, build_correction(correction), 32)
+    return ParamRing(np.zeros(n, np.float32), opt, build_correction(correction), 32)
 
 
 def push_all(rule, staleness, count=50):
@@ -44,19 +44,19 @@ def push_all(rule, staleness, count=50):
 def test_the_policy_sets_the_momentum_from_the_measured_staleness(mode):
     rule = build_rule(mode, store(), lambda r: True, staleness_bound=100)
     push_all(rule, staleness=3)
-    assert rule.store.optimizer.momentum == pytest.approx(explicit_momentum(0.9, 3))
+    assert rule.ring.optimizer.momentum == pytest.approx(explicit_momentum(0.9, 3))
     push_all(rule, staleness=0, count=2000)     # the staleness falls: the recipe's momentum
-    assert rule.store.optimizer.momentum == pytest.approx(0.9, abs=1e-3)
+    assert rule.ring.optimizer.momentum == pytest.approx(0.9, abs=1e-3)
 
 
 def test_the_old_behaviour_and_other_optimizers_are_left_alone():
     rule = build_rule("async", store(correction="none"), lambda r: True)
     push_all(rule, staleness=7)
-    assert rule.store.optimizer.momentum == 0.9
+    assert rule.ring.optimizer.momentum == 0.9
     rule = build_rule("async", store(optimizer="sgd"), lambda r: True)
     push_all(rule, staleness=7)                 # nothing to lower: a plain sgd step
-    assert np.allclose(rule.store.params, -0.1 * 50)
-    assert not hasattr(rule.store.optimizer, "momentum")
+    assert np.allclose(rule.ring.params, -0.1 * 50)
+    assert not hasattr(rule.ring.optimizer, "momentum")
 
 
 def test_the_policy_keeps_the_learning_rate():

@@ -1,8 +1,9 @@
-"""Epochs and stop rules, shared by the serial trainer and the parameter server.
+"""Epochs and their coverage: the shard order of each epoch and the counter of applied samples.
 
 Epochs are strict (docs/cli.md): an epoch ends when every one of its samples has been applied
 exactly once. A batch is a range [lo, hi) of positions in one shard's permuted order in one
-epoch, so the server can count coverage per sample with one small array per epoch.
+epoch, so the server can count coverage per sample with one small array per epoch. Pure
+(NumPy only): the server, the serial trainer and the simulator count with the same tracker.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from typing import Optional
 
 import numpy as np
 
-from mpilb.config.sections import Config
-from mpilb.run.evaluation import Evaluation
 
 def epoch_order(seed: int, epoch: int, num_shards: int) -> list[int]:
     """The epoch's shard order, shuffled from the seed."""
@@ -92,43 +91,3 @@ class EpochTracker:
             "duplicates": sum(s.duplicates for s in self.completed),
             "missing": sum(s.missing for s in self.completed),
         }
-
-
-@dataclass
-class StopRule:
-    """--epochs, --max-seconds, --target-accuracy, --target-metric: whichever comes first.
-
-    ``check`` takes the latest :class:`Evaluation` (or a plain accuracy, or None).
-    """
-
-    epochs: int
-    max_seconds: Optional[float]
-    target_accuracy: Optional[float]
-    target_metric: Optional[float] = None
-    reason: str = ""
-
-    @property
-    def waits_on_evaluations(self) -> bool:
-        """A --target-* stop: an epoch's evaluation decides whether the run goes on."""
-        return self.target_accuracy is not None or self.target_metric is not None
-
-    def check(self, epochs_done: int, elapsed: float, evaluation=None) -> bool:
-        if isinstance(evaluation, Evaluation):
-            accuracy, metric = evaluation.decides
-        else:
-            accuracy, metric = evaluation, None
-        if epochs_done >= self.epochs:
-            self.reason = "epochs"
-        elif self.max_seconds is not None and elapsed >= self.max_seconds:
-            self.reason = "max_seconds"
-        elif (self.target_accuracy is not None and accuracy is not None
-              and accuracy >= self.target_accuracy):
-            self.reason = "target_accuracy"
-        elif (self.target_metric is not None and metric is not None
-              and metric >= self.target_metric):
-            self.reason = "target_metric"
-        return bool(self.reason)
-
-
-def build_stop_rule(cfg: Config) -> StopRule:
-    return StopRule(cfg.epochs, cfg.max_seconds, cfg.target_accuracy, cfg.target_metric)

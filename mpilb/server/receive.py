@@ -1,0 +1,152 @@
+"""Pushes coming in to rank 0: a receive posted per worker, tested together, and the waits
+between them (doorbells, backoff, MPI progress for replies in flight).
+
+The :class:`Receiver` hands each push that arrived to the protocol
+(:meth:`~mpilb.server.loop.ParameterServer.on_push`) and runs the chores when due; at the end
+it drains what is still in flight.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from mpilb.mpi import comm as C
+from mpilb.mpi import doorbell
+from mpilb.mpi import wire
+
+
+class Receiver:
+    """The receives of every worker's pushes on `comm`.
+
+    Args:
+        comm: the world communicator.
+        roster: the workers (their links hold the buffers).
+        bell: the doorbell (doorbell.py).
+        outbox: the replies in flight (kept progressing).
+        remote: the other parameter stores (a gradient not taken is dropped everywhere).
+        lose: declares a worker lost (a receive MPI failed: its process ended).
+    """
+
+    # replies in flight are progressed this long after a send or a poke
+    PROGRESS_S = doorbell.POKE_PROGRESS_S
+
+    def __init__(self, comm, roster, bell, outbox, remote, lose: Callable):
+        self.comm = comm
+        self.roster = roster
+        self.bell = bell
+        self.outbox = outbox
+        self.remote = remote
+        self.lose = lose
+        self.backoff = C.Backoff(bell=bell)
+        self.order: list = []   # the workers, in the order of `reqs`
+        self.reqs: list = []
+
+    def post(self, w) -> None:
+        wire.clear_push(w.link.recv[1])   # the buffer may hold an old push (see failed)
+        w.link.recv_req = self.comm.Irecv(w.link.recv[0], source=w.rank, tag=wire.TAG_PUSH)
+
+    def serve(self, done: Callable[[], bool], on_push: Callable, chores) -> None:
+        """Hand every push to ``on_push`` until ``done()``; ``chores``: the
+        :class:`~mpilb.server.chores.Chores`, run every CHORES_S (or CHORES_RUNG_S)."""
+        order = self.order = list(self.roster.peers.values())
+        reqs = self.reqs = [w.link.recv_req for w in order]
+        # Every worker rings when it pushes: sleep until one does (or the chores are due)
+        # instead of polling for pushes on a schedule.
+        rung = all(self.bell.rings_with(w.rank) for w in order)
+        progress_until = spin_until = 0.0
+        chores_s = chores.CHORES_RUNG_S if rung else chores.CHORES_S
+        next_chores = chores_at = 0.0
+        while not done():
+            try:
+                arrived = C.Request.Testsome(reqs)
+            except C.MPIError:   # a worker's process ended (see failed)
+                arrived = self.failed(order, reqs)
+            if arrived:
+                for i in arrived:
+                    w = order[i]
+                    self.bell.took(w.rank)
+                    on_push(w)
+                    self.remote.settle(w.rank)   # a gradient not taken is dropped everywhere
+                    if not (w.stopped or w.lost):
+                        self.post(w)
+                        reqs[i] = w.link.recv_req
+                self.backoff.reset(*chores.next_push_due())
+                progress_until = time.monotonic() + self.PROGRESS_S
+                spin_until = time.monotonic() + self.backoff.spin_s
+            elif time.monotonic() < spin_until:
+                # a CPU of its own (cores.py): poll on for the next push without sleeping,
+                # keeping the list of replies in flight short
+                self.outbox.in_flight()
+            elif self.outbox.in_flight() and (not rung or time.monotonic() < progress_until):
+                # A reply still being transferred may need this rank's MPI progress (a
+                # message copied through shared memory in pieces): keep progressing it,
+                # yielding the core between polls. With doorbells, only for a moment after
+                # sending and while a worker says it is receiving (a poke); a reply whose
+                # worker computes meanwhile would otherwise be polled all that time.
+                self.backoff.short()
+            elif rung:
+                self.bell.rest(chores_at + chores.RUNG_NAP_S - time.monotonic())
+                if self.bell.take_poke():
+                    progress_until = time.monotonic() + self.PROGRESS_S
+            else:
+                self.backoff.sleep()   # a ring from a worker on this node ends a sleep early
+            mono = time.monotonic()
+            if mono >= next_chores:   # every 10 or 25 ms at most, not at every poll
+                next_chores, chores_at = mono + chores_s, mono
+                chores.run()
+
+    def failed(self, order: list, reqs: list) -> list[int]:
+        """MPI failed a receive of pushes: where the launcher keeps the job running after
+        a rank's process ended (MPICH's -disable-auto-cleanup), MPICH may say so here, as
+        MPI_ERR_IN_STATUS from Testsome, instead of leaving the receive pending. Test each
+        receive on its own: a worker whose receive failed is gone, and is declared lost now
+        (not after --worker-timeout). Returns the receives that completed.
+
+        The failed Testsome has already freed every request it completed, the failed one
+        too: their handles are MPI_REQUEST_NULL, which tests as complete. Only the buffer
+        tells a push that arrived from a receive that failed (nothing written since
+        post cleared it); taken for a push, the failed one handled the worker's
+        previous push again (a batch "outside its task", or a stale gradient)."""
+        done = []
+        for i, w in enumerate(order):
+            if w.stopped:
+                continue   # no receive posted since its last push
+            try:
+                if not reqs[i].Test():
+                    continue
+                error = None if wire.holds_push(w.link.recv[1]) else "receive failed, nothing received"
+            except C.MPIError as exc:
+                error = exc.Get_error_string().strip()
+            if error is None:
+                if not w.lost:
+                    done.append(i)
+                continue
+            reqs[i] = w.link.recv_req = C.REQUEST_NULL
+            if not w.lost:
+                self.lose(w, f"ended (MPI: {error})")
+        return [i for i in done if not order[i].lost]
+
+    def drain(self, sends: list) -> None:
+        """Serving ended: the messages still to come are drained, the replies and parameters
+        in flight (``sends``) given a moment, the receives still posted cancelled."""
+        order, reqs = self.order, self.reqs
+        C.drain(self.comm)
+        # replies and parameters still in flight; a lost worker's last reply never completes
+        # (a hung worker does not receive it): not waited for, else a degraded run ended 5 s
+        # after its last epoch
+        gone = {id(r) for w in order if w.lost for r in (w.link.reply_req, w.link.params_req)}
+        deadline = time.monotonic() + 5.0
+        backoff = C.Backoff()
+        for req in sends:
+            if id(req) in gone:
+                continue
+            backoff.reset()
+            while not C.finished(req) and time.monotonic() < deadline:
+                backoff.sleep()
+        for i, w in enumerate(order):
+            if w.link.reply_req is not None and not w.lost:
+                C.wait(w.link.reply_req, timeout=5.0)
+            if reqs[i] is not None and not C.finished(reqs[i]):
+                reqs[i].Cancel()   # the receive preposted for a push that never came
+                C.wait(reqs[i], timeout=1.0)

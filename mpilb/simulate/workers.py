@@ -1,0 +1,143 @@
+"""What the engine simulates: a configuration (:class:`SimConfig`) and its workers
+(:class:`SimWorker`), each with the server's view of it in the states of the live server's
+peers (:mod:`mpilb.core.worker_state`); the kinds of events on the engine's heap."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from mpilb.core.worker_state import Membership, Waiting, WorkerState
+from mpilb.simulate.cluster import Profile
+
+PUSH, REBALANCE, LOST = 0, 1, 2   # the engine's events
+
+
+@dataclass
+class SimConfig:
+    """One configuration to simulate (the options of `mpilb train` that matter here)."""
+
+    balancer: str = "load"
+    mode: str = "async"
+    batch_policy: str = "fixed"
+    servers: int = 1
+    batch: int = 32
+    min_batch: int = 1
+    max_batch: int = 4096
+    sit_out: bool = True
+    rebalance_interval: float = 2.0
+    epochs: int = 1
+    seed: int = 0
+    worker_timeout: float = 60.0
+    params: int = 100_000
+    server_gbps: float = 4.8
+    apply_s: float = 0.00019
+    row_bytes: int = 1024
+    wire: str = "fp32"        # bytes per float on the wire (a network model only)
+    inject: list = field(default_factory=list)   # parsed InjectRule objects
+
+
+class SimPush:
+    """What sit-out reads of a worker's last push."""
+
+    __slots__ = ("lo", "hi", "compute_s")
+
+    def __init__(self, lo: int, hi: int, compute_s: float):
+        self.lo, self.hi, self.compute_s = lo, hi, compute_s
+
+
+class SimWorker(WorkerState):
+    """A simulated worker, and the server's view of it: ``waiting`` and ``membership`` as a
+    live :class:`~mpilb.server.peers.Peer`'s (what :class:`~mpilb.core.sitout.SitOut` and
+    :class:`~mpilb.core.decisions.Decisions` read and set: ``benched``, ``bench``,
+    ``unbench``, ``probing``, ``batch``, ``lags``, ``last_gap``, ``last_push``, ``step``),
+    and ``dead``: it hung or crashed and the server has not declared it lost yet."""
+
+    __slots__ = ("rank", "profile", "rules", "batch", "waiting", "membership", "dead",
+                 "reply_t", "n", "comp", "io", "comm", "epoch_busy", "epoch_finish", "busy",
+                 "step", "fault_t", "read_free", "ready", "rng", "benched_at", "probing",
+                 "samples", "lags", "last_gap", "last_push")
+
+    def __init__(self, rank: int, profile: Profile, rules, batch: int, seed: int):
+        self.rank, self.profile, self.batch = rank, profile, batch
+        self.rules = [r for r in rules if r.applies_to(rank) and r.kind not in ("hang", "crash")]
+        faults = [r.start for r in rules if r.applies_to(rank) and r.kind in ("hang", "crash")]
+        self.fault_t = min(faults) if faults else math.inf
+        self.waiting = Waiting.IDLE
+        self.membership = Membership.ACTIVE
+        self.dead = False
+        self.reply_t = 0.0
+        self.n = 0
+        self.comp = self.io = self.comm = 0.0
+        self.epoch_busy = 0.0
+        self.epoch_finish = None
+        self.busy = 0.0
+        self.step = self.samples = 0
+        self.read_free = 0.0
+        self.ready: dict[int, float] = {}
+        self.rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, rank]) if any(
+            r.prob < 1.0 for r in self.rules) else None
+        self.benched_at = 0.0
+        self.probing = 0
+        self.lags: list = []
+        self.last_gap: Optional[float] = None
+        self.last_push: Optional[SimPush] = None
+
+    # -- reading (and go_idle, lose: WorkerState) ------------------------------------
+    @property
+    def present(self) -> bool:
+        """In the run as the engine counts it: not lost, and not dead (hung or crashed)."""
+        return self.membership in (Membership.ACTIVE, Membership.BENCHED) and not self.dead
+
+    # -- changes -------------------------------------------------------------------------
+    def compute(self) -> None:
+        """A step starts."""
+        self.waiting = Waiting.COMPUTING
+
+    def hold(self) -> None:
+        """Sync: its push joined the round; the reply waits for the round."""
+        self.waiting = Waiting.HELD
+
+    def die(self) -> None:
+        """It hangs or crashes at its next step; to the server it still computes."""
+        self.dead, self.waiting = True, Waiting.COMPUTING
+
+    def bench(self, now: float) -> None:
+        self.membership, self.waiting = Membership.BENCHED, Waiting.IDLE
+        self.probing, self.benched_at, self.batch = 0, now, 0
+        self.ready.clear()
+
+    def unbench(self, probe_batch: int) -> None:
+        self.membership, self.waiting = Membership.ACTIVE, Waiting.IDLE
+        self.probing, self.batch = 2, probe_batch
+
+    # -- the cost of a step --------------------------------------------------------------
+    def injected(self, t: float, comp: float, io: float, replay: bool) -> tuple[float, float]:
+        """(compute, I/O) seconds of a step at ``t`` under its --inject rules."""
+        elapsed = t
+        hits = self.rng.random(len(self.rules)) if self.rng is not None else None
+        factor, delay = 1.0, 0.0
+        for k, rule in enumerate(self.rules):
+            if not rule.in_window(elapsed) or (hits is not None and hits[k] >= rule.prob):
+                continue
+            if rule.kind == "compute":
+                factor += rule.value - 1.0
+            elif rule.kind == "delay":
+                delay += rule.value
+            elif rule.kind == "io" and replay:
+                io *= rule.value
+        return comp * factor + delay, io
+
+    def read_seconds(self, nbytes: int, t: float) -> float:
+        """Seconds to read a shard of ``nbytes`` started at ``t`` (synthetic reads)."""
+        secs = nbytes / self.profile.read_bps
+        for rule in self.rules:
+            if rule.in_window(t):
+                if rule.kind == "io":
+                    secs *= rule.value
+                elif rule.kind == "readbw":
+                    secs = max(secs, nbytes / (rule.value * 1e6))
+        return secs
