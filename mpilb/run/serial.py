@@ -22,7 +22,7 @@ from mpilb.core.batches import GradientStep, ShardFeed
 from mpilb.core.inject import Injector, parse_injects
 from mpilb.models import initial_params
 from mpilb.run.progress import Progress, tapped
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 from mpilb.runfiles.runlog import RunLog
 from mpilb.runfiles.best import BestCheckpoint
 from mpilb.core.optimizers import clip_grad_norm

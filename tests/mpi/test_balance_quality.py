@@ -7,7 +7,7 @@ import pytest
 
 import mpirun
 from mpilb.core.balancer import BalancerConfig, build_balancer
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 from mpilb.core.tasks import TaskLedger
 from mpilb.data.shards import holders_of, placement
 from mpilb.mpi.wire import RESOURCE_TAG_BASE, OrderMsg, resource_tag

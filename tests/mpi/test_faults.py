@@ -19,7 +19,7 @@ import mpirun
 from mpilb.runfiles import checkpoint
 from mpilb.data.dataset import open_dataset
 from mpilb.models import build_model
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 
 pytestmark = pytest.mark.mpi
 

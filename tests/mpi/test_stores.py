@@ -12,7 +12,7 @@ import mpirun
 from mpilb.backend import select_backend
 from mpilb.core.batches import ShardFeed
 from mpilb.data.dataset import open_dataset
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 from mpilb.data.shards import ShardStore, holders_of, placement
 
 

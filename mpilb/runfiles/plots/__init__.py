@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mpilb.runfiles.paths import replace_file
+from mpilb.runfiles.files import replace_file
 
 from mpilb.runfiles.plots._common import _load, _Run
 from mpilb.runfiles.plots.compare import compare_figures, throughput
