@@ -27,7 +27,7 @@ from mpilb.runfiles.runlog import RunLog
 from mpilb.runfiles.best import BestCheckpoint
 from mpilb.core.optimizers import clip_grad_norm
 from mpilb.run.session import balancer_config, files_line, format_final
-from mpilb.data.shards import ShardStore
+from mpilb.data.shards import ShardReader
 from mpilb.core.schedules import build_schedule
 from mpilb.runfiles.tensorboard import tap_for
 from mpilb.run.training import PREEMPTED, EpochStats, EpochTracker, build_evaluator, build_stop_rule, config_model, config_optimizer, epoch_order
@@ -55,7 +55,7 @@ class SerialTrainer:
         self.params = self.backend.asarray(host_params)
         self.injector = Injector(parse_injects(cfg.inject, 1), 0, cfg.seed)
         inj = self.injector
-        self.store = ShardStore(dataset, seed=cfg.seed,
+        self.store = ShardReader(dataset, seed=cfg.seed,
                                 io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
                                 cache_mb=cfg.cache_mb)
         self.feed = ShardFeed(self.store, self.backend)

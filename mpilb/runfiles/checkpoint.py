@@ -31,7 +31,7 @@ from mpilb.errors import MpilbError, UsageError
 FORMAT = 1
 
 # How positions of an epoch map to samples: the shard order and each shard's permutation are
-# drawn from these seeds (training.epoch_order, shards.ShardStore.permutation). A checkpoint
+# drawn from these seeds (training.epoch_order, shards.ShardReader.permutation). A checkpoint
 # taken part-way through an epoch is only meaningful under the same plan.
 PLAN_SCHEME = "order=default_rng([seed,epoch,0x5EED]);rows=default_rng([seed,epoch,shard])"
 

@@ -15,7 +15,7 @@ import pytest
 from mpilb.data import dataset as D
 from mpilb.data import verified as V
 from mpilb.errors import DataError
-from mpilb.data.shards import ShardStore
+from mpilb.data.shards import ShardReader
 
 
 def age(root, seconds=10.0):
@@ -129,10 +129,10 @@ def test_flipped_byte_in_a_fletcher32_chunk_fails_the_read(small_dataset):
         b = fh.read(1)
         fh.seek(info.byte_offset + 17)
         fh.write(bytes([b[0] ^ 0x01]))
-    with ShardStore(ds) as store:
-        np.testing.assert_array_equal(store.read(1, 0, 64)[0], x[:64])   # other chunks still read
+    with ShardReader(ds) as reader:
+        np.testing.assert_array_equal(reader.read(1, 0, 64)[0], x[:64])   # other chunks still read
         with pytest.raises(DataError, match=r"shard-00001\.h5: cannot read rows"):
-            store.read(1)
+            reader.read(1)
 
 
 def test_a_verified_dataset_can_be_prepared_again_in_place(tmp_path):

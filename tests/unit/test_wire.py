@@ -22,13 +22,13 @@ def test_slots_tags_and_sizes_are_pinned():
                                       "NEXT_LO", "NEXT_HI", "NEXT_EPOCH", "NONFINITE", "T"]
     assert {r.name: int(r) for r in Reply} == {
         "CMD": 0, "VERSION": 1, "BATCH": 2, "HELD_S": 3, "RETRY": 4, "N_ASSIGN": 5, "ASSIGN": 6,
-        "N_ORDER": 18, "ORDER": 19, "TRUNC_EPOCH": 31, "TRUNC_SHARD": 32, "TRUNC_END": 33, "DROP": 34,
+        "N_ORDER": 18, "ORDER": 19, "CUT_EPOCH": 31, "CUT_SHARD": 32, "CUT_END": 33, "DROP": 34,
         "HAS_CUT": 35}
     assert (int(Cmd.PARAMS), int(Cmd.STOP), int(Cmd.ORDERS)) == (1, 2, 3)
     assert (wire.TASK_FIELDS, wire.MAX_ASSIGN, wire.MAX_ORDER) == (6, 2, 2)
     # the task and order rows fit between their count and the next field
     assert Reply.ASSIGN + wire.TASK_FIELDS * wire.MAX_ASSIGN <= Reply.N_ORDER
-    assert Reply.ORDER + wire.TASK_FIELDS * wire.MAX_ORDER <= Reply.TRUNC_EPOCH
+    assert Reply.ORDER + wire.TASK_FIELDS * wire.MAX_ORDER <= Reply.CUT_EPOCH
     assert Reply.HAS_CUT < wire.HEADER_FIELDS
 
 
