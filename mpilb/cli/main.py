@@ -214,7 +214,8 @@ def _dispatch(args) -> int:
     if args.command == "prepare":
         return _prepare(args)
     if args.command == "data":
-        from mpilb.data.dataset import dataset_info, verify_dataset
+        from mpilb.data.describe import dataset_info
+        from mpilb.data.verified import verify_dataset
 
         if args.action == "verify":
             ds = verify_dataset(args.dir)

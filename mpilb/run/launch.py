@@ -97,7 +97,7 @@ def _same_options(mine: tuple, all_args: list) -> None:
 
 def _validate(config_file, cli_values, world_size, all_args, nodes):
     from mpilb.config.build import build_config, load_toml
-    from mpilb.data.dataset import verify_dataset
+    from mpilb.data.verified import verify_dataset
     from mpilb.core.inject import parse_injects
     from mpilb.server.store import check_servers
     from mpilb.runfiles.paths import check_paths, resolve_data, run_identity

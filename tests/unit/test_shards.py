@@ -178,11 +178,11 @@ def test_put_inserts_received_data(reader):
 def test_concurrent_get_and_prefetch_consistent(reader):
     results = {}
 
-    def reader():
+    def get():
         results["a"] = reader.get(0, 3)[0]
 
     reader.prefetch(0, 3)
-    t = threading.Thread(target=reader)
+    t = threading.Thread(target=get)
     t.start()
     results["b"] = reader.load(0, 3)
     t.join(5)

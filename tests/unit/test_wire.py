@@ -186,3 +186,14 @@ def test_store_messages_are_pinned():
     wire.encode_ctrl(buf, wire.Op.APPLY, rank=2, batch=32, staleness=1, version=7, lr=0.25)
     assert buf.tobytes() == np.array([1, 2, 32, 1, 7, -0.75, 0, 0], np.float64).tobytes()
     assert wire.decode_ctrl(buf) == (wire.Op.APPLY, 2, 32, 1, 7, 0.25)
+
+
+def test_message_buffers_are_named_and_still_tuples():
+    """Worker and bench read a message's parts by name; the server's positional uses
+    (`recv[0]`, `recv[1]`) keep working on the same tuple."""
+    msg = wire.new_message(3)
+    assert isinstance(msg, wire.MessageBuffer) and isinstance(msg, tuple)
+    assert msg[0] is msg.buf and msg[1] is msg.header and msg[2] is msg.payload
+    assert msg.buf.nbytes == wire.HEADER_BYTES + 12 and msg.header.size == wire.HEADER_FIELDS
+    again = wire.message_of(msg.payload)
+    assert isinstance(again, wire.MessageBuffer) and again.buf is msg.buf
