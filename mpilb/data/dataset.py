@@ -15,6 +15,7 @@ with the offending file, so that a user of a 64-shard dataset knows which file t
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -390,7 +391,5 @@ _MOVED.update({name: "describe" for name in ("dataset_info", "_human_bytes")})
 
 def __getattr__(name: str):
     if name in _MOVED:
-        import importlib
-
         return getattr(importlib.import_module(f"{__package__}.{_MOVED[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

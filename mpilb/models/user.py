@@ -21,6 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 import numpy as np
 
 from mpilb.errors import UsageError
@@ -56,10 +61,6 @@ def is_user_spec(spec) -> bool:
 def parse_model_args(items, flag: str = "--model-arg") -> dict:
     """``["width=64", "act=relu"]`` -> ``{"width": 64, "act": "relu"}`` (TOML values);
     ``flag`` names the option in errors."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # pragma: no cover
-        import tomli as tomllib  # type: ignore[no-redef]
     out = {}
     for item in items or []:
         key, sep, text = str(item).partition("=")

@@ -27,6 +27,7 @@ import numpy as np
 
 from mpilb import __version__
 from mpilb.errors import MpilbError, UsageError
+from mpilb.run.training import EpochStats
 
 FORMAT = 1
 
@@ -282,8 +283,6 @@ def _check_values(ck: Checkpoint, model, dataset) -> None:
     if ck.counts.dtype.kind not in "iu" or (ck.counts.size and ck.counts.min() < 0):
         raise UsageError(f"--resume: {path} is damaged: coverage/counts are not counts of "
                          f"applications (dtype {ck.counts.dtype}, or a negative value)")
-    from mpilb.run.training import EpochStats
-
     stats = {f.name for f in fields(EpochStats)}
     if not isinstance(ck.completed, list) or any(not isinstance(e, dict) or set(e) != stats
                                                  for e in ck.completed):
@@ -343,8 +342,6 @@ def resume_plan(order: list[int], counts: np.ndarray, offsets: np.ndarray,
 
 
 def restore_tracker(tracker, ckpt: Checkpoint, t: float) -> None:
-    from mpilb.run.training import EpochStats
-
     tracker.completed = [EpochStats(**s) for s in ckpt.completed]
     tracker.begin(ckpt.epoch, t, ckpt.counts)
 
