@@ -34,7 +34,7 @@ from mpilb import __version__  # noqa: E402
 from mpilb.clusterbox import main as box_main  # noqa: E402
 from mpilb.config.build import OPTIONS, closest, load_toml  # noqa: E402
 from mpilb.errors import MpilbError, UsageError  # noqa: E402
-from mpilb.simulate.main import add_arguments as simulate_arguments  # noqa: E402
+from mpilb.simulate.main import add_arguments as simulate_arguments, run_simulate  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
@@ -261,8 +261,6 @@ def _dispatch(args) -> int:
 
         return doctor()
     if args.command == "simulate":
-        from mpilb.simulate.main import run_simulate
-
         return run_simulate(args)
     raise UsageError(f"unknown command {args.command}")
 
@@ -281,26 +279,27 @@ def _survive_signals(config_file, cli_values: dict) -> bool:
 
 
 def _prepare(args) -> int:
-    from mpilb.data import dataset as D
+    from mpilb.data.ingest import prepare_csv, prepare_hdf5, prepare_npz
+    from mpilb.data.prepare import prepare_digits, prepare_synthetic
 
     common = dict(shards=args.shards, test_fraction=args.test_fraction, seed=args.seed)
     if args.source == "digits":
-        ds = D.prepare_digits(args.out, **common)
+        ds = prepare_digits(args.out, **common)
     elif args.source == "synthetic":
-        ds = D.prepare_synthetic(args.out, samples=args.samples, features=args.features,
-                                 classes=args.classes, noise=args.noise, **common)
+        ds = prepare_synthetic(args.out, samples=args.samples, features=args.features,
+                               classes=args.classes, noise=args.noise, **common)
     elif args.source == "npz":
-        ds = D.prepare_npz(args.file, args.out, x_key=args.x_key, y_key=args.y_key,
-                           task=args.task, **common)
+        ds = prepare_npz(args.file, args.out, x_key=args.x_key, y_key=args.y_key,
+                         task=args.task, **common)
     elif args.source == "hdf5":
         if len(args.inputs) < 2:
             raise UsageError("prepare hdf5: give one or more input FILEs, then OUT")
         *files, args.out = args.inputs
-        ds = D.prepare_hdf5(files, args.out, x_key=args.x_key, y_key=args.y_key,
-                            task=args.task, **common)
+        ds = prepare_hdf5(files, args.out, x_key=args.x_key, y_key=args.y_key,
+                          task=args.task, **common)
     else:
-        ds = D.prepare_csv(args.file, args.out, target=args.target, features=args.features,
-                           delimiter=args.delimiter, task=args.task, **common)
+        ds = prepare_csv(args.file, args.out, target=args.target, features=args.features,
+                         delimiter=args.delimiter, task=args.task, **common)
     if args.source in ("npz", "hdf5", "csv"):
         from mpilb.data.standardize import describe, standardize_dataset, unscaled
 
