@@ -98,7 +98,7 @@ def test_sync_two_ranks_equals_serial(digits_dir, tmp_path):
 
 FAILING_WORKER = textwrap.dedent("""
     import sys
-    from mpilb import worker
+    from mpilb.worker import loop as worker
     original = worker.Worker._compute
     calls = [0]
     def failing(self, batch, msg):
