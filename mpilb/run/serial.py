@@ -56,8 +56,8 @@ class SerialTrainer:
         self.injector = Injector(parse_injects(cfg.inject, 1), 0, cfg.seed)
         inj = self.injector
         self.store = ShardReader(dataset, seed=cfg.seed,
-                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
-                                cache_mb=cfg.cache_mb)
+                                 io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
+                                 cache_mb=cfg.cache_mb)
         self.feed = ShardFeed(self.store, self.backend)
         self.step = GradientStep(self.model, self.backend, self.injector)
         self.evaluator = build_evaluator(self.model, dataset)
