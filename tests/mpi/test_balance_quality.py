@@ -235,7 +235,7 @@ def test_shard_cache_reads_each_shard_once_and_injected_reads_only_then(small_da
     delays = []
     mb = sum(small_dataset.shard_nbytes(s) for s in range(len(small_dataset.shards))) / 2**20
     reader = ShardReader(small_dataset, seed=1, cache_mb=mb * 1.01,
-                       io_delay=lambda nbytes, s: delays.append(nbytes) or 0.0)
+                         io_delay=lambda nbytes, s: delays.append(nbytes) or 0.0)
     assert reader.caching
     first = reader.load(0, 1)
     again = reader.load(1, 1)             # the next epoch: another order, no storage read
@@ -247,7 +247,7 @@ def test_shard_cache_reads_each_shard_once_and_injected_reads_only_then(small_da
     reader.close()
     # the shards this rank may read do not all fit: nothing is kept
     small = ShardReader(small_dataset, seed=1, cache_mb=mb / 2,
-                       io_delay=lambda nbytes, s: delays.append(nbytes) or 0.0)
+                        io_delay=lambda nbytes, s: delays.append(nbytes) or 0.0)
     assert not small.caching
     small.load(0, 1)
     small.load(1, 1)
