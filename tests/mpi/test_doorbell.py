@@ -137,7 +137,7 @@ def test_a_backoff_naps_on_its_bell(pair, monkeypatch):
 
 
 OPEN_SCRIPT = textwrap.dedent("""
-    from mpilb import comm as C, doorbell
+    from mpilb.mpi import comm as C, doorbell
     comm, rank, size = C.world()
     bell = doorbell.open_job(comm, rank, size)
     rows = comm.gather((rank, int(bell.enabled), sorted(bell.peers)), root=0)

@@ -154,7 +154,7 @@ def test_crashed_worker_ends_job_and_resume_completes(medium, tmp_path):
 POISON = textwrap.dedent("""
     import sys
     import numpy as np
-    from mpilb import worker
+    from mpilb.worker import loop as worker
     original = worker.Worker._compute
     calls = [0]
     ALWAYS = sys.argv.pop(1) == "always"
@@ -163,7 +163,7 @@ POISON = textwrap.dedent("""
         if self.rank == 2:
             calls[0] += 1
             if ALWAYS or calls[0] == 5:
-                msg[2][0] = np.nan
+                msg.payload[0] = np.nan
                 done.nonfinite = True
         return done
     worker.Worker._compute = poisoned

@@ -55,7 +55,9 @@ def test_unwritable_cache_is_one_line_exit_2(tmp_path, where):
 FAULTY = textwrap.dedent("""
     import sys
     rank_to_fail, where = int(sys.argv.pop(1)), sys.argv.pop(1)
-    from mpilb import comm, launch, worker
+    from mpilb.mpi import comm
+    from mpilb.run import launch
+    from mpilb.worker import loop as worker
     if comm.world()[1] == rank_to_fail:
         def boom(*a, **k):
             raise ZeroDivisionError("injected start-up failure")
