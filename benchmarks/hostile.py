@@ -272,7 +272,7 @@ def _(d, data):
 
 FULL = """
 import resource, signal, sys
-from mpilb import comm   # MPI's shared-memory files are made before the disk is "full"
+from mpilb.mpi import comm   # MPI's shared-memory files are made before the disk is "full"
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 limit = int(sys.argv.pop(1))
 resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))

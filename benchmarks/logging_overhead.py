@@ -28,7 +28,7 @@ NAME = "logging_overhead"
 DROP_ROWS = (
     "import sys\n"
     "from mpilb.cli.main import main\n"
-    "from mpilb import runlog\n"
+    "from mpilb.runfiles import runlog\n"
     "runlog.RunLog.append = lambda self, group, **row: None\n"
     "sys.exit(main(sys.argv[1:]))\n"
 )

@@ -149,7 +149,7 @@ def test_damaged_checkpoint_is_refused_at_resume(finished_run, digits_dir, tmp_p
 FULL_DISK = textwrap.dedent("""
     import os, resource, signal, sys
     import numpy as np
-    from mpilb import checkpoint
+    from mpilb.runfiles import checkpoint
     from mpilb.core.balancer import build_balancer
     from mpilb.config.build import build_config
     from mpilb.data.dataset import open_dataset
