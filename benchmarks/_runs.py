@@ -107,7 +107,7 @@ class Bench:
     def train(self, label: str, *args: str, ranks: int = WORKERS + 1, env: dict | None = None) -> Run:
         """One `mpiexec -n 4 mpilb train` run (`ranks`: another size; `env`: variables to
         set for it); exits the script if it fails."""
-        from mpilb.runfiles.report import summarize_log
+        from mpilb.runfiles.summary import summarize_log
         from mpilb.runfiles.runlog import read_columns
 
         log = os.path.join(self.logs, f"{label}.h5")

@@ -43,7 +43,7 @@ def hidden_args(model: str) -> list[str]:
 
 def train(data: str, log: str, ranks: int, model: str, extra: list[str], epochs: int,
           timeout: float) -> dict:
-    from mpilb.runfiles.report import summarize_log
+    from mpilb.runfiles.summary import summarize_log
 
     args = ["train", "--data", data, "--model", model, *hidden_args(model), "--epochs",
             str(epochs), "--no-progress", *extra, "--log", log,

@@ -75,7 +75,7 @@ def bench_ps(box, hosts: str, *extra) -> dict:
 
 
 def train(box, d: str, hosts: str, log: str, *args) -> dict:
-    from mpilb.runfiles.report import summarize_log
+    from mpilb.runfiles.summary import summarize_log
     from mpilb.runfiles.runlog import read_columns
 
     res = box.mpiexec(["-hosts", hosts, PY, "-m", "mpilb", "train", "--no-progress", "--log", log,

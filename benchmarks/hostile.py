@@ -100,7 +100,7 @@ def run(cmd, cwd, timeout=120, env=None) -> dict:
 
 
 def summary(log: Path) -> dict:
-    from mpilb.runfiles.report import summarize_log
+    from mpilb.runfiles.summary import summarize_log
 
     return summarize_log(str(log))
 

@@ -273,7 +273,7 @@ class Bench:
 
     # ---------------------------------------------------------------- (d)
     def lost_holder(self) -> None:
-        from mpilb.runfiles.report import summarize_log
+        from mpilb.runfiles.summary import summarize_log
 
         b = self.small
         b.prepare()

@@ -47,7 +47,7 @@ def main() -> int:
     from sklearn.metrics import r2_score
 
     from mpilb.data.dataset import open_dataset, prepare_npz
-    from mpilb.runfiles.report import summarize_log
+    from mpilb.runfiles.summary import summarize_log
 
     d = load_diabetes()
     x = (d.data - d.data.mean(0)) / d.data.std(0)

@@ -53,7 +53,7 @@ DIGITS_TARGET = 0.9
 def train(data: str, log: str, ranks: int, args: list[str], timeout: float) -> dict:
     """One run; returns its summary with the report's efficiency entry."""
     from mpilb.runfiles.efficiency import efficiency
-    from mpilb.runfiles.report import open_log, run_config, summarize
+    from mpilb.runfiles.summary import open_log, run_config, summarize
 
     cmd = [_runs.mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpilb", "train",
            "--data", data, "--no-progress", *args, "--log", log, "--overwrite"]

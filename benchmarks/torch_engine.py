@@ -43,7 +43,7 @@ def main() -> int:
     if opts.quick:
         opts.samples, opts.epochs, opts.balance_epochs = 4800, 1, 2
     from mpilb.data.dataset import prepare_synthetic
-    from mpilb.runfiles.report import summarize_log
+    from mpilb.runfiles.summary import summarize_log
 
     os.makedirs(opts.dir, exist_ok=True)
     data = os.path.join(opts.dir, f"synthetic-{opts.samples}x{opts.features}")

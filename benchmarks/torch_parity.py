@@ -56,7 +56,7 @@ def serial_torch(data, seed: int, epochs: int, lr: float, batch: int) -> float:
 
 
 def mpilb_run(data_dir: str, seed: int, epochs: int, lr: float, batch: int, workdir: str):
-    from mpilb.runfiles.report import summarize_log
+    from mpilb.runfiles.summary import summarize_log
 
     log = os.path.join(workdir, f"parity-{seed}.h5")
     cmd = [mpiexec(), "-n", "4", sys.executable, "-m", "mpilb", "train", "--data", data_dir,

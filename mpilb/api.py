@@ -13,36 +13,12 @@ import json
 import os
 from typing import Any, Optional
 
+from mpilb.config.build import OPTION_BY_NAME, closest
 from mpilb.errors import MpilbError, UsageError
+from mpilb.mpi.launcher import one_blas_thread_per_rank
 
-
-def _model_spec(model) -> str:
-    """A ``--model`` value for ``model``: a string as it is, an object registered for this
-    process under ``python:<name>`` (every rank runs the same script, so every rank does)."""
-    if isinstance(model, str):
-        return model
-    import inspect
-
-    from mpilb.models.user import OBJECTS
-
-    module = getattr(model, "__module__", "") or ""
-    if ((inspect.isclass(model) or inspect.isfunction(model)) and module not in ("__main__", "")
-            and not module.startswith("mpilb_user_") and "<locals>" not in model.__qualname__):
-        return f"{module}:{model.__qualname__}"   # importable: checkpoints can name it
-
-    name = getattr(model, "__qualname__", None) or type(model).__qualname__
-    key = f"python:{name}"
-    OBJECTS[key] = model
-    return key
-
-
-def _blas_threads() -> None:
-    """One BLAS thread per rank in a multi-rank job, as the command does (if still possible)."""
-    from mpilb.cli.main import env_world_size
-
-    if env_world_size() > 1:
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ.setdefault(var, "1")
+# The rest is imported inside the functions: numpy must wait until train() has set the BLAS
+# threads (one per rank, as the command does), and mpi4py starts MPI when imported.
 
 
 def train(model=None, data=None, **options) -> Optional[dict]:
@@ -65,8 +41,8 @@ def train(model=None, data=None, **options) -> Optional[dict]:
         UsageError: a bad option, dataset or model (the same one line the command prints).
         MpilbError: the run failed.
     """
-    _blas_threads()
-    from mpilb.config.build import OPTION_BY_NAME, closest
+    one_blas_thread_per_rank()   # before numpy (if the script has not imported it yet)
+    from mpilb.models.user import model_spec
 
     for key in options:   # named as the caller wrote them, not as command-line options
         if key not in OPTION_BY_NAME and key != "model_args":
@@ -79,7 +55,7 @@ def train(model=None, data=None, **options) -> Optional[dict]:
         values["model_arg"] = list(values.get("model_arg", [])) + [
             f"{k}={json.dumps(v)}" for k, v in model_args.items()]
     if model is not None:
-        values["model"] = _model_spec(model)
+        values["model"] = model_spec(model)
     if data is not None:
         values["data"] = os.fspath(data)
     for key in ("inject", "model_arg", "optimizer_arg"):
@@ -95,7 +71,7 @@ def train(model=None, data=None, **options) -> Optional[dict]:
     _, rank, _ = C.world()
     if rank != 0:
         return None
-    from mpilb.runfiles.report import summarize_log
+    from mpilb.runfiles.summary import summarize_log
 
     return summarize_log(result["cfg"].log)
 

@@ -9,33 +9,11 @@ from __future__ import annotations
 import os
 import sys
 
-
-def _env_int(*names: str) -> int | None:
-    for name in names:
-        value = os.environ.get(name, "")
-        if value.strip().isdigit():
-            return int(value)
-    return None
-
-
-def env_world_size() -> int:
-    """The job size as the launcher announces it (before MPI is initialised)."""
-    return _env_int("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS") or 1
-
-
-def env_rank() -> int:
-    """This process's rank as the launcher announces it: only rank 0 prints usage errors
-    (also when a mismatched launcher gives every process a world of its own)."""
-    from mpilb.mpi.launcher import announced_rank
-
-    return announced_rank()
-
+from mpilb.mpi.launcher import announced_rank, env_world_size, one_blas_thread_per_rank
 
 # Several ranks share a node's cores: one BLAS thread per rank unless the user says otherwise.
-# This must happen before numpy is imported.
-if env_world_size() > 1:
-    for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ.setdefault(_var, "1")
+# This must happen before numpy is imported (nothing above imports it).
+one_blas_thread_per_rank()
 
 # A preemption signal (SIGTERM/SIGUSR1) while a training rank is still importing must not
 # kill it (exit 15, no checkpoint): note it now, `mpilb train` acts on it once running.
@@ -50,8 +28,13 @@ if len(sys.argv) > 1 and sys.argv[1] == "train":
     warnings.filterwarnings("ignore", message="suspicious MPI execution environment")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 
+from mpilb import __version__  # noqa: E402
+from mpilb.clusterbox import main as box_main  # noqa: E402
+from mpilb.config.build import OPTIONS, closest, load_toml  # noqa: E402
 from mpilb.errors import MpilbError, UsageError  # noqa: E402
+from mpilb.simulate.main import add_arguments as simulate_arguments, run_simulate  # noqa: E402
 
 
 class Parser(argparse.ArgumentParser):
@@ -64,8 +47,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         if message.startswith("unrecognized arguments:"):
-            from mpilb.config.build import OPTIONS, closest
-
             flags = [o.flag for o in OPTIONS]
             word = next((w for w in message.split(":", 1)[1].split() if w.startswith("--")), None)
             if word:
@@ -75,8 +56,6 @@ class Parser(argparse.ArgumentParser):
 
 
 def _add_train_options(p: argparse.ArgumentParser) -> None:
-    from mpilb.config.build import OPTIONS
-
     p.add_argument("config_file", nargs="?", metavar="CONFIG.toml",
                    help="TOML file with the same keys as the options")
     for opt in OPTIONS:
@@ -102,8 +81,6 @@ def _add_train_options(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> Parser:
     parser = Parser(prog="mpilb", description="Load-balanced asynchronous data-parallel training for MPI clusters.")
-    from mpilb import __version__
-
     parser.add_argument("--version", action="version", version=f"mpilb {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     sub.required = True
@@ -205,8 +182,6 @@ def build_parser() -> Parser:
     sub.add_parser("box", add_help=False, help="a cluster in a box: N emulated nodes on this "
                    "machine to run mpiexec across (root; docs/cluster.md)")
 
-    from mpilb.simulate.main import add_arguments as simulate_arguments
-
     simulate_arguments(sub.add_parser("simulate", help="replay a run or simulate a cluster "
                                       "under other policies (no MPI)"))
     return parser
@@ -215,14 +190,12 @@ def build_parser() -> Parser:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if list(argv[:1]) == ["box"]:   # up, run, down, status, cleanup: mpilb.clusterbox's parser
-        from mpilb.clusterbox import main as box_main
-
         return box_main(list(argv[1:]), prog="mpilb box")
     try:
         args = build_parser().parse_args(argv)
         return _dispatch(args)
     except UsageError as exc:
-        if env_rank() == 0:
+        if announced_rank() == 0:
             print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
         return 2
     except MpilbError as exc:
@@ -236,10 +209,13 @@ def main(argv=None) -> int:
 
 
 def _dispatch(args) -> int:
+    # Each command imports its own modules when it runs: `report` or `prepare` never loads
+    # mpi4py (importing it starts MPI), `box` and `--help` neither numpy nor h5py.
     if args.command == "prepare":
         return _prepare(args)
     if args.command == "data":
-        from mpilb.data.dataset import dataset_info, verify_dataset
+        from mpilb.data.describe import dataset_info
+        from mpilb.data.verified import verify_dataset
 
         if args.action == "verify":
             ds = verify_dataset(args.dir)
@@ -255,7 +231,7 @@ def _dispatch(args) -> int:
         if env_world_size() > 1 and _survive_signals(args.config_file, cli_values):
             from mpilb.run.supervise import supervise
 
-            supervise(env_rank())   # returns in the rank; its supervisor waits for it
+            supervise(announced_rank())   # returns in the rank; its supervisor waits for it
         return train(args.config_file, cli_values)
     if args.command == "report":
         from mpilb.runfiles.report import run_report
@@ -273,8 +249,6 @@ def _dispatch(args) -> int:
         print(export(args.checkpoint, args.out, model=args.model, overwrite=args.overwrite))
         return 0
     if args.command == "evaluate":
-        import json
-
         from mpilb.runfiles.export import evaluate_checkpoint
 
         result = evaluate_checkpoint(args.checkpoint, args.data, model=args.model)
@@ -287,8 +261,6 @@ def _dispatch(args) -> int:
 
         return doctor()
     if args.command == "simulate":
-        from mpilb.simulate.main import run_simulate
-
         return run_simulate(args)
     raise UsageError(f"unknown command {args.command}")
 
@@ -300,8 +272,6 @@ def _survive_signals(config_file, cli_values: dict) -> bool:
         return bool(cli_values["survive_signals"])
     if not config_file:
         return False
-    from mpilb.config.build import load_toml
-
     try:
         return load_toml(config_file).get("survive_signals") is True
     except UsageError:
@@ -309,26 +279,27 @@ def _survive_signals(config_file, cli_values: dict) -> bool:
 
 
 def _prepare(args) -> int:
-    from mpilb.data import dataset as D
+    from mpilb.data.ingest import prepare_csv, prepare_hdf5, prepare_npz
+    from mpilb.data.prepare import prepare_digits, prepare_synthetic
 
     common = dict(shards=args.shards, test_fraction=args.test_fraction, seed=args.seed)
     if args.source == "digits":
-        ds = D.prepare_digits(args.out, **common)
+        ds = prepare_digits(args.out, **common)
     elif args.source == "synthetic":
-        ds = D.prepare_synthetic(args.out, samples=args.samples, features=args.features,
-                                 classes=args.classes, noise=args.noise, **common)
+        ds = prepare_synthetic(args.out, samples=args.samples, features=args.features,
+                               classes=args.classes, noise=args.noise, **common)
     elif args.source == "npz":
-        ds = D.prepare_npz(args.file, args.out, x_key=args.x_key, y_key=args.y_key,
-                           task=args.task, **common)
+        ds = prepare_npz(args.file, args.out, x_key=args.x_key, y_key=args.y_key,
+                         task=args.task, **common)
     elif args.source == "hdf5":
         if len(args.inputs) < 2:
             raise UsageError("prepare hdf5: give one or more input FILEs, then OUT")
         *files, args.out = args.inputs
-        ds = D.prepare_hdf5(files, args.out, x_key=args.x_key, y_key=args.y_key,
-                            task=args.task, **common)
+        ds = prepare_hdf5(files, args.out, x_key=args.x_key, y_key=args.y_key,
+                          task=args.task, **common)
     else:
-        ds = D.prepare_csv(args.file, args.out, target=args.target, features=args.features,
-                           delimiter=args.delimiter, task=args.task, **common)
+        ds = prepare_csv(args.file, args.out, target=args.target, features=args.features,
+                         delimiter=args.delimiter, task=args.task, **common)
     if args.source in ("npz", "hdf5", "csv"):
         from mpilb.data.standardize import describe, standardize_dataset, unscaled
 

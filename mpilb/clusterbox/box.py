@@ -19,12 +19,11 @@ import threading
 from typing import Sequence
 
 from mpilb.errors import UsageError
-from mpilb.clusterbox import registry
-from mpilb.clusterbox.launcher import mpi_env, write_ssh
+import mpilb.clusterbox.registry as registry
+from mpilb.clusterbox.launcher import NODE_DEV, mpi_env, mpiexec_path, write_ssh
 from mpilb.clusterbox.system import BoxError, link_counters, netns_pids, rate_bytes, require, sh, shape
 
 SUBNET = "10.77.0"   # inside the box's own namespaces only
-NODE_DEV = "eth0"    # a node's end of its link (bridge end: v<K>)
 MAX_NODES = 250
 
 
@@ -229,8 +228,6 @@ class ClusterBox:
 
     def mpiexec_cmd(self, args: Sequence[str]) -> list[str]:
         """`mpiexec ARGS` with hydra told to reach the nodes through the ssh stand-in."""
-        from mpilb.clusterbox.launcher import mpiexec_path
-
         return [mpiexec_path(), "-launcher", "ssh", "-launcher-exec", self.ssh, *map(str, args)]
 
     def mpiexec(self, args: Sequence[str], timeout: float = 120, env: dict | None = None,

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from mpilb.errors import MpilbError, UsageError
-from mpilb.clusterbox import registry
+import mpilb.clusterbox.registry as registry
 from mpilb.clusterbox.box import ClusterBox
 from mpilb.clusterbox.system import netns_pids, require
 

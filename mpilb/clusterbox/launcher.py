@@ -11,6 +11,8 @@ import sysconfig
 
 from mpilb.errors import UsageError
 
+NODE_DEV = "eth0"    # a node's end of its link (bridge end: v<K>)
+
 # What ssh options hydra (or a user) may pass before the host and that take a value.
 _SSH_VALUE_OPTIONS = "bcDEeFIiJLlmOopQRSWw"
 
@@ -61,8 +63,6 @@ def box_vars(box) -> dict:
 def mpi_env(box) -> dict:
     """MPICH's settings for the box. UCX would otherwise move bytes between two nodes through
     shared memory (it sees one machine), and each library is pointed at the node's veth."""
-    from mpilb.clusterbox.box import NODE_DEV
-
     return {**box_vars(box),
             "UCX_TLS": "tcp,self",
             "UCX_NET_DEVICES": NODE_DEV,

@@ -4,6 +4,7 @@ return codes checked, and the check that they and root are there."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -80,8 +81,6 @@ def netns_pids(ns: str) -> list[int]:
 
 def link_counters(ns: str, dev: str) -> dict:
     """{"tx": bytes, "rx": bytes} that interface `dev` in namespace `ns` has sent/received."""
-    import json
-
     (link,) = json.loads(sh("ip", "-n", ns, "-j", "-s", "link", "show", "dev", dev))
     stats = link["stats64"]
     return {"tx": int(stats["tx"]["bytes"]), "rx": int(stats["rx"]["bytes"])}

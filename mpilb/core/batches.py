@@ -39,7 +39,7 @@ class ShardFeed:
     time spent waiting for rows that had not arrived yet.
 
     Args:
-        store: a ShardStore.
+        store: a ShardReader.
         backend: where batches live (numpy or cupy arrays).
     """
 

@@ -3,8 +3,9 @@
 A dataset is a directory holding ``manifest.json``, ``shard-00000.h5`` ... and ``test.h5``.
 Every HDF5 file has ``x`` (float32, chunked along samples) and ``y``: int64 class labels,
 or float32 targets (one per sample or a vector of ``target_shape``) for regression.
-This module opens and validates datasets (:func:`open_dataset`, :func:`verify_dataset`) and
-describes them (:func:`dataset_info`, in :mod:`mpilb.data.describe`); :mod:`mpilb.data.prepare` writes
+This module opens and validates datasets (:func:`open_dataset`; the full check of every file,
+:func:`~mpilb.data.verified.verify_dataset`, is in :mod:`mpilb.data.verified`) and describes
+them (:func:`dataset_info`, in :mod:`mpilb.data.describe`); :mod:`mpilb.data.prepare` writes
 them and :mod:`mpilb.data.shards` reads shards during training.
 
 Every problem with a dataset raises :class:`~mpilb.errors.DataError` whose message starts
@@ -14,6 +15,7 @@ with the offending file, so that a user of a 64-shard dataset knows which file t
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import re
 from dataclasses import dataclass, field
@@ -33,7 +35,6 @@ TARGET_DTYPE = "float32"   # regression targets (num_classes 0), shape () or (k,
 
 # Block size for streamed checksums and for chunk-wise content checks.
 HASH_BLOCK = 4 << 20
-CHECK_BYTES = 16 << 20
 
 _SHARD_RE = re.compile(r"^shard-\d{5}\.h5$")
 
@@ -357,7 +358,7 @@ def open_dataset(root, check_files: bool = True) -> Dataset:
         root: the dataset directory.
         check_files: also check that every shard and the test file exist, open with h5py
             and hold ``x``/``y`` of the manifest's sample count, shape and dtypes. This reads
-            metadata only; :func:`verify_dataset` does the expensive checks.
+            metadata only; :func:`mpilb.data.verified.verify_dataset` does the expensive checks.
 
     Returns:
         The :class:`Dataset`.
@@ -372,67 +373,6 @@ def open_dataset(root, check_files: bool = True) -> Dataset:
             with open_h5(path) as f:
                 check_h5_layout(f, path, samples, ds.sample_shape, ds.label_dtype, ds.target_shape)
     return ds
-
-
-def verify_dataset(root, cached: bool = False) -> Dataset:
-    """Fully verify a dataset: manifest, layout, checksums, labels and feature values.
-
-    Files are hashed in blocks and read chunk by chunk (memory stays small whatever the
-    dataset's size); every file that passes is recorded (:mod:`mpilb.data.verified`).
-
-    Args:
-        root: the dataset directory.
-        cached: skip every check of the files recorded as passed that have not changed since
-            (same path, size, mtime, inode): `mpilb train`; `mpilb data verify` checks all.
-
-    Returns: the :class:`Dataset` when everything checks out.
-
-    Raises:
-        DataError: naming the first bad file and its problem, e.g.
-            ``shard-00003.h5: checksum mismatch (manifest sha256 ab12..., file cd34...)``.
-    """
-    ds = open_dataset(root, check_files=False)
-    verify_files(ds, _all_files(ds), cached)
-    return ds
-
-
-def verify_files(ds: Dataset, files, cached: bool = False,
-                 fix: str = "the file was modified or damaged, re-run `mpilb prepare`") -> None:
-    """:func:`verify_dataset`'s checks of `files`, (name, samples, sha256) in `ds`'s directory
-    (the checksum another manifest's, for a node-local copy); `fix`: what a mismatch advises."""
-    from mpilb.data.verified import VerifiedFiles
-
-    records = VerifiedFiles(ds.root)
-    rows = max(1, CHECK_BYTES // ds.row_nbytes)
-    try:
-        for name, samples, sha in files:
-            path = ds.root / name
-            if cached and records.trusted(path, sha):
-                continue   # unchanged since it passed: layout, checksum and values
-            records.begin(path)
-            with open_h5(path) as f:
-                check_h5_layout(f, path, samples, ds.sample_shape, ds.label_dtype, ds.target_shape)
-            _check_file(ds, path, samples, sha, rows, fix)
-            records.passed(path, sha)
-    finally:
-        records.save()   # what passed stays recorded, even when a later file fails
-
-
-def _check_file(ds: Dataset, path: Path, samples: int, sha: str, rows: int, fix: str) -> None:
-    """Checksum, then labels and feature values, of one file; DataError naming it."""
-    actual = sha256_file(path)
-    if actual != sha:
-        raise DataError(f"{path}: checksum mismatch (manifest sha256 {sha[:12]}..., file "
-                        f"{actual[:12]}...); {fix}")
-    with open_h5(path) as f:
-        x_ds, y_ds = f["x"], f["y"]
-        for lo in range(0, samples, rows):
-            hi = min(samples, lo + rows)
-            try:
-                x, y = x_ds[lo:hi], y_ds[lo:hi]
-            except (OSError, RuntimeError) as exc:
-                raise DataError(f"{path}: cannot read rows {lo}-{hi} ({exc}); truncated?") from exc
-            check_values(path, x, y, ds.num_classes, first_row=lo)
 
 
 # --------------------------------------------------------------------------- writers (moved)
@@ -451,7 +391,5 @@ _MOVED.update({name: "describe" for name in ("dataset_info", "_human_bytes")})
 
 def __getattr__(name: str):
     if name in _MOVED:
-        import importlib
-
         return getattr(importlib.import_module(f"{__package__}.{_MOVED[name]}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """Reading shards during training: cached HDF5 handles, per-epoch permutations, prefetch.
 
-A worker asks for ``(epoch, shard)``; :class:`ShardStore` reads the shard contiguously
+A worker asks for ``(epoch, shard)``; :class:`ShardReader` reads the shard contiguously
 (chunk-aligned, the fast way to read HDF5), permutes its rows in memory with a
 permutation that depends only on ``(seed, epoch, shard)``, and hands back a
 :class:`ShardData`. Positions in that permuted order define batches: a batch is a range
@@ -8,7 +8,7 @@ permutation that depends only on ``(seed, epoch, shard)``, and hands back a
 reproduce exactly which samples a batch held.
 
 One background thread prefetches the next shard while the worker computes on the
-current one; :meth:`ShardStore.get` reports only the time the caller actually waited,
+current one; :meth:`ShardReader.get` reports only the time the caller actually waited,
 because read time hidden behind compute costs nothing.
 
 With ``cache_mb`` (``--cache-mb``), when every shard the rank may read fits in that many
@@ -53,7 +53,7 @@ class ShardData:
         return len(self.y)
 
 
-class ShardStore:
+class ShardReader:
     """Reads a dataset's shards with cached file handles, prefetch and a small LRU cache.
 
     Args:
@@ -212,7 +212,7 @@ class ShardStore:
         """Start loading ``(epoch, shard)`` in the background thread (no-op if cached or pending)."""
         key = (int(epoch), int(shard))
         if self._closed:
-            raise RuntimeError("ShardStore is closed")
+            raise RuntimeError("ShardReader is closed")
         if self._cached(key) is not None:
             return
         with self._lock:
@@ -263,7 +263,7 @@ class ShardStore:
             if self._rows is not None:
                 self._rows.clear()
 
-    def __enter__(self) -> "ShardStore":
+    def __enter__(self) -> "ShardReader":
         return self
 
     def __exit__(self, *exc) -> None:

@@ -1,4 +1,5 @@
-"""Which dataset files have already been verified, so that a start does not re-hash them.
+"""The full check of a dataset's files (:func:`verify_dataset`: checksums, labels, values), and
+the records of the files that passed it, so that a start does not re-hash them.
 
 Hashing every shard at every start costs about 3 s per GB (47 min per TB), paid again on
 every requeue. A file whose full check passed (SHA-256 against the manifest, labels in
@@ -22,13 +23,18 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from mpilb.config.options import default_cache_dir
+from mpilb.data.dataset import (Dataset, _all_files, check_h5_layout, check_values, open_dataset,
+                                open_h5, sha256_file)
+from mpilb.errors import DataError
+
 CACHE_NAME = ".mpilb-verified.json"
 RACY_S = 2.0
+# Rows read at a time in a file's value check: memory stays small whatever the file's size.
+CHECK_BYTES = 16 << 20
 
 
 def _user_cache_path(root: Path) -> Path:
-    from mpilb.config.options import default_cache_dir
-
     digest = hashlib.sha256(str(root).encode()).hexdigest()[:24]
     return default_cache_dir() / "verified" / f"{digest}.json"
 
@@ -112,3 +118,62 @@ class VerifiedFiles:
                 except OSError:
                     pass
         return None
+
+
+def verify_dataset(root, cached: bool = False) -> Dataset:
+    """Fully verify a dataset: manifest, layout, checksums, labels and feature values.
+
+    Files are hashed in blocks and read chunk by chunk (memory stays small whatever the
+    dataset's size); every file that passes is recorded (:class:`VerifiedFiles`).
+
+    Args:
+        root: the dataset directory.
+        cached: skip every check of the files recorded as passed that have not changed since
+            (same path, size, mtime, inode): `mpilb train`; `mpilb data verify` checks all.
+
+    Returns: the :class:`Dataset` when everything checks out.
+
+    Raises:
+        DataError: naming the first bad file and its problem, e.g.
+            ``shard-00003.h5: checksum mismatch (manifest sha256 ab12..., file cd34...)``.
+    """
+    ds = open_dataset(root, check_files=False)
+    verify_files(ds, _all_files(ds), cached)
+    return ds
+
+
+def verify_files(ds: Dataset, files, cached: bool = False,
+                 fix: str = "the file was modified or damaged, re-run `mpilb prepare`") -> None:
+    """:func:`verify_dataset`'s checks of `files`, (name, samples, sha256) in `ds`'s directory
+    (the checksum another manifest's, for a node-local copy); `fix`: what a mismatch advises."""
+    records = VerifiedFiles(ds.root)
+    rows = max(1, CHECK_BYTES // ds.row_nbytes)
+    try:
+        for name, samples, sha in files:
+            path = ds.root / name
+            if cached and records.trusted(path, sha):
+                continue   # unchanged since it passed: layout, checksum and values
+            records.begin(path)
+            with open_h5(path) as f:
+                check_h5_layout(f, path, samples, ds.sample_shape, ds.label_dtype, ds.target_shape)
+            _check_file(ds, path, samples, sha, rows, fix)
+            records.passed(path, sha)
+    finally:
+        records.save()   # what passed stays recorded, even when a later file fails
+
+
+def _check_file(ds: Dataset, path: Path, samples: int, sha: str, rows: int, fix: str) -> None:
+    """Checksum, then labels and feature values, of one file; DataError naming it."""
+    actual = sha256_file(path)
+    if actual != sha:
+        raise DataError(f"{path}: checksum mismatch (manifest sha256 {sha[:12]}..., file "
+                        f"{actual[:12]}...); {fix}")
+    with open_h5(path) as f:
+        x_ds, y_ds = f["x"], f["y"]
+        for lo in range(0, samples, rows):
+            hi = min(samples, lo + rows)
+            try:
+                x, y = x_ds[lo:hi], y_ds[lo:hi]
+            except (OSError, RuntimeError) as exc:
+                raise DataError(f"{path}: cannot read rows {lo}-{hi} ({exc}); truncated?") from exc
+            check_values(path, x, y, ds.num_classes, first_row=lo)

@@ -21,6 +21,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 import numpy as np
 
 from mpilb.errors import UsageError
@@ -29,8 +34,24 @@ from mpilb.models.base import Model
 TORCH_HINT = ('PyTorch is not installed: pip install "mpilb[torch]" (on CPU-only nodes first '
               'pip install torch --index-url https://download.pytorch.org/whl/cpu, ~0.2 GB '
               'instead of the CUDA build\'s several GB)')
-# Objects handed to mpilb.train(model=...) are registered under "python:<key>".
-OBJECTS: dict[str, Any] = {}
+# Objects handed to mpilb.train(model=...), registered by model_spec under "python:<name>".
+_OBJECTS: dict[str, Any] = {}
+
+
+def model_spec(model) -> str:
+    """A ``--model`` value for ``model``: a string as it is, an importable class or function
+    as ``module:NAME``, any other object registered for this process under
+    ``python:<name>`` (every rank runs the same script, so every rank does)."""
+    if isinstance(model, str):
+        return model
+    module = getattr(model, "__module__", "") or ""
+    if ((inspect.isclass(model) or inspect.isfunction(model)) and module not in ("__main__", "")
+            and not module.startswith("mpilb_user_") and "<locals>" not in model.__qualname__):
+        return f"{module}:{model.__qualname__}"   # importable: checkpoints can name it
+    name = getattr(model, "__qualname__", None) or type(model).__qualname__
+    key = f"python:{name}"
+    _OBJECTS[key] = model
+    return key
 
 
 def is_user_spec(spec) -> bool:
@@ -40,10 +61,6 @@ def is_user_spec(spec) -> bool:
 def parse_model_args(items, flag: str = "--model-arg") -> dict:
     """``["width=64", "act=relu"]`` -> ``{"width": 64, "act": "relu"}`` (TOML values);
     ``flag`` names the option in errors."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # pragma: no cover
-        import tomli as tomllib  # type: ignore[no-redef]
     out = {}
     for item in items or []:
         key, sep, text = str(item).partition("=")
@@ -94,9 +111,9 @@ def _load_file(spec: str, path: Path):
 def load_object(spec: str):
     """The object NAME names in ``FILE.py:NAME`` or ``package.module:NAME``."""
     if spec.startswith("python:"):
-        if spec not in OBJECTS:
+        if spec not in _OBJECTS:
             raise UsageError(f"--model {spec}: not a model handed to mpilb.train in this process")
-        return OBJECTS[spec], "mpilb.train(model=...)"
+        return _OBJECTS[spec], "mpilb.train(model=...)"
     where, _, attr = spec.rpartition(":")
     if not where or not attr:
         raise UsageError(f"--model {spec!r}: expected FILE.py:NAME or package.module:NAME")
@@ -127,7 +144,7 @@ def _torch_adapter():
     """The adapter module, only if the user's code has imported torch already."""
     if "torch" not in sys.modules:
         return None
-    from mpilb.models import torch_adapter
+    import mpilb.models.torch_adapter as torch_adapter   # imports torch
 
     return torch_adapter
 

@@ -10,12 +10,15 @@ the workers need, so every wait here polls with :class:`Backoff` instead.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import re
 import socket
 import sys
 import time
 from typing import Optional
 
+from mpilb.core.topology import number_nodes
 from mpilb.mpi.waiting import Backoff
 from mpilb.mpi.wire import TAG_ERROR, TAG_LEAVE, TAG_PREEMPT
 
@@ -103,8 +106,6 @@ def nodes(comm=None) -> list[int]:
     """Node index of every rank, in rank order (collective): the ranks that share memory
     (COMM_TYPE_SHARED) are one node, and nodes are numbered in order of their lowest rank,
     so rank 0 is on node 0 (topology.number_nodes)."""
-    from mpilb.core.topology import number_nodes
-
     comm = comm or MPI.COMM_WORLD
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
@@ -127,8 +128,6 @@ def library_version() -> str:
 
 def library_file() -> str:
     """Path of the MPI library this process loaded ('' if unknown: not Linux)."""
-    import re
-
     try:
         with open("/proc/self/maps") as fh:
             found = re.search(r"\s(/\S*/lib(?:mpi|mpich|impi)[\w.-]*\.so[\w.]*)$", fh.read(), re.M)
@@ -193,8 +192,6 @@ def mpi_info() -> dict:
     `thread_level` (names), `cuda_support` (the library's MPIX_Query_cuda_support: True,
     False, or None where the library has no such query).
     """
-    import ctypes
-
     names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
     libmpi = library_file()

@@ -20,6 +20,8 @@ import os
 import socket
 from typing import Optional
 
+from mpilb.mpi.waiting import Backoff
+
 # How long a wait polls before it sleeps on a rank with a CPU to itself: longer than a
 # push's round trip and than rank 0's wait for the next push in the runs measured (10 ms
 # took about all of the gain of never sleeping, 2 ms half of it; docs/architecture.md,
@@ -105,8 +107,6 @@ def spinning(comm, stores=(0,)) -> list[bool]:
 def start_waits(comm, stores=(0,)) -> list[bool]:
     """Collective: make this process's waits poll for :data:`SPIN_S` seconds before they
     sleep where :func:`spinning` says so. Returns every rank's answer."""
-    from mpilb.mpi.waiting import Backoff
-
     spins = spinning(comm, stores)
-    Backoff.spin_s = SPIN_S if spins[comm.Get_rank()] else 0.0
+    Backoff.poll_first(SPIN_S if spins[comm.Get_rank()] else 0.0)
     return spins

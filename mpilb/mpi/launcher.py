@@ -1,7 +1,7 @@
 """What the launcher (mpiexec, mpirun, srun) says about the job, read from the variables it
 gives every process it starts.
 
-These are readable before MPI starts (cli.py sizes BLAS threads from them) and tell what MPI
+These are readable before MPI starts (the command sizes BLAS threads from them) and tell what MPI
 cannot: when the launcher belongs to another MPI library than the one mpi4py loaded, MPI
 gives every process a world of its own, and only the launcher's variables still say that it
 started several (:func:`mismatch`). Only the standard library is imported here.
@@ -77,6 +77,24 @@ def announced_size() -> int:
 def announced_rank() -> int:
     """This process's rank as the launcher announces it (0 without one)."""
     return launch().rank or 0
+
+
+def env_world_size() -> int:
+    """The job size as the launcher's variables give it, read the way BLAS threads are sized
+    (any of them, Slurm's job-wide count included; 1 without one)."""
+    for name in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS"):
+        value = os.environ.get(name, "")
+        if value.strip().isdigit():
+            return int(value) or 1
+    return 1
+
+
+def one_blas_thread_per_rank() -> None:
+    """Several ranks share a node's cores: one BLAS thread per rank in a multi-rank job,
+    unless the user says otherwise. Only effective before numpy is imported."""
+    if env_world_size() > 1:
+        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            os.environ.setdefault(var, "1")
 
 
 def mismatch(world_size: int, library: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:

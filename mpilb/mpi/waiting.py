@@ -3,8 +3,9 @@ waits (pure).
 
 MPICH's blocking waits spin a core. On an oversubscribed node a spinning rank steals the CPU
 the workers need, so every wait polls with :class:`Backoff` instead (comm.py uses it). A
-rank with a CPU to itself (cores.py) polls without sleeping for the first
-:attr:`Backoff.spin_s` seconds of each wait, where a reply usually comes, and sleeps after.
+rank with a CPU to itself (cores.py, through :meth:`Backoff.poll_first`) polls without
+sleeping for the first :attr:`Backoff.spin_s` seconds of each wait, where a reply usually
+comes, and sleeps after.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ class Backoff:
     of a core, for a notice 0.5 % sooner.
     """
 
-    # Seconds a wait polls without sleeping, from reset(): set for the whole process once
-    # it is known to have a CPU to itself (cores.py); 0 (sleep between polls) otherwise.
+    # Seconds a wait polls without sleeping, from reset(): one choice for the whole process,
+    # made through poll_first() once it is known to have a CPU to itself (cores.start_waits);
+    # 0 (sleep between polls) otherwise.
     spin_s = 0.0
     # Polls after reset() that do not sleep. MPICH's progress moves a message through
     # stages, about one per call (the envelope, then the shared-memory read and its
@@ -64,6 +66,12 @@ class Backoff:
         self.poll = fine
         self.spin_until = 0.0
         self.free = self.FREE_POLLS
+
+    @classmethod
+    def poll_first(cls, seconds: float) -> None:
+        """Make every wait of this process poll for `seconds` after reset() before it
+        sleeps (0: sleep between polls from the first miss on)."""
+        cls.spin_s = seconds
 
     def reset(self, due: Optional[float] = None, grace: float = 0.0,
               span: Optional[float] = None) -> None:

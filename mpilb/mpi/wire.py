@@ -22,7 +22,7 @@ each store sends its slice of the reply (TAG_PARAMS) when rank 0 tells it to (TA
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -95,11 +95,11 @@ class Reply(IntEnum):
     ASSIGN = 6        # src -1: read from own store; else receive rows from rank src (tag)
     N_ORDER = 18      # rows this worker must send: epoch, shard, start, end, dst, tag
     ORDER = 19
-    TRUNC_EPOCH = 31  # stop the task on this shard at TRUNC_END (the rest went elsewhere)
-    TRUNC_SHARD = 32
-    TRUNC_END = 33
+    CUT_EPOCH = 31    # stop the task on this shard at CUT_END (the rest went elsewhere)
+    CUT_SHARD = 32
+    CUT_END = 33
     DROP = 34         # 1: forget every task held (the server took them back: sit rounds out)
-    HAS_CUT = 35      # 1: TRUNC_* hold a cut (a cut at position 0 of shard 0 is all zeros)
+    HAS_CUT = 35      # 1: CUT_* hold a cut (a cut at position 0 of shard 0 is all zeros)
 
 
 class Cmd(IntEnum):
@@ -269,26 +269,32 @@ class ReplyMsg(NamedTuple):
     cut: Optional[Cut]
 
 
-def new_message(payload_floats: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Allocate one message buffer and its header/payload views.
+class MessageBuffer(NamedTuple):
+    """One message buffer and its views: `buf` is what MPI sends or receives (uint8, on the
+    host or a GPU), `header` its float64 header slots (on the host: a GPU buffer's header
+    is a copy), `payload` its float32 payload (a gradient or parameters). A tuple, so that
+    ``buf, header, payload = msg`` unpacks it."""
 
-    Returns:
-        (buf, header, payload): `buf` uint8 of HEADER_BYTES + 4*payload_floats bytes,
-        `header` float64 view of its first HEADER_FIELDS slots, `payload` float32 view of
-        the rest.
-    """
+    buf: Any
+    header: np.ndarray
+    payload: Any
+
+
+def new_message(payload_floats: int) -> MessageBuffer:
+    """Allocate one host message buffer and its views: `buf` uint8 of HEADER_BYTES +
+    4*payload_floats bytes, `header` float64 view of its first HEADER_FIELDS slots,
+    `payload` float32 view of the rest."""
     buf = np.zeros(HEADER_BYTES + 4 * payload_floats, dtype=np.uint8)
-    return buf, header_view(buf), buf[HEADER_BYTES:].view(np.float32)
+    return MessageBuffer(buf, header_view(buf), buf[HEADER_BYTES:].view(np.float32))
 
 
-def message_of(payload: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(buf, header, payload) of the message buffer a payload view (or a leading part of
-    one, from :func:`new_message`) lies in: a buffer that held parameters can receive a
-    push again."""
+def message_of(payload: np.ndarray) -> MessageBuffer:
+    """The message buffer a payload view (or a leading part of one, from
+    :func:`new_message`) lies in: a buffer that held parameters can receive a push again."""
     buf = payload.base
     if buf is None or buf.dtype != np.uint8 or buf.ndim != 1 or buf.nbytes < HEADER_BYTES:
         raise ValueError("not the payload of a message buffer from new_message()")
-    return buf, header_view(buf), buf[HEADER_BYTES:].view(np.float32)
+    return MessageBuffer(buf, header_view(buf), buf[HEADER_BYTES:].view(np.float32))
 
 
 def header_view(buf: np.ndarray) -> np.ndarray:
@@ -389,7 +395,7 @@ def encode_reply(hdr: np.ndarray, cmd: Cmd, *, version: int, batch: int, held_s:
     _put_rows(hdr, Reply.N_ASSIGN, Reply.ASSIGN, assigns, MAX_ASSIGN)
     _put_rows(hdr, Reply.N_ORDER, Reply.ORDER, orders, MAX_ORDER)
     if cut is not None:
-        hdr[Reply.TRUNC_EPOCH], hdr[Reply.TRUNC_SHARD], hdr[Reply.TRUNC_END] = cut
+        hdr[Reply.CUT_EPOCH], hdr[Reply.CUT_SHARD], hdr[Reply.CUT_END] = cut
         hdr[Reply.HAS_CUT] = 1
 
 
@@ -413,7 +419,7 @@ def decode_reply(hdr: np.ndarray) -> ReplyMsg:
     """Decode a server -> worker header (PARAMS, ORDERS or STOP)."""
     cut = None
     if hdr[Reply.HAS_CUT]:
-        cut = Cut(int(hdr[Reply.TRUNC_EPOCH]), int(hdr[Reply.TRUNC_SHARD]), int(hdr[Reply.TRUNC_END]))
+        cut = Cut(int(hdr[Reply.CUT_EPOCH]), int(hdr[Reply.CUT_SHARD]), int(hdr[Reply.CUT_END]))
     return ReplyMsg(cmd=command(hdr), version=int(hdr[Reply.VERSION]), batch=int(hdr[Reply.BATCH]),
                     held_s=float(hdr[Reply.HELD_S]), retry=bool(hdr[Reply.RETRY]),
                     drop=bool(hdr[Reply.DROP]),

@@ -18,10 +18,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpilb.mpi import comm as C
-from mpilb.mpi import wire
-from mpilb.mpi.wire import Cmd
+from mpilb.config.build import build_config
+from mpilb.core.topology import PER_NODE, store_ranks
 from mpilb.errors import UsageError
+from mpilb.mpi import comm as C
+from mpilb.mpi import cores, wire
+from mpilb.mpi.wire import Cmd
+from mpilb.run.components import config_model
+from mpilb.server.loop import ParameterServer
+from mpilb.server.store import SliceRank, store_bounds
 
 TAG_BARE = 21
 TAG_BARE_STOP = 22
@@ -101,9 +106,9 @@ def _null_worker(comm, n: int, bounds: list, stores: list) -> None:
     """The worker protocol without computing: push zero-cost gradients of the tasks assigned,
     honouring their ends, cuts and drops (so coverage stays exact, as with real workers).
     Slices go to their stores (`bounds`, the store ranks `stores`) as real workers send them."""
-    push_buf, push_hdr, push_payload = wire.new_message(n)
-    push_payload[:] = 1e-3
-    recv_buf, recv_hdr, recv_params = wire.new_message(n)
+    push = wire.new_message(n)
+    push.payload[:] = 1e-3
+    recv = wire.new_message(n)
     tasks: list[list[int]] = []   # [epoch, shard, pos, end]
     backoff = C.Backoff()
     step = 0
@@ -111,10 +116,10 @@ def _null_worker(comm, n: int, bounds: list, stores: list) -> None:
     pushes: list = []
     while True:
         if pulls is None:
-            pulls = [comm.Irecv(recv_params[bounds[s]:bounds[s + 1]], source=r, tag=wire.TAG_PARAMS)
+            pulls = [comm.Irecv(recv.payload[bounds[s]:bounds[s + 1]], source=r, tag=wire.TAG_PARAMS)
                      for s, r in enumerate(stores)]
-        C.recv_when_ready(comm, recv_buf[:wire.HEADER_BYTES], 0, wire.TAG_REPLY, backoff)
-        reply = wire.decode_reply(recv_hdr)
+        C.recv_when_ready(comm, recv.buf[:wire.HEADER_BYTES], 0, wire.TAG_REPLY, backoff)
+        reply = wire.decode_reply(recv.header)
         for req in pushes:   # done: the server replied (as a real worker, it did not wait)
             C.complete(req)
         pushes = []
@@ -144,12 +149,12 @@ def _null_worker(comm, n: int, bounds: list, stores: list) -> None:
         epoch, shard, lo, end = tasks[0]
         hi = min(lo + max(1, reply.batch), end)
         tasks[0][2] = hi
-        wire.encode_push(push_hdr, step=step, version=reply.version, epoch=epoch, shard=shard,
+        wire.encode_push(push.header, step=step, version=reply.version, epoch=epoch, shard=shard,
                          lo=lo, hi=hi, batch=hi - lo, loss=0.0, compute_s=0.0, io_s=0.0,
                          comm_s=0.0, idle_s=0.0, nonfinite=False, t=0.0)
-        pushes = [comm.Isend(push_payload[bounds[s]:bounds[s + 1]], dest=r, tag=wire.TAG_GRAD)
+        pushes = [comm.Isend(push.payload[bounds[s]:bounds[s + 1]], dest=r, tag=wire.TAG_GRAD)
                   for s, r in enumerate(stores) if s > 0]
-        pushes.append(comm.Isend(push_buf[:wire.HEADER_BYTES + 4 * bounds[1]], dest=0,
+        pushes.append(comm.Isend(push.buf[:wire.HEADER_BYTES + 4 * bounds[1]], dest=0,
                                  tag=wire.TAG_PUSH))
         step += 1
 
@@ -158,8 +163,6 @@ _NULL_SHARD = 1_000_000
 
 
 def _bench_config(n: int, seconds: float, optimizer: str, lr: float, stores: list, log: str):
-    from mpilb.config.build import build_config
-
     cfg = build_config({}, {"model": "softmax", "optimizer": optimizer, "lr": lr,
                             "epochs": 1, "max_seconds": seconds, "eval_interval": 1e9,
                             "rebalance_interval": 1.0, "progress": False,
@@ -175,9 +178,6 @@ def _bench_dataset(n: int, workers: int) -> _BenchDataset:
 def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: list) -> dict:
     """One timed run of the real server (rank 0), its stores and null workers (every rank).
     Rank 0 returns {updates_per_s, server_cpu_s, train_s, updates, servers: [...]}."""
-    from mpilb.server.store import SliceRank, store_bounds
-    from mpilb.run.components import config_model
-
     rank, size = comm.Get_rank(), comm.Get_size()
     dataset = _bench_dataset(n, size - len(stores))
     with tempfile.TemporaryDirectory() as tmp:
@@ -188,8 +188,6 @@ def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: l
         if rank > 0:
             SliceRank(cfg, dataset, comm, rank).run()
             return {}
-        from mpilb.server.loop import ParameterServer
-
         server = ParameterServer(cfg, dataset, comm, {"config": cfg.to_json(), "world_size": size})
         server.run()
         updates, train_s = server.version, server.train_s
@@ -204,8 +202,6 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
     (the ratio is the median of the per-pair ratios). With `servers` K > 1 (or "per-node")
     the real server has that many parameter stores, placed by node as `mpilb train` places
     them (topology.store_ranks); the bare loop stays one server, P-1 workers."""
-    from mpilb.core.topology import PER_NODE, store_ranks
-
     comm, rank, size = C.world()
     nodes = C.nodes(comm)
     if size < 2:
@@ -229,8 +225,6 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
                          f"{len(stores)} nodes has one rank (start more ranks per node)")
     if len(stores) > params:
         raise UsageError(f"bench ps: --servers {servers} exceeds --params {params}")
-    from mpilb.mpi import cores
-
     cores.start_waits(comm, stores)   # the waits of `mpilb train` here, for both loops
     lr = 1e-6
     # Use the server's actual parameter count (softmax: 10*(features+1)) for both loops.

@@ -83,7 +83,7 @@ def _validate(config_file, cli_values, world_size, all_args, nodes):
     (mpilb.config.validate) run against this job, its data and its model."""
     from mpilb.config import validate
     from mpilb.config.build import build_config, load_toml
-    from mpilb.data.dataset import verify_dataset
+    from mpilb.data.verified import verify_dataset
     from mpilb.runfiles.paths import check_paths, resolve_data, run_identity
     from mpilb.core.topology import store_ranks
     from mpilb.run.components import config_model, hold_out_validation

@@ -21,7 +21,7 @@ from mpilb.core.batches import GradientStep, ShardFeed
 from mpilb.core.inject import Injector, parse_injects
 from mpilb.core.optimizers import clip_grad_norm
 from mpilb.run.session import Session, files_line, format_final
-from mpilb.data.shards import ShardStore
+from mpilb.data.shards import ShardReader
 from mpilb.core.epochs import EpochStats, epoch_order
 
 
@@ -45,9 +45,9 @@ class SerialTrainer:
         self.params = self.backend.asarray(s.params)
         self.injector = Injector(parse_injects(cfg.experiment.inject, 1), 0, cfg.experiment.seed)
         inj = self.injector
-        self.store = ShardStore(dataset, seed=cfg.experiment.seed,
-                                io_delay=lambda nbytes, shard: inj.io_extra(time.monotonic(), nbytes, shard),
-                                cache_mb=cfg.inputs.cache_mb)
+        self.store = ShardReader(dataset, seed=cfg.experiment.seed,
+                                 io_delay=lambda nbytes, shard: inj.io_extra(time.monotonic(), nbytes, shard),
+                                 cache_mb=cfg.inputs.cache_mb)
         self.feed = ShardFeed(self.store, self.backend)
         self.step = GradientStep(self.model, self.backend, self.injector)
         self.version = self.resumed.version if self.resumed else 0

@@ -22,7 +22,7 @@ from mpilb.core.balancer import BalancerConfig, build_balancer
 from mpilb.run.evalproc import EvalProcess, EvalProcessGone
 from mpilb.models import initial_params
 from mpilb.run.progress import Progress, tapped
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 from mpilb.runfiles.runlog import RunLog
 from mpilb.core.schedules import build_schedule
 from mpilb.runfiles.tensorboard import tap_for

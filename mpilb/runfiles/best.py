@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import Callable, Optional
 
+import h5py
 import numpy as np
 
 
@@ -33,8 +34,6 @@ def best_path(checkpoint: str) -> str:
 
 def read_best(path: str) -> Optional[dict]:
     """The ``best`` attribute of a best checkpoint, or None (no such file, or not one)."""
-    import h5py
-
     try:
         with h5py.File(path, "r", locking=False) as f:
             text = f.attrs.get("best")

@@ -27,11 +27,12 @@ import numpy as np
 
 from mpilb import __version__
 from mpilb.errors import MpilbError, UsageError
+from mpilb.core.epochs import EpochStats
 
 FORMAT = 1
 
 # How positions of an epoch map to samples: the shard order and each shard's permutation are
-# drawn from these seeds (core.epochs.epoch_order, shards.ShardStore.permutation). A checkpoint
+# drawn from these seeds (core.epochs.epoch_order, shards.ShardReader.permutation). A checkpoint
 # taken part-way through an epoch is only meaningful under the same plan.
 PLAN_SCHEME = "order=default_rng([seed,epoch,0x5EED]);rows=default_rng([seed,epoch,shard])"
 
@@ -282,8 +283,6 @@ def _check_values(ck: Checkpoint, model, dataset) -> None:
     if ck.counts.dtype.kind not in "iu" or (ck.counts.size and ck.counts.min() < 0):
         raise UsageError(f"--resume: {path} is damaged: coverage/counts are not counts of "
                          f"applications (dtype {ck.counts.dtype}, or a negative value)")
-    from mpilb.core.epochs import EpochStats
-
     stats = {f.name for f in fields(EpochStats)}
     if not isinstance(ck.completed, list) or any(not isinstance(e, dict) or set(e) != stats
                                                  for e in ck.completed):
@@ -343,8 +342,6 @@ def resume_plan(order: list[int], counts: np.ndarray, offsets: np.ndarray,
 
 
 def restore_tracker(tracker, ckpt: Checkpoint, t: float) -> None:
-    from mpilb.core.epochs import EpochStats
-
     tracker.completed = [EpochStats(**s) for s in ckpt.completed]
     tracker.begin(ckpt.epoch, t, ckpt.counts)
 

@@ -17,8 +17,13 @@ from typing import Optional
 import h5py
 import numpy as np
 
+from mpilb.config.build import parse_hidden
+from mpilb.data.dataset import open_dataset
 from mpilb.errors import UsageError
-from mpilb.runfiles.paths import replace_file
+from mpilb.models import build_model, is_user_spec, parse_model_args
+from mpilb.models.user import model_spec
+from mpilb.runfiles.files import default_checkpoint, replace_file
+from mpilb.runfiles.runlog import checkpoint_of_log, file_kind
 
 
 class UntrustedModel(UsageError):
@@ -63,9 +68,6 @@ def read_checkpoint(path) -> TrainedCheckpoint:
 def not_checkpoint(path, attrs) -> None:
     """UsageError saying what the file is when it is a run log or another HDF5 file rather
     than a checkpoint (a run log names the checkpoint its run left, when there is one)."""
-    from mpilb.runfiles.paths import default_checkpoint
-    from mpilb.runfiles.runlog import checkpoint_of_log, file_kind
-
     kind = file_kind(attrs)
     if kind == "log":
         ckpt = checkpoint_of_log(str(path), attrs)
@@ -80,14 +82,10 @@ def not_checkpoint(path, attrs) -> None:
 
 def build_from_checkpoint(ckpt: TrainedCheckpoint, model=None):
     """The model the checkpoint's run built (or ``model``, checked against it)."""
-    from mpilb.api import _model_spec
-    from mpilb.config.build import parse_hidden
-    from mpilb.models import build_model, is_user_spec, parse_model_args
-
     cfg = ckpt.config
     spec = str(cfg.get("model", "mlp"))
     if model is not None:
-        spec = _model_spec(model)
+        spec = model_spec(model)
     elif spec.startswith("python:"):
         raise UsageError(f"{ckpt.path}: the run trained a model handed to mpilb.train "
                          f"({spec[7:]}); pass it: mpilb.load({ckpt.path!r}, model={spec[7:]})")
@@ -151,7 +149,7 @@ def export(checkpoint, out, model=None, overwrite: bool = False) -> str:
     if not str(ckpt.model.get("model", "")).startswith("torch:"):
         raise UsageError(f"{checkpoint}: {ckpt.model.get('model')} is not a torch model; "
                          "export it as OUT.npz")
-    from mpilb.models import torch_adapter
+    from mpilb.models import torch_adapter   # imports torch: only for a torch export
 
     try:
         state = build_from_checkpoint(ckpt, model).state_dict(ckpt.params, ckpt.state)
@@ -179,8 +177,6 @@ def _check_out(out, overwrite: bool) -> None:
 
 def evaluate_checkpoint(checkpoint, data, model=None) -> dict:
     """The test metrics of a checkpoint's parameters on the dataset ``data``."""
-    from mpilb.data.dataset import open_dataset
-
     ckpt = read_checkpoint(checkpoint)
     ds = open_dataset(data)
     saved = ckpt.dataset

@@ -8,11 +8,22 @@ paths, the checkpoint beside the log.
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
+import uuid
+from pathlib import Path
+
+import h5py
 
 from mpilb.config.options import default_cache_dir
 from mpilb.config.sections import Config
+from mpilb.data.dataset import open_dataset
+from mpilb.data.prepare import prepare_synthetic
 from mpilb.errors import UsageError
+from mpilb.runfiles.files import default_checkpoint
+from mpilb.runfiles.runlog import file_kind, open_for_reading
 
 DEFAULT_DATASET = dict(samples=24000, features=64, classes=10, shards=12, noise=0.0,
                        test_fraction=0.2, seed=0)
@@ -20,8 +31,6 @@ DEFAULT_DATASET = dict(samples=24000, features=64, classes=10, shards=12, noise=
 
 def default_dataset_dir() -> str:
     """The built-in dataset, generated once into $MPILB_CACHE (used when --data is not given)."""
-    from mpilb.data.dataset import open_dataset
-
     root = default_cache_dir() / "default-synthetic-v1"
     try:
         open_dataset(root)
@@ -37,10 +46,6 @@ def default_dataset_dir() -> str:
 
 
 def _generate_default(root) -> str:
-    import shutil
-
-    from mpilb.data.dataset import prepare_synthetic
-
     if root.exists():
         shutil.rmtree(root)
     root.parent.mkdir(parents=True, exist_ok=True)
@@ -69,9 +74,6 @@ RUNS_DIR = "runs"
 def next_run_log(directory: str = RUNS_DIR) -> str:
     """Reserve and return `runs/NNN.h5`, the next free number (created empty, exclusively,
     so two runs started at once in one folder never get the same file)."""
-    import os
-    from pathlib import Path
-
     d = Path(directory)
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -92,24 +94,12 @@ def next_run_log(directory: str = RUNS_DIR) -> str:
             raise UsageError(f"cannot create {path} ({exc.strerror}): pass --log RUN.h5") from None
 
 
-def default_checkpoint(log: str) -> str:
-    """The checkpoint beside a log: `runs/003.h5` -> `runs/003.ckpt.h5`."""
-    from pathlib import Path
-
-    p = Path(log)
-    stem = p.name[: -len(p.suffix)] if p.suffix in (".h5", ".hdf5") else p.name
-    return str(p.with_name(stem + ".ckpt.h5"))
-
-
 def check_paths(cfg: Config, dataset, config_file=None) -> None:
     """Decide the log and checkpoint files (docs/logs.md) and refuse names that would
     destroy something: an existing log or checkpoint (unless --resume or --overwrite), or one
     file named twice among --log, --checkpoint, the config file and the dataset's files.
     Fills in `cfg.log` (a new `runs/NNN.h5`) and `cfg.checkpoint` when they were not given.
     """
-    import os
-    from pathlib import Path
-
     if cfg.log:
         check_writable_dir(cfg.log, "--log")
     if cfg.checkpoint:
@@ -149,8 +139,6 @@ def check_paths(cfg: Config, dataset, config_file=None) -> None:
 
 
 def _same_file(a: str, b: str) -> bool:
-    import os
-
     if os.path.realpath(a) == os.path.realpath(b):
         return True
     try:
@@ -161,10 +149,6 @@ def _same_file(a: str, b: str) -> bool:
 
 def check_writable_dir(path: str, option: str) -> None:
     """Fail at start-up, not an hour in, when a file cannot be written where asked."""
-    import os
-    import tempfile
-    from pathlib import Path
-
     parent = Path(path).resolve().parent
     if not parent.is_dir():
         raise UsageError(f"{option} {path}: directory {parent} does not exist")
@@ -184,13 +168,8 @@ def run_identity(cfg: Config) -> str:
         UsageError: on --resume, a log that is missing or unreadable (its coverage cannot
             be continued), or a checkpoint written by another run than the log's.
     """
-    import uuid
-    from pathlib import Path
-
     if not cfg.resume:
         return uuid.uuid4().hex
-    from mpilb.runfiles.runlog import file_kind, open_for_reading
-
     log, ckpt = cfg.log, cfg.checkpoint
     if not Path(log).is_file():
         raise UsageError(f"--resume: the run log {log} does not exist: without it the run's "
@@ -205,8 +184,6 @@ def run_identity(cfg: Config) -> str:
     if file_kind(log_attrs) != "log":
         raise UsageError(f"--resume: {log} is not an mpilb run log")
     try:
-        import h5py
-
         with h5py.File(ckpt, "r", locking=False) as f:
             ckpt_id = f.attrs.get("run_id")
     except OSError:
@@ -221,41 +198,3 @@ def run_identity(cfg: Config) -> str:
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else (str(value) if value else "")
-
-
-def replace_file(path, write, what: str, text: bool = False) -> None:
-    """Write an output file (an export, a report's CSV or figure) beside ``path`` and rename
-    it into place: a failure leaves what was there, and a symbolic link at ``path`` is
-    replaced itself, never written through (an output directory someone else can write to
-    could hold a link to any file of the user's).
-
-    Args:
-        path: the file to (re)write.
-        write: ``write(fh)`` writes the contents into the open file.
-        what: the file's name in a message (the option and path), e.g. ``"--csv out"``.
-        text: open it as UTF-8 text (else binary).
-
-    Raises:
-        UsageError: the file cannot be written there (the message names ``what``).
-    """
-    import os
-    import tempfile
-    from pathlib import Path
-
-    p = Path(path)
-    try:
-        fd, tmp = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise UsageError(f"{what}: cannot write in {p.parent} ({exc.strerror or exc})") from None
-    try:
-        with (os.fdopen(fd, "w", newline="", encoding="utf-8") if text else os.fdopen(fd, "wb")) as fh:
-            write(fh)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)   # mkstemp's 0600 -> what open() would have given
-        os.replace(tmp, p)
-    except OSError as exc:
-        raise UsageError(f"{what}: cannot write {p.name} ({exc.strerror or exc})") from None
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)

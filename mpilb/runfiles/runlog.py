@@ -10,8 +10,11 @@ is closed, by reopening the file normally.
 
 from __future__ import annotations
 
+import csv
+import fcntl
 import json
 import os
+import shutil
 import sys
 import time
 from datetime import datetime, timezone
@@ -23,6 +26,7 @@ import numpy as np
 
 from mpilb import __version__
 from mpilb.errors import LogWriteError, MpilbError, UsageError
+from mpilb.runfiles.files import default_checkpoint, replace_file
 
 SCHEMA: dict[str, dict[str, str]] = {
     "updates": {"t": "f8", "worker": "i4", "version": "i8", "staleness": "i4", "batch": "i4",
@@ -116,8 +120,6 @@ class RunLog:
         start-up instead of both writing one file. HDF5's own locking is off (SWMR readers,
         parallel file systems), so the lock is a separate flock on the file; a checkpoint,
         replaced by a rename at each write, is locked through a file beside it."""
-        import fcntl
-
         what = what or f"--log {path}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -270,8 +272,6 @@ class RunLog:
         return open(f"/proc/self/fd/{fd}", "rb")   # keeps the deleted file once closed
 
     def _write_back(self, src) -> None:
-        import shutil
-
         tmp = f"{self.path}.restore{os.getpid()}"
         try:
             with src, open(tmp, "wb") as dst:
@@ -303,8 +303,6 @@ def file_kind(attrs) -> str:
 def checkpoint_of_log(path: str, attrs) -> Optional[str]:
     """The checkpoint a run log's run wrote, if it exists: the one in its config, else the
     default beside the log (`runs/003.h5` -> `runs/003.ckpt.h5`)."""
-    from mpilb.runfiles.paths import default_checkpoint
-
     candidates = []
     try:
         recorded = json.loads(attrs["config"]).get("checkpoint")
@@ -387,7 +385,7 @@ def read(path: str) -> dict:
     Raises:
         ImportError: pandas is not installed (``pip install pandas``).
     """
-    import pandas as pd
+    import pandas as pd   # optional: only this reader needs it
 
     attrs, cols = read_columns(path)
     meta = dict(attrs)
@@ -411,10 +409,6 @@ def write_csv(cols: dict[str, dict[str, np.ndarray]], out_dir) -> list[str]:
     A header line with the column names, then one line per row; floats are written in full
     precision (``repr``), events as text. Returns the paths written.
     """
-    import csv
-
-    from mpilb.runfiles.paths import replace_file
-
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)

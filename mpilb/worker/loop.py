@@ -5,6 +5,11 @@ reply [header | parameters], take the assignments it carries, repeat; with nothi
 wait for the server's next message. With --pipeline 1 the next gradient is computed on the
 parameters at hand while the previous push is in flight.
 
+The worker is built of parts that each own their state: where its message buffers live
+(messages.py), the push side (pushes.py), the server's replies and the parameters
+(replies.py), the tasks they carry into the feed (assignments.py) and the rows exchanged
+with other workers (row_exchange.py).
+
 GPU workers compute on CuPy arrays and synchronise the stream before MPI touches memory;
 without CUDA-aware MPI (the default) gradients and parameters are staged through pinned host
 buffers, one copy each way per step.
@@ -15,83 +20,32 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 
-from mpilb.mpi import comm as C
-from mpilb.mpi import doorbell
-from mpilb.run import signals
 from mpilb.backend import select_backend
 from mpilb.core.batches import GradientStep, ShardFeed
 from mpilb.core.inject import Injector, parse_injects
-from mpilb.worker.row_exchange import RowExchange, held_shards
-from mpilb.data.shards import ShardStore
 from mpilb.core.optimizers import clip_grad_norm
 from mpilb.core.topology import stores_of, workers_of
+from mpilb.data.shards import ShardReader
+from mpilb.mpi import comm as C
+from mpilb.mpi import doorbell, wire
+from mpilb.mpi.watchdog import Rank0Watch
+from mpilb.mpi.wire import Cmd
+from mpilb.run import signals
 from mpilb.run.signals import PREEMPTED, USR1_NOTICE
 from mpilb.run.components import config_model
-from mpilb.mpi.waiting import WaitEstimate
-from mpilb.mpi.watchdog import Rank0Watch
-from mpilb.mpi import wire
-from mpilb.mpi.wire import Cmd
+from mpilb.worker.assignments import Assignments
+from mpilb.worker.messages import DeviceMessages
+from mpilb.worker.pushes import Computed, Pushes, TimeSincePush
+from mpilb.worker.replies import Replies
+from mpilb.worker.row_exchange import RowExchange, held_shards
 
 
 class StopWorker(Exception):
     pass
-
-
-@dataclass
-class Computed:
-    """A gradient computed into a push buffer, not yet pushed."""
-
-    batch: object
-    loss: float
-    compute_s: float
-    nonfinite: bool
-    version: int        # parameters it was computed on (pipelined: older than the latest)
-
-
-class TimeSincePush:
-    """Where a worker's time went since its last push, reported in the next push's header.
-
-    Communication and idle seconds accumulate between pushes; I/O is the feed's running total,
-    reported as its growth since the last report. `reply_wait` learns how long the server
-    holds a reply, so that the worker wakes up just in time for it.
-    """
-
-    def __init__(self):
-        self.comm_s = self.idle_s = 0.0
-        self.io_reported = 0.0
-        self.reply_wait = WaitEstimate()   # push -> reply
-
-    def reply_window(self, counts_as_idle: bool) -> tuple[Optional[float], float]:
-        """(due, grace) for the wait for the server's next message."""
-        return (None, 0.0) if counts_as_idle else self.reply_wait.window(time.monotonic())
-
-    def waited(self, waited: float, held: float, counts_as_idle: bool) -> None:
-        """Account a wait for the server's message (`held`: the server's hold of the reply)."""
-        if counts_as_idle:
-            self.idle_s += waited
-        else:
-            # the server's hold, not `waited`: that includes this rank's own lateness, and
-            # waking later for having woken late would feed on itself
-            self.reply_wait.update(held)
-            self.idle_s += min(held, waited)
-            self.comm_s += max(0.0, waited - held)
-
-    def report(self, io_total: float) -> dict:
-        """The push header's timing fields; starts the next interval."""
-        fields = dict(io_s=io_total - self.io_reported, comm_s=self.comm_s, idle_s=self.idle_s)
-        self.io_reported = io_total
-        self.comm_s = self.idle_s = 0.0
-        return fields
-
-
-# While a reply's parameters are still arriving, rank 0 is asked again to progress them
-# before the progress a poke buys runs out (0.4 ms).
-POKE_EVERY_S = 0.8 * doorbell.POKE_PROGRESS_S
 
 
 class Worker:
@@ -104,226 +58,70 @@ class Worker:
         self.n = self.model.num_params
         self.injector = Injector(parse_injects(cfg.inject, comm.Get_size()), rank, cfg.seed)
         inj = self.injector
-        self.held = None
+        held = None
         if cfg.store == "local":
-            self.held = held_shards(len(dataset.shard_sizes), rank,
-                                    workers_of(cfg, comm.Get_size()), cfg.replicas, hosts)
-        self.store = ShardStore(dataset, seed=cfg.seed,
-                                io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
-                                cache_mb=cfg.cache_mb, shards=self.held)
-        self.feed = ShardFeed(self.store, self.backend)
+            held = held_shards(len(dataset.shard_sizes), rank,
+                               workers_of(cfg, comm.Get_size()), cfg.replicas, hosts)
+        self.reader = ShardReader(dataset, seed=cfg.seed,
+                                  io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
+                                  cache_mb=cfg.cache_mb, shards=held)
+        self.feed = ShardFeed(self.reader, self.backend)
         self.step_fn = GradientStep(self.model, self.backend, self.injector)
-        self.on_cpu = self.backend.name == "cpu"
-        # With CUDA-aware MPI, messages live in device memory and MPI reads them there;
-        # otherwise a GPU worker stages them through pinned host buffers.
-        self.cuda_aware = cfg.workers_cuda_aware and not self.on_cpu
-        # Two push buffers so that with --pipeline 1 one can be in flight while the next
-        # gradient is computed into the other.
-        # a push carries the gradient, then the model's state (e.g. BatchNorm statistics)
-        self.push_bufs = [self._message(self.n + self.model.num_state)
-                          for _ in range(2 if cfg.pipeline else 1)]
-        self.recv_buf = self._message()
-        # Where the message payload is already on the compute device (CPU, or CUDA-aware
-        # GPU), the parameters are used where they were received: no copy per step. With
-        # --pipeline 1 the next reply arrives while the parameters are in use, so replies
-        # alternate between two buffers: the one not computed on receives (`spare_buf`
-        # holds the parameters in use).
-        self.device_payload = self.on_cpu or self.cuda_aware
-        self.spare_buf = None
-        if not self.device_payload:
-            self.params = self.backend.xp.zeros(self.n, dtype=np.float32)
-        elif cfg.pipeline:
-            self.spare_buf = self._message()
-            self.params = self.spare_buf[2]
-        else:
-            self.params = self.recv_buf[2]
-        self.version = 0
-        self.batch = cfg.batch
-        self.step = 0
+        self.messages = DeviceMessages(self.backend, cfg.workers_cuda_aware)
         self.bell = doorbell.current()   # rank 0 rings with each message (doorbell.py)
         self.backoff = C.Backoff(bell=self.bell)
         # rows sent to and received from other workers (--store local, part-way moves)
         self.rows = RowExchange(comm, rank, cfg, dataset, self.feed, self.backoff,
                                 on_poll=self._orders_while_blocked, hosts=hosts)
-        self.push_reqs: list = []
         # --servers K: store s (rank stores[s]) holds parameters [bounds[s], bounds[s+1])
-        self.stores = stores_of(cfg)
-        self.bounds = wire.cut_slices(self.n, len(self.stores), wire.layer_sizes(self.model))
-        self.pulls: Optional[list] = None   # receives of the next reply's slices, posted early
-        self.early_reply = None   # a reply's header read while blocked for rows (pipelined)
+        stores = stores_of(cfg)
+        bounds = wire.cut_slices(self.n, len(stores), wire.layer_sizes(self.model))
+        self.rank0 = Rank0Watch(cfg.worker_timeout, rank)   # ends this rank if rank 0 is gone
+        self.pushes = Pushes(comm, self.messages, self.n, self.model.num_state, stores, bounds,
+                             self.bell, pipelined=bool(cfg.pipeline))
+        self.replies = Replies(comm, rank, self.messages, self.n, stores, bounds, self.bell,
+                               self.backoff, self.rank0, self.rows, pipelined=bool(cfg.pipeline))
+        self.assignments = Assignments(self.feed, self.rows, held)
         self.times = TimeSincePush()
+        # what the last reply said
+        self.version = 0
+        self.batch = cfg.batch
         self.retry = False
+        self.t0 = time.monotonic()   # the run's start (reset by run)
         self.signals_sent: set = set()
         self.preempt_reqs: list = []
-        self.rank0 = Rank0Watch(cfg.worker_timeout, rank)   # ends this rank if rank 0 is gone
         signals.listen(self._report_signals)   # reported from the handler, even mid-hang
 
-    def _message(self, floats: Optional[int] = None):
-        """(buffer MPI sends/receives, host header, payload on the compute device or host)."""
-        floats = self.n if floats is None else floats
-        if self.on_cpu:
-            return wire.new_message(floats)
-        nbytes = wire.HEADER_BYTES + 4 * floats
-        if self.cuda_aware:
-            buf = self.backend.xp.zeros(nbytes, dtype=np.uint8)
-            return buf, wire.new_header(), buf[wire.HEADER_BYTES:].view(np.float32)
-        buf = self.backend.empty_host(nbytes)
-        buf[:] = 0
-        return buf, wire.header_view(buf), buf[wire.HEADER_BYTES:].view(np.float32)
-
-    def _header_to_buffer(self, msg) -> None:
-        if self.cuda_aware:
-            msg[0][:wire.HEADER_BYTES].set(msg[1].view(np.uint8))
-            self.backend.synchronize()
-
-    def _header_from_buffer(self, msg) -> None:
-        if self.cuda_aware:
-            msg[1][:] = msg[0][:wire.HEADER_BYTES].get().view(np.float64)
-
     # ---------------------------------------------------------------- messages
-    def _post_pulls(self) -> None:
-        """Post the receives of every store's slice of the next reply's parameters."""
-        if self.pulls is None:
-            payload, b = self.recv_buf[2], self.bounds
-            self.pulls = [self.comm.Irecv(payload[b[s]:b[s + 1]], source=r, tag=wire.TAG_PARAMS)
-                          for s, r in enumerate(self.stores)]
-
-    def _finish_pulls(self) -> None:
-        """The slices follow a PARAMS header: wait for all of them (no spinning). Rank 0
-        may have to progress the send (doorbell.py): it is poked, and poked again while the
-        slices keep this rank waiting, since it progresses its sends only for a moment after
-        a poke and then sleeps until a push comes (with one worker: up to its nap)."""
-        self.backoff.reset()
-        poked = 0.0
-        while not C.Request.Testall(self.pulls):
-            now = time.monotonic()
-            if now - poked >= POKE_EVERY_S:
-                self.bell.poke(0)
-                poked = now
-            self.rows.progress()
-            self.rank0.check()
-            self.backoff.sleep()
-        self.pulls = None
-
     def _wait_reply(self, counts_as_idle: bool) -> None:
         """Wait for the server's message (no spinning) and act on it."""
         t0 = time.perf_counter()
-        self._post_pulls()
+        self.replies.post_pulls()
         due, grace = self.times.reply_window(counts_as_idle)
-        hdr = self.recv_buf[1]
-        self.rank0.waiting()
-        while True:
-            if self.early_reply is not None:   # read while blocked for rows (pipelined)
-                hdr[:] = self.early_reply
-                self.early_reply = None
-            else:
-                C.recv_when_ready(self.comm, self.recv_buf[0], 0, wire.TAG_REPLY, self.backoff,
-                                  on_poll=self._poll_waiting, due=due, grace=grace)
-                self._header_from_buffer(self.recv_buf)
-                self.rank0.heard()
-            if wire.command(hdr) != Cmd.ORDERS:
-                break
-            self.rows.serve(wire.decode_orders(hdr))   # rows another rank needs; the reply is still to come
-            self.rank0.waiting()   # reading them was this rank's own work
-        reply = wire.decode_reply(hdr)
+        reply = self.replies.receive(due, grace, on_poll=self._poll_waiting)
         if reply.cmd == Cmd.PARAMS:
-            self._finish_pulls()
-            self._settle_pushes()
-            self._take_params()
+            self.replies.finish_pulls()
+            self.pushes.settle()
+            self.replies.take_params()
         self.times.waited(time.perf_counter() - t0, reply.held_s, counts_as_idle)
         if reply.cmd == Cmd.STOP:
             raise StopWorker
         self.version = reply.version
         self.batch = max(1, reply.batch)
         self.retry = reply.retry
-        if reply.drop:
-            self.feed.drop()
-        for epoch, shard, start, end, src, tag in reply.assigns:
-            remote = None
-            if src >= 0:
-                remote = self.rows.expect(shard, end - start, src, tag)
-            elif self.held is not None and shard not in self.held:
-                raise RuntimeError(f"shard {shard} assigned for a local read, but this rank holds no copy")
-            self.feed.assign(epoch, shard, start, end, remote)
-        if reply.cut is not None:
-            # after the assignments: a cut may concern a task handed out in this very reply
-            self.feed.truncate(*reply.cut)
-        self.rows.serve(reply.orders)
+        self.assignments.take(reply)
 
-    def _take_params(self) -> None:
-        """The parameters just received become the ones computed on."""
-        payload = self.recv_buf[2]
-        if self.params is payload:
-            return   # received in place
-        if self.spare_buf is not None:   # pipelined: the other buffer receives next
-            self.recv_buf, self.spare_buf = self.spare_buf, self.recv_buf
-            self.params = payload
-        else:
-            self.params.set(payload)   # host (pinned) -> device
-
-    def _push(self, msg, done: Computed, next_range) -> None:
-        buf, hdr, _ = msg
-        batch = done.batch
-        wire.encode_push(hdr, step=self.step, version=done.version, epoch=batch.epoch,
-                         shard=batch.shard, lo=batch.lo, hi=batch.hi, batch=batch.size,
-                         loss=done.loss, compute_s=done.compute_s, nonfinite=done.nonfinite,
-                         t=time.monotonic() - self.t0, next_range=next_range,
-                         **self.times.report(self.feed.io_s))
-        t0 = time.perf_counter()
-        self._settle_pushes()
-        self._header_to_buffer(msg)
-        b = self.bounds
-        # every store's slice at once; rank 0 gets the header with slice 0
-        self.push_reqs = [self.comm.Isend(msg[2][b[s]:b[s + 1]], dest=r, tag=wire.TAG_GRAD)
-                          for s, r in enumerate(self.stores) if s]
-        # (with one store, followed by the model's state: the server keeps the latest)
-        state = self.model.num_state if len(b) == 2 else 0
-        self.push_reqs.append(self.comm.Isend(buf[:wire.HEADER_BYTES + 4 * (b[1] + state)],
-                                              dest=0, tag=wire.TAG_PUSH))
-        self.bell.ring(0)
-        self.step += 1
-        # Not waited for here: the receivers have receives posted and, with MPICH's
-        # shared-memory transport, fetch the message themselves (a rendezvous read), so
-        # spinning on it would only take a core from the server that is to read it (where
-        # the sender must move it, it moves at this rank's next MPI call: pipelined, after
-        # the compute). The push is complete once its reply has come (_settle_pushes), or at
-        # the latest before its buffer is written again.
-        C.Request.Testall(self.push_reqs)
-        self.times.comm_s += time.perf_counter() - t0   # reported with the next push
-
-    def _settle_pushes(self) -> None:
-        """The server replied to the last push, so it has it: finish the sends' requests."""
-        for req in self.push_reqs:
-            C.complete(req)
-        self.push_reqs = []
+    def _push(self, msg: wire.MessageBuffer, done: Computed, next_range) -> None:
+        self.times.comm_s += self.pushes.send(msg, done, next_range, t=time.monotonic() - self.t0,
+                                              timings=self.times.report(self.feed.io_s))
 
     def _orders_while_blocked(self) -> None:
-        """Waiting for rows: serve send orders the server sends meanwhile. Two workers
-        waiting for rows from each other (both re-sourced after a lost holder) would
-        otherwise wait for ever, or until one was declared lost for its silence. Without
-        pipelining no reply can be on its way now (this rank has not pushed), so a message
-        from rank 0 here is ORDERS (header only: the parameters are untouched). With
-        --pipeline 1 the reply to the push in flight may come first: its header is kept for
-        :meth:`_wait_reply` (its parameters wait in MPI for the pulls), and the orders
-        behind it are served as they come."""
+        """Waiting for rows: serve send orders the server sends meanwhile (Replies.
+        read_while_blocked). Two workers waiting for rows from each other (both re-sourced
+        after a lost holder) would otherwise wait for ever, or until one was declared lost
+        for its silence."""
         self._poll_waiting()
-        msg = self.comm.improbe(source=0, tag=wire.TAG_REPLY)
-        if msg is None:
-            return
-        self.rank0.heard()
-        self.bell.took(0)
-        C.complete(msg.Irecv(self.recv_buf[0]))
-        self._header_from_buffer(self.recv_buf)
-        hdr = self.recv_buf[1]
-        if wire.command(hdr) == Cmd.ORDERS:
-            self.rows.serve(wire.decode_orders(hdr))
-            self.rank0.waiting()
-        elif self.cfg.pipeline and self.early_reply is None:
-            self.early_reply = hdr.copy()
-        else:
-            raise RuntimeError(f"rank {self.rank}: message {wire.command(hdr)} from rank 0 while "
-                               f"waiting for shard rows (only ORDERS can come then, and with "
-                               f"--pipeline 1 one reply)")
+        self.replies.read_while_blocked()
 
     def _poll_waiting(self) -> None:
         """Between polls of a wait for rank 0 (or for rows): faults, and rank 0's silence."""
@@ -347,11 +145,12 @@ class Worker:
             while True:  # stops responding, process stays alive
                 time.sleep(3600)
 
-    def _compute(self, batch, msg) -> Computed:
+    def _compute(self, batch, msg: wire.MessageBuffer) -> Computed:
         """Gradient of `batch` into the payload of `msg` (staged through the host on a GPU)."""
         self._check_fault()
-        out = msg[2][:self.n] if self.device_payload else None
-        loss, grad, compute_s = self.step_fn(self.params, batch, out=out)
+        device_payload = self.messages.device_payload
+        out = msg.payload[:self.n] if device_payload else None
+        loss, grad, compute_s = self.step_fn(self.replies.params, batch, out=out)
         self.rank0.waiting()   # this rank's own step is no silence of rank 0
         # Push the mean gradient: the division and the finiteness check happen here, in
         # parallel on every worker, instead of on the server's hot path. They are compute
@@ -363,11 +162,12 @@ class Worker:
         if not nonfinite and self.cfg.mode != "sync":   # (sync: the round's mean, rank 0)
             clip_grad_norm(grad, self.cfg.clip_norm, xp)
         compute_s += time.perf_counter() - t0
-        if not self.device_payload:
-            self.backend.to_host(grad, out=msg[2][:self.n])   # stage through pinned host memory
+        if not device_payload:
+            self.backend.to_host(grad, out=msg.payload[:self.n])   # stage through pinned host memory
         if self.model.num_state:
             state = self.model.get_state()   # host floats; the payload is host or device
-            msg[2][self.n:] = state if isinstance(msg[2], np.ndarray) else self.backend.asarray(state)
+            msg.payload[self.n:] = (state if isinstance(msg.payload, np.ndarray)
+                                    else self.backend.asarray(state))
         self.backend.synchronize()   # MPI must not touch device memory still being written
         return Computed(batch, loss, compute_s, nonfinite, self.version)
 
@@ -385,19 +185,16 @@ class Worker:
             pass
         finally:
             signals.unlisten(self._report_signals)   # the run is over: nothing more to report
-            for req in self.push_reqs:
-                C.wait(req, timeout=5.0)
-            for req in self.pulls or ():   # a reply that will not come (STOP)
-                req.Cancel()
-                C.wait(req, timeout=1.0)
+            self.pushes.finish()
+            self.replies.cancel_pulls()
             self.rows.finish()   # rows other ranks still need
-            self.store.close()
+            self.reader.close()
             for req in self.preempt_reqs:
                 if not req.Test():
                     req.Cancel()
 
     def _loop(self) -> None:
-        msg = self.push_bufs[0]
+        msg = self.pushes.bufs[0]
         while True:
             if not self.feed.has_work:
                 self._wait_reply(counts_as_idle=True)
@@ -411,21 +208,22 @@ class Worker:
 
     def _loop_pipelined(self) -> None:
         """Compute batch k+1 on the parameters at hand while push k is in flight."""
+        bufs = self.pushes.bufs
         cur = 0
-        pending: Optional[Computed] = None   # computed into push_bufs[cur], not pushed
+        pending: Optional[Computed] = None   # computed into bufs[cur], not pushed
         while True:
             if pending is None:
                 if not self.feed.has_work:
                     self._wait_reply(counts_as_idle=True)
                     continue
-                pending = self._compute(self.feed.take(self.batch), self.push_bufs[cur])
-            pushed, msg = pending, self.push_bufs[cur]
+                pending = self._compute(self.feed.take(self.batch), bufs[cur])
+            pushed, msg = pending, bufs[cur]
             next_range = self.feed.next_range(self.batch)
             self._push(msg, pushed, next_range)
             pending = None
             cur = 1 - cur
             if next_range is not None:
-                pending = self._compute(self.feed.take(self.batch), self.push_bufs[cur])
+                pending = self._compute(self.feed.take(self.batch), bufs[cur])
             self._wait_reply(counts_as_idle=False)
             if self.retry:
                 # recompute the rejected batch on the fresh parameters and push it again
@@ -433,5 +231,3 @@ class Worker:
                 nb = pending.batch if pending is not None else None
                 self._push(msg, again, None if nb is None else (nb.epoch, nb.shard, nb.lo, nb.hi))
                 self._wait_reply(counts_as_idle=False)
-
-

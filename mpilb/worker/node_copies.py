@@ -6,13 +6,16 @@ or damaged copy) would train silently on other data, the coverage still "exact".
 first rank of every other node checks the shards placed on that node's ranks against the
 checksums of rank 0's manifest (not the node's own manifest, which may be just as
 different), with the same checks and the same record of files already verified as rank 0
-(:func:`mpilb.data.dataset.verify_files`): a start after the first costs a `stat` per file.
+(:func:`mpilb.data.verified.verify_files`): a start after the first costs a `stat` per file.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from mpilb.data.dataset import open_dataset
+from mpilb.data.shards import placement
+from mpilb.data.verified import verify_files
 from mpilb.errors import DataError
 
 
@@ -20,8 +23,6 @@ def shards_to_verify(hosts: Sequence[str], rank: int, workers: Sequence[int], re
                      num_shards: int) -> list[int]:
     """The shards `rank` checks: those placed on its node's workers, if it is the first rank
     of a node other than rank 0's; else none (rank 0 checked its node's files)."""
-    from mpilb.data.shards import placement
-
     if not hosts:
         return []
     host = hosts[rank]
@@ -41,8 +42,6 @@ def verify_node_copies(data_dir: str, files: Sequence[tuple[str, int, str]],
     """
     if not shards:
         return
-    from mpilb.data.dataset import open_dataset, verify_files
-
     where = f"rank {rank} on node {hosts[rank]}"
     try:
         ds = open_dataset(data_dir, check_files=False)

@@ -14,7 +14,7 @@ import pytest
 
 from mpilb.clusterbox import ClusterBox, missing
 from mpilb.clusterbox import registry
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 
 import mpirun
 

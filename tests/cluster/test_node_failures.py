@@ -19,7 +19,7 @@ import mpirun  # noqa: E402
 from _runs import marked_processes  # noqa: E402
 from mpilb.clusterbox import ClusterBox, missing  # noqa: E402
 from mpilb.data.dataset import open_dataset, prepare_synthetic  # noqa: E402
-from mpilb.runfiles.report import summarize_log  # noqa: E402
+from mpilb.runfiles.summary import summarize_log  # noqa: E402
 from mpilb.data.shards import placement  # noqa: E402
 from mpirun import recomputed_coverage  # noqa: E402
 

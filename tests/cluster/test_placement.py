@@ -14,7 +14,7 @@ import h5py
 import pytest
 
 from mpilb.clusterbox import ClusterBox, missing
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 
 import mpirun
 

@@ -7,7 +7,7 @@ import pytest
 
 import mpirun
 from mpilb.core.balancer import BalancerConfig, build_balancer
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 from mpilb.core.tasks import TaskLedger
 from mpilb.data.shards import holders_of, placement
 from mpilb.mpi.wire import RESOURCE_TAG_BASE, OrderMsg, resource_tag
@@ -230,30 +230,30 @@ def test_utilization_leaves_out_seconds_on_the_bench():
 def test_shard_cache_reads_each_shard_once_and_injected_reads_only_then(small_dataset):
     import numpy as np
 
-    from mpilb.data.shards import ShardStore
+    from mpilb.data.shards import ShardReader
 
     delays = []
     mb = sum(small_dataset.shard_nbytes(s) for s in range(len(small_dataset.shards))) / 2**20
-    store = ShardStore(small_dataset, seed=1, cache_mb=mb * 1.01,
-                       io_delay=lambda nbytes, s: delays.append(nbytes) or 0.0)
-    assert store.caching
-    first = store.load(0, 1)
-    again = store.load(1, 1)             # the next epoch: another order, no storage read
-    assert len(delays) == 1 and store.loads_done == 2
+    reader = ShardReader(small_dataset, seed=1, cache_mb=mb * 1.01,
+                         io_delay=lambda nbytes, s: delays.append(nbytes) or 0.0)
+    assert reader.caching
+    first = reader.load(0, 1)
+    again = reader.load(1, 1)             # the next epoch: another order, no storage read
+    assert len(delays) == 1 and reader.loads_done == 2
     assert sorted(first.y.tolist()) == sorted(again.y.tolist())
     assert not np.array_equal(first.y, again.y)
-    x, _ = store.read(1, 0, 10)          # a part of a shard is read from storage as before
+    x, _ = reader.read(1, 0, 10)          # a part of a shard is read from storage as before
     assert len(delays) == 2 and len(x) == 10
-    store.close()
+    reader.close()
     # the shards this rank may read do not all fit: nothing is kept
-    small = ShardStore(small_dataset, seed=1, cache_mb=mb / 2,
-                       io_delay=lambda nbytes, s: delays.append(nbytes) or 0.0)
+    small = ShardReader(small_dataset, seed=1, cache_mb=mb / 2,
+                        io_delay=lambda nbytes, s: delays.append(nbytes) or 0.0)
     assert not small.caching
     small.load(0, 1)
     small.load(1, 1)
     assert len(delays) == 4
     # ... unless only a few are this rank's (a node-local store's copies)
-    assert ShardStore(small_dataset, cache_mb=mb / 2, shards=[0]).caching
+    assert ShardReader(small_dataset, cache_mb=mb / 2, shards=[0]).caching
 
 
 def test_first_rebalance_comes_with_the_first_rates_then_at_doubling_gaps():

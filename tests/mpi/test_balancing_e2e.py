@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 from mpilb.runfiles.runlog import read_columns
 
 import mpirun

@@ -7,7 +7,7 @@ import pytest
 
 import mpirun
 from mpilb.mpi import cores
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 from mpilb.mpi.waiting import Backoff
 
 

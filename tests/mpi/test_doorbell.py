@@ -15,7 +15,7 @@ import pytest
 
 from mpilb.mpi import doorbell
 from mpilb.mpi.doorbell import Doorbell
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 
 import mpirun
 

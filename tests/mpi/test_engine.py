@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from mpilb.runfiles.report import run_config, summarize_log
+from mpilb.runfiles.summary import run_config, summarize_log
 from mpilb.runfiles.runlog import read_columns
 
 import mpirun

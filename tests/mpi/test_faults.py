@@ -19,7 +19,7 @@ import mpirun
 from mpilb.runfiles import checkpoint
 from mpilb.data.dataset import open_dataset
 from mpilb.models import build_model
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 
 pytestmark = pytest.mark.mpi
 
@@ -163,7 +163,7 @@ POISON = textwrap.dedent("""
         if self.rank == 2:
             calls[0] += 1
             if ALWAYS or calls[0] == 5:
-                msg[2][0] = np.nan
+                msg.payload[0] = np.nan
                 done.nonfinite = True
         return done
     worker.Worker._compute = poisoned

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import mpirun
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 
 pytestmark = pytest.mark.mpi
 

@@ -10,7 +10,7 @@ import pytest
 
 from mpilb.data import ingest
 from mpilb.data import prepare
-from mpilb.data.dataset import verify_dataset
+from mpilb.data.verified import verify_dataset
 from mpilb.errors import DataError
 
 

@@ -20,7 +20,7 @@ import pytest
 
 import mpirun
 from mpilb.runfiles.plots import shard_spans, throughput, timeline_segments, write_plots
-from mpilb.runfiles.report import SUMMARY_KEYS, summarize_log
+from mpilb.runfiles.summary import SUMMARY_KEYS, summarize_log
 from mpilb.runfiles.runlog import RunLog, read_columns
 
 # docs/logs.md, "Summary keys", spelled out here so that a change on either side shows.
@@ -116,7 +116,7 @@ def test_summary_keys_match_design(tmp_path):
 
 
 def test_training_loss_is_the_mean_of_the_last_updates(tmp_path):
-    from mpilb.runfiles.report import loss_window, smoothed_loss
+    from mpilb.runfiles.summary import loss_window, smoothed_loss
 
     path, expected = finished_log(tmp_path / "run.h5")
     s = summarize_log(path)

@@ -17,7 +17,7 @@ import mpirun
 from mpirun import recomputed_coverage
 from mpilb.runfiles import checkpoint
 from mpilb.data.dataset import open_dataset
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 
 pytestmark = pytest.mark.mpi
 

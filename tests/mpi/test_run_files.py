@@ -17,7 +17,7 @@ import pytest
 
 import mpirun
 from mpilb.errors import UsageError
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 from mpilb.runfiles.runlog import RunLog
 
 pytestmark = pytest.mark.mpi

@@ -15,7 +15,7 @@ from mpilb.mpi import wire
 from mpilb.core.corrections import build_correction
 from mpilb.errors import UsageError
 from mpilb.core.optimizers import build_optimizer
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 from mpilb.server.modes import ParamRing
 from mpilb.config.validate import check_servers
 

@@ -21,7 +21,7 @@ from mpilb.core.balancer import BalancerConfig, build_balancer
 from mpilb.core.corrections import build_correction
 from mpilb.core.decisions import Interval
 from mpilb.core.optimizers import build_optimizer
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 from mpilb.runfiles.runlog import read_columns
 from mpilb.server.epochs import Epochs
 from mpilb.server.lifecycle import Clock

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import mpirun
-from mpilb.data.dataset import open_dataset, verify_dataset
+from mpilb.data.dataset import open_dataset
+from mpilb.data.verified import verify_dataset
 from mpilb.runfiles.runlog import read_columns
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,8 +12,8 @@ import mpirun
 from mpilb.backend import select_backend
 from mpilb.core.batches import ShardFeed
 from mpilb.data.dataset import open_dataset
-from mpilb.runfiles.report import summarize_log
-from mpilb.data.shards import ShardStore, holders_of, placement
+from mpilb.runfiles.summary import summarize_log
+from mpilb.data.shards import ShardReader, holders_of, placement
 
 
 def test_placement_spreads_copies():
@@ -73,9 +73,9 @@ class Rows:
 
 
 def test_feed_ranges_truncation_and_remote_rows(small_dataset):
-    store = ShardStore(small_dataset, seed=3)
-    feed = ShardFeed(store, select_backend("cpu"))
-    full, _ = store.get(0, 1)
+    reader = ShardReader(small_dataset, seed=3)
+    feed = ShardFeed(reader, select_backend("cpu"))
+    full, _ = reader.get(0, 1)
     feed.assign(0, 1, 100, 300)
     feed.assign(0, 2, 0, 50)
     b = feed.take(64)
@@ -93,31 +93,31 @@ def test_feed_ranges_truncation_and_remote_rows(small_dataset):
     # rows sent to another rank are the permuted rows of those positions
     x, y = feed.rows(0, 1, 10, 20)
     np.testing.assert_array_equal(x, full.x[10:20])
-    feed2 = ShardFeed(store, select_backend("cpu"))
+    feed2 = ShardFeed(reader, select_backend("cpu"))
     feed2.assign(0, 1, 10, 20, remote=Rows(x, y))
     b = feed2.take(100)
     assert (b.lo, b.hi) == (10, 20)
     np.testing.assert_array_equal(b.y, full.y[10:20])
-    store.close()
+    reader.close()
 
 
 def test_rows_read_for_another_rank_count_as_this_ranks_io(small_dataset):
     """A holder's reads for others are its I/O: a slow reader whose own reads the prefetch
     hid looked fast to rank 0, which then picked it to send every shard's rows, and its
-    receivers waited 2-3 s an epoch (`--store local --replicas 2 --inject 2:readbw=10`)."""
-    store = ShardStore(small_dataset, seed=3, io_delay=lambda nbytes, elapsed: 0.05)
-    feed = ShardFeed(store, select_backend("cpu"))
+    receivers waited 2-3 s an epoch (`--reader local --replicas 2 --inject 2:readbw=10`)."""
+    reader = ShardReader(small_dataset, seed=3, io_delay=lambda nbytes, elapsed: 0.05)
+    feed = ShardFeed(reader, select_backend("cpu"))
     feed.rows(0, 2, 0, 10)                 # not this rank's current shard: read now
     assert feed.io_s >= 0.05
-    store.close()
+    reader.close()
 
 
 def test_a_cut_stops_the_task_that_holds_its_position(small_dataset):
     """Two tasks of one shard (two gaps of a requeued shard): a cut meant for the queued
     lower range neither stops the current upper one (which is past it) nor wipes another
     queued range of the shard."""
-    store = ShardStore(small_dataset, seed=3)
-    feed = ShardFeed(store, select_backend("cpu"))
+    reader = ShardReader(small_dataset, seed=3)
+    feed = ShardFeed(reader, select_backend("cpu"))
     feed.assign(0, 1, 600, 700)
     feed.assign(0, 1, 0, 100)
     feed.assign(0, 1, 300, 400)
@@ -129,7 +129,7 @@ def test_a_cut_stops_the_task_that_holds_its_position(small_dataset):
         got.append((b.lo, b.hi))
     assert got == [(630, 660), (660, 690), (690, 700), (0, 30), (30, 46),
                    (300, 330), (330, 360), (360, 390), (390, 400)]
-    store.close()
+    reader.close()
 
 
 def run_summary(tmp_path, data, *args, n=4):

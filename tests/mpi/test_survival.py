@@ -18,7 +18,7 @@ import mpirun
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from _runs import marked_processes  # noqa: E402  (the job's ranks by their mark, as hostile.py finds them)
 from mpilb.data.dataset import open_dataset
-from mpilb.runfiles.report import summarize_log
+from mpilb.runfiles.summary import summarize_log
 from mpirun import recomputed_coverage
 
 pytestmark = pytest.mark.mpi

@@ -130,7 +130,7 @@ def test_cli_bad_model_is_one_line_exit_2(tmp_path, regression_dir):
 def test_numpy_user_model_regression_and_resume_refuses_another_model(tmp_path, regression_dir):
     """Serial: a NumPy user model learns a linear target (R^2 logged as test_metric); a
     resume with a different user model is refused in one line."""
-    from mpilb.runfiles.report import summarize_log
+    from mpilb.runfiles.summary import summarize_log
 
     spec = f"{EXAMPLES / 'mymodels.py'}:Linear"
     ckpt = tmp_path / "c.h5"
@@ -156,7 +156,7 @@ def test_numpy_user_model_regression_and_resume_refuses_another_model(tmp_path, 
 def test_numpy_user_model_on_path_trains_checkpoints_and_resumes_on_fewer_ranks(tmp_path, digits_dir):
     """`mymodels:Linear` from PYTHONPATH under mpiexec -n 4, then --resume on 3 ranks: the
     coverage of all epochs is exact and the run log says which metric it reports."""
-    from mpilb.runfiles.report import summarize_log
+    from mpilb.runfiles.summary import summarize_log
 
     env = {"PYTHONPATH": f"{Path(__file__).resolve().parents[2]}:{EXAMPLES}"}
     ckpt, log = tmp_path / "c.h5", tmp_path / "run.h5"
@@ -285,7 +285,7 @@ def test_a_model_that_returns_its_gradient_trains_under_mpi(tmp_path, digits_dir
     """A model returning its gradient instead of writing `out` trained nothing under MPI
     (0.084 accuracy, exit 0, while serially 0.92): the returned array is what is sent now,
     and one of the wrong length is one line, exit 2."""
-    from mpilb.runfiles.report import summarize_log
+    from mpilb.runfiles.summary import summarize_log
 
     src = write(tmp_path, "ret.py", RETURNS_OWN)
     env = {"PYTHONPATH": str(EXAMPLES)}

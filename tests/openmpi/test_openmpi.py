@@ -23,7 +23,7 @@ sys.path.insert(0, str(TESTS))
 from mpirun import wait_training as wait_for_updates  # noqa: E402
 from mpirun import recomputed_coverage  # noqa: E402
 from mpilb.data.dataset import open_dataset  # noqa: E402
-from mpilb.runfiles.report import summarize_log  # noqa: E402
+from mpilb.runfiles.summary import summarize_log  # noqa: E402
 
 pytestmark = pytest.mark.mpi
 

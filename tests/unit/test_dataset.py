@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from mpilb.data import dataset as D
+from mpilb.data import verified as V
 from mpilb.data import prepare as P
 from mpilb.errors import DataError, UsageError
 
@@ -50,7 +51,7 @@ def read_all(ds):
 
 
 def test_small_dataset_verifies(small_dataset):
-    ds = D.verify_dataset(small_dataset.root)
+    ds = V.verify_dataset(small_dataset.root)
     assert ds.total_samples == 1600 and ds.test_samples == 400
     assert ds.sample_shape == (16,) and ds.num_classes == 4 and ds.dtype == "float32"
     assert ds.format_version == D.FORMAT_VERSION
@@ -60,7 +61,7 @@ def test_small_dataset_verifies(small_dataset):
 
 def test_prepare_digits_round_trip(tmp_path):
     ds = D.prepare_digits(tmp_path / "digits", shards=5, test_fraction=0.25, seed=3)
-    ds = D.verify_dataset(ds.root)
+    ds = V.verify_dataset(ds.root)
     assert ds.num_classes == 10 and ds.sample_shape == (1, 8, 8)
     assert ds.total_samples + ds.test_samples == 1797
     assert ds.test_samples == round(1797 * 0.25)
@@ -112,7 +113,7 @@ def test_shard_sizes_balanced(tmp_path, samples, shards, test_fraction):
     assert ds.test_samples == round(samples * test_fraction)
     assert ds.total_samples + ds.test_samples == samples
     assert [s.file for s in ds.shards] == [f"shard-{i:05d}.h5" for i in range(shards)]
-    D.verify_dataset(ds.root)
+    V.verify_dataset(ds.root)
 
 
 def test_chunked_along_samples(tmp_path, monkeypatch):
@@ -191,7 +192,7 @@ def test_checksum_mismatch_names_file(small_dataset):
         f["x"][0, 0] = 123.0
     D.open_dataset(small_dataset.root)  # metadata is still fine
     with pytest.raises(DataError, match=r"shard-00001\.h5: checksum mismatch \(manifest sha256 [0-9a-f]+"):
-        D.verify_dataset(small_dataset.root)
+        V.verify_dataset(small_dataset.root)
 
 
 def test_missing_shard(small_dataset):
@@ -234,7 +235,7 @@ def test_labels_out_of_range(small_dataset):
     rewrite(small_dataset.shard_path(1), y=y)
     rehash(small_dataset)
     with pytest.raises(DataError, match=r"shard-00001\.h5: label 4 at row 17 is out of range \[0, 4\)"):
-        D.verify_dataset(small_dataset.root)
+        V.verify_dataset(small_dataset.root)
 
 
 def test_negative_labels(small_dataset):
@@ -243,7 +244,7 @@ def test_negative_labels(small_dataset):
     rewrite(small_dataset.shard_path(0), y=y)
     rehash(small_dataset)
     with pytest.raises(DataError, match=r"shard-00000\.h5: label -1 at row 399"):
-        D.verify_dataset(small_dataset.root)
+        V.verify_dataset(small_dataset.root)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
@@ -253,18 +254,18 @@ def test_non_finite_features(small_dataset, bad):
     rewrite(small_dataset.shard_path(2), x=x)
     rehash(small_dataset)
     with pytest.raises(DataError, match=r"shard-00002\.h5: non-finite feature \(NaN or Inf\) at row 5"):
-        D.verify_dataset(small_dataset.root)
+        V.verify_dataset(small_dataset.root)
 
 
 def test_verify_reads_in_chunks(small_dataset, monkeypatch):
     # Bad row in the last of several check blocks: still found, with its global row index.
-    monkeypatch.setattr(D, "CHECK_BYTES", 100 * (16 * 4 + 8))
+    monkeypatch.setattr(V, "CHECK_BYTES", 100 * (16 * 4 + 8))
     x = np.zeros((400, 16), np.float32)
     x[350, 0] = np.nan
     rewrite(small_dataset.shard_path(1), x=x)
     rehash(small_dataset)
     with pytest.raises(DataError, match="at row 350"):
-        D.verify_dataset(small_dataset.root)
+        V.verify_dataset(small_dataset.root)
 
 
 def test_load_test_validated(small_dataset):
@@ -351,7 +352,7 @@ def test_npz_round_trip(tmp_path):
     y = np.sort(rng.integers(0, 5, 300))  # sorted: the writer must shuffle
     path = save_npz(tmp_path, feats=x, labels=y)
     ds = D.prepare_npz(path, tmp_path / "out", x_key="feats", y_key="labels", shards=3)
-    ds = D.verify_dataset(ds.root)
+    ds = V.verify_dataset(ds.root)
     assert ds.num_classes == 5 and ds.sample_shape == (3, 2)
     xs, ys = read_all(ds)
     xt, yt = ds.load_test()
@@ -381,7 +382,7 @@ def test_npz_non_integer_labels(tmp_path):
 
 def test_npz_float_targets_make_a_regression_dataset(tmp_path):
     path = save_npz(tmp_path, x=np.zeros((10, 2)), y=np.linspace(0, 1, 10))
-    ds = D.verify_dataset(D.prepare_npz(path, tmp_path / "out", shards=2).root)
+    ds = V.verify_dataset(D.prepare_npz(path, tmp_path / "out", shards=2).root)
     assert ds.num_classes == 0 and ds.label_dtype == "float32" and ds.target_shape == ()
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from mpilb.cli.main import build_parser
-from mpilb.runfiles.report import SUMMARY_KEYS
+from mpilb.runfiles.summary import SUMMARY_KEYS
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"

@@ -118,6 +118,94 @@ def test_only_wire_indexes_headers():
         assert "[Push." not in text and "[Reply." not in text, mod
 
 
+def package_of(name: str) -> str:
+    """The layer a module belongs to: mpilb.core.tasks -> mpilb.core, mpilb.api -> mpilb.api."""
+    return ".".join(name.split(".")[:2])
+
+
+def in_package(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def test_only_the_mpi_layer_imports_mpi4py():
+    users = {m for m in MODULES if any(i.split(".")[0] == "mpi4py" for i in imports(m))}
+    assert {package_of(m) for m in users} == {"mpilb.mpi"}, users
+
+
+@pytest.mark.parametrize("mod", sorted(m for m in MODULES if in_package(m, "mpilb.core")))
+def test_the_core_is_pure(mod):
+    """The core (task ledger, update rules, batch sizing, rates, ...) runs in the server, the
+    serial trainer and the simulator alike: no MPI, no HDF5, nothing of the loops above it."""
+    reached = closure(mod)
+    above = {m for m in reached if any(in_package(m, p) for p in (
+        "mpilb.server", "mpilb.worker", "mpilb.run"))}
+    assert not reached & {"mpi4py", "h5py", "mpilb.mpi.comm"} and not above, (
+        mod, sorted(reached & {"mpi4py", "h5py", "mpilb.mpi.comm"} | above))
+
+
+@pytest.mark.parametrize("mod", sorted(m for m in MODULES
+                                       if in_package(m, "mpilb.data") or in_package(m, "mpilb.runfiles")))
+def test_data_and_run_files_reach_no_mpi(mod):
+    """Datasets and the run's files (log, checkpoint, report, export) are read and written
+    without MPI: `mpilb prepare`, `report`, `export` never start it."""
+    assert "mpi4py" not in closure(mod), mod
+
+
+def import_circles(graph: dict | None = None) -> list[set[str]]:
+    """The strongly connected groups of two or more modules in `graph` (module -> the mpilb
+    modules it imports; by default mpilb's, where every import counts, also those inside
+    functions), by Tarjan's algorithm, iterative."""
+    if graph is None:
+        graph = {m: sorted(i for i in imports(m) if i in MODULES) for m in MODULES}
+    index, low, on_stack, stack, circles = {}, {}, set(), [], []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(graph[child])))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.add(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    circles.append(group)
+    return circles
+
+
+def test_the_circle_finder_finds_circles():
+    graph = {"x": ["y"], "y": ["z"], "z": ["x", "w"], "w": [], "u": ["v"], "v": ["u", "w"]}
+    assert sorted(map(sorted, import_circles(graph))) == [["u", "v"], ["x", "y", "z"]]
+    assert import_circles({"x": ["y"], "y": []}) == []
+
+
+def test_no_import_circles():
+    """No two mpilb modules import each other, directly or around a circle: a layer reads
+    from the layers below it only."""
+    circles = import_circles()
+    assert not circles, "import circles: " + "; ".join(" <-> ".join(sorted(c)) for c in circles)
+
+
 def test_importing_the_simulator_does_not_start_mpi():
     """The static rules above read source; this checks what importing really loads (a
     package __init__ that imported the loop once pulled mpi4py into the simulator)."""

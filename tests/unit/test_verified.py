@@ -15,7 +15,7 @@ import pytest
 from mpilb.data import dataset as D
 from mpilb.data import verified as V
 from mpilb.errors import DataError
-from mpilb.data.shards import ShardStore
+from mpilb.data.shards import ShardReader
 
 
 def age(root, seconds=10.0):
@@ -28,62 +28,62 @@ def age(root, seconds=10.0):
 @pytest.fixture
 def counted(monkeypatch):
     calls = []
-    real = D.sha256_file
+    real = V.sha256_file
 
     def spy(path, *a, **kw):
         calls.append(os.path.basename(path))
         return real(path, *a, **kw)
 
-    monkeypatch.setattr(D, "sha256_file", spy)
+    monkeypatch.setattr(V, "sha256_file", spy)
     return calls
 
 
 def test_second_start_hashes_nothing(small_dataset, counted):
     root = small_dataset.root
     age(root)
-    D.verify_dataset(root, cached=True)
+    V.verify_dataset(root, cached=True)
     assert len(counted) == 5                       # 4 shards + test.h5
     assert (root / V.CACHE_NAME).exists()
     counted.clear()
-    D.verify_dataset(root, cached=True)
+    V.verify_dataset(root, cached=True)
     assert counted == []
-    D.verify_dataset(root)                         # `mpilb data verify`: everything, always
+    V.verify_dataset(root)                         # `mpilb data verify`: everything, always
     assert len(counted) == 5
 
 
 def test_changed_file_is_checked_again(small_dataset, counted):
     root = small_dataset.root
     age(root)
-    D.verify_dataset(root, cached=True)
+    V.verify_dataset(root, cached=True)
     counted.clear()
     shard = root / "shard-00002.h5"
     copy = root / "copy.h5"
     shutil.copy2(shard, copy)                      # same bytes and mtime, new inode
     os.replace(copy, shard)
-    D.verify_dataset(root, cached=True)
+    V.verify_dataset(root, cached=True)
     assert counted == ["shard-00002.h5"]
 
 
 def test_fresh_files_are_not_trusted(small_dataset, counted):
     """A file modified within the racy window could change again without a new mtime."""
     root = small_dataset.root                      # just written
-    D.verify_dataset(root, cached=True)
+    V.verify_dataset(root, cached=True)
     counted.clear()
-    D.verify_dataset(root, cached=True)
+    V.verify_dataset(root, cached=True)
     assert len(counted) == 5
 
 
 def test_corruption_after_a_cached_check_is_caught(small_dataset):
     root = small_dataset.root
     age(root)
-    D.verify_dataset(root, cached=True)
+    V.verify_dataset(root, cached=True)
     with open(root / "shard-00001.h5", "r+b") as fh:   # a change moves mtime on
         fh.seek(-100, os.SEEK_END)
         b = fh.read(1)
         fh.seek(-100, os.SEEK_END)
         fh.write(bytes([b[0] ^ 0xFF]))
     with pytest.raises(DataError, match="shard-00001.h5: checksum mismatch"):
-        D.verify_dataset(root, cached=True)
+        V.verify_dataset(root, cached=True)
 
 
 def test_read_only_dataset_records_in_mpilb_cache(small_dataset, tmp_path, monkeypatch, counted):
@@ -96,9 +96,9 @@ def test_read_only_dataset_records_in_mpilb_cache(small_dataset, tmp_path, monke
     mode = os.stat(root).st_mode
     os.chmod(root, stat.S_IRUSR | stat.S_IXUSR)
     try:
-        D.verify_dataset(root, cached=True)
+        V.verify_dataset(root, cached=True)
         counted.clear()
-        D.verify_dataset(root, cached=True)
+        V.verify_dataset(root, cached=True)
         assert counted == []
         assert list((tmp_path / "cache" / "verified").glob("*.json"))
     finally:
@@ -109,7 +109,7 @@ def test_garbled_record_means_check_again(small_dataset, counted):
     root = small_dataset.root
     age(root)
     (root / V.CACHE_NAME).write_text("{not json")
-    D.verify_dataset(root, cached=True)
+    V.verify_dataset(root, cached=True)
     assert len(counted) == 5
     json.loads((root / V.CACHE_NAME).read_text())   # rewritten whole
 
@@ -129,10 +129,10 @@ def test_flipped_byte_in_a_fletcher32_chunk_fails_the_read(small_dataset):
         b = fh.read(1)
         fh.seek(info.byte_offset + 17)
         fh.write(bytes([b[0] ^ 0x01]))
-    with ShardStore(ds) as store:
-        np.testing.assert_array_equal(store.read(1, 0, 64)[0], x[:64])   # other chunks still read
+    with ShardReader(ds) as reader:
+        np.testing.assert_array_equal(reader.read(1, 0, 64)[0], x[:64])   # other chunks still read
         with pytest.raises(DataError, match=r"shard-00001\.h5: cannot read rows"):
-            store.read(1)
+            reader.read(1)
 
 
 def test_a_verified_dataset_can_be_prepared_again_in_place(tmp_path):
@@ -141,7 +141,7 @@ def test_a_verified_dataset_can_be_prepared_again_in_place(tmp_path):
     root = tmp_path / "d"
     D.prepare_synthetic(root, samples=200, features=4, classes=3, shards=2, seed=0)
     age(root)
-    D.verify_dataset(root, cached=True)
+    V.verify_dataset(root, cached=True)
     assert (root / V.CACHE_NAME).exists()
     D.prepare_synthetic(root, samples=300, features=4, classes=3, shards=3, seed=1)
     ds = D.open_dataset(root)

@@ -22,13 +22,13 @@ def test_slots_tags_and_sizes_are_pinned():
                                       "NEXT_LO", "NEXT_HI", "NEXT_EPOCH", "NONFINITE", "T"]
     assert {r.name: int(r) for r in Reply} == {
         "CMD": 0, "VERSION": 1, "BATCH": 2, "HELD_S": 3, "RETRY": 4, "N_ASSIGN": 5, "ASSIGN": 6,
-        "N_ORDER": 18, "ORDER": 19, "TRUNC_EPOCH": 31, "TRUNC_SHARD": 32, "TRUNC_END": 33, "DROP": 34,
+        "N_ORDER": 18, "ORDER": 19, "CUT_EPOCH": 31, "CUT_SHARD": 32, "CUT_END": 33, "DROP": 34,
         "HAS_CUT": 35}
     assert (int(Cmd.PARAMS), int(Cmd.STOP), int(Cmd.ORDERS)) == (1, 2, 3)
     assert (wire.TASK_FIELDS, wire.MAX_ASSIGN, wire.MAX_ORDER) == (6, 2, 2)
     # the task and order rows fit between their count and the next field
     assert Reply.ASSIGN + wire.TASK_FIELDS * wire.MAX_ASSIGN <= Reply.N_ORDER
-    assert Reply.ORDER + wire.TASK_FIELDS * wire.MAX_ORDER <= Reply.TRUNC_EPOCH
+    assert Reply.ORDER + wire.TASK_FIELDS * wire.MAX_ORDER <= Reply.CUT_EPOCH
     assert Reply.HAS_CUT < wire.HEADER_FIELDS
 
 
@@ -186,3 +186,14 @@ def test_store_messages_are_pinned():
     wire.encode_ctrl(buf, wire.Op.APPLY, rank=2, batch=32, staleness=1, version=7, lr=0.25)
     assert buf.tobytes() == np.array([1, 2, 32, 1, 7, -0.75, 0, 0], np.float64).tobytes()
     assert wire.decode_ctrl(buf) == (wire.Op.APPLY, 2, 32, 1, 7, 0.25)
+
+
+def test_message_buffers_are_named_and_still_tuples():
+    """Worker and bench read a message's parts by name; the server's positional uses
+    (`recv[0]`, `recv[1]`) keep working on the same tuple."""
+    msg = wire.new_message(3)
+    assert isinstance(msg, wire.MessageBuffer) and isinstance(msg, tuple)
+    assert msg[0] is msg.buf and msg[1] is msg.header and msg[2] is msg.payload
+    assert msg.buf.nbytes == wire.HEADER_BYTES + 12 and msg.header.size == wire.HEADER_FIELDS
+    again = wire.message_of(msg.payload)
+    assert isinstance(again, wire.MessageBuffer) and again.buf is msg.buf

@@ -1,5 +1,6 @@
-"""The worker's helpers without MPI: its per-push time accounting and its row exchange
-(which shards a rank holds, who may send a task's rows, sends kept until complete)."""
+"""The worker's parts without MPI: its per-push time accounting, its replies and parameters,
+its row exchange (which shards a rank holds, who may send a task's rows, sends kept until
+complete) and its compute step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from mpilb.worker.row_exchange import RowExchange, held_shards
 from mpilb.data.shards import placement
 from mpilb.mpi.watchdog import Rank0Watch, limit
 from mpilb.mpi.wire import TAG_SHARD_BASE, resource_tag
-from mpilb.worker.loop import TimeSincePush
+from mpilb.worker.messages import DeviceMessages
+from mpilb.worker.pushes import TimeSincePush
 
 
 def test_time_since_push_splits_a_reply_wait_into_hold_and_comm():
@@ -107,35 +109,42 @@ def test_sends_are_kept_until_complete(monkeypatch):
     assert len(ex.outgoing) == 1 and ex.outgoing[0][0][0].kw["dest"] == 4
 
 
+def _replies(comm=None, rows=None, bell=None, backoff=None, pipelined=False):
+    from mpilb.worker.replies import Replies
+
+    return Replies(comm or SimpleNamespace(), 1, DeviceMessages(SimpleNamespace(name="cpu"), False),
+                   4, [0], [0, 4], bell or SimpleNamespace(took=lambda rank: None),
+                   backoff or SimpleNamespace(reset=lambda: None, sleep=lambda: None),
+                   Rank0Watch(60.0, 1), rows or SimpleNamespace(progress=lambda: None),
+                   pipelined=pipelined)
+
+
 def test_parameters_still_arriving_keep_poking_rank_0(monkeypatch):
     # Rank 0 progresses its sends only for a moment after a poke; a reply whose parameters
     # are still arriving must poke it again, or the transfer waits for rank 0's next push
     # (with a single worker: its whole nap).
-    from mpilb.worker import loop as W
+    from mpilb.worker import replies as R
 
     clock = {"t": 0.0}
-    monkeypatch.setattr(W.time, "monotonic", lambda: clock["t"])
+    monkeypatch.setattr(R.time, "monotonic", lambda: clock["t"])
     polls = {"n": 0}
 
     def testall(reqs):
         polls["n"] += 1
         return polls["n"] > 20   # complete at the 21st test: ~2 ms of 0.1 ms naps
 
-    monkeypatch.setattr(W, "C", SimpleNamespace(Request=SimpleNamespace(Testall=testall)))
+    monkeypatch.setattr(R, "C", SimpleNamespace(Request=SimpleNamespace(Testall=testall)))
     pokes = []
-    w = object.__new__(W.Worker)
-    w.pulls = ["a pull"]
-    w.bell = SimpleNamespace(poke=lambda rank: pokes.append((rank, clock["t"])))
-    w.rows = SimpleNamespace(progress=lambda: None)
-    w.rank0 = Rank0Watch(60.0, 1)   # rank 0 is there (watchdog.py)
-    w.backoff = SimpleNamespace(reset=lambda: None,
-                                sleep=lambda: clock.__setitem__("t", clock["t"] + 1e-4))
-    w._finish_pulls()
-    assert w.pulls is None
+    r = _replies(bell=SimpleNamespace(poke=lambda rank: pokes.append((rank, clock["t"]))),
+                 backoff=SimpleNamespace(reset=lambda: None,
+                                         sleep=lambda: clock.__setitem__("t", clock["t"] + 1e-4)))
+    r.pulls = ["a pull"]
+    r.finish_pulls()
+    assert r.pulls is None
     assert [r for r, _ in pokes] == [0] * len(pokes)
     gaps = np.diff([t for _, t in pokes])
-    assert len(pokes) >= 4 and gaps.max() <= W.POKE_EVERY_S + 1e-4 + 1e-9   # poked all along
-    assert gaps.min() >= W.POKE_EVERY_S - 1e-9                             # but not at every poll
+    assert len(pokes) >= 4 and gaps.max() <= R.POKE_EVERY_S + 1e-4 + 1e-9   # poked all along
+    assert gaps.min() >= R.POKE_EVERY_S - 1e-9                             # but not at every poll
 
 
 class FakeMessage:
@@ -149,24 +158,6 @@ class FakeMessage:
         return SimpleNamespace(Test=lambda: True)
 
 
-def _pipelined_worker(messages, served):
-    from mpilb.mpi import wire
-    from mpilb.worker.loop import Worker
-
-    w = object.__new__(Worker)
-    w.rank, w.cuda_aware, w.early_reply = 1, False, None
-    w.cfg = SimpleNamespace(pipeline=1)
-    w.comm = SimpleNamespace(improbe=lambda source, tag: messages.pop(0) if messages else None)
-    w.bell = SimpleNamespace(took=lambda rank: None)
-    w.rows = SimpleNamespace(progress=lambda: None, serve=lambda orders: served.extend(orders))
-    w.injector = SimpleNamespace(fault=lambda now: None)
-    w.signals_sent, w.preempt_reqs = set(), []
-    w.rank0 = Rank0Watch(60.0, 1)
-    w.recv_buf, w.spare_buf = wire.new_message(4), wire.new_message(4)
-    w.params = w.spare_buf[2]
-    return w
-
-
 def test_a_pipelined_worker_blocked_for_rows_serves_the_orders_behind_its_reply(monkeypatch):
     """With --pipeline 1 the reply to the push in flight can reach a worker that waits for
     rows (to compute its next batch). It used to read nothing then, so send orders queued
@@ -174,41 +165,50 @@ def test_a_pipelined_worker_blocked_for_rows_serves_the_orders_behind_its_reply(
     stalled until one was declared lost (3 of 4 runs of quality.py's case (d) pipelined)."""
     from mpilb.mpi import wire
     from mpilb.worker import loop as W
+    from mpilb.worker import replies as R
+    from mpilb.worker.assignments import Assignments
 
     reply = wire.new_header()
     wire.encode_reply(reply, wire.Cmd.PARAMS, version=7, batch=32, assigns=[(0, 5, 0, 64, -1, 0)])
     orders = wire.new_header()
     wire.encode_orders(orders, [(0, 3, 0, 100, 2, TAG_SHARD_BASE + 3)])
     served = []
-    w = _pipelined_worker([FakeMessage(reply), FakeMessage(orders)], served)
-    w._orders_while_blocked()                 # the reply: kept for _wait_reply
-    assert served == [] and w.early_reply is not None
-    w._orders_while_blocked()                 # the orders behind it: served now
+    messages = [FakeMessage(reply), FakeMessage(orders)]
+    rows = SimpleNamespace(progress=lambda: None, serve=lambda orders: served.extend(orders))
+    comm = SimpleNamespace(improbe=lambda source, tag: messages.pop(0) if messages else None)
+    r = _replies(comm=comm, rows=rows, pipelined=True)
+    assert r.params is r.spare.payload
+    r.read_while_blocked()                 # the reply: kept for receive
+    assert served == [] and r.early_reply is not None
+    r.read_while_blocked()                 # the orders behind it: served now
     assert [(o.shard, o.dst) for o in served] == [(3, 2)]
 
-    # _wait_reply then takes the kept reply without receiving it again
+    # the worker's wait then takes the kept reply without receiving it again
     assigned = []
-    monkeypatch.setattr(W, "C", SimpleNamespace(Request=SimpleNamespace(Testall=lambda reqs: True),
+    monkeypatch.setattr(R, "C", SimpleNamespace(Request=SimpleNamespace(Testall=lambda reqs: True),
                                                 complete=lambda req: None))
-    w.comm = SimpleNamespace(improbe=lambda source, tag: pytest.fail("received twice"))
-    w.times, w.pulls, w.push_reqs, w.held = W.TimeSincePush(), ["a pull"], [], None
-    w.backoff = SimpleNamespace(reset=lambda: None, sleep=lambda: None)
-    w.feed = SimpleNamespace(assign=lambda *a: assigned.append(a), drop=lambda: None)
-    before = w.recv_buf
+    comm.improbe = lambda source, tag: pytest.fail("received twice")
+    w = object.__new__(W.Worker)
+    w.replies, w.times, w.pushes = r, W.TimeSincePush(), SimpleNamespace(settle=lambda: None)
+    feed = SimpleNamespace(assign=lambda *a: assigned.append(a), drop=lambda: None)
+    w.assignments = Assignments(feed, rows, None)
+    r.pulls = ["a pull"]
+    before = r.recv
     w._wait_reply(counts_as_idle=False)
     assert w.version == 7 and w.batch == 32 and assigned == [(0, 5, 0, 64, None)]
-    assert w.early_reply is None and w.params is before[2]   # the buffers swapped
+    assert r.early_reply is None and r.params is before.payload   # the buffers swapped
 
     # a second reply while blocked cannot be (one push in flight at most)
-    w.comm = SimpleNamespace(improbe=lambda source, tag: FakeMessage(reply))
-    w._orders_while_blocked()
+    comm.improbe = lambda source, tag: FakeMessage(reply)
+    r.read_while_blocked()
     with pytest.raises(RuntimeError, match="while waiting for shard rows"):
-        w._orders_while_blocked()
+        r.read_while_blocked()
 
 
 def test_the_gradients_scaling_and_check_count_as_compute(monkeypatch):
     """The mean division and the finiteness check of a pushed gradient are the worker's
     compute: they used to fall in no bucket of its timings (~2 % of a run)."""
+    from mpilb.mpi import wire
     from mpilb.worker import loop as W
 
     ticks = {"t": 0.0}
@@ -219,7 +219,8 @@ def test_the_gradients_scaling_and_check_count_as_compute(monkeypatch):
 
     monkeypatch.setattr(W.time, "perf_counter", perf_counter)
     w = object.__new__(W.Worker)
-    w.n, w.version, w.device_payload = 4, 3, True
+    w.n, w.version = 4, 3
+    w.messages = SimpleNamespace(device_payload=True)
     w.injector = SimpleNamespace(fault=lambda now: None)
     w.rows = SimpleNamespace(progress=lambda: None)
     w.signals_sent, w.preempt_reqs = set(), []
@@ -227,10 +228,34 @@ def test_the_gradients_scaling_and_check_count_as_compute(monkeypatch):
     w.cfg = SimpleNamespace(mode="async", clip_norm=None)
     w.model = SimpleNamespace(num_state=0)
     w.backend = SimpleNamespace(xp=np, synchronize=lambda: None)
-    w.params = np.zeros(4, np.float32)
+    w.replies = SimpleNamespace(params=np.zeros(4, np.float32))
     w.step_fn = lambda params, batch, out: (2.0, np.ones(4, np.float32), 0.0)   # model: 0 s
-    done = w._compute(SimpleNamespace(size=2), (None, None, np.zeros(4, np.float32)))
+    done = w._compute(SimpleNamespace(size=2), wire.MessageBuffer(None, None, np.zeros(4, np.float32)))
     assert done.compute_s >= 1e-3 and not done.nonfinite
+
+
+def test_a_push_goes_to_each_store_by_name(monkeypatch):
+    """A push is [header | slice 0] to rank 0 and each other slice to its store, from the
+    named parts of the message buffer; the step counts pushes."""
+    from mpilb.mpi import wire
+    from mpilb.worker import pushes as P
+    from mpilb.worker.pushes import Computed, Pushes
+
+    monkeypatch.setattr(P, "C", SimpleNamespace(Request=SimpleNamespace(Testall=lambda reqs: False),
+                                                complete=lambda req: None))
+    sent, rung = [], []
+    comm = SimpleNamespace(Isend=lambda buf, dest, tag: sent.append((buf.nbytes, dest, tag))
+                           or SimpleNamespace(Test=lambda: True))
+    pushes = Pushes(comm, DeviceMessages(SimpleNamespace(name="cpu"), False), 6, 0, [0, 2],
+                    [0, 4, 6], SimpleNamespace(ring=rung.append), pipelined=True)
+    assert len(pushes.bufs) == 2 and all(isinstance(m, wire.MessageBuffer) for m in pushes.bufs)
+    msg = pushes.bufs[0]
+    batch = SimpleNamespace(epoch=0, shard=1, lo=0, hi=8, size=8)
+    took = pushes.send(msg, Computed(batch, 1.0, 0.1, False, 3), None, t=2.0,
+                       timings=dict(io_s=0.0, comm_s=0.0, idle_s=0.0))
+    assert took >= 0 and pushes.step == 1 and rung == [0]
+    assert sent == [(2 * 4, 2, wire.TAG_GRAD), (wire.HEADER_BYTES + 4 * 4, 0, wire.TAG_PUSH)]
+    assert wire.decode_push(msg.header).hi == 8
 
 
 def test_the_watch_on_rank_0_counts_only_waiting_time():

@@ -20,13 +20,15 @@ report, a serial run): it then says so in place of the data, so the set of files
 report produces does not depend on how far the run got.
 
 Modules: ``_common`` (loading, helpers), ``workers``, ``shards``, ``learning``, ``compare``.
+matplotlib is imported inside the functions that draw: it is slow to import and only
+``--plots`` needs it (``mpilb report`` imports this package for every report).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from mpilb.runfiles.paths import replace_file
+from mpilb.runfiles.files import replace_file
 
 from mpilb.runfiles.plots._common import _load, _Run
 from mpilb.runfiles.plots.compare import compare_figures, throughput

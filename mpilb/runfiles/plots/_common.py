@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpilb.runfiles.report import metric_columns, run_config
+from mpilb.runfiles.summary import metric_columns, run_config
 from mpilb.runfiles.runlog import read_columns
 
 # Colours of the parts of a worker's time (timeline) and markers of shard events.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpilb.runfiles.report import differing_settings, setting_text, smoothed_loss
+from mpilb.runfiles.summary import differing_settings, setting_text, smoothed_loss
 from mpilb.runfiles.plots._common import _figure, _no_data, _Run
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpilb.runfiles.report import LOSS_WINDOW, smoothed_loss
+from mpilb.runfiles.summary import LOSS_WINDOW, smoothed_loss
 from mpilb.runfiles.plots._common import _epoch_lines, _figure, _no_data, _Run, _worker_colour
 
 

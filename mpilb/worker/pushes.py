@@ -1,0 +1,131 @@
+"""The push side of a worker: what a push carries besides the gradient (the timings since the
+last one), the push buffers and the sends still in flight."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from mpilb.mpi import comm as C
+from mpilb.mpi import wire
+from mpilb.mpi.waiting import WaitEstimate
+from mpilb.worker.messages import DeviceMessages
+
+
+@dataclass
+class Computed:
+    """A gradient computed into a push buffer, not yet pushed."""
+
+    batch: object
+    loss: float
+    compute_s: float
+    nonfinite: bool
+    version: int        # parameters it was computed on (pipelined: older than the latest)
+
+
+class TimeSincePush:
+    """Where a worker's time went since its last push, reported in the next push's header.
+
+    Communication and idle seconds accumulate between pushes; I/O is the feed's running total,
+    reported as its growth since the last report. `reply_wait` learns how long the server
+    holds a reply, so that the worker wakes up just in time for it.
+    """
+
+    def __init__(self):
+        self.comm_s = self.idle_s = 0.0
+        self.io_reported = 0.0
+        self.reply_wait = WaitEstimate()   # push -> reply
+
+    def reply_window(self, counts_as_idle: bool) -> tuple[Optional[float], float]:
+        """(due, grace) for the wait for the server's next message."""
+        return (None, 0.0) if counts_as_idle else self.reply_wait.window(time.monotonic())
+
+    def waited(self, waited: float, held: float, counts_as_idle: bool) -> None:
+        """Account a wait for the server's message (`held`: the server's hold of the reply)."""
+        if counts_as_idle:
+            self.idle_s += waited
+        else:
+            # the server's hold, not `waited`: that includes this rank's own lateness, and
+            # waking later for having woken late would feed on itself
+            self.reply_wait.update(held)
+            self.idle_s += min(held, waited)
+            self.comm_s += max(0.0, waited - held)
+
+    def report(self, io_total: float) -> dict:
+        """The push header's timing fields; starts the next interval."""
+        fields = dict(io_s=io_total - self.io_reported, comm_s=self.comm_s, idle_s=self.idle_s)
+        self.io_reported = io_total
+        self.comm_s = self.idle_s = 0.0
+        return fields
+
+
+class Pushes:
+    """A worker's pushes: [header | gradient slice 0 (| model state)] to rank 0 and each
+    other store's slice to it (--servers K), from one of the push buffers (two with
+    --pipeline 1, so that one can be in flight while the next gradient is computed into the
+    other).
+
+    Args:
+        comm: the world communicator.
+        messages: where the buffers live (host, device, pinned host).
+        floats: the gradient's length; num_state: the model's state floats after it.
+        stores: the store ranks; bounds: store s holds parameters [bounds[s], bounds[s+1]).
+        bell: rank 0's doorbell (doorbell.py), rung with each push.
+        pipelined: --pipeline 1.
+    """
+
+    def __init__(self, comm, messages: DeviceMessages, floats: int, num_state: int, stores,
+                 bounds, bell, pipelined: bool):
+        self.comm = comm
+        self.messages = messages
+        self.num_state = num_state
+        self.stores = stores
+        self.bounds = bounds
+        self.bell = bell
+        # a push carries the gradient, then the model's state (e.g. BatchNorm statistics)
+        self.bufs = [messages.new(floats + num_state) for _ in range(2 if pipelined else 1)]
+        self.reqs: list = []
+        self.step = 0   # pushes so far
+
+    def send(self, msg: wire.MessageBuffer, done: Computed, next_range, t: float,
+             timings: dict) -> float:
+        """Push `done` from `msg` (`t`: the worker's clock; `timings`: TimeSincePush.report).
+        Returns the seconds the push took this rank (communication)."""
+        batch = done.batch
+        wire.encode_push(msg.header, step=self.step, version=done.version, epoch=batch.epoch,
+                         shard=batch.shard, lo=batch.lo, hi=batch.hi, batch=batch.size,
+                         loss=done.loss, compute_s=done.compute_s, nonfinite=done.nonfinite,
+                         t=t, next_range=next_range, **timings)
+        t0 = time.perf_counter()
+        self.settle()
+        self.messages.header_to_buffer(msg)
+        b = self.bounds
+        # every store's slice at once; rank 0 gets the header with slice 0
+        self.reqs = [self.comm.Isend(msg.payload[b[s]:b[s + 1]], dest=r, tag=wire.TAG_GRAD)
+                     for s, r in enumerate(self.stores) if s]
+        # (with one store, followed by the model's state: the server keeps the latest)
+        state = self.num_state if len(b) == 2 else 0
+        self.reqs.append(self.comm.Isend(msg.buf[:wire.HEADER_BYTES + 4 * (b[1] + state)],
+                                         dest=0, tag=wire.TAG_PUSH))
+        self.bell.ring(0)
+        self.step += 1
+        # Not waited for here: the receivers have receives posted and, with MPICH's
+        # shared-memory transport, fetch the message themselves (a rendezvous read), so
+        # spinning on it would only take a core from the server that is to read it (where
+        # the sender must move it, it moves at this rank's next MPI call: pipelined, after
+        # the compute). The push is complete once its reply has come (settle), or at the
+        # latest before its buffer is written again.
+        C.Request.Testall(self.reqs)
+        return time.perf_counter() - t0
+
+    def settle(self) -> None:
+        """The server replied to the last push, so it has it: finish the sends' requests."""
+        for req in self.reqs:
+            C.complete(req)
+        self.reqs = []
+
+    def finish(self) -> None:
+        """At the end of the run: the last push's sends, waited for a few seconds at most."""
+        for req in self.reqs:
+            C.wait(req, timeout=5.0)
