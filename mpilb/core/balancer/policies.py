@@ -111,6 +111,55 @@ class LoadBalancer(Balancer):
             return None
         return super().next_shard(worker)
 
+    def keep_of_tail(self, worker, before, tail, batch):
+        """Keep the whole batches of the tail that ``worker`` ends no later than the
+        others end theirs; give the rest to the worker with work that would end it soonest.
+
+        Only once ``worker``'s queue is empty (the epoch's end: before it, moving queued
+        shards is the rebalance's job). A step is counted whole even when short (a worker
+        behind a slow link spends a step's time on transfers whatever its batch), the
+        others by their projected finish, the taker by its own. Only the projected last
+        finisher is cut, and only where that brings the epoch's projected end forward by
+        more than one of the taker's steps and more than ``hysteresis`` of it.
+        """
+        if worker not in self.workers or len(self.workers) < 2 or self._queues.get(worker):
+            return tail, None   # mid-epoch: moving queued shards is the rebalance's job
+        vec = self._vectors()
+        workers, pos, load, _, _ = vec
+        mine_at = pos[worker]
+        busy = load > 0
+        busy[mine_at] = False
+        if not busy.any():
+            return tail, None
+        finish = self._times_at(vec, load)
+        after = self._times_at(vec, load + tail)
+        after[~busy] = np.inf
+        t = int(np.argmin(after))           # who would end the whole tail soonest
+        last = int(np.argmax(np.where(busy, finish, -np.inf)))
+        taker, own_end = workers[t], float(finish[last])
+        if not (self.rate_known(worker) and self.rate_known(taker) and self.rate_known(workers[last])):
+            return tail, None   # guesses, not rates
+        step = batch / self.effective_rate(worker)
+
+        def end(keep):   # the epoch's projected end if worker keeps `keep`, the taker the rest
+            mine = -(-(before + keep) // batch) * step
+            return max(mine, own_end, self._time_for(taker, float(load[t]) + tail - keep))
+
+        whole = end(tail)
+        if whole <= own_end + _EPS:
+            return tail, None           # not the last to finish: nothing to gain
+        keep, best = tail, whole
+        for k in range(0, tail, batch):
+            e = end(k)
+            if e < best - _EPS:
+                keep, best = k, e
+        # Worth a cut (and the taker's read of the shard) only if it saves more than one of
+        # the taker's steps and more than the hysteresis: not for estimate noise.
+        taker_step = batch / self.effective_rate(taker)
+        if keep >= tail or whole - best < max(taker_step, self.config.hysteresis * whole) + _EPS:
+            return tail, None
+        return keep, taker
+
     def _sooner_elsewhere(self, worker: int, shard: int) -> bool:
         size = self.shard_sizes[shard]
         mine = self._time_for(worker, self._committed.get(worker, 0) + size)
@@ -254,6 +303,8 @@ class LoadBalancer(Balancer):
             return None
         victim = workers[int(np.argmax(finish))]
         shard = self._queues[victim][-1]
+        if shard in self._given_back.get(worker, ()):
+            return None                     # it gave that tail away this epoch
         size = self.shard_sizes[shard]
         before = self._finish(victim)
         thief_after = self._time_for(worker, self._committed.get(worker, 0) + size)
