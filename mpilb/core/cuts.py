@@ -91,6 +91,12 @@ def trim_tail(ledger: TaskLedger, rank: int, batch: int) -> Optional[int]:
     h = ledger.of[rank]
     if not ledger.split or ledger.holders is not None or rank in ledger.gone or h.cut is not None:
         return None
+    if h.assigns:
+        # Handed out in this top-up (an idle worker being woken, or its prefetch): the
+        # server wakes a worker that is owed an assignment, and one whose only task is cut
+        # away with it would wait for work while the server waits for its push. Such a
+        # task is judged at its next reply.
+        return None
     task = h.tasks[-1] if h.tasks else None
     if task is None or task.epoch != ledger.epoch or task.src >= 0:
         return None

@@ -335,9 +335,11 @@ class TaskLedger:
         requeue = []
         for task in h.tasks:
             if task.epoch == self.epoch and task.remaining > 0:
-                self.pending_ranges.setdefault(task.shard, []).append((task.pos, task.end))
-                if task.shard not in requeue:
+                # A shard with ranges pending is queued once already (a tail given back by
+                # trim_tail): queued again, its second taker would get all of it.
+                if task.shard not in self.pending_ranges and task.shard not in requeue:
                     requeue.append(task.shard)
+                self.pending_ranges.setdefault(task.shard, []).append((task.pos, task.end))
                 self.events.append(ShardEvent(task.epoch, task.shard, rank, -1, "reassign"))
         h.tasks.clear()
         if requeue:

@@ -132,3 +132,36 @@ def test_a_node_behind_a_slow_link_leaves_no_tail(capsys):
     # workers ~0.3 of an epoch, as at 100 Mbit/s on the box): 2.14 s an epoch before the
     # tail was planned (probes and last steps of n2's workers waited out), 1.48 s now.
     assert _epochs(capsys, "40mbit") < 1.7
+
+
+def test_a_benched_worker_whose_tail_was_given_back_is_not_counted_twice():
+    # rank 1 keeps [512, 768) of shard 0 and gives [768, 1024) back; benched, what it kept
+    # joins the pending ranges of the one queue entry: no second, whole, copy of shard 0
+    # (seen: 1000 and 2000 duplicate samples in test_balancing_e2e's sit-out run)
+    ledger, bal = _slow_and_fast([1024, 4000], batch=256)
+    ledger.advance(1, 512)
+    bal.keep_of_tail = lambda worker, before, tail, batch: (256, 2)
+    assert ledger.trim_tail(1, 256) == 768 and ledger.pending_ranges == {0: [(768, 1024)]}
+    assert spans(ledger, 1) == [(0, 512, 768)]
+    bal.bench(1)
+    ledger.take_back(1)
+    assert sorted(ledger.pending_ranges[0]) == [(512, 768), (768, 1024)]
+    assert [s for w in (1, 2) for s in bal.queued(w)].count(0) == 1
+    assert ledger.advance(2, 4000)
+    ledger.top_up(2, 256)
+    assert sorted(spans(ledger, 2)) == [(0, 512, 768), (0, 768, 1024)]
+
+
+def test_a_worker_woken_with_a_shard_keeps_it():
+    # the server wakes an idle worker that is owed an assignment: the shard it was just
+    # handed must not be cut away in the same top-up (seen: rank 3 "silent for 60 s")
+    ledger, bal = _slow_and_fast([1024, 4000, 1024])
+    assert ledger.advance(1, 512) is False
+    bal.observe(1, 3.0, 512, 0.05, comm_s=5.0)
+    ledger.top_up(1, 512)                  # its last step goes back; it is idle now
+    assert spans(ledger, 1) == [] and ledger.take_reply(1, 512)[2] == (0, 0, 512)
+    bal._queues[1].append(2)               # a shard reaches its queue (a probe, a move)
+    ledger.top_up(1, 512)                  # _wake_idle
+    assert spans(ledger, 1) == [(2, 0, 1024)]
+    assigns, _, cut = ledger.take_reply(1, 512)
+    assert [a.shard for a in assigns] == [2] and cut is None
