@@ -182,8 +182,9 @@ class TrendRate:
     window restarts, so a step is not read as a trend.
 
     :attr:`overhead` is the EWMA (same buckets, same ``alpha``, the same even start and
-    level-shift reset) of the seconds per sample the worker spends outside compute and I/O: the caller's ``comm_s`` when it has one, otherwise
-    the time since the previous report minus this report's busy seconds. A gap longer than
+    level-shift reset) of the seconds per sample the worker spends outside compute and
+    I/O: the caller's ``comm_s`` when it has one, otherwise the time since the previous
+    report minus this report's busy seconds. A gap longer than
     ``IDLE_FACTOR`` usual cycles is an idle wait, not overhead, and counts as a usual one.
 
     Args:

@@ -245,7 +245,8 @@ class Balancer(RateEstimates):
         self._touch(dst)
         return dst
 
-    def keep_of_tail(self, worker: int, before: int, tail: int, batch: int) -> tuple[int, int | None]:
+    def keep_of_tail(self, worker: int, before: int, tail: int,
+                     batch: int) -> tuple[int, int | None]:
         """How much of the ``tail`` samples of its last task ``worker`` should keep
         (``before``: what it holds ahead of them), and who takes the rest (see
         :meth:`mpilb.core.tasks.TaskLedger.trim_tail`). The base policy keeps everything."""

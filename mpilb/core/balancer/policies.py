@@ -137,7 +137,7 @@ class LoadBalancer(Balancer):
         t = int(np.argmin(after))           # who would end the whole tail soonest
         last = int(np.argmax(np.where(busy, finish, -np.inf)))
         taker, own_end = workers[t], float(finish[last])
-        if not (self.rate_known(worker) and self.rate_known(taker) and self.rate_known(workers[last])):
+        if not all(self.rate_known(w) for w in (worker, taker, workers[last])):
             return tail, None   # guesses, not rates
         step = batch / self.effective_rate(worker)
 
