@@ -126,28 +126,31 @@ class LoadBalancer(Balancer):
             return tail, None   # mid-epoch: moving queued shards is the rebalance's job
         vec = self._vectors()
         workers, pos, load, _, _ = vec
-        mine_at = pos[worker]
         busy = load > 0
-        busy[mine_at] = False
+        busy[pos[worker]] = False
         if not busy.any():
             return tail, None
         finish = self._times_at(vec, load)
+        last = int(np.argmax(np.where(busy, finish, -np.inf)))
+        own_end = float(finish[last])
+        step = batch / self.effective_rate(worker)
+        whole = -(-(before + tail) // batch) * step
+        # at most it saves the steps past what it holds ahead of the tail, down to the
+        # others' end: most replies stop here (a reply is on the server's busiest path)
+        if whole - max(own_end, -(-before // batch) * step) <= self.config.hysteresis * whole:
+            return tail, None
         after = self._times_at(vec, load + tail)
         after[~busy] = np.inf
         t = int(np.argmin(after))           # who would end the whole tail soonest
-        last = int(np.argmax(np.where(busy, finish, -np.inf)))
-        taker, own_end = workers[t], float(finish[last])
+        taker = workers[t]
         if not all(self.rate_known(w) for w in (worker, taker, workers[last])):
             return tail, None   # guesses, not rates
-        step = batch / self.effective_rate(worker)
 
         def end(keep):   # the epoch's projected end if worker keeps `keep`, the taker the rest
             mine = -(-(before + keep) // batch) * step
             return max(mine, own_end, self._time_for(taker, float(load[t]) + tail - keep))
 
         whole = end(tail)
-        if whole <= own_end + _EPS:
-            return tail, None           # not the last to finish: nothing to gain
         keep, best = tail, whole
         for k in range(0, tail, batch):
             e = end(k)
