@@ -125,20 +125,18 @@ class LoadBalancer(Balancer):
         if worker not in self.workers or len(self.workers) < 2 or self._queues.get(worker):
             return tail, None   # mid-epoch: moving queued shards is the rebalance's job
         vec = self._vectors()
-        workers, pos, load, _, _ = vec
-        busy = load > 0
-        busy[pos[worker]] = False
-        if not busy.any():
-            return tail, None
-        finish = self._times_at(vec, load)
-        last = int(np.argmax(np.where(busy, finish, -np.inf)))
-        own_end = float(finish[last])
+        workers, pos, load, spp, _ = vec
+        me = pos[worker]
         step = batch / self.effective_rate(worker)
         whole = -(-(before + tail) // batch) * step
+        last, own_end = self._last_other(vec, me)
         # at most it saves the steps past what it holds ahead of the tail, down to the
         # others' end: most replies stop here (a reply is on the server's busiest path)
-        if whole - max(own_end, -(-before // batch) * step) <= self.config.hysteresis * whole:
+        gain_at_most = whole - max(own_end, -(-before // batch) * step)
+        if last < 0 or gain_at_most <= self.config.hysteresis * whole:
             return tail, None
+        busy = load > 0
+        busy[me] = False
         after = self._times_at(vec, load + tail)
         after[~busy] = np.inf
         t = int(np.argmin(after))           # who would end the whole tail soonest
@@ -162,6 +160,26 @@ class LoadBalancer(Balancer):
         if keep >= tail or whole - best < max(taker_step, self.config.hysteresis * whole) + _EPS:
             return tail, None
         return keep, taker
+
+    def _last_other(self, vec: tuple, me: int) -> tuple[int, float]:
+        """(position, projected finish) of the last to finish among the workers of ``vec``
+        with work, but the one at ``me``; (-1, 0.0) if none has work."""
+        workers, _, load, spp, _ = vec
+        if len(workers) > 64:    # one vector pass; below that, floats are cheaper
+            busy = load > 0
+            busy[me] = False
+            if not busy.any():
+                return -1, 0.0
+            finish = np.where(busy, self._times_at(vec, load), -np.inf)
+            last = int(np.argmax(finish))
+            return last, float(finish[last])
+        last, end = -1, 0.0
+        for j, (n, c) in enumerate(zip(load.tolist(), spp.tolist())):
+            if j != me and n > 0:
+                f = n * c if c >= 0.0 else self._time_nonlinear(workers[j], n)
+                if last < 0 or f > end:
+                    last, end = j, f
+        return last, end
 
     def _sooner_elsewhere(self, worker: int, shard: int) -> bool:
         size = self.shard_sizes[shard]
