@@ -9,7 +9,10 @@ straggler), so the estimators smooth it:
   buckets of at least ``bucket_s`` busy seconds, whose rate is the ratio of sums
   (samples / seconds): a fast worker pushes every millisecond or so, and on a shared node
   single steps are stretched by preemption several times over, so per-report rates are
-  heavy-tailed and their mean is biased high; a bucket's ratio of sums is not. The median
+  heavy-tailed and their mean is biased high; a bucket's ratio of sums is not. A bucket
+  fills with the wall time its reports cover (busy seconds plus the communication that went
+  with them, when the caller gives it): a worker behind a slow link computes 14 ms of a
+  0.3 s step, and buckets of busy time alone would close once a second on it. The median
   of the last three bucket rates ignores a single outlier entirely (a 50x spike does not
   move the estimate). The EWMA with weight ``alpha`` averages out jitter: with
   ``alpha = 0.1`` (the balancer's default) +-20% multiplicative noise keeps the estimate
@@ -28,7 +31,11 @@ straggler), so the estimators smooth it:
   gradient, waiting for the reply, being scheduled), from the report times themselves
   (time since the worker's previous report minus its busy seconds), with gaps far longer
   than a step's usual cycle taken as idle time and left out. Projected finish times need
-  both: a worker's wall-clock seconds per sample are ``1 / rate + overhead``.
+  both: a worker's wall-clock seconds per sample are ``1 / rate + overhead``. The overhead
+  is smoothed as the rate is (the first ``1 / alpha`` buckets averaged evenly, then the EWMA)
+  and reset by the same level-shift rule: a link that becomes slower, or a worker on a slow
+  node, is planned at its true cost after three buckets, not after the ~20 an EWMA with
+  ``alpha = 0.1`` needs.
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class EwmaRate:
         self.stale = False    # the next bucket replaces the estimate (see mark_stale)
         self._recent: deque[float] = deque(maxlen=3)
         self._bucket = [0.0, 0.0]   # samples, busy seconds of the open bucket
+        self._span = 0.0            # wall seconds of the open bucket's reports
 
     def _guard(self, rate: float) -> float:
         self._recent.append(rate)
@@ -91,10 +99,12 @@ class EwmaRate:
         # Two reports only: trust the one nearer the current estimate.
         return min(self._recent, key=lambda r: abs(np.log(r / self.value)))
 
-    def update(self, samples: float, busy_s: float) -> float | None:
+    def update(self, samples: float, busy_s: float, span_s: float | None = None) -> float | None:
         """Add one report and return the estimate (reports with no work are ignored).
 
-        The estimate changes when the report closes a bucket (see :attr:`closed`).
+        ``span_s``: the wall seconds the report covers (busy plus communication), which fill
+        the bucket; ``busy_s`` when not given. The estimate changes when the report closes
+        a bucket (see :attr:`closed`).
         """
         self.closed = self.shifted = False
         if samples <= 0 or busy_s <= 0:
@@ -102,10 +112,12 @@ class EwmaRate:
         self.count += 1
         self._bucket[0] += samples
         self._bucket[1] += busy_s
-        if self._bucket[1] < self.bucket_s:
+        self._span += max(busy_s, span_s if span_s is not None else busy_s)
+        if self._span < self.bucket_s:
             return self.value
         rate = self._bucket[0] / self._bucket[1]
         self._bucket = [0.0, 0.0]
+        self._span = 0.0
         self.closed = True
         self.buckets += 1
         guarded = self._guard(rate)
@@ -138,12 +150,13 @@ class EwmaRate:
         if self.value is not None:
             self.stale = True
             self._bucket = [0.0, 0.0]
+            self._span = 0.0
 
     def state_dict(self) -> dict:
         """JSON-serialisable state."""
         return {"alpha": self.alpha, "bucket_s": self.bucket_s, "value": self.value,
                 "count": self.count, "recent": list(self._recent), "bucket": list(self._bucket),
-                "buckets": self.buckets}
+                "buckets": self.buckets, "span": self._span}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output."""
@@ -154,6 +167,7 @@ class EwmaRate:
         self._recent = deque(state["recent"], maxlen=3)
         self._bucket = list(state.get("bucket", [0.0, 0.0]))
         self.buckets = state.get("buckets", self.count)
+        self._span = state.get("span", self._bucket[1])
 
 
 class TrendRate:
@@ -167,9 +181,10 @@ class TrendRate:
     slope over that lag plus the time ahead. After a level shift (see :class:`EwmaRate`) the
     window restarts, so a step is not read as a trend.
 
-    :attr:`overhead` is the EWMA (same buckets, same ``alpha``) of the seconds per sample the
-    worker spends outside compute and I/O: the caller's ``comm_s`` when it has one, otherwise
-    the time since the previous report minus this report's busy seconds. A gap longer than
+    :attr:`overhead` is the EWMA (same buckets, same ``alpha``, the same even start and
+    level-shift reset) of the seconds per sample the worker spends outside compute and
+    I/O: the caller's ``comm_s`` when it has one, otherwise the time since the previous
+    report minus this report's busy seconds. A gap longer than
     ``IDLE_FACTOR`` usual cycles is an idle wait, not overhead, and counts as a usual one.
 
     Args:
@@ -188,6 +203,8 @@ class TrendRate:
         self.overhead: float | None = None     # seconds per sample outside compute + I/O
         self._last_t: float | None = None
         self._over = [0.0, 0.0]                 # overhead seconds, samples of the open bucket
+        self._over_recent: deque[float] = deque(maxlen=3)   # the last buckets' overheads
+        self._over_buckets = 0                  # buckets folded since the last reset
         self._slope: float | None = None        # slope() of the current points (cached)
 
     @property
@@ -214,21 +231,39 @@ class TrendRate:
         last, self._last_t = self._last_t, t
         if samples <= 0 or busy_s <= 0:
             return self.ewma.value
-        self._over[0] += self._overhead_of(t - last if last is not None else None,
-                                           samples, busy_s, comm_s)
+        over = self._overhead_of(t - last if last is not None else None, samples, busy_s, comm_s)
+        self._over[0] += over
         self._over[1] += samples
-        self.ewma.update(samples, busy_s)
+        self.ewma.update(samples, busy_s, busy_s + over)
         if not self.ewma.closed:
             return self.ewma.value
         per_sample = self._over[0] / self._over[1]
         self._over = [0.0, 0.0]
-        a = self.ewma.alpha
-        self.overhead = per_sample if self.overhead is None else (1 - a) * self.overhead + a * per_sample
+        self._smooth_overhead(per_sample)
         if self.ewma.shifted:
             self._points.clear()
         self._points.append((t, self.ewma.last_input))
         self._slope = None
         return self.ewma.value
+
+    def _smooth_overhead(self, per_sample: float) -> None:
+        """Fold one bucket's overhead per sample into :attr:`overhead`, as the rate is
+        folded (see :class:`EwmaRate`): the first ``1 / alpha`` buckets averaged evenly,
+        then the EWMA, reset to the median of the last three when all three lie beyond
+        ``SHIFT_FACTOR`` of it on the same side (a link that became slower, contention)."""
+        recent = self._over_recent
+        recent.append(per_sample)
+        self._over_buckets += 1
+        old = self.overhead
+        if old is None:
+            self.overhead = per_sample
+        elif len(recent) == 3 and (min(recent) > SHIFT_FACTOR * old
+                                   or max(recent) * SHIFT_FACTOR < old):
+            self.overhead = sorted(recent)[1]
+            self._over_buckets = 1
+        else:
+            weight = max(self.ewma.alpha, 1.0 / self._over_buckets)
+            self.overhead = old + weight * (per_sample - old)
 
     def _overhead_of(self, gap: float | None, samples: float, busy_s: float,
                      comm_s: float | None) -> float:
@@ -312,7 +347,8 @@ class TrendRate:
         """JSON-serialisable state."""
         return {"ewma": self.ewma.state_dict(), "window": self.window,
                 "points": [list(p) for p in self._points], "overhead": self.overhead,
-                "last_t": self._last_t, "over": list(self._over)}
+                "last_t": self._last_t, "over": list(self._over),
+                "over_recent": list(self._over_recent), "over_buckets": self._over_buckets}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` output."""
@@ -323,3 +359,5 @@ class TrendRate:
         self.overhead = state.get("overhead")
         self._last_t = state.get("last_t")
         self._over = list(state.get("over", [0.0, 0.0]))
+        self._over_recent = deque(state.get("over_recent", []), maxlen=3)
+        self._over_buckets = state.get("over_buckets", self.ewma.buckets)

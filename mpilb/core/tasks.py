@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable, NamedTuple, Optional
 
+from mpilb.core import cuts
 from mpilb.mpi.wire import MAX_ASSIGN, MAX_ORDER, SHARD_TAGS, TAG_SHARD_BASE, OrderMsg, TaskMsg, resource_tag
 
 COMMITTED = 2   # shards a worker holds at once: the current one and the one it prefetches
@@ -178,6 +179,8 @@ class TaskLedger:
         self.collect_moves()
         if not h.tasks:
             self.split_for(rank, batch)
+        else:
+            self.trim_tail(rank, batch)
 
     def assign(self, rank: int, shard: int, lo: int, hi: int, source: Optional[int] = None,
                event: str = "assign") -> None:
@@ -253,62 +256,14 @@ class TaskLedger:
         return TAG_SHARD_BASE + 2 * (self.transfers % SHARD_TAGS)
 
     def split_for(self, thief: int, batch: int) -> Optional[tuple[int, Task, int]]:
-        """Give an idle worker the tail of the task that would finish last (part-way move).
+        """Give an idle worker the tail of the task that would finish last (a part-way move;
+        :func:`mpilb.core.cuts.split_for`). Returns (donor, donor's task, cut) or None."""
+        return cuts.split_for(self, thief, batch)
 
-        The donor keeps [pos, cut) and the thief takes [cut, end), with the cut chosen so both
-        finish together; `cut` lies past anything the donor may already be computing, and the
-        donor learns of it in its next reply, before it could reach it. `batch`: the thief's
-        batch size. Returns (donor, donor's task, cut) or None.
-        """
-        if not self.split or thief in self.gone:
-            return None
-        best = None
-        for d in self.of.values():
-            if d.rank == thief or d.rank in self.gone or not d.tasks or d.cut is not None:
-                continue
-            task = d.tasks[-1]
-            if task.epoch != self.epoch:
-                continue
-            if task.src >= 0 and task.pos == task.start:
-                continue   # its rows are still on their way to the donor: nothing to send yet
-            current = len(d.tasks) == 1
-            if self.holders is not None and not current and d.rank not in self.holders[task.shard]:
-                continue   # its rows are not in the donor's memory or store: nothing to send
-            cut_min = self._cut_min(d, task, current)
-            splittable = task.end - cut_min
-            if splittable < max(2 * d.batch_sent, batch):
-                continue
-            r_d = max(1e-9, self.balancer.effective_rate(d.rank))
-            r_t = max(1e-9, self.balancer.effective_rate(thief))
-            before = d.remaining - splittable
-            keep = int((splittable * r_d - before * r_t) / (r_d + r_t))
-            keep = min(max(keep, 0), splittable)
-            give = splittable - keep
-            finish = (before + splittable) / r_d
-            if give >= batch and (best is None or finish > best[0]):
-                best = (finish, d, task, cut_min + keep)
-        if best is None:
-            return None
-        _, donor, task, cut = best
-        end = task.end
-        self.balancer.discount(donor.rank, end - cut)
-        task.end = cut
-        donor.cut = (task.epoch, task.shard, cut)
-        if task.remaining <= 0 and task is donor.tasks[-1] and len(donor.tasks) > 1:
-            donor.tasks.pop()
-        self.assign(thief, task.shard, cut, end, source=donor.rank, event="move")
-        return donor.rank, task, cut
-
-    def _cut_min(self, d: Holding, task: Task, current: bool) -> int:
-        """The first position a cut may take: past whatever the donor may reach before it
-        reads the cut. One batch past what it computes now; pipelined, two (the batch it
-        announced may not have reached us, and it computes one more while waiting),
-        possibly into a task it has not started. Without pipelining a task it has not
-        started stays untouched."""
-        if self.pipeline:
-            reach = d.next_hi if d.next_shard == task.shard else task.pos
-            return max(task.pos, reach) + 2 * d.batch_sent
-        return task.pos + (d.batch_sent if current else 0)
+    def trim_tail(self, rank: int, batch: int) -> Optional[int]:
+        """At `rank`'s reply: give back what it would finish after the others could
+        (:func:`mpilb.core.cuts.trim_tail`). Returns the cut or None."""
+        return cuts.trim_tail(self, rank, batch)
 
     # ----------------------------------------------------------------- progress
     def note_next(self, rank: int, next_shard: int, next_hi: int) -> None:
@@ -380,9 +335,11 @@ class TaskLedger:
         requeue = []
         for task in h.tasks:
             if task.epoch == self.epoch and task.remaining > 0:
-                self.pending_ranges.setdefault(task.shard, []).append((task.pos, task.end))
-                if task.shard not in requeue:
+                # A shard with ranges pending is queued once already (a tail given back by
+                # trim_tail): queued again, its second taker would get all of it.
+                if task.shard not in self.pending_ranges and task.shard not in requeue:
                     requeue.append(task.shard)
+                self.pending_ranges.setdefault(task.shard, []).append((task.pos, task.end))
                 self.events.append(ShardEvent(task.epoch, task.shard, rank, -1, "reassign"))
         h.tasks.clear()
         if requeue:

@@ -123,6 +123,7 @@ class Balancer(RateEstimates):
         self._queues: dict[int, list[int]] = {w: [] for w in self.workers}
         self._committed: dict[int, int] = {w: 0 for w in self.workers}
         self._requeued: set[int] = set()    # shards of a lost worker, maybe partly done
+        self._given_back: dict[int, set[int]] = {}   # worker -> tails it gave up this epoch
         self._moves: list[Move] = []
         self.benched: set[int] = set()      # sitting sync rounds out: no shards, no batch
         self._probed: dict[int, float] = {}        # when each silent worker was last probed
@@ -146,6 +147,7 @@ class Balancer(RateEstimates):
         self.epoch = epoch
         self._committed = {w: 0 for w in self.workers}
         self._requeued = set()
+        self._given_back = {}
         self._vec = None
         self._queues = self._build_queues(list(order))
         self._qsum.clear()
@@ -242,6 +244,21 @@ class Balancer(RateEstimates):
         self._queues[dst].append(shard)
         self._touch(dst)
         return dst
+
+    def keep_of_tail(self, worker: int, before: int, tail: int,
+                     batch: int) -> tuple[int, int | None]:
+        """How much of the ``tail`` samples of its last task ``worker`` should keep
+        (``before``: what it holds ahead of them), and who takes the rest (see
+        :meth:`mpilb.core.tasks.TaskLedger.trim_tail`). The base policy keeps everything."""
+        return tail, None
+
+    def give_back(self, shard: int, giver: int, taker: int) -> None:
+        """``giver`` gave the tail of its started ``shard`` up for ``taker`` (who holds work
+        now, so it asks again at its next push); the ledger knows which positions. The
+        giver does not steal it back this epoch."""
+        self._queues[taker].append(shard)
+        self._touch(taker)
+        self._given_back.setdefault(giver, set()).add(shard)
 
     def bench(self, worker: int) -> list[Move]:
         """``worker`` sits out for now: its queued shards go to the others (moves), it gets

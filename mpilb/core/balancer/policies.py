@@ -111,6 +111,76 @@ class LoadBalancer(Balancer):
             return None
         return super().next_shard(worker)
 
+    def keep_of_tail(self, worker, before, tail, batch):
+        """Keep the whole batches of the tail that ``worker`` ends no later than the
+        others end theirs; give the rest to the worker with work that would end it soonest.
+
+        Only once ``worker``'s queue is empty (the epoch's end: before it, moving queued
+        shards is the rebalance's job). A step is counted whole even when short (a worker
+        behind a slow link spends a step's time on transfers whatever its batch), the
+        others by their projected finish, the taker by its own. Only the projected last
+        finisher is cut, and only where that brings the epoch's projected end forward by
+        more than one of the taker's steps and more than ``hysteresis`` of it.
+        """
+        if worker not in self.workers or len(self.workers) < 2 or self._queues.get(worker):
+            return tail, None   # mid-epoch: moving queued shards is the rebalance's job
+        vec = self._vectors()
+        workers, pos, load, spp, _ = vec
+        me = pos[worker]
+        step = batch / self.effective_rate(worker)
+        whole = -(-(before + tail) // batch) * step
+        last, own_end = self._last_other(vec, me)
+        # at most it saves the steps past what it holds ahead of the tail, down to the
+        # others' end: most replies stop here (a reply is on the server's busiest path)
+        gain_at_most = whole - max(own_end, -(-before // batch) * step)
+        if last < 0 or gain_at_most <= self.config.hysteresis * whole:
+            return tail, None
+        busy = load > 0
+        busy[me] = False
+        after = self._times_at(vec, load + tail)
+        after[~busy] = np.inf
+        t = int(np.argmin(after))           # who would end the whole tail soonest
+        taker = workers[t]
+        if not all(self.rate_known(w) for w in (worker, taker, workers[last])):
+            return tail, None   # guesses, not rates
+
+        def end(keep):   # the epoch's projected end if worker keeps `keep`, the taker the rest
+            mine = -(-(before + keep) // batch) * step
+            return max(mine, own_end, self._time_for(taker, float(load[t]) + tail - keep))
+
+        whole = end(tail)
+        keep, best = tail, whole
+        for k in range(0, tail, batch):
+            e = end(k)
+            if e < best - _EPS:
+                keep, best = k, e
+        # Worth a cut (and the taker's read of the shard) only if it saves more than one of
+        # the taker's steps and more than the hysteresis: not for estimate noise.
+        taker_step = batch / self.effective_rate(taker)
+        if keep >= tail or whole - best < max(taker_step, self.config.hysteresis * whole) + _EPS:
+            return tail, None
+        return keep, taker
+
+    def _last_other(self, vec: tuple, me: int) -> tuple[int, float]:
+        """(position, projected finish) of the last to finish among the workers of ``vec``
+        with work, but the one at ``me``; (-1, 0.0) if none has work."""
+        workers, _, load, spp, _ = vec
+        if len(workers) > 64:    # one vector pass; below that, floats are cheaper
+            busy = load > 0
+            busy[me] = False
+            if not busy.any():
+                return -1, 0.0
+            finish = np.where(busy, self._times_at(vec, load), -np.inf)
+            last = int(np.argmax(finish))
+            return last, float(finish[last])
+        last, end = -1, 0.0
+        for j, (n, c) in enumerate(zip(load.tolist(), spp.tolist())):
+            if j != me and n > 0:
+                f = n * c if c >= 0.0 else self._time_nonlinear(workers[j], n)
+                if last < 0 or f > end:
+                    last, end = j, f
+        return last, end
+
     def _sooner_elsewhere(self, worker: int, shard: int) -> bool:
         size = self.shard_sizes[shard]
         mine = self._time_for(worker, self._committed.get(worker, 0) + size)
@@ -254,6 +324,8 @@ class LoadBalancer(Balancer):
             return None
         victim = workers[int(np.argmax(finish))]
         shard = self._queues[victim][-1]
+        if shard in self._given_back.get(worker, ()):
+            return None                     # it gave that tail away this epoch
         size = self.shard_sizes[shard]
         before = self._finish(victim)
         thief_after = self._time_for(worker, self._committed.get(worker, 0) + size)
