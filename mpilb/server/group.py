@@ -36,7 +36,7 @@ class SliceGroup:
         self.push_floats = n0 + session.model.num_state
 
         def new_buffer() -> np.ndarray:   # the ring's buffers can receive pushes (ParamRing)
-            return wire.new_message(self.push_floats)[2][:n0]
+            return wire.new_message(self.push_floats).payload[:n0]
 
         if not self.sliced:
             self.local = slice_ring(cfg, session.params, session.optimizer, new_buffer)

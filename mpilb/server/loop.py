@@ -187,10 +187,10 @@ class ParameterServer:
 
     # ----------------------------------------------------------------- pushes
     def on_push(self, w: Peer) -> None:
-        _, hdr, payload = w.link.recv
+        hdr, payload = w.link.recv.header, w.link.recv.payload
         grad = payload[:self.slices.n0]   # rank 0's slice of the gradient
         push = wire.decode_push(hdr)
-        self.ring.bytes_in += w.link.recv[0].nbytes
+        self.ring.bytes_in += w.link.recv.buf.nbytes
         self.remote.pushed(w.rank)
         w.last_push = push
         now = self.now()
