@@ -3,7 +3,7 @@
 :func:`mpilb.config.build.build_config` runs the checks of the options alone: each value
 (:func:`check_value`), the options that contradict each other (:func:`check_combinations`)
 and those that have no effect given others (:func:`check_no_effect`, :data:`NO_EFFECT`).
-Rank 0 then checks the configuration against the job before any rank trains (run/launch.py,
+Rank 0 then checks the configuration against the job before any rank trains (cli/launch.py,
 in this order): the same options on every rank (:func:`same_options`), --inject against the
 rank count (:func:`check_injects`), the data (:func:`check_world`), the optimizer
 (:func:`check_optimizer`), the model (:func:`check_model_step`) and the parameter stores

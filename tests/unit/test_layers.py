@@ -90,7 +90,7 @@ def test_wire_imports_numpy_only():
 def test_pure_parts_reach_no_mpi_log_or_loop(pure):
     reached = closure(pure)
     assert not reached & {"mpilb.mpi.comm", "mpi4py", "mpilb.runfiles.runlog", "h5py", "mpilb.worker.loop",
-                          "mpilb.server.loop", "mpilb.server.chores", "mpilb.run.launch"}, pure
+                          "mpilb.server.loop", "mpilb.server.chores", "mpilb.cli.launch"}, pure
 
 
 def test_serial_and_server_never_import_each_other():
@@ -101,12 +101,12 @@ def test_serial_and_server_never_import_each_other():
 
 
 def test_launch_does_not_import_the_cli():
-    assert "mpilb.cli.main" not in closure("mpilb.run.launch")
+    assert "mpilb.cli.main" not in closure("mpilb.cli.launch")
 
 
 def test_the_worker_and_the_server_share_only_the_wire_and_below():
     assert not closure("mpilb.worker.loop") & {"mpilb.server", "mpilb.server.loop", "mpilb.run.serial"}
-    assert "mpilb.mpi.wire" in imports("mpilb.worker.loop") and "mpilb.mpi.wire" in imports("mpilb.run.bench")
+    assert "mpilb.mpi.wire" in imports("mpilb.worker.loop") and "mpilb.mpi.wire" in imports("mpilb.cli.bench")
 
 
 def test_only_wire_indexes_headers():
