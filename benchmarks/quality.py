@@ -123,7 +123,7 @@ class Bench:
         from mpilb.config.build import build_config
         from mpilb.mpi.cores import usable_cpus
 
-        default = int(build_config().pipeline)   # async's default
+        default = int(build_config().updates.pipeline)   # async's default
         cpus = usable_cpus()   # affinity, capped by a control group's quota
         runs = {0: [], 1: []}
         short = []   # the default for 1 epoch: what an epoch costs the CPUs (cores_busy)

@@ -62,7 +62,7 @@ def train(model=None, data=None, **options) -> Optional[dict]:
         if isinstance(values.get(key), str):
             values[key] = [values[key]]
     from mpilb.mpi import comm as C
-    from mpilb.run.launch import train as launch_train
+    from mpilb.cli.launch import train as launch_train
 
     result: dict = {}
     code = launch_train(None, values, raise_errors=True, result=result)

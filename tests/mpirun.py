@@ -77,3 +77,16 @@ def recomputed_coverage(log: str, shard_sizes: list[int]) -> dict:
         out["duplicates"] += int(np.count_nonzero(counts > 1))
         out["missing"] += int(np.count_nonzero(counts == 0))
     return out
+
+
+def config_stub(**options):
+    """A stand-in for a run's Config holding just `options`, each in its section
+    (``config_stub(servers=3).updates.servers``), for parts tested without build_config."""
+    from types import SimpleNamespace
+
+    from mpilb.config.sections import SECTION_OF, SECTIONS
+
+    parts = {attr: {} for attr in SECTIONS}
+    for name, value in options.items():
+        parts[SECTION_OF[name]][name] = value
+    return SimpleNamespace(**{attr: SimpleNamespace(**v) for attr, v in parts.items()})

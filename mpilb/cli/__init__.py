@@ -1,1 +1,2 @@
-"""cli"""
+"""The `mpilb` command: argument parsing and subcommands (main), and `mpilb doctor`.
+"""

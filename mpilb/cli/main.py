@@ -225,7 +225,7 @@ def _dispatch(args) -> int:
             print(dataset_info(args.dir))
         return 0
     if args.command == "train":
-        from mpilb.run.launch import train
+        from mpilb.cli.launch import train
 
         cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "config_file")}
         if env_world_size() > 1 and _survive_signals(args.config_file, cli_values):
@@ -239,7 +239,7 @@ def _dispatch(args) -> int:
         return run_report(args.logs, as_json=args.json, plots=args.plots, compare=args.compare,
                           csv=args.csv)
     if args.command == "bench":
-        from mpilb.run.bench import bench_ps
+        from mpilb.cli.bench import bench_ps
 
         return bench_ps(params=args.params, seconds=args.seconds, optimizer=args.optimizer,
                         as_json=args.json, repeats=args.repeats, servers=args.servers)

@@ -5,9 +5,9 @@ validates every value (mpilb.config.validate) and returns a :class:`Config` made
 sections; each part is handed the section it needs (``cfg.optim`` to the optimizer,
 ``cfg.balancing`` to the balancer, ``cfg.output`` to the run's files).
 
-Every option belongs to exactly one section (checked below, at import). The flat names
-(``cfg.lr``) are read-only properties of :class:`Config` generated from the sections, for
-the code that still reads them; new code reads the section (``cfg.optim.lr``).
+Every option belongs to exactly one section (checked below, at import); code reads an
+option from its section (``cfg.optim.lr``), and :attr:`Config.values` gives the flat
+{option: value} that the run log, the checkpoint and the other ranks receive.
 """
 
 from __future__ import annotations
@@ -215,16 +215,6 @@ class Config:
     def workers_cuda_aware(self) -> bool:
         return self.network.workers_cuda_aware
 
-
-def _flat(section: str, name: str) -> property:
-    def read(cfg: Config):
-        return getattr(getattr(cfg, section), name)
-
-    return property(read, doc=f"``{section}.{name}``, by its flat name (read-only)")
-
-
-for _name, _section in SECTION_OF.items():
-    setattr(Config, _name, _flat(_section, _name))
 
 _unplaced = {o.name for o in OPTIONS} ^ set(SECTION_OF)
 if _unplaced:   # an option added to the table must be given a section (and vice versa)

@@ -3,7 +3,7 @@
 :func:`mpilb.config.build.build_config` runs the checks of the options alone: each value
 (:func:`check_value`), the options that contradict each other (:func:`check_combinations`)
 and those that have no effect given others (:func:`check_no_effect`, :data:`NO_EFFECT`).
-Rank 0 then checks the configuration against the job before any rank trains (run/launch.py,
+Rank 0 then checks the configuration against the job before any rank trains (cli/launch.py,
 in this order): the same options on every rank (:func:`same_options`), --inject against the
 rank count (:func:`check_injects`), the data (:func:`check_world`), the optimizer
 (:func:`check_optimizer`), the model (:func:`check_model_step`) and the parameter stores
@@ -16,6 +16,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import numpy as np
@@ -78,8 +79,9 @@ def check_no_effect(cfg: Config) -> list[str]:
     the warnings for such options set in the config file (where each came from:
     ``cfg.given``)."""
     warnings = []
+    flat = SimpleNamespace(**cfg.values)   # the table's rules read options by name
     for name, applies, other, why in NO_EFFECT:
-        if applies(cfg) or name not in cfg.given:
+        if applies(flat) or name not in cfg.given:
             continue
         source = cfg.given[name] or cfg.given.get(other, "")
         decided_on_cli = cfg.given.get(other, "") == ""
@@ -202,8 +204,8 @@ def check_servers(cfg, world_size: int, num_params: int, num_state: int = 0,
     node): at least one worker rank left, and at least one float per store. `cfg`: reads
     the flat ``servers`` and ``inject``."""
     nodes = list(nodes) if nodes else [0] * world_size
-    stores = store_ranks(nodes, cfg.servers)
-    k, shown = len(stores), cfg.servers
+    stores = store_ranks(nodes, cfg.updates.servers)
+    k, shown = len(stores), cfg.updates.servers
     if k > 1 and num_state:
         raise UsageError(f"--servers {shown}: this model has {num_state} state values (buffers "
                          f"such as BatchNorm statistics), which travel to rank 0 with each push; "
@@ -222,7 +224,7 @@ def check_servers(cfg, world_size: int, num_params: int, num_state: int = 0,
     if k > num_params:
         raise UsageError(f"--servers {shown} exceeds the model's {num_params} parameters "
                          f"(each store needs at least one)")
-    for text in getattr(cfg, "inject", None) or ():
+    for text in cfg.experiment.inject or ():
         for rank in sorted(parse_inject(text).ranks or ()):
             if rank in stores[1:]:
                 workers = [r for r in range(world_size) if r not in stores]

@@ -34,17 +34,17 @@ class Batch:
 class ShardFeed:
     """A worker's assigned tasks: positions [start, end) of shards, the next one prefetching.
 
-    A task's rows come from the rank's own shard store, or (`remote`, with a node-local
+    A task's rows come from the rank's own shard reader, or (`remote`, with a node-local
     store) from another rank that holds them; either way the feed counts as I/O only the
     time spent waiting for rows that had not arrived yet.
 
     Args:
-        store: a ShardReader.
+        reader: a ShardReader.
         backend: where batches live (numpy or cupy arrays).
     """
 
-    def __init__(self, store, backend):
-        self.store = store
+    def __init__(self, reader, backend):
+        self.reader = reader
         self.backend = backend
         # queued tasks: [epoch, shard, start, end, remote]; remote has .wait() -> (x, y, seconds)
         self.queue: deque[list] = deque()
@@ -60,7 +60,7 @@ class ShardFeed:
                remote=None) -> None:
         """Queue positions [start, end) of `shard` (default: to its end)."""
         if end is None:
-            end = self.store.dataset.shard_sizes[shard]
+            end = self.reader.dataset.shard_sizes[shard]
         self.queue.append([epoch, shard, start, end, remote])
         self._prefetch()
 
@@ -96,7 +96,7 @@ class ShardFeed:
 
     def _prefetch(self) -> None:
         if self.queue and self.queue[0][4] is None:
-            self.store.prefetch(*self.queue[0][:2])
+            self.reader.prefetch(*self.queue[0][:2])
 
     @property
     def has_work(self) -> bool:
@@ -109,7 +109,7 @@ class ShardFeed:
                 return False
             epoch, shard, start, end, remote = self.queue.popleft()
             if remote is None:
-                data, waited = self.store.get(epoch, shard)
+                data, waited = self.reader.get(epoch, shard)
                 x, y, offset = data.x, data.y, 0
             else:
                 x, y, waited = remote.wait()
@@ -147,7 +147,7 @@ class ShardFeed:
                 and end - self._offset <= len(self._x):
             a, b = start - self._offset, end - self._offset
             return np.ascontiguousarray(self._host(self._x[a:b])), np.ascontiguousarray(self._host(self._y[a:b]))
-        data, waited = self.store.get(epoch, shard)
+        data, waited = self.reader.get(epoch, shard)
         # The read is this rank's I/O like any other: in its reports, so that a slow reader's
         # rate says what sending rows costs it (rank 0 picks senders by it: holder_for).
         self.io_s += waited

@@ -14,13 +14,15 @@ Pure, as the ledger: the balancer's estimates decide, the ledger's holdings chan
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-if TYPE_CHECKING:
-    from mpilb.core.tasks import Holding, Task, TaskLedger
+from mpilb.core.holdings import Holding, ShardEvent, Task
+
+# `ledger` below is the mpilb.core.tasks.TaskLedger that calls these (not imported: the
+# ledger imports this module)
 
 
-def split_for(ledger: TaskLedger, thief: int, batch: int) -> Optional[tuple[int, Task, int]]:
+def split_for(ledger, thief: int, batch: int) -> Optional[tuple[int, Task, int]]:
     """Give an idle worker the tail of the task that would finish last (part-way move).
 
     The donor keeps [pos, cut) and the thief takes [cut, end), with the cut chosen so both
@@ -75,7 +77,7 @@ def split_for(ledger: TaskLedger, thief: int, batch: int) -> Optional[tuple[int,
     return donor.rank, task, cut
 
 
-def trim_tail(ledger: TaskLedger, rank: int, batch: int) -> Optional[int]:
+def trim_tail(ledger, rank: int, batch: int) -> Optional[int]:
     """At `rank`'s reply: give back the part of its last task it would finish after the
     others could have (the balancer's :meth:`keep_of_tail`), for whoever asks next.
 
@@ -86,7 +88,6 @@ def trim_tail(ledger: TaskLedger, rank: int, batch: int) -> Optional[int]:
     wait it out (a part-way move cannot take a batch already started). Returns the cut,
     or None.
     """
-    from mpilb.core.tasks import ShardEvent
 
     h = ledger.of[rank]
     if not ledger.split or ledger.holders is not None or rank in ledger.gone or h.cut is not None:
@@ -125,7 +126,7 @@ def trim_tail(ledger: TaskLedger, rank: int, batch: int) -> Optional[int]:
     return cut
 
 
-def first_cut(ledger: TaskLedger, d: Holding, task: Task, current: bool) -> int:
+def first_cut(ledger, d: Holding, task: Task, current: bool) -> int:
     """The first position a cut may take: past whatever the donor may reach before it
     reads the cut. One batch past what it computes now; pipelined, two (the batch it
     announced may not have reached us, and it computes one more while waiting),

@@ -74,9 +74,9 @@ def build_schedule(cfg, shard_sizes, workers: int = 1) -> Schedule:
         shard_sizes: samples per shard (a list), or samples per epoch (an int).
     """
     sizes = [shard_sizes] if isinstance(shard_sizes, int) else list(shard_sizes)
-    if cfg.mode == "sync":
-        updates_per_epoch = math.ceil(sum(sizes) / max(1, cfg.batch * workers))
+    if cfg.updates.mode == "sync":
+        updates_per_epoch = math.ceil(sum(sizes) / max(1, cfg.balancing.batch * workers))
     else:
-        updates_per_epoch = sum(math.ceil(s / cfg.batch) for s in sizes)
-    steps, seconds = parse_warmup(cfg.warmup)
-    return Schedule(cfg.lr_schedule, cfg.epochs * updates_per_epoch, steps, seconds)
+        updates_per_epoch = sum(math.ceil(s / cfg.balancing.batch) for s in sizes)
+    steps, seconds = parse_warmup(cfg.optim.warmup)
+    return Schedule(cfg.optim.lr_schedule, cfg.stopping.epochs * updates_per_epoch, steps, seconds)

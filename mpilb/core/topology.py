@@ -65,7 +65,7 @@ def stores_of(cfg) -> list[int]:
     """The run's store ranks: as placed at start-up from the node layout (cfg.store_ranks),
     else those of one node."""
     placed = getattr(cfg, "store_ranks", None)
-    return list(placed) if placed else default_stores(cfg.servers)
+    return list(placed) if placed else default_stores(cfg.updates.servers)
 
 
 def workers_of(cfg, size: int) -> list[int]:

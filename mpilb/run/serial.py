@@ -45,10 +45,10 @@ class SerialTrainer:
         self.params = self.backend.asarray(s.params)
         self.injector = Injector(parse_injects(cfg.experiment.inject, 1), 0, cfg.experiment.seed)
         inj = self.injector
-        self.store = ShardReader(dataset, seed=cfg.experiment.seed,
+        self.reader = ShardReader(dataset, seed=cfg.experiment.seed,
                                  io_delay=lambda nbytes, shard: inj.io_extra(time.monotonic(), nbytes, shard),
                                  cache_mb=cfg.inputs.cache_mb)
-        self.feed = ShardFeed(self.store, self.backend)
+        self.feed = ShardFeed(self.reader, self.backend)
         self.step = GradientStep(self.model, self.backend, self.injector)
         self.version = self.resumed.version if self.resumed else 0
         self.epoch = self.resumed.epoch if self.resumed else 0
@@ -220,7 +220,7 @@ class SerialTrainer:
                                       self.epoch, self.now())
 
     def finish(self, status: str) -> dict:
-        self.store.close()
+        self.reader.close()
         train_s = self.train_s if self.train_s is not None else self.now()
         return self.session.finish(status, train_s=train_s,
                                    wall_s=self.now(), cpu_s=time.process_time() - self.cpu0,
@@ -236,7 +236,7 @@ def run_serial(trainer: SerialTrainer) -> int:
         finally:
             summary = trainer.finish(status)
     except LogWriteError as exc:
-        trainer.store.close()
+        trainer.reader.close()
         rescued = trainer.session.rescue_checkpoint(trainer._save_checkpoint)
         print(f"mpilb: error: {exc}; {rescued}", file=sys.stderr, flush=True)
         sys.stdout.flush()

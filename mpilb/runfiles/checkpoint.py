@@ -101,8 +101,8 @@ def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epo
             f.attrs["version"] = int(version)
             f.attrs["epoch"] = int(epoch)
             f.attrs["train_s"] = float(train_s)
-            f.attrs["seed"] = int(cfg.seed)
-            f.attrs["plan"] = json.dumps(plan_signature(cfg.seed, dataset))
+            f.attrs["seed"] = int(cfg.experiment.seed)
+            f.attrs["plan"] = json.dumps(plan_signature(cfg.experiment.seed, dataset))
             f.create_dataset("params", data=np.asarray(params, dtype=np.float32))
             state = model.get_state()   # e.g. BatchNorm statistics: the latest pushed
             if state is not None:

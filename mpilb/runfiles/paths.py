@@ -63,8 +63,8 @@ def _generate_default(root) -> str:
 
 
 def resolve_data(cfg: Config) -> str:
-    if cfg.data:
-        return cfg.data
+    if cfg.inputs.data:
+        return cfg.inputs.data
     return default_dataset_dir()
 
 
@@ -98,16 +98,16 @@ def check_paths(cfg: Config, dataset, config_file=None) -> None:
     """Decide the log and checkpoint files (docs/logs.md) and refuse names that would
     destroy something: an existing log or checkpoint (unless --resume or --overwrite), or one
     file named twice among --log, --checkpoint, the config file and the dataset's files.
-    Fills in `cfg.log` (a new `runs/NNN.h5`) and `cfg.checkpoint` when they were not given.
+    Fills in `cfg.output.log` (a new `runs/NNN.h5`) and `cfg.output.checkpoint` when they were not given.
     """
-    if cfg.log:
-        check_writable_dir(cfg.log, "--log")
-    if cfg.checkpoint:
-        check_writable_dir(cfg.checkpoint, "--checkpoint")
-    keep = cfg.resume or cfg.overwrite
-    named = [("--log", cfg.log)] + ([("--checkpoint", cfg.checkpoint)] if cfg.checkpoint else [])
-    if not cfg.checkpoint and cfg.log:
-        named.append(("the checkpoint beside --log", default_checkpoint(cfg.log)))
+    if cfg.output.log:
+        check_writable_dir(cfg.output.log, "--log")
+    if cfg.output.checkpoint:
+        check_writable_dir(cfg.output.checkpoint, "--checkpoint")
+    keep = cfg.output.resume or cfg.output.overwrite
+    named = [("--log", cfg.output.log)] + ([("--checkpoint", cfg.output.checkpoint)] if cfg.output.checkpoint else [])
+    if not cfg.output.checkpoint and cfg.output.log:
+        named.append(("the checkpoint beside --log", default_checkpoint(cfg.output.log)))
     for what, path in named:
         if path and not keep and Path(path).exists():
             raise UsageError(f"{what} {path} exists (an earlier run's file): pass --overwrite "
@@ -132,10 +132,10 @@ def check_paths(cfg: Config, dataset, config_file=None) -> None:
                            f"edited or damaged manifest): prepare the dataset again")
                 raise UsageError(f"{prior} {prior_path} and {what} {path} are the same file: {fix}")
         seen.append((what, path))
-    if not cfg.log:
+    if not cfg.output.log:
         cfg.set_files(log=os.path.relpath(next_run_log(os.path.join(os.getcwd(), RUNS_DIR))))
-    if not cfg.checkpoint:
-        cfg.set_files(checkpoint=default_checkpoint(cfg.log))
+    if not cfg.output.checkpoint:
+        cfg.set_files(checkpoint=default_checkpoint(cfg.output.log))
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -168,9 +168,9 @@ def run_identity(cfg: Config) -> str:
         UsageError: on --resume, a log that is missing or unreadable (its coverage cannot
             be continued), or a checkpoint written by another run than the log's.
     """
-    if not cfg.resume:
+    if not cfg.output.resume:
         return uuid.uuid4().hex
-    log, ckpt = cfg.log, cfg.checkpoint
+    log, ckpt = cfg.output.log, cfg.output.checkpoint
     if not Path(log).is_file():
         raise UsageError(f"--resume: the run log {log} does not exist: without it the run's "
                          f"coverage cannot be continued (the checkpoint {ckpt} still holds "

@@ -54,11 +54,11 @@ class Checkpoints:
         return self.state.now()
 
     def due(self, mono: float) -> bool:
-        return mono - self.last_checkpoint >= self.cfg.checkpoint_interval
+        return mono - self.last_checkpoint >= self.cfg.output.checkpoint_interval
 
     def checkpoint(self) -> None:
         self.last_checkpoint = time.monotonic()
-        if not self.cfg.checkpoint:
+        if not self.cfg.output.checkpoint:
             return
         self.log.flush()   # the log holds everything up to the checkpoint: a resume continues it
         self._save_checkpoint()
@@ -114,8 +114,8 @@ class Chores:
         self.begin_stop = begin_stop
         self.balancer, self.tracker, self.stop = session.balancer, session.tracker, session.stop
         self.log, self.progress = session.log, session.progress
-        self.rebalance_timer = RebalanceTimer(cfg.rebalance_interval,
-                                              cfg.batch_policy == "proportional")
+        self.rebalance_timer = RebalanceTimer(cfg.balancing.rebalance_interval,
+                                              cfg.balancing.batch_policy == "proportional")
         self.preempted = False
 
     def start(self, t0: float) -> None:
@@ -155,7 +155,7 @@ class Chores:
         mono = time.monotonic()
         if PREEMPTED.is_set() and not self.preempted:
             self.preempt()
-        if self.cfg.checkpoint and not self.stop.reason and self.checkpoints.due(mono):
+        if self.cfg.output.checkpoint and not self.stop.reason and self.checkpoints.due(mono):
             self.checkpoints.checkpoint()
         if self.rebalance_timer.due(mono, self.roster.present(), self.balancer.rate_known):
             self.rebalance(mono)
@@ -163,7 +163,7 @@ class Chores:
             self.epochs.evaluate()
             if self.stop.check(self.tracker.epoch, self.clock.now(), self.session.evaluation):
                 self.begin_stop()
-        if (self.cfg.max_seconds is not None and self.clock.now() >= self.cfg.max_seconds
+        if (self.cfg.stopping.max_seconds is not None and self.clock.now() >= self.cfg.stopping.max_seconds
                 and not self.stop.reason):
             self.stop.check(self.tracker.epoch, self.clock.now(), self.session.evaluation)
             self.begin_stop()

@@ -26,7 +26,7 @@ def serve(server: ParameterServer) -> int:
         server.lifecycle.train_s, server.lifecycle.store_lost = server.now(), True
         code = 0 if PREEMPTED.is_set() else 1
         print(f"mpilb: error: {exc}" if code else
-              f"mpilb: stopped: {exc}; the checkpoint {server.cfg.checkpoint} is the last one "
+              f"mpilb: stopped: {exc}; the checkpoint {server.cfg.output.checkpoint} is the last one "
               f"written before", file=sys.stderr, flush=True)
         try:
             server.finish("preempted" if code == 0 else "failed")
@@ -55,7 +55,7 @@ def serve(server: ParameterServer) -> int:
     except LogWriteError as exc:
         _log_failed(server, exc)
     print(format_final(summary), flush=True)
-    print(files_line(server.cfg), flush=True)
+    print(files_line(server.cfg.output), flush=True)
     if server.lost:
         # A lost (hung) rank never exits by itself and would keep the job alive. A preempted
         # run stopped as asked (checkpoint written): exit 0, so that a requeue follows.

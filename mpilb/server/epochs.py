@@ -61,7 +61,7 @@ class Epochs:
         self.eval_timer = eval_timer
         self.balancer, self.tracker, self.stop = session.balancer, session.tracker, session.stop
         self.log, self.progress, self.model = session.log, session.progress, session.model
-        self.decisions = Decisions(self.balancer, ledger, sitout, cfg.batch, self)
+        self.decisions = Decisions(self.balancer, ledger, sitout, cfg.balancing.batch, self)
 
     # ----------------------------------------------------------------- the Driver of decisions
     def present(self) -> list[Peer]:
@@ -110,7 +110,7 @@ class Epochs:
     # ----------------------------------------------------------------- epochs
     def begin(self, epoch: int, resume_counts=None) -> None:
         self.ledger.epoch = epoch
-        order = epoch_order(self.cfg.seed, epoch, len(self.dataset.shard_sizes))
+        order = epoch_order(self.cfg.experiment.seed, epoch, len(self.dataset.shard_sizes))
         # An empty shard (allowed by the format) holds no work: handed out, it would be a
         # task no push ever advances, and its worker would look silent.
         order = [s for s in order if self.dataset.shard_sizes[s] > 0]

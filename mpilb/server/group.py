@@ -28,7 +28,7 @@ class SliceGroup:
         from mpilb.run.signals import PREEMPTED
 
         # no-ops with K = 1; a stalled store is lost after --worker-timeout, at once on a stop
-        self.remote = RemoteSlices(comm, self.bounds, cfg.worker_timeout, PREEMPTED.is_set,
+        self.remote = RemoteSlices(comm, self.bounds, cfg.faults.worker_timeout, PREEMPTED.is_set,
                                    self.ranks)
         self.sliced = len(self.ranks) > 1
         n0 = self.bounds[1]
@@ -36,12 +36,12 @@ class SliceGroup:
         self.push_floats = n0 + session.model.num_state
 
         def new_buffer() -> np.ndarray:   # the ring's buffers can receive pushes (ParamRing)
-            return wire.new_message(self.push_floats)[2][:n0]
+            return wire.new_message(self.push_floats).payload[:n0]
 
         if not self.sliced:
             self.local = slice_ring(cfg, session.params, session.optimizer, new_buffer)
         else:
-            self.local = slice_ring(cfg, np.zeros(n0, np.float32), config_optimizer(cfg, n0),
+            self.local = slice_ring(cfg, np.zeros(n0, np.float32), config_optimizer(cfg.optim, n0),
                                      new_buffer)
         self.cpu0 = time.process_time()
         self.last = np.zeros(5)

@@ -88,7 +88,7 @@ class Lifecycle:
             self.epochs.begin(0)
             return
         self.tracker.completed = [EpochStats(**e) for e in ck.completed]
-        if ck.epoch >= self.cfg.epochs or self.stop.check(ck.epoch, self.now(), None):
+        if ck.epoch >= self.cfg.stopping.epochs or self.stop.check(ck.epoch, self.now(), None):
             # nothing to do, but the interrupted epoch's counts must survive the checkpoint
             # this run ends with (they were zeroed, and a later resume's coverage lied)
             self.tracker.begin(ck.epoch, self.now(), ck.counts)
@@ -112,7 +112,7 @@ class Lifecycle:
         preempted = self.chores.preempted
         # Every run ends with its final parameters in the checkpoint; a preemption that
         # came while the run was already stopping did not write one.
-        if self.cfg.checkpoint and (not preempted or checkpoints.checkpointed_at != self.server.version):
+        if self.cfg.output.checkpoint and (not preempted or checkpoints.checkpointed_at != self.server.version):
             checkpoints.checkpoint()
         if preempted:
             return "preempted"

@@ -87,7 +87,7 @@ class Liveness:
         gaps = self.unwatched
         if last is not None and mono - last > self.UNWATCHED_S:
             gaps.append((last, mono))
-        horizon = mono - 2 * self.cfg.worker_timeout
+        horizon = mono - 2 * self.cfg.faults.worker_timeout
         while gaps and gaps[0][1] < horizon:
             gaps.pop(0)
         self.last_watch = mono
@@ -120,7 +120,7 @@ class Liveness:
         for w in self.roster.present():
             if w.idle or w.held:
                 continue
-            if self.silence(w, mono) > self.cfg.worker_timeout:
+            if self.silence(w, mono) > self.cfg.faults.worker_timeout:
                 req = w.link.recv_req
                 if req is not None and req.Get_status():
                     continue   # its push has arrived and waits to be read: not silent
@@ -135,10 +135,10 @@ class Liveness:
         if present and all(w.idle for w in present) and not any(self.balancer.queued(w.rank) for w in present):
             missing = self.tracker.total - self.tracker.distinct
             raise RuntimeError(f"epoch {self.ledger.epoch + 1}: every worker is idle but {missing} samples "
-                               f"were never handed out (balancer {self.cfg.balancer})")
+                               f"were never handed out (balancer {self.cfg.balancing.balancer})")
 
     def declare_lost(self, w, why: str = "") -> None:
-        why = why or f"silent for {self.cfg.worker_timeout:g} s"
+        why = why or f"silent for {self.cfg.faults.worker_timeout:g} s"
         # a launcher's SIGTERM after a death: the job ends, and not as preempted
         fails, note = self.signals.on_loss(w.rank, why)
         print(f"mpilb: rank {w.rank} {why}: declared lost"

@@ -55,8 +55,8 @@ class ParameterServer:
         self.comm = comm
         self.ranks = workers_of(cfg, comm.Get_size())   # the others hold parameters (--servers)
         hosts = json.loads(run_attrs.get("hostnames", "[]"))
-        holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.replicas, hosts)
-                   if cfg.store == "local" else None)   # copies on other nodes
+        holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.inputs.replicas, hosts)
+                   if cfg.inputs.store == "local" else None)   # copies on other nodes
         self.session = s = Session(cfg, dataset, run_attrs, self.ranks, holders)
         ranks_here = hosts.count(hosts[0]) if hosts else comm.Get_size()   # on rank 0's node
         self.model, self.balancer, self.tracker = s.model, s.balancer, s.tracker
@@ -68,23 +68,24 @@ class ParameterServer:
         self.ring.schedule = lambda version: s.schedule(version, self.now())
         self.ledger = TaskLedger(self.balancer, dataset.shard_sizes, self.ranks, holders=holders,
                                  row_nbytes=dataset.row_nbytes if holders is not None else 0,
-                                 pipeline=bool(cfg.pipeline),
-                                 split=cfg.balancer not in ("static", "round-robin"))
+                                 pipeline=bool(cfg.updates.pipeline),
+                                 split=cfg.balancing.balancer not in ("static", "round-robin"))
         self.ledger.epoch = s.resumed.epoch if s.resumed else 0
-        sitout = (SitOut(self.balancer, self.ledger, cfg.batch, cfg.min_batch, cfg.max_batch,
-                         cfg.rebalance_interval) if self.balancer.config.sit_out else None)
-        self.rule = build_rule(cfg.mode, self.ring, lambda r: self.ledger.of[r].owed,
-                               cfg.staleness_bound, sitout)
+        bal = cfg.balancing
+        sitout = (SitOut(self.balancer, self.ledger, bal.batch, bal.min_batch, bal.max_batch,
+                         bal.rebalance_interval) if self.balancer.config.sit_out else None)
+        self.rule = build_rule(cfg.updates.mode, self.ring, lambda r: self.ledger.of[r].owed,
+                               cfg.updates.staleness_bound, sitout)
         # a push carries the gradient (rank 0's slice), then the model's state (e.g. BatchNorm
         # statistics; only with one store, see server/store.py check_servers)
-        self.roster = Roster({r: Peer(rank=r, batch=cfg.batch, link=Link.allocate(
-                                  self.slices.n0, bool(cfg.pipeline), push_floats=self.slices.push_floats))
+        self.roster = Roster({r: Peer(rank=r, batch=cfg.balancing.batch, link=Link.allocate(
+                                  self.slices.n0, bool(cfg.updates.pipeline), push_floats=self.slices.push_floats))
                               for r in self.ranks})
         self.peers = self.roster.peers
         bell = doorbell.current()
         self.outbox = Outbox(comm, self.ledger, self.remote, bell)
         self.rejected = 0
-        eval_timer = Interval(cfg.eval_interval)
+        eval_timer = Interval(cfg.stopping.eval_interval)
         self.epochs = Epochs(cfg, dataset, s, self.ledger, self.roster, self.clock, self.slices,
                              sitout, self, eval_timer)
         signals = StopSignals(comm, self.roster, self.clock)
@@ -187,10 +188,10 @@ class ParameterServer:
 
     # ----------------------------------------------------------------- pushes
     def on_push(self, w: Peer) -> None:
-        _, hdr, payload = w.link.recv
+        hdr, payload = w.link.recv.header, w.link.recv.payload
         grad = payload[:self.slices.n0]   # rank 0's slice of the gradient
         push = wire.decode_push(hdr)
-        self.ring.bytes_in += w.link.recv[0].nbytes
+        self.ring.bytes_in += w.link.recv.buf.nbytes
         self.remote.pushed(w.rank)
         w.last_push = push
         now = self.now()
@@ -220,7 +221,7 @@ class ParameterServer:
             return
         w.retried = False
         # Without pipelining, reply -> push is what the step cost whoever waits for it.
-        step_s = None if self.cfg.pipeline or w.last_gap is None else w.last_gap
+        step_s = None if self.cfg.updates.pipeline or w.last_gap is None else w.last_gap
         self.balancer.observe(w.rank, now, push.hi - push.lo, busy, comm_s=push.comm_s, step_s=step_s)
         self.ledger.note_next(w.rank, push.next_shard, push.next_hi)
         w.samples += push.hi - push.lo

@@ -18,9 +18,9 @@ from mpilb.mpi.waiting import WaitEstimate
 class Link:
     """Message buffers and outstanding requests of one worker (MPI requests are opaque here)."""
 
-    recv: tuple                 # (buf, header, payload) of the next push (payload: slice 0)
-    replies: list               # reply headers [(buf, header, payload)] x1, x2 pipelined
-    orders_msg: tuple           # header-only buffer for Cmd.ORDERS
+    recv: wire.MessageBuffer        # the next push (its payload: this rank's slice)
+    replies: list                   # reply buffers [MessageBuffer] x1, x2 pipelined
+    orders_msg: wire.MessageBuffer  # header-only buffer for Cmd.ORDERS
     reply_index: int = 0
     reply_req: Optional[object] = None
     params_req: Optional[object] = None

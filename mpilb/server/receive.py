@@ -43,8 +43,8 @@ class Receiver:
         self.reqs: list = []
 
     def post(self, w) -> None:
-        wire.clear_push(w.link.recv[1])   # the buffer may hold an old push (see failed)
-        w.link.recv_req = self.comm.Irecv(w.link.recv[0], source=w.rank, tag=wire.TAG_PUSH)
+        wire.clear_push(w.link.recv.header)   # the buffer may hold an old push (see failed)
+        w.link.recv_req = self.comm.Irecv(w.link.recv.buf, source=w.rank, tag=wire.TAG_PUSH)
 
     def serve(self, done: Callable[[], bool], on_push: Callable, chores) -> None:
         """Hand every push to ``on_push`` until ``done()``; ``chores``: the
@@ -115,7 +115,7 @@ class Receiver:
             try:
                 if not reqs[i].Test():
                     continue
-                error = None if wire.holds_push(w.link.recv[1]) else "receive failed, nothing received"
+                error = None if wire.holds_push(w.link.recv.header) else "receive failed, nothing received"
             except C.MPIError as exc:
                 error = exc.Get_error_string().strip()
             if error is None:

@@ -62,11 +62,11 @@ def store_bounds(cfg, model) -> list[int]:
 def slice_ring(cfg, params: np.ndarray, optimizer, new_buffer=None) -> ParamRing:
     """A ParamRing over `params` with the run's correction (and dc's kept versions);
     `new_buffer`: see ParamRing."""
-    correction = build_correction(cfg.correction, cfg.dc_lambda)
-    keep = (2 if cfg.pipeline else 1) if correction.needs_old_params else 0
-    clip = cfg.clip_norm if cfg.mode == "sync" and cfg.servers == 1 else None   # (workers
+    correction = build_correction(cfg.updates.correction, cfg.updates.dc_lambda)
+    keep = (2 if cfg.updates.pipeline else 1) if correction.needs_old_params else 0
+    clip = cfg.optim.clip_norm if cfg.updates.mode == "sync" and cfg.updates.servers == 1 else None   # (workers
     # clip what is applied on arrival; sync with K > 1 is refused: config/validate.check_optimizer)
-    return ParamRing(params, optimizer, correction, cfg.batch, keep_sent=keep,
+    return ParamRing(params, optimizer, correction, cfg.balancing.batch, keep_sent=keep,
                       new_buffer=new_buffer, finished=C.finished, clip_norm=clip)
 
 
@@ -98,7 +98,7 @@ class SliceRank:
         self.bounds = store_bounds(cfg, model)
         s = stores_of(cfg).index(rank)
         self.n = self.bounds[s + 1] - self.bounds[s]
-        self.ring = slice_ring(cfg, np.zeros(self.n, np.float32), config_optimizer(cfg, self.n))
+        self.ring = slice_ring(cfg, np.zeros(self.n, np.float32), config_optimizer(cfg.optim, self.n))
         self.workers = workers_of(cfg, comm.Get_size())
         self.grads = {w: np.empty(self.n, np.float32) for w in self.workers}
         self.recvs: dict = {}
@@ -111,7 +111,7 @@ class SliceRank:
         self.stats = np.zeros(wire.STATS_FIELDS, np.float64)
         self.stats_req = None
         self.backoff = C.Backoff()
-        self.rank0 = Rank0Watch(cfg.worker_timeout, rank)
+        self.rank0 = Rank0Watch(cfg.faults.worker_timeout, rank)
         self.cpu0 = time.process_time()
 
     def abandon(self) -> None:

@@ -53,18 +53,18 @@ class Worker:
         self.cfg = cfg
         self.comm = comm
         self.rank = rank
-        self.backend = select_backend(cfg.device, C.local_rank(comm))
+        self.backend = select_backend(cfg.network.device, C.local_rank(comm))
         self.model = config_model(cfg, dataset)
         self.n = self.model.num_params
-        self.injector = Injector(parse_injects(cfg.inject, comm.Get_size()), rank, cfg.seed)
+        self.injector = Injector(parse_injects(cfg.experiment.inject, comm.Get_size()), rank, cfg.experiment.seed)
         inj = self.injector
         held = None
-        if cfg.store == "local":
+        if cfg.inputs.store == "local":
             held = held_shards(len(dataset.shard_sizes), rank,
-                               workers_of(cfg, comm.Get_size()), cfg.replicas, hosts)
-        self.reader = ShardReader(dataset, seed=cfg.seed,
+                               workers_of(cfg, comm.Get_size()), cfg.inputs.replicas, hosts)
+        self.reader = ShardReader(dataset, seed=cfg.experiment.seed,
                                   io_delay=lambda nbytes, s: inj.io_extra(time.monotonic(), nbytes, s),
-                                  cache_mb=cfg.cache_mb, shards=held)
+                                  cache_mb=cfg.inputs.cache_mb, shards=held)
         self.feed = ShardFeed(self.reader, self.backend)
         self.step_fn = GradientStep(self.model, self.backend, self.injector)
         self.messages = DeviceMessages(self.backend, cfg.workers_cuda_aware)
@@ -76,16 +76,16 @@ class Worker:
         # --servers K: store s (rank stores[s]) holds parameters [bounds[s], bounds[s+1])
         stores = stores_of(cfg)
         bounds = wire.cut_slices(self.n, len(stores), wire.layer_sizes(self.model))
-        self.rank0 = Rank0Watch(cfg.worker_timeout, rank)   # ends this rank if rank 0 is gone
+        self.rank0 = Rank0Watch(cfg.faults.worker_timeout, rank)   # ends this rank if rank 0 is gone
         self.pushes = Pushes(comm, self.messages, self.n, self.model.num_state, stores, bounds,
-                             self.bell, pipelined=bool(cfg.pipeline))
+                             self.bell, pipelined=bool(cfg.updates.pipeline))
         self.replies = Replies(comm, rank, self.messages, self.n, stores, bounds, self.bell,
-                               self.backoff, self.rank0, self.rows, pipelined=bool(cfg.pipeline))
+                               self.backoff, self.rank0, self.rows, pipelined=bool(cfg.updates.pipeline))
         self.assignments = Assignments(self.feed, self.rows, held)
         self.times = TimeSincePush()
         # what the last reply said
         self.version = 0
-        self.batch = cfg.batch
+        self.batch = cfg.balancing.batch
         self.retry = False
         self.t0 = time.monotonic()   # the run's start (reset by run)
         self.signals_sent: set = set()
@@ -159,8 +159,8 @@ class Worker:
         grad *= np.float32(1.0 / batch.size)
         xp = self.backend.xp
         nonfinite = not np.isfinite(loss) or not bool(xp.isfinite(grad).all())
-        if not nonfinite and self.cfg.mode != "sync":   # (sync: the round's mean, rank 0)
-            clip_grad_norm(grad, self.cfg.clip_norm, xp)
+        if not nonfinite and self.cfg.updates.mode != "sync":   # (sync: the round's mean, rank 0)
+            clip_grad_norm(grad, self.cfg.optim.clip_norm, xp)
         compute_s += time.perf_counter() - t0
         if not device_payload:
             self.backend.to_host(grad, out=msg.payload[:self.n])   # stage through pinned host memory
@@ -177,7 +177,7 @@ class Worker:
         self.injector.start(self.t0)
         try:
             self._wait_reply(counts_as_idle=True)
-            if self.cfg.pipeline:
+            if self.cfg.updates.pipeline:
                 self._loop_pipelined()
             else:
                 self._loop()

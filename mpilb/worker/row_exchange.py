@@ -82,7 +82,7 @@ class RowExchange:
     def __init__(self, comm, rank: int, cfg, dataset, feed, backoff, on_poll, hosts=None):
         self.comm = comm
         self.rank = rank
-        self.workers, self.replicas = workers_of(cfg, comm.Get_size()), cfg.replicas
+        self.workers, self.replicas = workers_of(cfg, comm.Get_size()), cfg.inputs.replicas
         self.hosts = hosts   # every rank's hostname: copies are placed by node (shards.py)
         self.feed = feed
         self.backoff = backoff

@@ -2,26 +2,27 @@
 that name the file, line and column; memory that stays flat as the input grows."""
 
 import csv
+import sys
 import tracemalloc
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
-from mpilb.data import ingest
-from mpilb.data import prepare
-from mpilb.data.verified import verify_dataset
-from mpilb.errors import DataError
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _runs import load_arrays  # noqa: E402
+
+from mpilb.data import ingest  # noqa: E402
+from mpilb.data import prepare  # noqa: E402
+from mpilb.data.verified import verify_dataset  # noqa: E402
+from mpilb.errors import DataError  # noqa: E402
 
 
 def read_all(ds):
-    xs, ys = [], []
-    for i in range(len(ds.shards)):
-        with h5py.File(ds.shard_path(i), "r") as f:
-            xs.append(f["x"][()])
-            ys.append(f["y"][()])
-    xt, yt = ds.load_test()
-    return np.concatenate(xs + [xt]), np.concatenate(ys + [yt])
+    """Every row of a dataset, training shards then the test set: (x, y)."""
+    x, y, xt, yt = load_arrays(ds)
+    return np.concatenate([x, xt]), np.concatenate([y, yt])
 
 
 @pytest.mark.parametrize("save", [np.savez, np.savez_compressed])

@@ -53,7 +53,7 @@ def test_options_that_apply_are_accepted():
 def test_config_file_option_without_effect_is_a_warning(tmp_path, capsys):
     cfg = build_config({"hidden": "64", "momentum": 0.5}, {"model": "softmax"}, source="run.toml")
     err = capsys.readouterr().err
-    assert cfg.model == "softmax"
+    assert cfg.network.model == "softmax"
     assert "mpilb: warning: run.toml: hidden = \"64\" has no effect with --model softmax" in err
     assert "run.toml: momentum = 0.5 has no effect with --optimizer sgd" in err
 

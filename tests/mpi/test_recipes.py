@@ -71,7 +71,7 @@ def test_torch_optimizer_state_round_trip_and_checkpoint_form(tmp_path):
                             "optimizer_arg": ["momentum=0.5", "centered=true"]})
     rng = np.random.default_rng(0)
     grads = rng.standard_normal((5, 40)).astype(np.float32)
-    a = config_optimizer(cfg, 40)
+    a = config_optimizer(cfg.optim, 40)
     pa = rng.standard_normal(40).astype(np.float32)
     for g in grads[:3]:
         a.step(pa, g.copy(), 0.5)
@@ -84,7 +84,7 @@ def test_torch_optimizer_state_round_trip_and_checkpoint_form(tmp_path):
     with h5py.File(tmp_path / "s.h5", "r") as f:
         loaded = {k: f[k][()] for k in f}
         loaded.update({k: (v.decode() if isinstance(v, bytes) else v) for k, v in f.attrs.items()})
-    b = config_optimizer(cfg, 40)
+    b = config_optimizer(cfg.optim, 40)
     b.load_state_dict(loaded)
     pb = pa.copy()
     for g in grads[3:]:
@@ -94,7 +94,7 @@ def test_torch_optimizer_state_round_trip_and_checkpoint_form(tmp_path):
         pb = out
     np.testing.assert_array_equal(pa, pb)
     with pytest.raises(UsageError, match="RMSprop.*'adam'"):
-        config_optimizer(build_config({}, {"optimizer": "adam"}), 40).load_state_dict(state)
+        config_optimizer(build_config({}, {"optimizer": "adam"}).optim, 40).load_state_dict(state)
 
 
 @pytest.mark.parametrize("values,message", [
@@ -117,7 +117,7 @@ def test_optimizer_mistakes_are_one_line(values, message):
 
 def test_builtin_betas_and_eps_reach_adam():
     opt = config_optimizer(build_config({}, {"optimizer": "adamw", "optimizer_arg":
-                                             ["betas=[0.8, 0.99]", "eps=1e-6"]}), 4)
+                                             ["betas=[0.8, 0.99]", "eps=1e-6"]}).optim, 4)
     assert (opt.beta1, opt.beta2, opt.eps, opt.decay) == (0.8, 0.99, 1e-6, 0.01)
 
 

@@ -4,7 +4,6 @@ resume across K, a lost worker, bad input)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import h5py
 import numpy as np
@@ -37,7 +36,7 @@ def test_slices_are_balanced_and_prefer_layer_boundaries():
 
 
 def test_check_servers_names_the_problem():
-    cfg = SimpleNamespace(servers=4)
+    cfg = mpirun.config_stub(servers=4, inject=[])
     with pytest.raises(UsageError, match="--servers 4 leaves no worker"):
         check_servers(cfg, 4, 1000)
     with pytest.raises(UsageError, match="exceeds the model's 3 parameters"):
@@ -46,8 +45,8 @@ def test_check_servers_names_the_problem():
         check_servers(cfg, 1, 1000)
     check_servers(cfg, 5, 1000)
     with pytest.raises(UsageError, match="rank 2 is a parameter store"):
-        check_servers(SimpleNamespace(servers=3, inject=["2:compute=2"]), 5, 1000)
-    check_servers(SimpleNamespace(servers=3, inject=["3:compute=2", "*:delay=0.1"]), 5, 1000)
+        check_servers(mpirun.config_stub(servers=3, inject=["2:compute=2"]), 5, 1000)
+    check_servers(mpirun.config_stub(servers=3, inject=["3:compute=2", "*:delay=0.1"]), 5, 1000)
 
 
 # ------------------------------------------------------------------ the parameter ring

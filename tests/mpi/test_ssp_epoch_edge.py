@@ -17,6 +17,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from mpirun import config_stub
+
 from mpilb.core.balancer import BalancerConfig, build_balancer
 from mpilb.core.corrections import build_correction
 from mpilb.core.decisions import Interval
@@ -75,7 +77,7 @@ class Sim:
                            build_correction("none"), nominal_batch=batch)
         # the server's protocol over its real parts (epochs, ledger, rule), MPI left out
         s = self.server = ParameterServer.__new__(ParameterServer)
-        s.cfg = SimpleNamespace(seed=0, batch=batch, balancer=policy)
+        s.cfg = config_stub(seed=0, batch=batch, balancer=policy)
         dataset = SimpleNamespace(shard_sizes=list(shard_sizes))
         s.balancer, s.ledger, s.ring = bal, ledger, store
         s.rule = build_rule(mode, store, lambda r: ledger.of[r].owed, bound)

@@ -56,7 +56,7 @@ FAULTY = textwrap.dedent("""
     import sys
     rank_to_fail, where = int(sys.argv.pop(1)), sys.argv.pop(1)
     from mpilb.mpi import comm
-    from mpilb.run import launch
+    from mpilb.cli import launch
     from mpilb.worker import loop as worker
     if comm.world()[1] == rank_to_fail:
         def boom(*a, **k):
@@ -174,7 +174,7 @@ class FakeComm:
                                       (UnicodeDecodeError("utf-8", b"\xfc", 0, 1, "no"), 1),
                                       (KeyboardInterrupt(), 130), (SystemExit(5), 1)])
 def test_together_turns_any_exception_into_one_verdict(exc, code):
-    from mpilb.run.launch import JobStop, together
+    from mpilb.cli.launch import JobStop, together
 
     def step():
         raise exc

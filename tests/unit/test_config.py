@@ -9,9 +9,9 @@ from mpilb.errors import UsageError
 
 def test_defaults_match_design():
     cfg = build_config()
-    assert cfg.mode == "async" and cfg.balancer == "load" and cfg.batch_policy == "fixed"
-    assert cfg.store == "shared" and cfg.correction == "momentum" and cfg.dc_lambda == 0.04
-    assert cfg.replicas == 1 and cfg.pipeline == 1 and cfg.inject == []
+    assert cfg.updates.mode == "async" and cfg.balancing.balancer == "load" and cfg.balancing.batch_policy == "fixed"
+    assert cfg.inputs.store == "shared" and cfg.updates.correction == "momentum" and cfg.updates.dc_lambda == 0.04
+    assert cfg.inputs.replicas == 1 and cfg.updates.pipeline == 1 and cfg.experiment.inject == []
 
 
 @pytest.mark.parametrize("values,pipeline", [
@@ -26,15 +26,15 @@ def test_defaults_match_design():
     ({"optimizer": "momentum", "pipeline": "1"}, 1),
 ])
 def test_the_pipeline_default_follows_the_mode(values, pipeline):
-    assert build_config({}, values).pipeline == pipeline
-    assert build_config(values, {}, source="run.toml").pipeline == pipeline   # from a file too
+    assert build_config({}, values).updates.pipeline == pipeline
+    assert build_config(values, {}, source="run.toml").updates.pipeline == pipeline   # from a file too
 
 
 @pytest.mark.parametrize("mode,correction", [("async", "momentum"), ("ssp", "momentum"),
                                              ("sync", "none")])
 def test_the_correction_default_follows_the_mode(mode, correction):
-    assert build_config({}, {"mode": mode}).correction == correction
-    assert build_config({}, {"mode": mode, "correction": "dc"}).correction == "dc"
+    assert build_config({}, {"mode": mode}).updates.correction == correction
+    assert build_config({}, {"mode": mode, "correction": "dc"}).updates.correction == "dc"
 
 
 def test_toml_with_dashes_or_underscores_and_cli_override(tmp_path):
@@ -42,8 +42,8 @@ def test_toml_with_dashes_or_underscores_and_cli_override(tmp_path):
     f.write_text('model = "softmax"\nstaleness-bound = 3\nbatch_policy = "proportional"\n'
                  'inject = ["3:compute=4"]\nhidden = [64, 32]\n')
     cfg = build_config(load_toml(str(f)), {"model": "cnn", "lr": "0.5"}, source=str(f))
-    assert cfg.model == "cnn" and cfg.staleness_bound == 3 and cfg.lr == 0.5
-    assert cfg.batch_policy == "proportional" and cfg.inject == ["3:compute=4"]
+    assert cfg.network.model == "cnn" and cfg.updates.staleness_bound == 3 and cfg.optim.lr == 0.5
+    assert cfg.balancing.batch_policy == "proportional" and cfg.experiment.inject == ["3:compute=4"]
     assert cfg.hidden_sizes == (64, 32)
 
 
@@ -158,10 +158,10 @@ def test_every_option_has_help_and_a_valid_default():
 
 
 def test_adamw_decays_by_default_as_torch_and_torch_classes_keep_their_own_default():
-    assert build_config({}, {"optimizer": "adamw"}).weight_decay == 0.01
-    assert build_config({}, {"optimizer": "adam"}).weight_decay == 0.0
-    assert build_config({}, {"optimizer": "adamw", "weight_decay": 0.0}).weight_decay == 0.0
-    assert build_config({}, {"optimizer": "torch.optim.AdamW"}).weight_decay is None
+    assert build_config({}, {"optimizer": "adamw"}).optim.weight_decay == 0.01
+    assert build_config({}, {"optimizer": "adam"}).optim.weight_decay == 0.0
+    assert build_config({}, {"optimizer": "adamw", "weight_decay": 0.0}).optim.weight_decay == 0.0
+    assert build_config({}, {"optimizer": "torch.optim.AdamW"}).optim.weight_decay is None
     with pytest.raises(UsageError, match="--optimizer = 'rmsprop'.*torch.optim.NAME"):
         build_config({}, {"optimizer": "rmsprop"})
 
@@ -189,7 +189,7 @@ def test_every_option_is_a_field_of_exactly_one_typed_section():
     assert not set(SECTIONS) & {o.name for o in OPTIONS}        # no section hides an option
 
 
-def test_sections_hold_the_values_and_the_flat_names_read_them():
+def test_sections_hold_the_values_and_the_flat_values_mirror_them():
     from dataclasses import FrozenInstanceError
 
     from mpilb.config.sections import (SECTION_OF, BalancingConfig, Config, OptimizerConfig,
@@ -201,9 +201,8 @@ def test_sections_hold_the_values_and_the_flat_names_read_them():
     assert isinstance(cfg.output, OutputConfig) and cfg.output.log == "r.h5"
     assert cfg.optim.weight_decay == 0.01   # the defaults build_config decides are in them
     for name, section in SECTION_OF.items():
-        assert getattr(cfg, name) == getattr(getattr(cfg, section), name) == cfg.values[name]
-    with pytest.raises(AttributeError):
-        cfg.lr = 1.0                        # flat names are read-only
+        assert getattr(getattr(cfg, section), name) == cfg.values[name]
+        assert not hasattr(cfg, name), name   # an option is read from its section only
     with pytest.raises(FrozenInstanceError):
         cfg.optim.lr = 1.0                  # and so are the sections
     with pytest.raises(TypeError):
@@ -211,12 +210,12 @@ def test_sections_hold_the_values_and_the_flat_names_read_them():
     again = Config.from_values(dict(cfg.values))   # what the other ranks rebuild
     assert again == cfg and again.to_json() == cfg.to_json()
     cfg.set_files(checkpoint="r.ckpt.h5")   # the one change after validation
-    assert cfg.output.checkpoint == cfg.checkpoint == "r.ckpt.h5" and cfg.output.log == "r.h5"
+    assert cfg.output.checkpoint == cfg.output.checkpoint == "r.ckpt.h5" and cfg.output.log == "r.h5"
 
 
 def test_validation_lives_in_config_validate_and_reference_reads_the_table_only():
     """The checks once spread over build.py, run/training.py, server/store.py and
-    run/launch.py are in mpilb.config.validate; config.build and config.reference no
+    cli/launch.py are in mpilb.config.validate; config.build and config.reference no
     longer import each other in a circle."""
     import ast
     from pathlib import Path
@@ -239,7 +238,7 @@ def test_validation_lives_in_config_validate_and_reference_reads_the_table_only(
 
     assert not (root / "run" / "training.py").exists()   # split by concern, checks here
     assert "check_servers" not in defined("server/store.py")
-    assert "_same_options" not in defined("run/launch.py")
+    assert "_same_options" not in defined("cli/launch.py")
     assert "mpilb.config.build" not in imported("config/reference.py")
     assert "mpilb.config.build" not in imported("config/validate.py")
     assert "mpilb.config.build" not in imported("config/sections.py")
@@ -252,7 +251,7 @@ def test_no_import_circle_through_the_configuration_or_the_set_up():
 
     mine = [m for m in MODULES if m.startswith("mpilb.config.")] + [
         f"mpilb.run.{m}" for m in ("session", "serial", "components", "evaluation",
-                                   "signals", "evalproc", "launch")]
+                                   "signals", "evalproc")] + ["mpilb.cli.launch"]
     circles = [(m, i) for m in mine for i in imports(m)
                if i in MODULES and i != m and m in closure(i)]
     assert circles == []

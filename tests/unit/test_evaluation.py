@@ -16,10 +16,10 @@ from mpilb.run.components import hold_out_validation
 
 
 def test_stop_rule_target_metric_uses_validation_when_held_out():
-    rule = build_stop_rule(build_config({}, {"target_metric": 0.5, "epochs": 9}))
+    rule = build_stop_rule(build_config({}, {"target_metric": 0.5, "epochs": 9}).stopping)
     test_only = Evaluation(loss=1.0, accuracy=math.nan, metric=0.6, metric_name="r2")
     assert rule.check(1, 1.0, test_only) and rule.reason == "target_metric"
-    rule = build_stop_rule(build_config({}, {"target_metric": 0.5, "epochs": 9}))
+    rule = build_stop_rule(build_config({}, {"target_metric": 0.5, "epochs": 9}).stopping)
     held_out = Evaluation(1.0, math.nan, 0.6, "r2", val_metric=0.4, val_accuracy=math.nan)
     assert not rule.check(1, 1.0, held_out)          # the test set does not decide
     assert StopRule(9, None, 0.9).check(1, 1.0, 0.95)  # a plain accuracy still works
@@ -29,15 +29,15 @@ def test_stop_rule_target_metric_uses_validation_when_held_out():
 
 def test_validation_holds_out_whole_shards_and_the_evaluator_reads_them(small_dataset):
     cfg = build_config({}, {"validation_fraction": 0.3})
-    ds = hold_out_validation(cfg, small_dataset)
+    ds = hold_out_validation(cfg.inputs, small_dataset)
     assert len(ds.shards) == 3 and [s.file for s in ds.validation] == ["shard-00003.h5"]
     assert ds.total_samples == 1200 and small_dataset.total_samples == 1600
     model = build_model("softmax", ds.sample_shape, ds.num_classes)
     ev = build_evaluator(model, ds).evaluate(model.init_params(0))
     assert ev.metric_name == "accuracy" and 0 <= ev.val_metric <= 1 and ev.val_metric == ev.val_accuracy
     with pytest.raises(UsageError, match="leaves no shard to train on"):
-        hold_out_validation(build_config({}, {"validation_fraction": 0.9}), small_dataset)
-    assert hold_out_validation(build_config({}, {}), small_dataset) is small_dataset
+        hold_out_validation(build_config({}, {"validation_fraction": 0.9}).inputs, small_dataset)
+    assert hold_out_validation(build_config({}, {}).inputs, small_dataset) is small_dataset
 
 
 def test_evaluator_requires_the_models_metric(small_dataset):
@@ -109,7 +109,7 @@ def test_the_evaluation_process_matches_rank_0_and_reports_its_errors(digits_dir
     cfg = build_config(cli_values={"data": digits_dir, "model": "mlp", "hidden": "16"})
     ds = open_dataset(digits_dir)
     model = config_model(cfg, ds)
-    params = model.init_params(cfg.seed)
+    params = model.init_params(cfg.experiment.seed)
     here = build_evaluator(model, ds).evaluate(params)
     env = child_env({"PMI_RANK": "0", "PMI_FD": "7", "OMPI_COMM_WORLD_RANK": "0",
                      "SLURM_PROCID": "0", "OMP_NUM_THREADS": "1", "PATH": "/bin"})
@@ -227,7 +227,7 @@ def test_the_evaluation_process_imports_user_models_from_rank_0s_path(digits_dir
     cfg = build_config(cli_values={"data": digits_dir, "model": "mymodels:Linear"})
     ds = open_dataset(digits_dir)
     model = config_model(cfg, ds)
-    params = model.init_params(cfg.seed)
+    params = model.init_params(cfg.experiment.seed)
     assert_child_evaluates_as_rank_0(cfg, ds, model, params)
 
 
@@ -251,7 +251,7 @@ def test_the_evaluation_process_loads_a_file_model_that_imports_its_neighbour(di
     cfg = build_config(cli_values={"data": digits_dir, "model": f"{tmp_path / 'net.py'}:Net"})
     ds = open_dataset(digits_dir)
     model = config_model(cfg, ds)
-    params = model.init_params(cfg.seed) + 0.01
+    params = model.init_params(cfg.experiment.seed) + 0.01
     sys.path[:] = [p for p in sys.path if p != str(tmp_path.resolve())]   # the child's own doing
     assert_child_evaluates_as_rank_0(cfg, ds, model, params)
 

@@ -90,7 +90,7 @@ def test_wire_imports_numpy_only():
 def test_pure_parts_reach_no_mpi_log_or_loop(pure):
     reached = closure(pure)
     assert not reached & {"mpilb.mpi.comm", "mpi4py", "mpilb.runfiles.runlog", "h5py", "mpilb.worker.loop",
-                          "mpilb.server.loop", "mpilb.server.chores", "mpilb.run.launch"}, pure
+                          "mpilb.server.loop", "mpilb.server.chores", "mpilb.cli.launch"}, pure
 
 
 def test_serial_and_server_never_import_each_other():
@@ -101,12 +101,12 @@ def test_serial_and_server_never_import_each_other():
 
 
 def test_launch_does_not_import_the_cli():
-    assert "mpilb.cli.main" not in closure("mpilb.run.launch")
+    assert "mpilb.cli.main" not in closure("mpilb.cli.launch")
 
 
 def test_the_worker_and_the_server_share_only_the_wire_and_below():
     assert not closure("mpilb.worker.loop") & {"mpilb.server", "mpilb.server.loop", "mpilb.run.serial"}
-    assert "mpilb.mpi.wire" in imports("mpilb.worker.loop") and "mpilb.mpi.wire" in imports("mpilb.run.bench")
+    assert "mpilb.mpi.wire" in imports("mpilb.worker.loop") and "mpilb.mpi.wire" in imports("mpilb.cli.bench")
 
 
 def test_only_wire_indexes_headers():
@@ -232,3 +232,33 @@ def test_the_simulator_reaches_the_core_but_not_the_server_or_mpi():
     engine = closure("mpilb.simulate.engine")
     assert {"mpilb.core.decisions", "mpilb.core.tasks", "mpilb.core.epochs",
             "mpilb.core.worker_state"} <= engine
+
+
+def test_files_and_classes_stay_a_size_a_reader_can_hold():
+    """No module over 450 lines, no class over 300 (docs/architecture.md)."""
+    long_files = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 450}
+    assert not long_files, long_files
+    long_classes = {}
+    for m, p in MODULES.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 300:
+                long_classes[f"{m}.{node.name}"] = node.end_lineno - node.lineno + 1
+    assert not long_classes, long_classes
+
+
+def test_the_server_is_composed_not_mixed_in():
+    """ParameterServer inherits from nothing and no server class from two of mpilb's classes
+    (no mixins): each part is an object the server holds. (A strategy deriving from its one
+    base, an update rule from UpdateRule, is not a mixin.)"""
+    own = {node.name for p in MODULES.values() for node in ast.walk(ast.parse(p.read_text()))
+           if isinstance(node, ast.ClassDef)}
+    mixed = {}
+    for m, p in MODULES.items():
+        if not m.startswith("mpilb.server"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.id for b in node.bases if isinstance(b, ast.Name)} & own
+                if len(bases) > 1 or (node.name == "ParameterServer" and node.bases):
+                    mixed[f"{m}.{node.name}"] = sorted(bases)
+    assert not mixed, mixed

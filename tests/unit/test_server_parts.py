@@ -13,7 +13,8 @@ from mpilb.core.optimizers import build_optimizer
 from mpilb.server.modes import RULES, ParamRing, Update, build_rule
 from mpilb.server.peers import Membership, Peer, Waiting
 from mpilb.core.sitout import PROBE_S, SitOut
-from mpilb.core.tasks import COMMITTED, Task, TaskLedger
+from mpilb.core.holdings import Task
+from mpilb.core.tasks import COMMITTED, TaskLedger
 from mpilb.mpi.wire import OrderMsg, TaskMsg
 
 

@@ -4,9 +4,10 @@ layout text of `mpilb report` / `mpilb doctor` and its warning. Pure: no MPI."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
+
+from mpirun import config_stub
 
 from mpilb.config.build import build_config
 from mpilb.errors import UsageError
@@ -62,11 +63,11 @@ def test_k_stores_land_on_k_nodes_for_every_layout():
 
 def test_the_config_carries_the_placement_and_workers_are_the_rest():
     cfg = build_config({}, {"servers": "per-node"})
-    assert cfg.servers == "per-node" and stores_of(cfg) == [0]     # not placed: one node
-    cfg.store_ranks = tuple(store_ranks(BLOCK, cfg.servers))
+    assert cfg.updates.servers == "per-node" and stores_of(cfg) == [0]     # not placed: one node
+    cfg.store_ranks = tuple(store_ranks(BLOCK, cfg.updates.servers))
     assert stores_of(cfg) == [0, 2, 4] and workers_of(cfg, 6) == [1, 3, 5]
-    assert stores_of(SimpleNamespace(servers=3)) == [0, 1, 2]
-    assert build_config({"servers": "per-node"}, {}, source="run.toml").servers == "per-node"
+    assert stores_of(config_stub(servers=3)) == [0, 1, 2]
+    assert build_config({"servers": "per-node"}, {}, source="run.toml").updates.servers == "per-node"
     with pytest.raises(UsageError, match="expected an integer or per-node"):
         build_config({}, {"servers": "pernode"})
     with pytest.raises(UsageError, match="integer >= 1 or per-node"):
@@ -74,7 +75,7 @@ def test_the_config_carries_the_placement_and_workers_are_the_rest():
 
 
 def test_check_servers_on_a_node_layout():
-    per = SimpleNamespace(servers="per-node")
+    per = config_stub(servers="per-node", inject=[])
     check_servers(per, 6, 1000, nodes=BLOCK)
     with pytest.raises(UsageError, match="--servers per-node leaves no worker: each of the "
                                          "job's 3 nodes has one rank"):
@@ -85,8 +86,8 @@ def test_check_servers_on_a_node_layout():
     # --inject on a store placed by node is refused, on a worker accepted
     with pytest.raises(UsageError, match=r"rank 2 is a parameter store \(--servers 2: ranks 0, 2\)"
                                          r", not a worker; target workers 1, 3-5"):
-        check_servers(SimpleNamespace(servers=2, inject=["2:compute=2"]), 6, 1000, nodes=BLOCK)
-    check_servers(SimpleNamespace(servers=2, inject=["1:compute=2"]), 6, 1000, nodes=BLOCK)
+        check_servers(config_stub(servers=2, inject=["2:compute=2"]), 6, 1000, nodes=BLOCK)
+    check_servers(config_stub(servers=2, inject=["1:compute=2"]), 6, 1000, nodes=BLOCK)
 
 
 def test_placement_note():

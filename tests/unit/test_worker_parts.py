@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from mpirun import config_stub
+
 from mpilb.worker.row_exchange import RowExchange, held_shards
 from mpilb.data.shards import placement
 from mpilb.mpi.watchdog import Rank0Watch, limit
@@ -65,7 +67,7 @@ class FakeFeed:
 
 
 def exchange(rank=2, size=5, replicas=3, servers=1):
-    cfg = SimpleNamespace(servers=servers, replicas=replicas)
+    cfg = config_stub(servers=servers, replicas=replicas)
     dataset = SimpleNamespace(shard_sizes=[100] * 8, sample_shape=(3,), label_dtype="int64",
                               target_shape=())
     comm = FakeComm(size)
@@ -225,7 +227,7 @@ def test_the_gradients_scaling_and_check_count_as_compute(monkeypatch):
     w.rows = SimpleNamespace(progress=lambda: None)
     w.signals_sent, w.preempt_reqs = set(), []
     w.rank0 = Rank0Watch(60.0, 1)
-    w.cfg = SimpleNamespace(mode="async", clip_norm=None)
+    w.cfg = config_stub(mode="async", clip_norm=None)
     w.model = SimpleNamespace(num_state=0)
     w.backend = SimpleNamespace(xp=np, synchronize=lambda: None)
     w.replies = SimpleNamespace(params=np.zeros(4, np.float32))

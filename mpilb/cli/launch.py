@@ -7,6 +7,11 @@ failed. A failure anywhere is one line from rank 0 and the same exit code on eve
 other ranks wait forever for a rank that gave up. New start-up code goes inside a step and
 is covered without naming its exceptions. After start-up, an exception on any rank ends the
 whole job at once (:func:`_fail`).
+
+The imports of mpilb's own parts sit inside the steps on purpose: an import that fails
+(a missing h5py, a broken install) is then a failure of that step, on that rank, caught and
+agreed on like any other; and mpi4py, which starts MPI, is imported only once the launcher
+check has run.
 """
 
 from __future__ import annotations
