@@ -112,8 +112,13 @@ class Worker:
         self.assignments.take(reply)
 
     def _push(self, msg: wire.MessageBuffer, done: Computed, next_range) -> None:
-        self.times.comm_s += self.pushes.send(msg, done, next_range, t=time.monotonic() - self.t0,
-                                              timings=self.times.report(self.feed.io_s))
+        # report() empties the counters it reports: the push's own seconds count towards the
+        # next report (`self.times.comm_s += send(...)` would read comm_s before the report
+        # reset it, and report every push's communication again and again)
+        timings = self.times.report(self.feed.io_s)
+        pushed_s = self.pushes.send(msg, done, next_range, t=time.monotonic() - self.t0,
+                                    timings=timings)
+        self.times.comm_s += pushed_s
 
     def _orders_while_blocked(self) -> None:
         """Waiting for rows: serve send orders the server sends meanwhile (Replies.

@@ -72,6 +72,20 @@ def test_summary_stored_in_log_matches_report(digits_dir, tmp_path):
     assert np.array_equal(cols["updates"]["version"], np.arange(1, len(cols["updates"]["version"]) + 1))
 
 
+def test_a_workers_accounted_seconds_fit_in_its_run(digits_dir, tmp_path):
+    """compute + I/O + communication + idle of each worker add up to no more than the run's
+    time: each push reports the seconds since the last one, once (a push that reported its
+    communication again with every later push made comm_s 10x the run)."""
+    log = tmp_path / "acct.h5"
+    res = mpirun.run(4, "train", "--data", digits_dir, "--epochs", 4, "--hidden", "256,256",
+                     "--batch", 128, "--no-progress", "--log", log)
+    assert res.returncode == 0, res.stderr
+    s = summarize_log(str(log))
+    for w in s["per_worker"]:
+        spent = w["compute_s"] + w["io_s"] + w["comm_s"] + w["idle_s"]
+        assert spent <= 1.2 * s["wall_s"] + 0.05, (w, s["wall_s"])
+
+
 def test_sync_two_ranks_equals_serial(digits_dir, tmp_path):
     """One worker in sync mode applies the same batches in the same order as the serial loop."""
     args = ("--data", digits_dir, "--model", "mlp", "--hidden", "32", "--epochs", "3",
