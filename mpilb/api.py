@@ -73,7 +73,7 @@ def train(model=None, data=None, **options) -> Optional[dict]:
         return None
     from mpilb.runfiles.summary import summarize_log
 
-    return summarize_log(result["cfg"].log)
+    return summarize_log(result["cfg"].output.log)
 
 
 def load(checkpoint, model=None):
