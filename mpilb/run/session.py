@@ -34,12 +34,7 @@ from mpilb.run.components import config_model, config_optimizer
 
 def balancer_config(cfg: Config) -> BalancerConfig:
     """The balancer's settings: ``cfg.balancing``, with sit-outs only for sync rounds."""
-    bal = cfg.balancing
-    return BalancerConfig(batch=bal.batch, batch_policy=bal.batch_policy,
-                          min_batch=bal.min_batch, max_batch=bal.max_batch,
-                          sit_out=(bool(bal.sit_out) and cfg.updates.mode == "sync"
-                                   and bal.batch_policy == "proportional"),
-                          rebalance_interval=bal.rebalance_interval)
+    return BalancerConfig.of_run(cfg.balancing, cfg.updates.mode)
 
 
 def format_final(summary: dict) -> str:

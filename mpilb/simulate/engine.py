@@ -58,11 +58,7 @@ class Engine:
         self.replay = replay
         self.shard_sizes = [int(s) for s in shard_sizes]
         ranks = list(ranks) if ranks is not None else list(range(1, len(profiles) + 1))
-        bcfg = BalancerConfig(batch=cfg.batch, batch_policy=cfg.batch_policy,
-                              min_batch=cfg.min_batch, max_batch=cfg.max_batch,
-                              sit_out=bool(cfg.sit_out) and cfg.mode == "sync"
-                              and cfg.batch_policy == "proportional",
-                              rebalance_interval=cfg.rebalance_interval)
+        bcfg = BalancerConfig.of_run(cfg, cfg.mode)
         self.balancer = build_balancer(cfg.balancer, ranks, self.shard_sizes, bcfg)
         self.order = epoch_order
         self.ledger = Ledger(self.balancer, EpochTracker(self.shard_sizes), self.shard_sizes, ranks,

@@ -76,6 +76,16 @@ class BalancerConfig:
     window: int = 24
     rate_bucket_s: float = 0.05
 
+    @classmethod
+    def of_run(cls, s, mode: str) -> "BalancerConfig":
+        """A run's balancer settings from `s` (its balancing options: batch, batch_policy,
+        min_batch, max_batch, sit_out, rebalance_interval) and its --mode: workers sit
+        rounds out only in sync rounds with proportional batches. The server and the
+        simulator both build theirs here."""
+        return cls(batch=s.batch, batch_policy=s.batch_policy, min_batch=s.min_batch,
+                   max_batch=s.max_batch, rebalance_interval=s.rebalance_interval,
+                   sit_out=bool(s.sit_out) and mode == "sync" and s.batch_policy == "proportional")
+
 
 @dataclass(frozen=True)
 class Move:
