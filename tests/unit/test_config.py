@@ -242,16 +242,3 @@ def test_validation_lives_in_config_validate_and_reference_reads_the_table_only(
     assert "mpilb.config.build" not in imported("config/reference.py")
     assert "mpilb.config.build" not in imported("config/validate.py")
     assert "mpilb.config.build" not in imported("config/sections.py")
-
-
-def test_no_import_circle_through_the_configuration_or_the_set_up():
-    """config.build <-> config.reference was a circle; the checks moved into config.validate
-    must not make new ones (through the optimizer factory, the data's cache directory)."""
-    from test_layers import MODULES, closure, imports
-
-    mine = [m for m in MODULES if m.startswith("mpilb.config.")] + [
-        f"mpilb.run.{m}" for m in ("session", "serial", "components", "evaluation",
-                                   "signals", "evalproc")] + ["mpilb.cli.launch"]
-    circles = [(m, i) for m in mine for i in imports(m)
-               if i in MODULES and i != m and m in closure(i)]
-    assert circles == []
