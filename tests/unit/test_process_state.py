@@ -55,6 +55,7 @@ def test_model_spec_registers_an_object_that_load_object_finds():
     assert spec.startswith("python:") and "Local" in spec
     assert user.load_object(spec)[0] is Local
     assert user.model_spec("mlp") == "mlp"
-    assert user.model_spec(pytest.approx) == "_pytest.python_api:approx"   # importable: by name
+    from mpilb.errors import UsageError   # importable: named by module and name
+    assert user.model_spec(UsageError) == "mpilb.errors:UsageError"
     with pytest.raises(user.UsageError, match="not a model handed to mpilb.train"):
         user.load_object("python:Nothing")
