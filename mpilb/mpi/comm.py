@@ -49,14 +49,31 @@ def wait(req: "MPI.Request", backoff: Optional[Backoff] = None, timeout: Optiona
     return True
 
 
-def complete(req: "MPI.Request") -> None:
+def complete(req: "MPI.Request", on_poll=None) -> None:
     """Finish a request whose transfer is under way: keep MPI progressing, yielding the
-    core after the first few polls (Backoff.FREE_POLLS)."""
+    core after the first few polls (Backoff.FREE_POLLS).
+
+    `on_poll` (optional) is called every :data:`COMPLETE_POLL_S` while the transfer lasts:
+    a message copied in pieces moves only while its sender calls MPI, so a sender stopped or
+    killed mid-transfer would keep this loop going for ever; the caller's poll (a watch on
+    rank 0's silence) can end it.
+    """
     polls = 0
+    next_poll = None
     while not req.Test():
         polls += 1
         if polls > Backoff.FREE_POLLS:
+            if on_poll is not None:
+                now = time.monotonic()
+                if next_poll is None:
+                    next_poll = now + COMPLETE_POLL_S
+                elif now >= next_poll:
+                    on_poll()
+                    next_poll = now + COMPLETE_POLL_S
             time.sleep(0)
+
+
+COMPLETE_POLL_S = 0.05
 
 
 def recv_when_ready(comm, buf, source: int, tag: int, backoff: Optional[Backoff] = None,
@@ -75,7 +92,7 @@ def recv_when_ready(comm, buf, source: int, tag: int, backoff: Optional[Backoff]
             if backoff.bell is not None:
                 backoff.bell.took(source)
             req = msg.Irecv(buf)
-            complete(req)
+            complete(req, on_poll)
             return
         if on_poll is not None:
             on_poll()

@@ -190,8 +190,8 @@ class SliceRank:
             self.round[:] = 0
         elif m.op == Op.REPLY:
             prev = self.replies.get(m.rank)
-            if prev is not None:
-                C.wait(prev)
+            if prev is not None:   # (a worker gone mid-transfer: rank 0's silence ends this)
+                C.wait(prev, on_poll=self.rank0.check)
             req = self.comm.Isend(s.params, dest=m.rank, tag=wire.TAG_PARAMS)
             s.sending(req, m.rank)
             s.bytes_out += s.params.nbytes

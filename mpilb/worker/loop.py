@@ -78,7 +78,8 @@ class Worker:
         bounds = wire.cut_slices(self.n, len(stores), wire.layer_sizes(self.model))
         self.rank0 = Rank0Watch(cfg.faults.worker_timeout, rank)   # ends this rank if rank 0 is gone
         self.pushes = Pushes(comm, self.messages, self.n, self.model.num_state, stores, bounds,
-                             self.bell, pipelined=bool(cfg.updates.pipeline))
+                             self.bell, pipelined=bool(cfg.updates.pipeline),
+                             on_poll=self.rank0.check)
         self.replies = Replies(comm, rank, self.messages, self.n, stores, bounds, self.bell,
                                self.backoff, self.rank0, self.rows, pipelined=bool(cfg.updates.pipeline))
         self.assignments = Assignments(self.feed, self.rows, held)

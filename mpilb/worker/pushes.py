@@ -73,11 +73,14 @@ class Pushes:
         stores: the store ranks; bounds: store s holds parameters [bounds[s], bounds[s+1]).
         bell: rank 0's doorbell (doorbell.py), rung with each push.
         pipelined: --pipeline 1.
+        on_poll: called while a send is finished (the watch on rank 0's silence: a store
+            gone mid-transfer would keep the send from ever completing).
     """
 
     def __init__(self, comm, messages: DeviceMessages, floats: int, num_state: int, stores,
-                 bounds, bell, pipelined: bool):
+                 bounds, bell, pipelined: bool, on_poll=None):
         self.comm = comm
+        self.on_poll = on_poll
         self.messages = messages
         self.num_state = num_state
         self.stores = stores
@@ -122,7 +125,7 @@ class Pushes:
     def settle(self) -> None:
         """The server replied to the last push, so it has it: finish the sends' requests."""
         for req in self.reqs:
-            C.complete(req)
+            C.complete(req, self.on_poll)
         self.reqs = []
 
     def finish(self) -> None:

@@ -128,7 +128,7 @@ class Replies:
             return
         self.rank0.heard()
         self.bell.took(0)
-        C.complete(msg.Irecv(self.recv.buf))
+        C.complete(msg.Irecv(self.recv.buf), on_poll=self.rank0.check)
         self.messages.header_from_buffer(self.recv)
         hdr = self.recv.header
         if wire.command(hdr) == Cmd.ORDERS:

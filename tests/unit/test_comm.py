@@ -154,3 +154,45 @@ def test_backoff_on_a_cpu_of_its_own_polls_before_it_sleeps(monkeypatch):
     b.reset()   # every wait polls first again
     b.sleep()
     assert len(clock.sleeps) == 1
+
+
+def test_a_transfer_that_never_completes_still_calls_the_poll(monkeypatch):
+    """complete(): a message whose sender stopped mid-transfer never completes; the caller's
+    poll (the watch on rank 0's silence) is called every COMPLETE_POLL_S meanwhile and can
+    end the wait, where the loop used to spin for ever (a worker outlived a stopped rank 0)."""
+    clock = Clock(monkeypatch)
+
+    class Stuck:
+        tests = 0
+
+        def Test(self):
+            self.tests += 1
+            clock.now += 1e-3
+            return False
+
+    class Gone(Exception):
+        pass
+
+    polls = []
+
+    def on_poll():
+        polls.append(clock.now)
+        if len(polls) == 3:
+            raise Gone
+
+    req = Stuck()
+    with pytest.raises(Gone):
+        C.complete(req, on_poll)
+    assert len(polls) == 3
+    gaps = [b - a for a, b in zip(polls, polls[1:])]
+    assert all(C.COMPLETE_POLL_S <= g < 2 * C.COMPLETE_POLL_S for g in gaps), gaps
+
+
+def test_a_transfer_that_completes_calls_no_poll(monkeypatch):
+    Clock(monkeypatch)
+
+    class Done:
+        def Test(self):
+            return True
+
+    C.complete(Done(), on_poll=lambda: pytest.fail("polled a finished request"))
