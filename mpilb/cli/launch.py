@@ -224,10 +224,22 @@ def train(config_file, cli_values: dict, raise_errors: bool = False,
         else:
             role.run()
             code = 0
+        from mpilb.mpi import departure
+
+        left = rank != 0 and getattr(role, "left", False)   # let go before the end (roster.py)
+        if left and departure.leaves_alone():
+            departure.finalize_alone()   # MPI_Finalize without the others, who run on
+            _ignore_stop_signals()
+            return 0
         # Leave together: under Hydra, after a forwarded SIGTERM, a rank that is still
         # finalising when another exits can be killed, turning a clean stop into exit 9.
-        together_at_end = C.wait(comm.Ibarrier(), timeout=30.0,
-                                 on_poll=(lambda: C.leave_if_told(comm)) if rank else None)
+        # (Not MPI_Ibarrier: a rank that left never joins it.)
+        gone = role.members.left if rank == 0 and departure.leaves_alone() else ()
+        together_at_end, alone = departure.end_together(
+            comm, rank, skip=gone, timeout=None if left else 30.0,
+            on_poll=(lambda: C.leave_if_told(comm)) if rank else None)
+        if alone:
+            departure.finalize_alone()   # a collective MPI_Finalize would wait for those gone
         if rank == 0:
             C.drain(comm)   # control messages sent before the barrier (preemption notices)
         _ignore_stop_signals()

@@ -152,6 +152,10 @@ def build_parser() -> Parser:
     rep.add_argument("--compare", action="store_true", help="put several runs side by side")
     rep.add_argument("--csv", metavar="DIR", help="write one CSV file per log group into DIR")
 
+    lv = sub.add_parser("leave", help="let one worker of a running job go (the run goes on)")
+    lv.add_argument("log", metavar="RUN.h5", help="the running job's run log")
+    lv.add_argument("--rank", type=int, required=True, metavar="R", help="the worker's rank")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="what", metavar="WHAT", parser_class=Parser)
     bsub.required = True
@@ -238,6 +242,10 @@ def _dispatch(args) -> int:
 
         return run_report(args.logs, as_json=args.json, plots=args.plots, compare=args.compare,
                           csv=args.csv)
+    if args.command == "leave":
+        from mpilb.cli.membership import leave
+
+        return leave(args.log, args.rank)
     if args.command == "bench":
         from mpilb.cli.bench import bench_ps
 

@@ -6,10 +6,10 @@ Two parts, changed only by named methods of the objects that hold them
 - waiting: COMPUTING (it has work and parameters; a push is to come), IDLE (told it has
   nothing to do; it waits for a message), HELD (it pushed; the reply is held by ssp or sync);
 - membership: ACTIVE, BENCHED (sits sync rounds out), STOPPED (told to stop), LOST (silent
-  past --worker-timeout).
+  past --worker-timeout), LEFT (let go while the run goes on: `mpilb leave`, SIGUSR2).
 
     IDLE --wake--> COMPUTING --hold--> HELD --release--> COMPUTING --go_idle--> IDLE
-    ACTIVE --bench--> BENCHED --unbench--> ACTIVE;  any --stop--> STOPPED;  any --lose--> LOST
+    ACTIVE --bench--> BENCHED --unbench--> ACTIVE;  any --stop--> STOPPED;  any --lose--> LOST;  any --leave--> LEFT
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class Membership(Enum):
     BENCHED = "benched"
     STOPPED = "stopped"
     LOST = "lost"
+    LEFT = "left"
 
 
 class WorkerState:
@@ -64,6 +65,10 @@ class WorkerState:
     def lost(self) -> bool:
         return self.membership is Membership.LOST
 
+    @property
+    def left(self) -> bool:
+        return self.membership is Membership.LEFT
+
     def go_idle(self) -> None:
         """Told it has nothing to do: it waits for the server's next message."""
         self.waiting = Waiting.IDLE
@@ -73,3 +78,6 @@ class WorkerState:
 
     def lose(self) -> None:
         self.membership = Membership.LOST
+
+    def leave(self) -> None:
+        self.membership = Membership.LEFT

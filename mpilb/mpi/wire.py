@@ -41,6 +41,7 @@ TAG_CTRL = 17      # rank 0 -> store s > 0: what to do next (Op)
 TAG_GATHER = 18    # store s > 0 <-> rank 0: a slice and its optimizer state (gather, load)
 TAG_STATS = 19     # store s > 0 -> rank 0: its counters (STATS_FIELDS)
 TAG_LEAVE = 20     # rank 0 -> the others: end now, with this exit code (comm.tell_leave)
+TAG_END = 21       # the end of the job: every rank -> rank 0 "done", rank 0 -> them "go" (mpi/ending.py)
 TAG_SHARD_BASE = 1000   # shard rows between workers: tag and tag+1 (samples, labels)
 SHARD_TAGS = 10000      # transfer tags cycle through this many pairs
 # Rows sent again by another holder when the first was lost: a range of their own above the
@@ -106,6 +107,7 @@ class Cmd(IntEnum):
     PARAMS = 1        # payload holds parameters; carry on
     STOP = 2          # finish: no payload
     ORDERS = 3        # header only, not a reply: send these rows, then keep waiting
+    LEAVE = 4         # finish alone: this worker leaves, the run goes on (no payload)
 
 
 TASK_FIELDS = 6       # per assignment / per send order
@@ -390,7 +392,7 @@ def encode_reply(hdr: np.ndarray, cmd: Cmd, *, version: int, batch: int, held_s:
     hdr[Reply.HELD_S] = held_s
     hdr[Reply.RETRY] = 1 if retry else 0
     hdr[Reply.DROP] = 1 if drop else 0
-    if cmd == Cmd.STOP:
+    if cmd in (Cmd.STOP, Cmd.LEAVE):
         return
     _put_rows(hdr, Reply.N_ASSIGN, Reply.ASSIGN, assigns, MAX_ASSIGN)
     _put_rows(hdr, Reply.N_ORDER, Reply.ORDER, orders, MAX_ORDER)

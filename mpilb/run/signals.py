@@ -1,7 +1,8 @@
 """Stop signals: SIGTERM and SIGUSR1 (preemption) and SIGINT (Ctrl-C) ask a run to
 checkpoint and stop (exit 0, status `preempted`, resumable). A second Ctrl-C interrupts
 at once, as Ctrl-C does elsewhere (Hydra's mpiexec forwards the first to every rank and
-aborts the job on the second).
+aborts the job on the second). SIGUSR2 to a worker's process asks that worker to leave the
+run, which goes on without it (docs/membership.md): no stop.
 
 Standard library only, so that `mpilb train` can catch a signal from its very first
 moments: one that arrives while a rank is still importing is remembered (:data:`EARLY`)
@@ -22,6 +23,9 @@ PREEMPTED = threading.Event()
 USR1_NOTICE = threading.Event()
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+# Set by SIGUSR2: this worker is asked to leave the run (rank 0 lets it go at its next push).
+LEAVE_SIGNAL = signal.SIGUSR2
+LEAVE_ASKED = threading.Event()
 
 # signals received before the training loop installed its handlers
 EARLY: list[int] = []
@@ -49,9 +53,13 @@ def catch_early() -> None:
     """Remember preemption signals until :func:`install` takes over."""
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, _early)
+    signal.signal(LEAVE_SIGNAL, _early)   # (its default action would end the process)
 
 
 def _early(signum, frame) -> None:
+    if signum == LEAVE_SIGNAL:
+        LEAVE_ASKED.set()   # remembered: the worker asks to leave once it has joined the run
+        return
     if signum == signal.SIGINT and signum in EARLY:
         raise KeyboardInterrupt   # a second Ctrl-C before training started
     EARLY.append(signum)
@@ -70,15 +78,24 @@ def install(on_signal) -> None:
             except Exception:  # noqa: BLE001 - a handler must not raise into the code it interrupts
                 pass
 
+    def leave(signum, frame):
+        LEAVE_ASKED.set()
+        for listener in _LISTENERS:
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - as above
+                pass
+
     for sig in PREEMPTION_SIGNALS:
         signal.signal(sig, handler)
+    signal.signal(LEAVE_SIGNAL, leave)
     for signum in EARLY:
         handler(signum, None)
     EARLY.clear()
 
 
 def listen(callback) -> None:
-    """Call `callback()` after each stop signal, in the handler. A worker reports the signal
+    """Call `callback()` after each stop signal (and SIGUSR2), in the handler. A worker reports the signal
     to rank 0 at once from there, also while its loop is stuck (a hung step in Python, a
     long wait): rank 0 counts the workers that answer a signal to tell a preemption from a
     launcher's notice of a dead rank (server/vote.py)."""
@@ -94,5 +111,5 @@ def unlisten(callback) -> None:
 
 def ignore() -> None:
     """The run is complete: ignore them at the C level (holds during MPI finalisation)."""
-    for sig in PREEMPTION_SIGNALS:
+    for sig in (*PREEMPTION_SIGNALS, LEAVE_SIGNAL):
         signal.signal(sig, signal.SIG_IGN)

@@ -78,6 +78,21 @@ def format_summary(s: dict, path: str = "") -> str:
     return "\n".join(lines)
 
 
+_MEMBER_WORDS = {"join": "joined", "leave": "left", "lost": "was lost", "respawn": "was replaced"}
+
+
+def format_members(cols: dict) -> list[str]:
+    """The run's membership changes (the `members/` group), one line each: none, no lines."""
+    m = cols.get("members") or {}
+    if not len(m.get("t", ())):
+        return []
+    lines = ["  membership changes:"]
+    for t, rank, node, event in zip(m["t"], m["worker"], m["node"], m["event"]):
+        lines.append(f"    {float(t):8.2f} s  rank {int(rank)} {_MEMBER_WORDS.get(str(event), str(event))}"
+                     f" (node {int(node)})")
+    return lines
+
+
 def format_compare(paths: list[str], summaries: list[dict], configs: list[dict]) -> str:
     """Runs side by side, one column per run, then the settings that differ between them."""
     rows = [
@@ -186,5 +201,6 @@ def run_report(paths: list[str], as_json: bool = False, plots: Optional[str] = N
     if as_json:
         print(json.dumps(summaries[0], indent=2))
     else:
-        print("\n".join([format_summary(summaries[0], paths[0]), *format_layout(logs[0][0])]))
+        print("\n".join([format_summary(summaries[0], paths[0]), *format_members(logs[0][1]),
+                         *format_layout(logs[0][0])]))
     return 0

@@ -43,7 +43,10 @@ SCHEMA: dict[str, dict[str, str]] = {
                "utilization": "f8", "imbalance_s": "f8"},
     "servers": {"t": "f8", "server": "i4", "updates": "i8", "bytes_in": "i8", "bytes_out": "i8",
                 "apply_s": "f8", "cpu_s": "f8"},
+    "members": {"t": "f8", "worker": "i4", "node": "i4", "event": "S8"},
 }
+
+MEMBER_EVENTS = ("join", "leave", "lost", "respawn")
 
 SHARD_EVENTS = ("assign", "move", "start", "done", "reassign")
 STATUSES = ("running", "finished", "degraded", "preempted", "failed")

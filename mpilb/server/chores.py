@@ -1,4 +1,5 @@
-"""What rank 0 does between pushes: errors, preemption, lost workers, and its timers.
+"""What rank 0 does between pushes: errors, preemption, lost workers, leave requests, and
+its timers.
 
 Every 10 ms at most (25 ms where every worker rings, and at least every 100 ms then: see
 ``RUNG_NAP_S``), not at every poll, the loop checks for a worker's error report
@@ -134,7 +135,10 @@ class Chores:
         ended = self.signals.judge(self.preempted)
         if ended is not None:
             self.liveness.declare_lost(self.roster.peers[ended], "sent nothing since the SIGTERM")
-        self.liveness.check(time.monotonic())
+        mono = time.monotonic()
+        self.liveness.check(mono)
+        if self.liveness.members is not None:
+            self.liveness.members.poll(mono)   # `mpilb leave` requests (roster.py)
         self.timers()
 
     def next_push_due(self) -> tuple[Optional[float], float, Optional[float]]:
@@ -183,12 +187,14 @@ class Chores:
         t = self.clock.now()
         self.slices.log_rows(self.log, t)
         for w in self.roster.peers.values():
-            if w.lost:
-                continue
-            self.log.append("workers", t=t, worker=w.rank, batch=w.batch,
-                            rate=self.balancer.rate(w.rank),
-                            predicted_rate=self.balancer.predicted_rate(w.rank),
-                            throughput=self.balancer.measured_rate(w.rank), **w.take_row())
+            if not (w.lost or w.left):   # (a worker that left had its last row then)
+                self.log_worker_row(w, t)
+
+    def log_worker_row(self, w, t: float) -> None:
+        self.log.append("workers", t=t, worker=w.rank, batch=w.batch,
+                        rate=self.balancer.rate(w.rank),
+                        predicted_rate=self.balancer.predicted_rate(w.rank),
+                        throughput=self.balancer.measured_rate(w.rank), **w.take_row())
 
     def preempt(self) -> None:
         """SIGTERM/SIGUSR1 on some rank: checkpoint, tell every worker to stop, exit 0."""

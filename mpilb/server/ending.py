@@ -63,7 +63,7 @@ def serve(server: ParameterServer) -> int:
         sys.stdout.flush()
         launcher = C.open_mpi_launcher()
         if launcher is not None and launcher["recovery"]:
-            C.tell_leave(server.comm, code, skip=server.lost)   # MPI_Abort ends rank 0 alone
+            C.tell_leave(server.comm, code, skip=server.lost + server.members.left)   # MPI_Abort ends rank 0 alone
         C.abort(code)
         os._exit(code)
     return 0

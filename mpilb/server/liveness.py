@@ -38,13 +38,15 @@ class Liveness:
         signals: the stop signals' vote (:class:`~mpilb.server.stopsignals.StopSignals`).
         log_shards: logs the ledger's shard events.
         after_loss: the protocol's part after a loss (wake idle workers, a round, held replies).
+        members: the membership log (:class:`~mpilb.server.roster.Members`; a `lost` row).
     """
 
     UNWATCHED_S = 0.25  # a longer gap between chores: rank 0 was busy or stopped, not watching
     LIVENESS_S = 0.05   # how often lost workers and stalls are looked for
 
     def __init__(self, cfg, roster, ledger, balancer, remote, bell, outbox, tracker, stop,
-                 signals, log_shards: Callable[[], None], after_loss: Callable[[], None]):
+                 signals, log_shards: Callable[[], None], after_loss: Callable[[], None],
+                 members=None):
         self.cfg = cfg
         self.roster = roster
         self.ledger = ledger
@@ -57,6 +59,7 @@ class Liveness:
         self.signals = signals
         self.log_shards = log_shards
         self.after_loss = after_loss
+        self.members = members
         self.next_check = 0.0
         self.last_watch = None
         self.unwatched: list[tuple[float, float]] = []   # (start, end) rank 0 did not watch
@@ -147,16 +150,35 @@ class Liveness:
         if note:
             print(f"mpilb: {note}", file=sys.stderr, flush=True)
         w.lose()
+        self.roster.lost.append(w.rank)
+        if self.members is not None:
+            self.members.note(w.rank, "lost")
+        self.forget(w)
+        if fails:   # the job ends: log `failed`
+            raise WorkerFailed(w.rank, fails)
+        if all(o.lost or o.left for o in self.roster.peers.values()):
+            raise RuntimeError("every worker was lost")
+        self.resource(w)
+        self.after_loss()
+
+    def hand_back(self, w) -> None:
+        """`w` left the run (roster.py): as for a loss, but at once and without a failure:
+        its work goes to the others, and nothing more is heard from it or sent to it."""
+        self.forget(w)
+        self.resource(w)
+        self.after_loss()
+
+    def forget(self, w) -> None:
+        """No more from `w`: its rings, its stores' receives, its place in the balancer;
+        its unfinished tasks go back to the ledger."""
         self.bell.forget(w.rank)   # a push it rang will not come
         self.remote.lose(w.rank)   # every store stops listening to it
-        self.roster.lost.append(w.rank)
         self.balancer.remove_worker(w.rank)
         self.ledger.take_back(w.rank, lost=True)
         self.log_shards()
-        if fails:   # the job ends: log `failed`
-            raise WorkerFailed(w.rank, fails)
-        if all(o.lost for o in self.roster.peers.values()):
-            raise RuntimeError("every worker was lost")
+
+    def resource(self, w) -> None:
+        """Rows `w` owed others come from another copy (--store local)."""
         if self.ledger.holders is not None:
             peers = self.roster.peers
             # rows it owed come from another copy (--replicas >= 2); else resource() raises
@@ -172,4 +194,3 @@ class Liveness:
             for r in self.ledger.take_ordered():
                 if self.ledger.has_orders(r) and peers[r].present and not peers[r].lost:
                     self.outbox.orders(peers[r])
-        self.after_loss()

@@ -15,7 +15,8 @@ receive.py (the receives and the waits between pushes), epochs.py (epochs, handi
 tasks, and the pure decisions of core/decisions.py), chores.py (the timers between pushes,
 checkpoints), liveness.py (lost workers), stopsignals.py (stop signals and their votes),
 lifecycle.py (the clock, start and finish), outbox.py (replies and send orders), group.py
-(rank 0's parameter stores), peers.py (each worker's link and state).
+(rank 0's parameter stores), peers.py (each worker's link and state), roster.py (workers
+that leave while the run goes on).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from mpilb.server.modes import Update, build_rule
 from mpilb.server.outbox import Outbox
 from mpilb.server.peers import Link, Peer, Roster
 from mpilb.server.receive import Receiver
+from mpilb.server.roster import Members
 from mpilb.server.stopsignals import StopSignals
 
 
@@ -88,10 +90,11 @@ class ParameterServer:
         eval_timer = Interval(cfg.stopping.eval_interval)
         self.epochs = Epochs(cfg, dataset, s, self.ledger, self.roster, self.clock, self.slices,
                              sitout, self, eval_timer)
-        signals = StopSignals(comm, self.roster, self.clock)
+        self.members = Members.of_server(self, json.loads(run_attrs.get("nodes", "[]")))
+        signals = StopSignals(comm, self.roster, self.clock, on_leave=self.members.request)
         self.liveness = Liveness(cfg, self.roster, self.ledger, self.balancer, self.remote, bell,
                                  self.outbox, self.tracker, self.stop, signals,
-                                 self.epochs.log_shards, self.after_loss)
+                                 self.epochs.log_shards, self.after_loss, self.members)
         self.receiver = Receiver(comm, self.roster, bell, self.outbox, self.remote,
                                  self.liveness.declare_lost)
         self.checkpoints = Checkpoints(cfg, s, self)
@@ -137,6 +140,7 @@ class ParameterServer:
                             self.on_push, self.chores)
         self.lifecycle.wind_down()
         self.receiver.drain(self.ring.pending() + self.outbox.sending)
+        self.members.close()
         return self.lifecycle.status()
 
     def finish(self, status: str) -> dict:
@@ -149,7 +153,9 @@ class ParameterServer:
 
     # ----------------------------------------------------------------- messages
     def reply(self, w: Peer, cmd: Cmd = Cmd.PARAMS, held_s: float = 0.0) -> None:
-        """Send w the current parameters (or STOP) with its assignments and batch size."""
+        """Send w the current parameters (or STOP; LEAVE if it asked) with its tasks and batch."""
+        if cmd == Cmd.PARAMS and w.leaving:
+            return self.members.depart(w)
         w.last_seen = time.monotonic()   # its silence counts from now (--worker-timeout)
         w.awaiting = cmd != Cmd.STOP and not w.idle
         self.outbox.reply(w, self.ring, cmd, held_s)
@@ -214,11 +220,9 @@ class ParameterServer:
         w.idle_s += push.idle_s
         w.epoch_busy += busy + push.comm_s
         if self.stop.reason:
-            self.reply(w, Cmd.STOP)
-            return
+            return self.reply(w, Cmd.STOP)
         if push.nonfinite:
-            self._reject(w, push)
-            return
+            return self._reject(w, push)
         w.retried = False
         # Without pipelining, reply -> push is what the step cost whoever waits for it.
         step_s = None if self.cfg.updates.pipeline or w.last_gap is None else w.last_gap
@@ -234,8 +238,7 @@ class ParameterServer:
                 print(f"mpilb: warning: rank {w.rank}: batch [{push.lo}, {push.hi}) of shard "
                       f"{push.shard} lies outside its task [{task.pos}, {task.end}): dropped, "
                       f"not applied", file=sys.stderr, flush=True)
-            self.reply(w)
-            return
+            return self.reply(w)
         update = Update(w.rank, push.epoch, push.shard, push.lo, push.hi, push.batch, push.loss,
                         self.version - push.version)
         then = self.ring.params_of(push.version) if self.rule.needs_old_params else None
@@ -291,8 +294,7 @@ class ParameterServer:
         if w.stopped:
             return
         if self.stop.reason:
-            self.reply(w, Cmd.STOP)
-            return
+            return self.reply(w, Cmd.STOP)
         self.epochs.top_up(w)
         if self.rule.holds_replies and self.rule.holds(w, self.present()):
             w.hold(time.monotonic())

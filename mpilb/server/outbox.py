@@ -34,7 +34,7 @@ class Outbox:
         self.sending: list = []    # sends not known to be complete
 
     def reply(self, peer, ring, cmd: Cmd = Cmd.PARAMS, held_s: float = 0.0) -> None:
-        """Send `peer` a reply header (PARAMS or STOP) with the tasks, orders and cut it is
+        """Send `peer` a reply header (PARAMS, STOP or LEAVE) with the tasks, orders and cut it is
         owed, its batch size and the flags it must see (retry, drop); with PARAMS, the
         parameters follow from `ring` (a ParamRing) and every other store."""
         link = peer.link
@@ -42,7 +42,7 @@ class Outbox:
             link.reply_req.Wait()   # the previous reply was received before it pushed again
         buf, hdr, _ = link.next_reply_slot()
         version = ring.version
-        if cmd == Cmd.STOP:
+        if cmd != Cmd.PARAMS:
             wire.encode_reply(hdr, cmd, version=version, batch=peer.batch, held_s=held_s,
                               retry=peer.retry, drop=peer.drop)
         else:
@@ -55,7 +55,7 @@ class Outbox:
         link.reply_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)
         self.sending.append(link.reply_req)
         ring.bytes_out += buf.nbytes
-        if cmd == Cmd.STOP:
+        if cmd != Cmd.PARAMS:
             self.bell.ring(peer.rank)
             return
         # Straight from the parameters: the ring steps into another buffer while this reads.

@@ -58,6 +58,7 @@ class Peer(WorkerState):
     drop: bool = False       # the next reply tells it to forget its tasks
     retry: bool = False      # ask the worker to recompute its last batch
     retried: bool = False    # that batch was already retried once
+    leaving: bool = False    # asked to leave: its next reply is LEAVE (roster.py)
     step: int = 0
     last_seen: float = 0.0
     pushed_at: float = 0.0   # when its last push was taken (time.monotonic())
@@ -79,7 +80,7 @@ class Peer(WorkerState):
     # ----------------------------------------------------------------- reading
     @property
     def present(self) -> bool:
-        """Still in the run (active or benched): not stopped, not lost."""
+        """Still in the run (active or benched): not stopped, lost or left."""
         return self.membership in (Membership.ACTIVE, Membership.BENCHED)
 
     # ----------------------------------------------------------------- waiting
@@ -128,7 +129,8 @@ def present(peers) -> list[Peer]:
 
 
 class Roster:
-    """Every worker of the run as rank 0 sees it, and the ranks lost so far.
+    """Every worker of the run as rank 0 sees it, and the ranks lost so far (those that
+    left: :class:`~mpilb.server.roster.Members`).
 
     Args:
         peers: rank -> :class:`Peer`.
@@ -143,4 +145,4 @@ class Roster:
         return [p for p in self.peers.values() if p.present]
 
     def all_stopped(self) -> bool:
-        return all(w.stopped or w.lost for w in self.peers.values())
+        return all(w.stopped or w.lost or w.left for w in self.peers.values())

@@ -68,7 +68,7 @@ class Receiver:
                     self.bell.took(w.rank)
                     on_push(w)
                     self.remote.settle(w.rank)   # a gradient not taken is dropped everywhere
-                    if not (w.stopped or w.lost):
+                    if w.present:   # (not stopped, lost or left)
                         self.post(w)
                         reqs[i] = w.link.recv_req
                 self.backoff.reset(*chores.next_push_due())
@@ -110,7 +110,7 @@ class Receiver:
         previous push again (a batch "outside its task", or a stale gradient)."""
         done = []
         for i, w in enumerate(order):
-            if w.stopped:
+            if w.stopped or w.left:
                 continue   # no receive posted since its last push
             try:
                 if not reqs[i].Test():

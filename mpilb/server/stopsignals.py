@@ -29,10 +29,12 @@ class StopSignals:
         comm: the world communicator (the workers' notices).
         roster: the workers (:class:`~mpilb.server.peers.Roster`).
         clock: the run's clock (``now()``, for the messages).
+        on_leave: called with (rank, how) when a worker reports SIGUSR2 (a wish to leave).
     """
 
-    def __init__(self, comm, roster, clock):
+    def __init__(self, comm, roster, clock, on_leave=None):
         self.comm = comm
+        self.on_leave = on_leave   # a worker's SIGUSR2: it asks to leave (server/roster.py)
         self.roster = roster
         self.clock = clock
         self.vote: Optional[SignalVote] = None   # see vote.py
@@ -44,6 +46,10 @@ class StopSignals:
         """Take the workers' notices and rank 0's own signals."""
         while (notice := C.poll_preempt(self.comm)) is not None:
             src, signum = notice
+            if signum == signals.LEAVE_SIGNAL:
+                if self.on_leave is not None:
+                    self.on_leave(src, "SIGUSR2")
+                continue
             if signum != signal.SIGUSR1:
                 PREEMPTED.set()   # a stop whatever the vote says (its checkpoint comes first)
             self.report(src, signum)

@@ -35,7 +35,7 @@ from mpilb.mpi import doorbell, wire
 from mpilb.mpi.watchdog import Rank0Watch
 from mpilb.mpi.wire import Cmd
 from mpilb.run import signals
-from mpilb.run.signals import PREEMPTED, USR1_NOTICE
+from mpilb.run.signals import LEAVE_ASKED, LEAVE_SIGNAL, PREEMPTED, USR1_NOTICE
 from mpilb.run.components import config_model
 from mpilb.worker.assignments import Assignments
 from mpilb.worker.messages import DeviceMessages
@@ -90,6 +90,7 @@ class Worker:
         self.retry = False
         self.t0 = time.monotonic()   # the run's start (reset by run)
         self.signals_sent: set = set()
+        self.left = False   # rank 0 let this worker go (LEAVE): it ends before the job does
         self.preempt_reqs: list = []
         signals.listen(self._report_signals)   # reported from the handler, even mid-hang
 
@@ -105,7 +106,8 @@ class Worker:
             self.pushes.settle()
             self.replies.take_params()
         self.times.waited(time.perf_counter() - t0, reply.held_s, counts_as_idle)
-        if reply.cmd == Cmd.STOP:
+        if reply.cmd in (Cmd.STOP, Cmd.LEAVE):
+            self.left = reply.cmd == Cmd.LEAVE
             raise StopWorker
         self.version = reply.version
         self.batch = max(1, reply.batch)
@@ -135,8 +137,10 @@ class Worker:
         self.rank0.check()
 
     def _report_signals(self) -> None:
-        """Tell rank 0 of each stop signal received (once each): rank 0 decides."""
-        for event, signum in ((PREEMPTED, signal.SIGTERM), (USR1_NOTICE, signal.SIGUSR1)):
+        """Tell rank 0 of each stop signal received (once each), and of a wish to leave
+        (SIGUSR2): rank 0 decides."""
+        for event, signum in ((PREEMPTED, signal.SIGTERM), (USR1_NOTICE, signal.SIGUSR1),
+                              (LEAVE_ASKED, LEAVE_SIGNAL)):
             if event.is_set() and signum not in self.signals_sent:
                 self.signals_sent.add(signum)
                 self.preempt_reqs.append(C.notify_preempt(self.comm, signum))

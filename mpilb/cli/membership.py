@@ -1,0 +1,88 @@
+"""`mpilb leave RUN.h5 --rank R`: let one worker of a running job go (docs/membership.md).
+
+The command reaches the job without MPI: it checks the run log (a run of this user, still
+running, R a worker still in it), writes a request file into the directory beside the log
+(server/roster.py) and waits for rank 0's answer there. Rank 0 looks for requests twice a
+second; the worker leaves after its current step. Every refusal is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+
+from mpilb.errors import MpilbError, UsageError
+from mpilb.runfiles.summary import open_log
+from mpilb.server.roster import LEAVE_PREFIX, answer_of, requests_dir, write_atomically
+
+ANSWER_WAIT_S = 30.0
+
+
+def leave(log: str, rank: int, wait_s: float = ANSWER_WAIT_S) -> int:
+    """Ask the run writing `log` to let worker `rank` go; returns the exit code."""
+    attrs, cols = open_log(log)
+    owner = os.stat(log).st_uid
+    if owner != os.getuid():
+        raise UsageError(f"{log}: a run of another user (uid {owner}): only its owner can let "
+                         f"its workers go")
+    status = attrs.get("status", "")
+    if status != "running":
+        raise UsageError(f"{log}: the run has ended (status {status}): it has no worker to let go")
+    if not _written_now(log):
+        raise UsageError(f"{log}: no run is writing this log (its status says running, but no "
+                         f"process holds it: the run was killed?)")
+    size = int(attrs.get("world_size", 1))
+    stores = json.loads(attrs.get("stores", "[0]"))
+    if not 0 <= rank < size:
+        raise UsageError(f"--rank {rank}: the run has ranks 0-{size - 1}")
+    if rank == 0:
+        raise UsageError("--rank 0 is the parameter server, not a worker: only a worker can leave")
+    if rank in stores:
+        raise UsageError(f"--rank {rank} holds parameters (a store of --servers), not a worker: "
+                         f"only a worker can leave")
+    members = cols["members"]
+    events = [str(e) for w, e in zip(members["worker"], members["event"]) if int(w) == rank]
+    if events and events[-1] in ("leave", "lost"):
+        raise UsageError(f"--rank {rank} " + ("has left the run already" if events[-1] == "leave"
+                                              else "was lost: it is no longer in the run"))
+    where = requests_dir(log)
+    try:
+        os.makedirs(where, mode=0o700, exist_ok=True)
+        request = os.path.join(where, f"{LEAVE_PREFIX}{rank}")
+        write_atomically(request, f"{os.getpid()}\n")
+    except OSError as exc:
+        raise UsageError(f"{log}: cannot write the request beside the run log ({exc.strerror})") from None
+    deadline = time.monotonic() + wait_s
+    while (answer := answer_of(request)) is None:
+        if time.monotonic() > deadline:
+            raise MpilbError(f"{log}: no answer from the run within {wait_s:g} s (is rank 0 "
+                             f"stopped?); the request stays in {where} and is taken when it goes on")
+        time.sleep(0.1)
+    for path in (request + ".answer", where):
+        try:
+            os.rmdir(path) if path == where else os.unlink(path)
+        except OSError:
+            pass   # (the directory: other requests in it, or rank 0 removes it at the end)
+    if answer.startswith("refused: "):
+        raise UsageError(f"{log}: {answer}")
+    print(f"{log}: {answer}")
+    return 0
+
+
+def _written_now(log: str) -> bool:
+    """Does a process hold the run log's lock (runlog.RunLog._lock): is a run writing it?"""
+    try:
+        fd = os.open(log, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True   # a file system without locks: take the status's word
+    finally:
+        os.close(fd)
+    return False

@@ -1,0 +1,177 @@
+"""Who is in the run, as it changes (rank 0): workers let go while the run goes on.
+
+A worker leaves when asked: by SIGUSR2 to its process (it tells rank 0, stopsignals.py) or
+by `mpilb leave RUN.h5 --rank R` (cli/membership.py), which writes a request file into the
+directory beside the run log (:func:`requests_dir`) that rank 0 looks into among its chores.
+Rank 0 lets the worker finish its step: the worker's next reply (to its push, or at once if
+it is idle) is LEAVE instead of parameters, its unstarted work goes back to the ledger for
+the others (no --worker-timeout wait: the task ledger hands it back as for a lost worker),
+and nothing more is sent to it. The worker ends alone (mpi/departure.py) with exit 0; the
+run ends `finished`, not `degraded`. The last worker is never let go: the run would stop.
+
+Every change is a row of the `members/` log group: `t`, `worker`, `node`, `event` (`leave`,
+`lost`; `join` and `respawn` are the contract's other events, see docs/membership.md).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from typing import Callable, Optional
+
+from mpilb.mpi.wire import Cmd
+from mpilb.run.signals import LEAVE_ASKED
+
+LEAVE_PREFIX = "leave-"     # a request file: leave-R (its answer: leave-R.answer)
+ANSWER_SUFFIX = ".answer"
+
+
+def requests_dir(log_path: str) -> str:
+    """Where requests to a running job go: a directory beside its run log (owner only)."""
+    return f"{log_path}.requests"
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Write `text` to `path` (owner-only permissions) so that a reader never sees half."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+class Members:
+    """Membership changes of a run (rank 0).
+
+    Args:
+        log: the run log (`members/` rows); its path locates the requests directory.
+        clock: the run's clock.
+        roster: the workers (:class:`~mpilb.server.peers.Roster`).
+        nodes: node index of every rank (the run log's `nodes`).
+        stop: the stop rule (a run that is stopping lets no one leave: it ends anyway).
+        hand_back: gives a departed worker's work to the others
+            (:meth:`~mpilb.server.liveness.Liveness.hand_back`).
+        send_leave: sends a worker its LEAVE.
+        log_row: logs a worker's last `workers/` row.
+    """
+
+    POLL_S = 0.5   # how often the requests directory is looked into
+
+    def __init__(self, log, clock, roster, nodes: list, stop, hand_back: Callable,
+                 send_leave: Callable, log_row: Callable):
+        self.log = log
+        self.clock = clock
+        self.roster = roster
+        self.nodes = nodes
+        self.stop = stop
+        self.hand_back = hand_back
+        self.send_leave = send_leave
+        self.log_row = log_row
+        self.requests = requests_dir(getattr(log, "path", "") or "")
+        self.next_poll = 0.0
+        self.left: list[int] = []   # ranks that left, in order
+
+    @classmethod
+    def of_server(cls, server, nodes: list) -> "Members":
+        """The membership of `server`'s run (a :class:`~mpilb.server.loop.ParameterServer`)."""
+        return cls(server.log, server.clock, server.roster, nodes, server.stop,
+                   hand_back=lambda w: server.liveness.hand_back(w),
+                   send_leave=lambda w: server.outbox.reply(w, server.ring, Cmd.LEAVE),
+                   log_row=lambda w: server.chores.log_worker_row(w, server.now()))
+
+    # ----------------------------------------------------------------- the log
+    def note(self, rank: int, event: str) -> None:
+        """A `members/` row: `rank` joined, left, was lost or was replaced now."""
+        node = self.nodes[rank] if rank < len(self.nodes) else -1
+        self.log.append("members", t=self.clock.now(), worker=rank, node=node, event=event)
+
+    # ----------------------------------------------------------------- requests
+    def poll(self, mono: float) -> None:
+        """Among the chores: the requests written by `mpilb leave`, twice a second."""
+        if mono < self.next_poll:
+            return
+        self.next_poll = mono + self.POLL_S
+        if LEAVE_ASKED.is_set():   # on rank 0 itself: nothing to let go
+            LEAVE_ASKED.clear()
+            print("mpilb: SIGUSR2 reached rank 0 (the parameter server): only a worker can "
+                  "leave (send it to that worker's process); ignored", file=sys.stderr, flush=True)
+        try:
+            names = os.listdir(self.requests)
+        except OSError:
+            return   # no request was ever made
+        for name in sorted(names):
+            if not name.startswith(LEAVE_PREFIX) or "." in name:
+                continue
+            path = os.path.join(self.requests, name)
+            text = name[len(LEAVE_PREFIX):]
+            answer = (self.request(int(text), "mpilb leave") if text.isdigit()
+                      else f"refused: {name} names no rank")
+            try:
+                write_atomically(path + ANSWER_SUFFIX, answer + "\n")
+                os.unlink(path)
+            except OSError:
+                pass
+
+    def request(self, rank: int, how: str) -> str:
+        """Worker `rank` is asked to leave (`how`: what asked). Returns the answer."""
+        w = self.roster.peers.get(rank)
+        if w is None:
+            answer = f"refused: rank {rank} is not a worker of this run"
+        elif w.left or w.leaving:
+            answer = f"refused: rank {rank} has left the run already" if w.left else f"rank {rank} is leaving already"
+        elif w.lost:
+            answer = f"refused: rank {rank} was lost"
+        elif not w.present or self.stop.reason:
+            answer = f"refused: the run is stopping ({self.stop.reason or 'stopped'}): every worker ends with it"
+        elif not [p for p in self.roster.present() if p is not w and not p.leaving]:
+            answer = (f"refused: rank {rank} is the last worker, and the run cannot go on without one "
+                      f"(to end the run, stop it: Ctrl-C or SIGTERM to mpiexec)")
+        else:
+            w.leaving = True
+            answer = f"rank {rank} leaves after its current step"
+            if w.idle:   # no push to come: it goes now
+                self.depart(w)
+        print(f"mpilb: {how}: {answer}", file=sys.stderr, flush=True)
+        return answer
+
+    # ----------------------------------------------------------------- departures
+    def depart(self, w) -> None:
+        """Let `w` go now (its reply is due, or it is idle): LEAVE, its work to the others."""
+        w.leave()
+        w.awaiting = False
+        w.last_seen = time.monotonic()
+        self.send_leave(w)
+        self.left.append(w.rank)
+        self.log_row(w)
+        self.note(w.rank, "leave")
+        print(f"mpilb: rank {w.rank} left the run at {self.clock.now():.1f} s; its unstarted "
+              f"work goes to the other workers", file=sys.stderr, flush=True)
+        self.hand_back(w)
+
+    def close(self) -> None:
+        """The run is over: requests not taken are answered, the directory goes."""
+        try:
+            names = os.listdir(self.requests)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(LEAVE_PREFIX) and "." not in name:
+                try:
+                    write_atomically(os.path.join(self.requests, name + ANSWER_SUFFIX),
+                                     "refused: the run has ended\n")
+                except OSError:
+                    pass
+        # an answer still unread is left for its reader, who removes the directory
+        if not [n for n in os.listdir(self.requests) if n.endswith(ANSWER_SUFFIX)]:
+            shutil.rmtree(self.requests, ignore_errors=True)
+
+
+def answer_of(path: str) -> Optional[str]:
+    """The answer to the request at `path`, if rank 0 gave it."""
+    try:
+        with open(path + ANSWER_SUFFIX) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
