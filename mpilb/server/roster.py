@@ -70,6 +70,8 @@ class Members:
         self.send_leave = send_leave
         self.log_row = log_row
         self.requests = requests_dir(getattr(log, "path", "") or "")
+        if os.path.isdir(self.requests):   # left by a killed run of this log: not for this one
+            shutil.rmtree(self.requests, ignore_errors=True)
         self.next_poll = 0.0
         self.left: list[int] = []   # ranks that left, in order
 
@@ -158,9 +160,10 @@ class Members:
             return
         for name in names:
             if name.startswith(LEAVE_PREFIX) and "." not in name:
+                path = os.path.join(self.requests, name)
                 try:
-                    write_atomically(os.path.join(self.requests, name + ANSWER_SUFFIX),
-                                     "refused: the run has ended\n")
+                    write_atomically(path + ANSWER_SUFFIX, "refused: the run has ended\n")
+                    os.unlink(path)
                 except OSError:
                     pass
         # an answer still unread is left for its reader, who removes the directory

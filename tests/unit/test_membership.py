@@ -1,0 +1,94 @@
+"""Rank 0's membership bookkeeping (server/roster.py) with fake peers: leave requests, their
+refusals, the request files of `mpilb leave`, and the `members/` rows. No MPI."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+from mpilb.core.worker_state import Membership, Waiting
+from mpilb.server.peers import Peer, Roster
+from mpilb.server.roster import Members, answer_of, requests_dir
+
+
+class FakeLog:
+    def __init__(self, path=""):
+        self.path = path
+        self.rows = []
+
+    def append(self, group, **row):
+        self.rows.append((group, row))
+
+
+def members(ranks=(1, 2, 3), path="", stop_reason=None):
+    roster = Roster({r: Peer(rank=r, waiting=Waiting.COMPUTING) for r in ranks})
+    sent, handed, logged = [], [], []
+    m = Members(FakeLog(path), SimpleNamespace(now=lambda: 2.5), roster, [0, 0, 1, 1],
+                SimpleNamespace(reason=stop_reason), hand_back=handed.append,
+                send_leave=sent.append, log_row=logged.append)
+    return m, roster, sent, handed, logged
+
+
+def test_a_computing_worker_leaves_at_its_reply_an_idle_one_at_once():
+    m, roster, sent, handed, logged = members()
+    assert m.request(2, "SIGUSR2") == "rank 2 leaves after its current step"
+    w = roster.peers[2]
+    assert w.leaving and w.present and not sent   # its push is still to come
+    m.depart(w)   # (the server does this where its reply would go)
+    assert w.membership is Membership.LEFT and not w.present and not w.lost
+    assert sent == [w] and handed == [w] and logged == [w] and m.left == [2]
+    assert m.log.rows == [("members", dict(t=2.5, worker=2, node=1, event="leave"))]
+    assert roster.lost == [] and not roster.all_stopped()
+
+    roster.peers[3].go_idle()
+    m.request(3, "mpilb leave")
+    assert roster.peers[3].left and m.left == [2, 3]   # idle: no push to wait for
+
+
+def test_refusals_leave_the_worker_in_the_run():
+    m, roster, sent, *_ = members(ranks=(1, 2))
+    assert m.request(5, "x").startswith("refused: rank 5 is not a worker")
+    roster.peers[1].lose()
+    assert m.request(1, "x") == "refused: rank 1 was lost"
+    assert "is the last worker" in m.request(2, "x")
+    assert not roster.peers[2].leaving and not sent
+    stopping, roster, *_ = members(stop_reason="epochs")
+    assert stopping.request(1, "x").startswith("refused: the run is stopping (epochs)")
+    m, roster, *_ = members()
+    m.request(1, "x")
+    assert m.request(1, "x") == "rank 1 is leaving already"
+    m.depart(roster.peers[1])
+    assert m.request(1, "x") == "refused: rank 1 has left the run already"
+
+
+def test_requests_from_files_are_answered_and_the_directory_goes_at_the_end(tmp_path):
+    log = str(tmp_path / "run.h5")
+    m, roster, *_ = members(path=log)
+    where = requests_dir(log)
+    os.makedirs(where)
+    for name in ("leave-2", "leave-9", "leave-x"):
+        open(os.path.join(where, name), "w").close()
+    m.poll(0.0)
+    assert answer_of(os.path.join(where, "leave-2")) == "rank 2 leaves after its current step"
+    assert answer_of(os.path.join(where, "leave-9")).startswith("refused: rank 9 is not a worker")
+    assert answer_of(os.path.join(where, "leave-x")) == "refused: leave-x names no rank"
+    assert sorted(os.listdir(where)) == ["leave-2.answer", "leave-9.answer", "leave-x.answer"]
+    assert roster.peers[2].leaving
+    for name in os.listdir(where):
+        os.unlink(os.path.join(where, name))   # (what mpilb leave does once it read them)
+    open(os.path.join(where, "leave-3"), "w").close()   # came too late
+    m.close()
+    assert os.listdir(where) == ["leave-3.answer"]
+    assert answer_of(os.path.join(where, "leave-3")) == "refused: the run has ended"
+    os.unlink(os.path.join(where, "leave-3.answer"))
+    m.close()
+    assert not os.path.exists(where)
+
+
+def test_requests_left_by_a_killed_run_of_the_same_log_are_not_taken(tmp_path):
+    log = str(tmp_path / "run.h5")
+    os.makedirs(requests_dir(log))
+    open(os.path.join(requests_dir(log), "leave-2"), "w").close()
+    m, roster, *_ = members(path=log)
+    m.poll(0.0)
+    assert not roster.peers[2].leaving and not os.path.exists(requests_dir(log))
