@@ -55,12 +55,14 @@ class Members:
             (:meth:`~mpilb.server.liveness.Liveness.hand_back`).
         send_leave: sends a worker its LEAVE.
         log_row: logs a worker's last `workers/` row.
+        sole_copies: the shards only this worker still holds (--store local), [] otherwise.
     """
 
     POLL_S = 0.5   # how often the requests directory is looked into
 
     def __init__(self, log, clock, roster, nodes: list, stop, hand_back: Callable,
-                 send_leave: Callable, log_row: Callable):
+                 send_leave: Callable, log_row: Callable,
+                 sole_copies: Callable[[int], list] = lambda rank: []):
         self.log = log
         self.clock = clock
         self.roster = roster
@@ -69,6 +71,7 @@ class Members:
         self.hand_back = hand_back
         self.send_leave = send_leave
         self.log_row = log_row
+        self.sole_copies = sole_copies
         self.requests = requests_dir(getattr(log, "path", "") or "")
         if os.path.isdir(self.requests):   # left by a killed run of this log: not for this one
             shutil.rmtree(self.requests, ignore_errors=True)
@@ -81,7 +84,8 @@ class Members:
         return cls(server.log, server.clock, server.roster, nodes, server.stop,
                    hand_back=lambda w: server.liveness.hand_back(w),
                    send_leave=lambda w: server.outbox.reply(w, server.ring, Cmd.LEAVE),
-                   log_row=lambda w: server.chores.log_worker_row(w, server.now()))
+                   log_row=lambda w: server.chores.log_worker_row(w, server.now()),
+                   sole_copies=lambda rank: sole_copies(server.ledger, rank))
 
     # ----------------------------------------------------------------- the log
     def note(self, rank: int, event: str) -> None:
@@ -130,6 +134,10 @@ class Members:
         elif not [p for p in self.roster.present() if p is not w and not p.leaving]:
             answer = (f"refused: rank {rank} is the last worker, and the run cannot go on without one "
                       f"(to end the run, stop it: Ctrl-C or SIGTERM to mpiexec)")
+        elif sole := self.sole_copies(rank):
+            answer = (f"refused: rank {rank} holds the only copy left of shard(s) "
+                      f"{', '.join(map(str, sole))} (--store local; --replicas 2 or more keeps "
+                      f"other copies): the run cannot go on without it")
         else:
             w.leaving = True
             answer = f"rank {rank} leaves after its current step"
@@ -169,6 +177,15 @@ class Members:
         # an answer still unread is left for its reader, who removes the directory
         if not [n for n in os.listdir(self.requests) if n.endswith(ANSWER_SUFFIX)]:
             shutil.rmtree(self.requests, ignore_errors=True)
+
+
+def sole_copies(ledger, rank: int) -> list[int]:
+    """Shards that only `rank` still holds (--store local; none where every rank reads all)."""
+    holders = ledger.holders
+    if holders is None:
+        return []
+    return [s for s, ranks in sorted(holders.items())
+            if rank in ranks and all(r == rank or r in ledger.gone for r in ranks)]
 
 
 def answer_of(path: str) -> Optional[str]:

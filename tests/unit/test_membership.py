@@ -92,3 +92,17 @@ def test_requests_left_by_a_killed_run_of_the_same_log_are_not_taken(tmp_path):
     m, roster, *_ = members(path=log)
     m.poll(0.0)
     assert not roster.peers[2].leaving and not os.path.exists(requests_dir(log))
+
+
+def test_with_a_local_store_a_worker_holding_the_only_copy_of_a_shard_stays():
+    from mpilb.server.roster import sole_copies
+
+    ledger = SimpleNamespace(holders={0: [1], 1: [2], 2: [1, 2], 3: [3, 2]}, gone={3})
+    assert sole_copies(ledger, 1) == [0]
+    assert sole_copies(ledger, 2) == [1, 3]
+    assert sole_copies(SimpleNamespace(holders=None, gone=set()), 1) == []
+    m, roster, sent, *_ = members()
+    m.sole_copies = lambda rank: [0, 4]
+    answer = m.request(1, "x")
+    assert answer.startswith("refused: rank 1 holds the only copy left of shard(s) 0, 4 (--store local")
+    assert not roster.peers[1].leaving
