@@ -56,13 +56,16 @@ class Members:
         send_leave: sends a worker its LEAVE.
         log_row: logs a worker's last `workers/` row.
         sole_copies: the shards only this worker still holds (--store local), [] otherwise.
+        note_departure: tells the stop signals a worker left (the launcher's SIGUSR1 that
+            may follow is no preemption: stopsignals.py).
     """
 
     POLL_S = 0.5   # how often the requests directory is looked into
 
     def __init__(self, log, clock, roster, nodes: list, stop, hand_back: Callable,
                  send_leave: Callable, log_row: Callable,
-                 sole_copies: Callable[[int], list] = lambda rank: []):
+                 sole_copies: Callable[[int], list] = lambda rank: [],
+                 note_departure: Callable[[int], None] = lambda rank: None):
         self.log = log
         self.clock = clock
         self.roster = roster
@@ -72,6 +75,7 @@ class Members:
         self.send_leave = send_leave
         self.log_row = log_row
         self.sole_copies = sole_copies
+        self.note_departure = note_departure
         self.requests = requests_dir(getattr(log, "path", "") or "")
         if os.path.isdir(self.requests):   # left by a killed run of this log: not for this one
             shutil.rmtree(self.requests, ignore_errors=True)
@@ -85,7 +89,8 @@ class Members:
                    hand_back=lambda w: server.liveness.hand_back(w),
                    send_leave=lambda w: server.outbox.reply(w, server.ring, Cmd.LEAVE),
                    log_row=lambda w: server.chores.log_worker_row(w, server.now()),
-                   sole_copies=lambda rank: sole_copies(server.ledger, rank))
+                   sole_copies=lambda rank: sole_copies(server.ledger, rank),
+                   note_departure=lambda rank: server.chores.signals.note_departure(rank))
 
     # ----------------------------------------------------------------- the log
     def note(self, rank: int, event: str) -> None:
@@ -153,6 +158,7 @@ class Members:
         w.awaiting = False
         w.last_seen = time.monotonic()
         self.send_leave(w)
+        self.note_departure(w.rank)
         self.left.append(w.rank)
         self.log_row(w)
         self.note(w.rank, "leave")

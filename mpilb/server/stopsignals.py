@@ -20,6 +20,10 @@ from mpilb.server.vote import SignalVote
 # a SIGUSR1 this soon after MPI reported a rank's end is the launcher's notice of it (the
 # vote of StopSignals.report cannot tell: the dead rank is no longer among those it awaits)
 DEATH_NOTICE_S = 5.0
+# ... and this soon after a worker left (roster.py): Hydra under -disable-auto-cleanup sends
+# the survivors SIGUSR1 when the leaver's process ends, also after its MPI_Finalize (measured,
+# MPICH 5.0.2), and reaps it up to seconds after its exit
+LEFT_NOTICE_S = 30.0
 
 
 class StopSignals:
@@ -80,6 +84,11 @@ class StopSignals:
             vote = self.vote = SignalVote.start(signum, self.clock.now(), time.monotonic(),
                                                 self.roster.present(), C.launcher_kill_grace())
         vote.report(rank)   # any stop signal a worker reports shows it alive
+
+    def note_departure(self, rank: int) -> None:
+        """Worker `rank` left the run: a SIGUSR1 in the next LEFT_NOTICE_S is the launcher's
+        notice of its end, as after a death (report)."""
+        self.died = (time.monotonic() + LEFT_NOTICE_S - DEATH_NOTICE_S, rank, False)
 
     def judge(self, preempted: bool) -> Optional[int]:
         """Decide the vote under way: a SIGUSR1 that passed is a preemption (PREEMPTED is

@@ -28,10 +28,12 @@ def data(tmp_path_factory):
     return str(root)
 
 
-def start(n, data, log, epochs=12, *extra):
+def start(n, data, log, epochs=12, *extra, launcher=()):
     args = ["train", "--data", data, "--model", "mlp", "--hidden", "64", "--batch", "32",
             "--epochs", str(epochs), "--no-progress", "--log", str(log), *extra]
-    return subprocess.Popen(mpirun.mpilb_cmd(n, *args), stdout=subprocess.PIPE,
+    cmd = mpirun.mpilb_cmd(n, *args)
+    cmd[1:1] = launcher   # after mpiexec
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=mpirun.env(),
                             start_new_session=True)
 
@@ -132,11 +134,15 @@ def test_mpilb_leave_lets_a_worker_go_and_the_run_finishes(data, tmp_path):
     assert report.returncode == 0 and "rank 3 left" in report.stdout, report.stdout
 
 
-def test_sigusr2_to_a_worker_lets_it_go_with_pipelining(data, tmp_path):
+@pytest.mark.parametrize("launcher", [(), ("-disable-auto-cleanup",)], ids=["default", "no-cleanup"])
+def test_sigusr2_to_a_worker_lets_it_go_with_pipelining(data, tmp_path, launcher):
     """SIGUSR2 to worker 2's process (--pipeline 1: it holds a computed batch it never
-    pushes): it leaves, its work goes to the others; the run ends finished, exit 0, exact."""
+    pushes): it leaves, its work goes to the others; the run ends finished, exit 0, exact.
+    Under -disable-auto-cleanup Hydra sends the others SIGUSR1 as the leaver's process ends
+    (after its MPI_Finalize too): that is no preemption (before: every worker reported it,
+    the vote passed, and the run stopped `preempted`)."""
     log = tmp_path / "run.h5"
-    proc = start(4, data, log, 10, "--pipeline", "1")
+    proc = start(4, data, log, 10, "--pipeline", "1", launcher=launcher)
     try:
         mpirun.wait_training(str(log), proc)
         pid = rank_pid(log, 2)
@@ -147,6 +153,7 @@ def test_sigusr2_to_a_worker_lets_it_go_with_pipelining(data, tmp_path):
         code, out, err = finish(proc)
     assert code == 0, err
     assert "mpilb: SIGUSR2: rank 2 leaves after its current step" in err
+    assert "checkpointing and stopping" not in err
     attrs, cols = check_finished_exactly(log, data)
     assert list(cols["members"]["event"]) == ["leave"] and list(cols["members"]["worker"]) == [2]
     # its last pushes were applied: it counts like any other worker
