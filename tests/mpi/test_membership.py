@@ -174,3 +174,25 @@ def test_mpilb_leave_refuses_a_run_of_another_user(data, tmp_path):
     bad = leave(other, 1)
     assert bad.returncode == 2 and "a run of another user (uid 12345)" in bad.stderr, bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "ssp"])
+def test_a_leave_in_the_modes_that_hold_replies(data, tmp_path, mode):
+    """sync rounds and the ssp bound hold replies: a worker asked to leave while held goes
+    when its reply would have been released, and the rounds (the bound) go on without it."""
+    log = tmp_path / "run.h5"
+    proc = start(4, data, log, 8, "--mode", mode)
+    try:
+        mpirun.wait_training(str(log), proc)
+        pid = rank_pid(log, 1)
+        done = leave(log, 1)
+        assert done.returncode == 0, done.stderr
+        assert gone_within(pid, 10.0), "the worker that left is still running"
+    finally:
+        code, out, err = finish(proc)
+    assert code == 0, err
+    attrs, cols = check_finished_exactly(log, data)
+    assert list(cols["members"]["event"]) == ["leave"] and list(cols["members"]["worker"]) == [1]
+    t_left = float(cols["members"]["t"][0])
+    up = cols["updates"]
+    assert not (up["worker"][up["t"] > t_left] == 1).any()   # nothing applied from it after
