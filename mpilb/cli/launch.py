@@ -238,6 +238,8 @@ def train(config_file, cli_values: dict, raise_errors: bool = False,
         together_at_end, alone = departure.end_together(
             comm, rank, skip=gone, timeout=None if left else 30.0,
             on_poll=(lambda: C.leave_if_told(comm)) if rank else None)
+        if rank == 0 and getattr(role, "members", None) is not None and role.members.admissions:
+            role.members.admissions.finish()   # workers that joined: the same, then disconnect
         if alone:
             departure.finalize_alone()   # a collective MPI_Finalize would wait for those gone
         if rank == 0:

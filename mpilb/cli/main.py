@@ -156,6 +156,9 @@ def build_parser() -> Parser:
     lv.add_argument("log", metavar="RUN.h5", help="the running job's run log")
     lv.add_argument("--rank", type=int, required=True, metavar="R", help="the worker's rank")
 
+    jn = sub.add_parser("join", help="one more worker for a running job (under mpiexec -n 1)")
+    jn.add_argument("log", metavar="RUN.h5", help="the running job's run log")
+
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="what", metavar="WHAT", parser_class=Parser)
     bsub.required = True
@@ -242,6 +245,10 @@ def _dispatch(args) -> int:
 
         return run_report(args.logs, as_json=args.json, plots=args.plots, compare=args.compare,
                           csv=args.csv)
+    if args.command == "join":
+        from mpilb.cli.membership import join
+
+        return join(args.log)
     if args.command == "leave":
         from mpilb.cli.membership import leave
 

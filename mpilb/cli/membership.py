@@ -1,4 +1,5 @@
-"""`mpilb leave RUN.h5 --rank R`: let one worker of a running job go (docs/membership.md).
+"""`mpilb leave RUN.h5 --rank R`: let one worker of a running job go; `mpiexec -n 1 mpilb
+join RUN.h5`: one more worker for it (docs/membership.md).
 
 The command reaches the job without MPI: it checks the run log (a run of this user, still
 running, R a worker still in it), writes a request file into the directory beside the log
@@ -15,13 +16,13 @@ import time
 
 from mpilb.errors import MpilbError, UsageError
 from mpilb.runfiles.summary import open_log
-from mpilb.server.roster import LEAVE_PREFIX, answer_of, requests_dir, write_atomically
+from mpilb.runfiles.requests import JOIN_PREFIX, LEAVE_PREFIX, answer_of, requests_dir, write_atomically
 
 ANSWER_WAIT_S = 30.0
 
 
-def leave(log: str, rank: int, wait_s: float = ANSWER_WAIT_S) -> int:
-    """Ask the run writing `log` to let worker `rank` go; returns the exit code."""
+def _running(log: str) -> tuple[dict, dict]:
+    """The run log of a run of this user that is running now, else one line (UsageError)."""
     attrs, cols = open_log(log)
     owner = os.stat(log).st_uid
     if owner != os.getuid():
@@ -33,6 +34,12 @@ def leave(log: str, rank: int, wait_s: float = ANSWER_WAIT_S) -> int:
     if not _written_now(log):
         raise UsageError(f"{log}: no run is writing this log (its status says running, but no "
                          f"process holds it: the run was killed?)")
+    return attrs, cols
+
+
+def leave(log: str, rank: int, wait_s: float = ANSWER_WAIT_S) -> int:
+    """Ask the run writing `log` to let worker `rank` go; returns the exit code."""
+    attrs, cols = _running(log)
     size = int(attrs.get("world_size", 1))
     stores = json.loads(attrs.get("stores", "[0]"))
     if not 0 <= rank < size:
@@ -69,6 +76,40 @@ def leave(log: str, rank: int, wait_s: float = ANSWER_WAIT_S) -> int:
         raise UsageError(f"{log}: {answer}")
     print(f"{log}: {answer}")
     return 0
+
+
+def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
+    """This process (a one-rank MPI launch) becomes a worker of the run writing `log`."""
+    attrs, _ = _running(log)
+    from mpilb.mpi import comm as C
+
+    comm, rank, size = C.world()
+    if size != 1:
+        raise UsageError(f"mpilb join: {size} ranks; one joiner per launch for now (mpiexec -n 1)")
+    where = requests_dir(log)
+    request = os.path.join(where, f"{JOIN_PREFIX}{os.getpid()}")
+    try:
+        os.makedirs(where, mode=0o700, exist_ok=True)
+        write_atomically(request, "")
+    except OSError as exc:
+        raise UsageError(f"{log}: cannot write the request beside the run log ({exc.strerror})") from None
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(request + ".port"):
+        answer = answer_of(request)
+        if answer is not None:
+            os.unlink(request + ".answer")
+            raise UsageError(f"{log}: {answer}")
+        if time.monotonic() > deadline:
+            raise MpilbError(f"{log}: no answer from the run within {wait_s:g} s (is rank 0 stopped?)")
+        time.sleep(0.05)
+    with open(request + ".port") as fh:
+        port = fh.read().strip()
+    write_atomically(request + ".connecting", "")
+    if not os.path.exists(request + ".port"):   # the run ended meanwhile (Admissions.turn_away)
+        raise UsageError(f"{log}: refused: the run has ended")
+    from mpilb.run.worker_join import run_joined
+
+    return run_joined(json.loads(attrs["config"]), port, request)
 
 
 def _written_now(log: str) -> bool:

@@ -52,14 +52,15 @@ class Outbox:
                               cut=cut)
         peer.retry = peer.drop = False
         peer.told_at = time.monotonic()
-        link.reply_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)
+        comm, dest = link.address(self.comm, peer.rank)
+        link.reply_req = comm.Isend(buf, dest=dest, tag=wire.TAG_REPLY)
         self.sending.append(link.reply_req)
         ring.bytes_out += buf.nbytes
         if cmd != Cmd.PARAMS:
             self.bell.ring(peer.rank)
             return
         # Straight from the parameters: the ring steps into another buffer while this reads.
-        link.params_req = self.comm.Isend(ring.params, dest=peer.rank, tag=wire.TAG_PARAMS)
+        link.params_req = comm.Isend(ring.params, dest=dest, tag=wire.TAG_PARAMS)
         ring.sending(link.params_req, peer.rank)
         ring.bytes_out += ring.params.nbytes
         self.sending.append(link.params_req)
@@ -78,7 +79,7 @@ class Outbox:
                 link.orders_req.Wait()
             buf, hdr, _ = link.orders_msg
             wire.encode_orders(hdr, self.ledger.take_orders(peer.rank))
-            link.orders_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)
+            link.orders_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)   # (no joiner holds rows)
             self.sending.append(link.orders_req)
             self.bell.ring(peer.rank)
             peer.told_at = time.monotonic()
@@ -95,7 +96,8 @@ class Outbox:
             return
         buf, hdr, _ = link.orders_msg
         wire.encode_orders(hdr, [])
-        link.orders_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)
+        comm, dest = link.address(self.comm, peer.rank)
+        link.orders_req = comm.Isend(buf, dest=dest, tag=wire.TAG_REPLY)
         self.sending.append(link.orders_req)
         self.bell.ring(peer.rank, wake=False)   # counted, so that later rings stay numbered
         peer.told_at = time.monotonic()

@@ -26,6 +26,12 @@ class Link:
     params_req: Optional[object] = None
     recv_req: Optional[object] = None
     orders_req: Optional[object] = None
+    comm: Optional[object] = None   # a worker that joined: its own communicator (roster.py),
+    dest: int = -1                  # and its rank there; None, -1: MPI_COMM_WORLD, its rank
+
+    def address(self, world, rank: int) -> tuple:
+        """(communicator, rank) to reach this worker at: `world`, `rank` unless it joined."""
+        return (world, rank) if self.comm is None else (self.comm, self.dest)
 
     @classmethod
     def allocate(cls, n: int, pipelined: bool, push_floats: Optional[int] = None) -> "Link":

@@ -44,7 +44,14 @@ class Receiver:
 
     def post(self, w) -> None:
         wire.clear_push(w.link.recv.header)   # the buffer may hold an old push (see failed)
-        w.link.recv_req = self.comm.Irecv(w.link.recv.buf, source=w.rank, tag=wire.TAG_PUSH)
+        comm, source = w.link.address(self.comm, w.rank)
+        w.link.recv_req = comm.Irecv(w.link.recv.buf, source=source, tag=wire.TAG_PUSH)
+
+    def add(self, w) -> None:
+        """A worker joined while serving: its receive goes into the ones tested."""
+        self.post(w)
+        self.order.append(w)
+        self.reqs.append(w.link.recv_req)
 
     def serve(self, done: Callable[[], bool], on_push: Callable, chores) -> None:
         """Hand every push to ``on_push`` until ``done()``; ``chores``: the

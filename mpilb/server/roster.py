@@ -19,27 +19,13 @@ import os
 import shutil
 import sys
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 from mpilb.mpi.wire import Cmd
 from mpilb.run.signals import LEAVE_ASKED
+from mpilb.runfiles.requests import ANSWER_SUFFIX, JOIN_PREFIX, LEAVE_PREFIX, requests_dir, write_atomically
+from mpilb.server.admission import Admissions
 
-LEAVE_PREFIX = "leave-"     # a request file: leave-R (its answer: leave-R.answer)
-ANSWER_SUFFIX = ".answer"
-
-
-def requests_dir(log_path: str) -> str:
-    """Where requests to a running job go: a directory beside its run log (owner only)."""
-    return f"{log_path}.requests"
-
-
-def write_atomically(path: str, text: str) -> None:
-    """Write `text` to `path` (owner-only permissions) so that a reader never sees half."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
 
 
 class Members:
@@ -81,16 +67,19 @@ class Members:
             shutil.rmtree(self.requests, ignore_errors=True)
         self.next_poll = 0.0
         self.left: list[int] = []   # ranks that left, in order
+        self.admissions = None      # joins (admission.py; a live server's only)
 
     @classmethod
     def of_server(cls, server, nodes: list) -> "Members":
         """The membership of `server`'s run (a :class:`~mpilb.server.loop.ParameterServer`)."""
-        return cls(server.log, server.clock, server.roster, nodes, server.stop,
+        members = cls(server.log, server.clock, server.roster, nodes, server.stop,
                    hand_back=lambda w: server.liveness.hand_back(w),
                    send_leave=lambda w: server.outbox.reply(w, server.ring, Cmd.LEAVE),
                    log_row=lambda w: server.chores.log_worker_row(w, server.now()),
                    sole_copies=lambda rank: sole_copies(server.ledger, rank),
                    note_departure=lambda rank: server.chores.signals.note_departure(rank))
+        members.admissions = Admissions(server, members)
+        return members
 
     # ----------------------------------------------------------------- the log
     def note(self, rank: int, event: str) -> None:
@@ -112,6 +101,8 @@ class Members:
             names = os.listdir(self.requests)
         except OSError:
             return   # no request was ever made
+        if self.admissions is not None:
+            self.admissions.poll(self.requests, names)
         for name in sorted(names):
             if not name.startswith(LEAVE_PREFIX) or "." in name:
                 continue
@@ -134,6 +125,8 @@ class Members:
             answer = f"refused: rank {rank} has left the run already" if w.left else f"rank {rank} is leaving already"
         elif w.lost:
             answer = f"refused: rank {rank} was lost"
+        elif w.link is not None and w.link.comm is not None:
+            answer = f"refused: worker {rank} joined the run, and a worker that joined cannot leave yet"
         elif not w.present or self.stop.reason:
             answer = f"refused: the run is stopping ({self.stop.reason or 'stopped'}): every worker ends with it"
         elif not [p for p in self.roster.present() if p is not w and not p.leaving]:
@@ -168,12 +161,14 @@ class Members:
 
     def close(self) -> None:
         """The run is over: requests not taken are answered, the directory goes."""
+        if self.admissions is not None:
+            self.admissions.turn_away(self.requests)
         try:
             names = os.listdir(self.requests)
         except OSError:
             return
         for name in names:
-            if name.startswith(LEAVE_PREFIX) and "." not in name:
+            if name.startswith((LEAVE_PREFIX, JOIN_PREFIX)) and "." not in name:
                 path = os.path.join(self.requests, name)
                 try:
                     write_atomically(path + ANSWER_SUFFIX, "refused: the run has ended\n")
@@ -192,12 +187,3 @@ def sole_copies(ledger, rank: int) -> list[int]:
         return []
     return [s for s, ranks in sorted(holders.items())
             if rank in ranks and all(r == rank or r in ledger.gone for r in ranks)]
-
-
-def answer_of(path: str) -> Optional[str]:
-    """The answer to the request at `path`, if rank 0 gave it."""
-    try:
-        with open(path + ANSWER_SUFFIX) as fh:
-            return fh.read().strip()
-    except OSError:
-        return None

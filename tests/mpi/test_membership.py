@@ -196,3 +196,50 @@ def test_a_leave_in_the_modes_that_hold_replies(data, tmp_path, mode):
     t_left = float(cols["members"]["t"][0])
     up = cols["updates"]
     assert not (up["worker"][up["t"] > t_left] == 1).any()   # nothing applied from it after
+
+
+def join(log, timeout=120):
+    return subprocess.Popen(mpirun.mpilb_cmd(1, "join", str(log)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=mpirun.env(),
+                            start_new_session=True)
+
+
+def test_a_worker_joins_a_running_job_and_counts_like_any_other(data, tmp_path):
+    """`mpiexec -n 1 mpilb join RUN.h5` part-way through a 3-rank run: the joiner's first
+    push is applied within 2 s of its admission, both launches exit 0, the run ends
+    `finished` with exact coverage; members/ holds the join, per_worker the joiner."""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 30)
+    try:
+        mpirun.wait_training(str(log), proc)
+        joiner = join(log)
+        jcode, jout, jerr = finish(joiner)
+        assert jcode == 0, jerr
+        assert "mpilb: joined as worker 3" in jerr
+    finally:
+        code, out, err = finish(proc)
+    assert code == 0, err
+    attrs, cols = check_finished_exactly(log, data)
+    m = cols["members"]
+    assert list(m["event"]) == ["join"] and list(m["worker"]) == [3]
+    up = cols["updates"]
+    first = up["t"][up["worker"] == 3].min()
+    assert first - m["t"][0] < 2.0, (first, m["t"][0])
+    assert 3 in {w["rank"] for w in attrs["summary"]["per_worker"]}
+    assert "a worker joined the run at" in err
+
+
+def test_mpilb_join_refusals(data, tmp_path):
+    """A run that has ended, and a run that takes no joins (--servers 2): one line, exit 2."""
+    log = tmp_path / "run.h5"
+    proc = start(4, data, log, 12, "--servers", "2")
+    try:
+        mpirun.wait_training(str(log), proc)
+        refused = mpirun.run(1, "join", str(log), timeout=60)
+        assert refused.returncode == 2, refused.stderr
+        assert "takes no joins yet" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    finally:
+        code, out, err = finish(proc)
+    assert code == 0, err
+    ended = mpirun.run(1, "join", str(log), timeout=60)
+    assert ended.returncode == 2 and "the run has ended (status finished)" in ended.stderr

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 from mpilb.core.worker_state import Membership, Waiting
 from mpilb.server.peers import Peer, Roster
-from mpilb.server.roster import Members, answer_of, requests_dir
+from mpilb.runfiles.requests import answer_of, requests_dir
+from mpilb.server.roster import Members
 
 
 class FakeLog:

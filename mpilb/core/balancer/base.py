@@ -296,6 +296,18 @@ class Balancer(RateEstimates):
         self._touch(worker)
         self._committed[worker] = 0
 
+    def add_worker(self, worker: int) -> None:
+        """A worker joined the run: no queue until a steal or the next rebalance gives it one."""
+        if worker in self.workers:
+            return
+        self.workers.append(worker)
+        self._rates[worker] = self._new_estimator()
+        self._step_over[worker] = None
+        self._queues[worker] = []
+        self._committed[worker] = 0
+        self._touch(worker)
+        self._estimates_changed(None)   # the vectors over the workers are rebuilt
+
     def remove_worker(self, worker: int) -> list[Move]:
         """Drop a lost worker; its queued shards go to the others (moves with reason "lost")."""
         self.benched.discard(worker)
