@@ -1,16 +1,17 @@
-"""Who is in the run, as it changes (rank 0): workers let go while the run goes on.
+"""Who is in the run, as it changes (rank 0): workers let go while the run goes on, and
+(admission.py) workers that join it.
 
 A worker leaves when asked: by SIGUSR2 to its process (it tells rank 0, stopsignals.py) or
 by `mpilb leave RUN.h5 --rank R` (cli/membership.py), which writes a request file into the
-directory beside the run log (:func:`requests_dir`) that rank 0 looks into among its chores.
+directory beside the run log (runfiles/requests.py) that rank 0 looks into among its chores.
 Rank 0 lets the worker finish its step: the worker's next reply (to its push, or at once if
 it is idle) is LEAVE instead of parameters, its unstarted work goes back to the ledger for
 the others (no --worker-timeout wait: the task ledger hands it back as for a lost worker),
 and nothing more is sent to it. The worker ends alone (mpi/departure.py) with exit 0; the
 run ends `finished`, not `degraded`. The last worker is never let go: the run would stop.
 
-Every change is a row of the `members/` log group: `t`, `worker`, `node`, `event` (`leave`,
-`lost`; `join` and `respawn` are the contract's other events, see docs/membership.md).
+Every change is a row of the `members/` log group: `t`, `worker`, `node`, `event` (`join`,
+`leave`, `lost`; `respawn` is the contract's other event, see docs/membership.md).
 """
 
 from __future__ import annotations
