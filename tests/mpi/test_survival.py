@@ -247,6 +247,7 @@ class _Peer:
         from mpilb.mpi import wire
 
         self.rank, self.step, self.lost, self.stopped, self.last_seen = rank, 0, False, False, 0.0
+        self.left = False   # (let go: server/roster.py)
         self.link = type("Link", (), {"recv_req": None, "recv": wire.new_message(0)})()
         self.link.recv[1][wire.Push.KIND] = wire.PushKind.GRAD   # a push arrived
 
