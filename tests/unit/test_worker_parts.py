@@ -188,7 +188,7 @@ def test_a_pipelined_worker_blocked_for_rows_serves_the_orders_behind_its_reply(
     # the worker's wait then takes the kept reply without receiving it again
     assigned = []
     monkeypatch.setattr(R, "C", SimpleNamespace(Request=SimpleNamespace(Testall=lambda reqs: True),
-                                                complete=lambda req: None))
+                                                complete=lambda req, on_poll=None: None))
     comm.improbe = lambda source, tag: pytest.fail("received twice")
     w = object.__new__(W.Worker)
     w.replies, w.times, w.pushes = r, W.TimeSincePush(), SimpleNamespace(settle=lambda: None)
@@ -244,7 +244,7 @@ def test_a_push_goes_to_each_store_by_name(monkeypatch):
     from mpilb.worker.pushes import Computed, Pushes
 
     monkeypatch.setattr(P, "C", SimpleNamespace(Request=SimpleNamespace(Testall=lambda reqs: False),
-                                                complete=lambda req: None))
+                                                complete=lambda req, on_poll=None: None))
     sent, rung = [], []
     comm = SimpleNamespace(Isend=lambda buf, dest, tag: sent.append((buf.nbytes, dest, tag))
                            or SimpleNamespace(Test=lambda: True))
