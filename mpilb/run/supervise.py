@@ -15,7 +15,8 @@ signal* (128 + N), while it passes over ranks that exit with a status: a killed 
 made the job exit 137 where the run ended degraded (MPI_Abort(3)). The same 137 as a status
 leaves the job's code to rank 0. A killed rank 0 is the opposite case, since no one else
 reports the run's end (the workers end themselves with status 1, passed over as well,
-and mpirun would exit 0): there the supervisor dies by the rank's signal itself.
+and mpirun would exit 0): there the supervisor dies by the rank's signal itself, and the
+first of the others to give up on rank 0 ends the job with MPI_Abort (mpi/watchdog.py).
 
 Standard library only: it runs before numpy and mpi4py are imported.
 """
