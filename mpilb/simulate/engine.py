@@ -229,14 +229,14 @@ class Engine:
         """Seconds w waits for the rows of ``task`` (synthetic reads, one at a time, each
         started when the worker knows of the task, behind the previous one)."""
         tasks = self.ledger.tasks(w.rank)
-        for k, tk in enumerate(tasks):   # current and prefetched: start their reads
-            key = id(tk)
+        for tk in tasks:   # current and prefetched: start their reads
+            key = read_key(tk)
             if key not in w.ready:
                 start = max(w.read_free, t)
                 w.read_free = start + w.read_seconds(self.shard_sizes[tk.shard] * self.cfg.row_bytes,
                                                       start)
                 w.ready[key] = w.read_free
-        return max(0.0, w.ready[id(task)] - t)
+        return max(0.0, w.ready[read_key(task)] - t)
 
     def _push_delay(self, w: SimWorker, t: float) -> float:
         """Seconds from a step's end to its push reaching the server."""
@@ -285,7 +285,7 @@ class Engine:
         finished = self.ledger.advance(w.rank, hi)
         if finished is not None:
             w.epoch_finish = t
-            w.ready.pop(id(finished), None)
+            w.ready.pop(read_key(finished), None)
         if self.first_sizes.due_after_step(w.step, self._present):
             self._rebalance(t)
         return task, lo, hi
@@ -324,6 +324,14 @@ class Engine:
             w.epoch_busy += w.comm
             self._start(w, reply)
         self._count_moves()
+
+
+def read_key(task) -> tuple[int, int, int]:
+    """What names a task's read in a worker's ``ready`` times: its epoch, shard and first
+    position. Not ``id(task)``: a task cut away or finished is freed, and a later task may
+    get its id (its memory address, which differs from run to run), finding a read it never
+    had; the same seed then gave different figures (#33)."""
+    return task.epoch, task.shard, task.start
 
 
 def summarize(engine: Engine) -> dict:

@@ -77,7 +77,7 @@ class SimWorker(WorkerState):
         self.busy = 0.0
         self.step = self.samples = 0
         self.read_free = 0.0
-        self.ready: dict[int, float] = {}
+        self.ready: dict[tuple, float] = {}   # read done, by engine.read_key
         self.rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, rank]) if any(
             r.prob < 1.0 for r in self.rules) else None
         self.benched_at = 0.0
