@@ -30,6 +30,7 @@ from mpilb.core.balancer import BalancerConfig, build_balancer
 from mpilb.core.decisions import Decisions, FirstSizes
 from mpilb.core.epochs import EpochTracker, epoch_order
 from mpilb.core.sitout import SitOut
+from mpilb.errors import UsageError
 from mpilb.simulate.cluster import Profile, Slices
 from mpilb.simulate.ledger import Ledger
 from mpilb.simulate.workers import LOST, PUSH, REBALANCE, SimConfig, SimPush, SimWorker
@@ -52,8 +53,13 @@ class Engine:
     (:mod:`mpilb.core.epochs`).
     """
 
+    PIPELINES = False   # --pipeline 1 is simulated by the network engine only
+
     def __init__(self, cfg: SimConfig, profiles: list[Profile], shard_sizes: list[int],
                  replay: bool = False, *, ranks=None):
+        if cfg.pipeline and not self.PIPELINES:
+            raise UsageError("--pipeline 1 is simulated on a network only (--nodes, or --from "
+                             "with --link-rate); give --pipeline 0 without one")
         self.cfg = cfg
         self.replay = replay
         self.shard_sizes = [int(s) for s in shard_sizes]
@@ -62,14 +68,15 @@ class Engine:
         self.balancer = build_balancer(cfg.balancer, ranks, self.shard_sizes, bcfg)
         self.order = epoch_order
         self.ledger = Ledger(self.balancer, EpochTracker(self.shard_sizes), self.shard_sizes, ranks,
-                             part_way=cfg.balancer not in ("static", "round-robin"))
+                             part_way=cfg.balancer not in ("static", "round-robin"),
+                             pipeline=bool(cfg.pipeline))
         self.sitout = (SitOut(self.balancer, self.ledger.tasks_ledger, cfg.batch, cfg.min_batch,
                               cfg.max_batch, cfg.rebalance_interval) if bcfg.sit_out else None)
         self.decisions = Decisions(self.balancer, self.ledger.tasks_ledger, self.sitout, cfg.batch,
                                    self)
         self.first_sizes = FirstSizes(cfg.batch_policy == "proportional")
         self.slices = Slices(cfg.params, cfg.servers, cfg.server_gbps, cfg.apply_s)
-        self.workers = {r: SimWorker(r, p, cfg.inject, cfg.batch, cfg.seed)
+        self.workers = {r: SimWorker(r, p, cfg.inject, cfg.batch, cfg.seed, cfg.jitter)
                         for r, p in zip(ranks, profiles)}
         self.sync = cfg.mode == "sync"
         self.heap: list = []
@@ -162,13 +169,17 @@ class Engine:
         elif kind == REBALANCE:
             self._rebalance(t)
             self._at(t + self.cfg.rebalance_interval, REBALANCE)
-            if not self.running and not self.pending_lost and not self.done:
+            if self._nobody_busy() and not self.pending_lost and not self.done:
                 # as the server's stall check: nobody computes and nothing can change
                 raise RuntimeError(f"simulation stalled in epoch {self.epoch + 1}: every worker "
                                    f"is idle but the epoch is not complete")
         else:
             self.pending_lost -= 1
             self._declare_lost(self.workers[rank], t)
+
+    def _nobody_busy(self) -> bool:
+        """No worker computes or waits for a reply (the stall check)."""
+        return not self.running
 
     def _begin_epoch(self, epoch: int, t: float) -> None:
         self.epoch, self.t_epoch = epoch, t
@@ -213,7 +224,7 @@ class Engine:
         p = w.profile
         i = p.piece(t)
         io = n * p.io[i] if self.replay else self._read_wait(w, task, t)
-        comp = n * p.compute[i]
+        comp = w.jittered(n * p.compute[i])
         if w.rules:
             comp, io = w.injected(t, comp, io, self.replay)
         push_t = t + io + comp + self._push_delay(w, t)
@@ -277,7 +288,9 @@ class Engine:
         w.samples += w.n
         w.busy += busy
         w.last_gap = t - w.reply_t
-        self.balancer.observe(w.rank, t, w.n, busy, comm_s=w.comm, step_s=w.last_gap)
+        # (pipelined, reply -> push is no step's cost: the server passes none, as here)
+        step_s = None if self.cfg.pipeline else w.last_gap
+        self.balancer.observe(w.rank, t, w.n, busy, comm_s=w.comm, step_s=step_s)
         tasks = self.ledger.tasks(w.rank)
         task = tasks[0]
         lo, hi = task.pos, task.pos + w.n

@@ -37,6 +37,9 @@ class SimConfig:
     apply_s: float = 0.00019
     row_bytes: int = 1024
     wire: str = "fp32"        # bytes per float on the wire (a network model only)
+    pipeline: int = 0         # --pipeline 1: compute the next batch while a push travels
+                              # (a network model only)
+    jitter: float = 0.0       # sigma of a lognormal factor (mean 1) on each step's compute
     inject: list = field(default_factory=list)   # parsed InjectRule objects
 
 
@@ -59,9 +62,10 @@ class SimWorker(WorkerState):
     __slots__ = ("rank", "profile", "rules", "batch", "waiting", "membership", "dead",
                  "reply_t", "n", "comp", "io", "comm", "epoch_busy", "epoch_finish", "busy",
                  "step", "fault_t", "read_free", "ready", "rng", "benched_at", "probing",
-                 "samples", "lags", "last_gap", "last_push")
+                 "samples", "lags", "last_gap", "last_push", "jitter", "noise")
 
-    def __init__(self, rank: int, profile: Profile, rules, batch: int, seed: int):
+    def __init__(self, rank: int, profile: Profile, rules, batch: int, seed: int,
+                 jitter: float = 0.0):
         self.rank, self.profile, self.batch = rank, profile, batch
         self.rules = [r for r in rules if r.applies_to(rank) and r.kind not in ("hang", "crash")]
         faults = [r.start for r in rules if r.applies_to(rank) and r.kind in ("hang", "crash")]
@@ -80,6 +84,9 @@ class SimWorker(WorkerState):
         self.ready: dict[tuple, float] = {}   # read done, by engine.read_key
         self.rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, rank]) if any(
             r.prob < 1.0 for r in self.rules) else None
+        # per-step noise: a stream of its own, so that it changes no injection's draws
+        self.jitter = jitter
+        self.noise = np.random.default_rng([int(seed) & 0xFFFFFFFF, rank, 1]) if jitter else None
         self.benched_at = 0.0
         self.probing = 0
         self.lags: list = []
@@ -130,6 +137,15 @@ class SimWorker(WorkerState):
             elif rule.kind == "io" and replay:
                 io *= rule.value
         return comp * factor + delay, io
+
+    def jittered(self, comp: float) -> float:
+        """A step's compute seconds under --jitter: times a lognormal factor of mean 1 (real
+        steps vary, and without it workers of equal speed stay in lock-step for ever,
+        their transfers always sharing the links at the same moments)."""
+        if self.noise is None:
+            return comp
+        s = self.jitter
+        return comp * float(np.exp(s * self.noise.standard_normal() - 0.5 * s * s))
 
     def read_seconds(self, nbytes: int, t: float) -> float:
         """Seconds to read a shard of ``nbytes`` started at ``t`` (synthetic reads)."""
