@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 
 from mpilb.core.balancer import BalancerConfig, build_balancer
-from mpilb.core.decisions import Decisions, FirstSizes
+from mpilb.core.decisions import Decisions, FirstSizes, RebalanceTimer
 from mpilb.core.epochs import EpochTracker, epoch_order
 from mpilb.core.sitout import SitOut
 from mpilb.errors import UsageError
@@ -75,6 +75,10 @@ class Engine:
         self.decisions = Decisions(self.balancer, self.ledger.tasks_ledger, self.sitout, cfg.batch,
                                    self)
         self.first_sizes = FirstSizes(cfg.batch_policy == "proportional")
+        # the server's clock of rebalances: --rebalance-interval after the last one, and
+        # its warm-up ones (as soon as every busy worker has a first rate, then after
+        # 0.25, 0.5, 1 ... s); the first sizes are judged at the steps (first_sizes)
+        self.timer = RebalanceTimer(cfg.rebalance_interval, False)
         self.slices = Slices(cfg.params, cfg.servers, cfg.server_gbps, cfg.apply_s)
         self.workers = {r: SimWorker(r, p, cfg.inject, cfg.batch, cfg.seed, cfg.jitter)
                         for r, p in zip(ranks, profiles)}
@@ -131,6 +135,7 @@ class Engine:
 
     def _rebalance(self, t: float) -> None:
         self.decisions.rebalance(t, t)
+        self.timer.done(t)
 
     # ------------------------------------------------------------------ lost workers
     def _die(self, w: SimWorker, t: float) -> None:
@@ -167,8 +172,10 @@ class Engine:
         if kind == PUSH:
             self._on_push(self.workers[rank], t)
         elif kind == REBALANCE:
-            self._rebalance(t)
-            self._at(t + self.cfg.rebalance_interval, REBALANCE)
+            interval = self.cfg.rebalance_interval
+            if t - self.timer.last >= interval * (1 - 1e-9):
+                self._rebalance(t)
+            self._at(self.timer.last + interval, REBALANCE)   # (after a warm-up one: later)
             if self._nobody_busy() and not self.pending_lost and not self.done:
                 # as the server's stall check: nobody computes and nothing can change
                 raise RuntimeError(f"simulation stalled in epoch {self.epoch + 1}: every worker "
@@ -300,6 +307,8 @@ class Engine:
             w.epoch_finish = t
             w.ready.pop(read_key(finished), None)
         if self.first_sizes.due_after_step(w.step, self._present):
+            self._rebalance(t)
+        elif self.timer.warmup_due(t, self._present(), self.balancer.rate_known):
             self._rebalance(t)
         return task, lo, hi
 
