@@ -1,5 +1,6 @@
 """The network engine's --pipeline 1 (a batch computed while the push travels), waking a
-worker whose empty reply is on its way, and per-step jitter."""
+worker whose empty reply is on its way, per-step jitter, and the server's warm-up
+rebalances in both engines."""
 
 import pytest
 
@@ -78,3 +79,21 @@ def test_jitter_has_mean_one_and_its_own_stream():
     assert SimWorker(1, C.constant(100, 0.0, 1e9), [], 10, seed=3).jittered(1.0) == 1.0
     again = SimWorker(1, C.constant(100, 0.0, 1e9), [], 10, seed=3, jitter=0.3)
     assert [again.jittered(1.0) for _ in range(5)] == draws[:5]
+
+
+def test_the_engines_rebalance_as_the_server_does_while_the_first_rates_settle():
+    from mpilb.core.decisions import WARMUP_FIRST_S
+    from mpilb.simulate.engine import Engine
+
+    profiles = [C.constant(r, 1e-3, 1e12) for r in (1000, 1000, 250)]
+    cfg = SimConfig(balancer="load", batch=10, params=1000, epochs=2, rebalance_interval=100.0)
+    for eng in (Engine(cfg, profiles, [100] * 60), slow_node(interval=100.0, epochs=2)):
+        times = []
+        rebalance = eng.decisions.rebalance
+        eng.decisions.rebalance = lambda t, now: (times.append(t), rebalance(t, now))
+        eng.run()
+        # the first as soon as every busy worker has a rate, then 0.25, 0.5, 1 ... s on
+        assert len(times) >= 4 and times[0] < 1.0, times
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert gaps[0] == pytest.approx(WARMUP_FIRST_S, rel=0.2)
+        assert gaps[1] == pytest.approx(2 * WARMUP_FIRST_S, rel=0.2)
