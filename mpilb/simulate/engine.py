@@ -33,7 +33,8 @@ from mpilb.core.sitout import SitOut
 from mpilb.errors import UsageError
 from mpilb.simulate.cluster import Profile, Slices
 from mpilb.simulate.ledger import Ledger
-from mpilb.simulate.workers import LOST, PUSH, REBALANCE, SimConfig, SimPush, SimWorker
+from mpilb.simulate.workers import (LOST, PUSH, REBALANCE, SimConfig, SimPush, SimWorker,
+                                    read_key)
 
 __all__ = ["Engine", "SimConfig", "SimWorker"]
 
@@ -244,17 +245,7 @@ class Engine:
         self._at(push_t, PUSH, w.rank)
 
     def _read_wait(self, w: SimWorker, task, t: float) -> float:
-        """Seconds w waits for the rows of ``task`` (synthetic reads, one at a time, each
-        started when the worker knows of the task, behind the previous one)."""
-        tasks = self.ledger.tasks(w.rank)
-        for tk in tasks:   # current and prefetched: start their reads
-            key = read_key(tk)
-            if key not in w.ready:
-                start = max(w.read_free, t)
-                w.read_free = start + w.read_seconds(self.shard_sizes[tk.shard] * self.cfg.row_bytes,
-                                                      start)
-                w.ready[key] = w.read_free
-        return max(0.0, w.ready[read_key(task)] - t)
+        return w.read_wait(self.ledger.tasks(w.rank), task, t, self.shard_sizes, self.cfg.row_bytes)
 
     def _push_delay(self, w: SimWorker, t: float) -> float:
         """Seconds from a step's end to its push reaching the server."""
@@ -346,14 +337,6 @@ class Engine:
             w.epoch_busy += w.comm
             self._start(w, reply)
         self._count_moves()
-
-
-def read_key(task) -> tuple[int, int, int]:
-    """What names a task's read in a worker's ``ready`` times: its epoch, shard and first
-    position. Not ``id(task)``: a task cut away or finished is freed, and a later task may
-    get its id (its memory address, which differs from run to run), finding a read it never
-    had; the same seed then gave different figures (#33)."""
-    return task.epoch, task.shard, task.start
 
 
 def summarize(engine: Engine) -> dict:

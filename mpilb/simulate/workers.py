@@ -81,7 +81,7 @@ class SimWorker(WorkerState):
         self.busy = 0.0
         self.step = self.samples = 0
         self.read_free = 0.0
-        self.ready: dict[tuple, float] = {}   # read done, by engine.read_key
+        self.ready: dict[tuple, float] = {}   # when each task's rows are read, by read_key
         self.rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, rank]) if any(
             r.prob < 1.0 for r in self.rules) else None
         # per-step noise: a stream of its own, so that it changes no injection's draws
@@ -147,6 +147,18 @@ class SimWorker(WorkerState):
         s = self.jitter
         return comp * float(np.exp(s * self.noise.standard_normal() - 0.5 * s * s))
 
+    def read_wait(self, tasks, task, t: float, shard_sizes, row_bytes: int) -> float:
+        """Seconds it waits at ``t`` for the rows of ``task`` (synthetic reads, one at a
+        time, each started when it knows of the task, behind the previous one; ``tasks``:
+        what it holds, current and prefetched)."""
+        for tk in tasks:
+            key = read_key(tk)
+            if key not in self.ready:
+                start = max(self.read_free, t)
+                self.read_free = start + self.read_seconds(shard_sizes[tk.shard] * row_bytes, start)
+                self.ready[key] = self.read_free
+        return max(0.0, self.ready[read_key(task)] - t)
+
     def read_seconds(self, nbytes: int, t: float) -> float:
         """Seconds to read a shard of ``nbytes`` started at ``t`` (synthetic reads)."""
         secs = nbytes / self.profile.read_bps
@@ -157,3 +169,11 @@ class SimWorker(WorkerState):
                 elif rule.kind == "readbw":
                     secs = max(secs, nbytes / (rule.value * 1e6))
         return secs
+
+
+def read_key(task) -> tuple[int, int, int]:
+    """What names a task's read in a worker's ``ready`` times: its epoch, shard and first
+    position. Not ``id(task)``: a task cut away or finished is freed, and a later task may
+    get its id (its memory address, which differs from run to run), finding a read it never
+    had; the same seed then gave different figures (#33)."""
+    return task.epoch, task.shard, task.start
