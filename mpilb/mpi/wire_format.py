@@ -99,21 +99,28 @@ class BFloat16(WireFormat):
     overflow = BF16_OVERFLOW
 
     def scratch(self, n, xp=np):
-        return (xp.empty(n, xp.uint32), xp.empty(n, xp.bool_))
+        return xp.empty(n, xp.uint32)
 
     def encode(self, src, dst, xp=np, scratch=None, finite=False):
-        tmp, nan = scratch if scratch is not None else self.scratch(src.size, xp)
+        tmp = scratch if scratch is not None else self.scratch(src.size, xp)
         u = src.view(xp.uint32)
-        xp.right_shift(u, 16, out=tmp)
-        xp.bitwise_and(tmp, 1, out=tmp)       # the lowest bit kept: ties go to even
-        xp.add(tmp, u, out=tmp)
-        xp.add(tmp, 0x7FFF, out=tmp)
-        xp.right_shift(tmp, 16, out=tmp)
-        xp.copyto(dst, tmp, casting="unsafe")
-        if not finite:   # rounding a NaN's low bits could carry it into an infinity
-            xp.not_equal(src, src, out=nan)
-            if bool(nan.any()):
-                xp.copyto(dst, 0x7FC0, where=nan)
+        if xp is np:   # fewer bytes moved: the uint16 output holds the kept bit meanwhile
+            np.right_shift(u, 16, out=dst, casting="unsafe")
+            np.bitwise_and(dst, 1, out=dst)        # the lowest bit kept: ties go to even
+            np.add(u, dst, out=tmp)
+            np.add(tmp, 0x7FFF, out=tmp)
+            np.right_shift(tmp, 16, out=dst, casting="unsafe")
+        else:
+            xp.right_shift(u, 16, out=tmp)
+            xp.bitwise_and(tmp, 1, out=tmp)
+            xp.add(tmp, u, out=tmp)
+            xp.add(tmp, 0x7FFF, out=tmp)
+            xp.right_shift(tmp, 16, out=tmp)
+            xp.copyto(dst, tmp, casting="unsafe")
+        # rounding a NaN's low bits could carry it into an infinity: a max propagates NaN,
+        # one read of the input and no allocation (the repair, when needed, allocates)
+        if not finite and src.size and bool(xp.isnan(src.max())):
+            xp.copyto(dst, np.uint16(0x7FC0), where=xp.isnan(src))   # a quiet NaN
 
     def decode(self, src, dst, xp=np):
         xp.left_shift(src, 16, out=dst.view(xp.uint32), dtype=xp.uint32)
