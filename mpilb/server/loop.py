@@ -188,8 +188,7 @@ class ParameterServer:
 
     # ----------------------------------------------------------------- pushes
     def on_push(self, w: Peer) -> None:
-        hdr = w.link.recv.header
-        push = wire.decode_push(hdr)
+        push = wire.decode_push(w.link.recv.header)
         self.ring.bytes_in += w.link.recv.buf.nbytes
         self.remote.pushed(w.rank)
         w.last_push = push
@@ -240,10 +239,10 @@ class ParameterServer:
         then = self.ring.params_of(push.version) if self.rule.needs_old_params else None
         if self.model.num_state:   # the server keeps the latest state pushed
             self.model.set_state(self.slices.state(w.link))
-        grad = self.slices.gradient(w.link)   # rank 0's slice (expanded from --wire)
         self.remote.gradient(w.rank, update.batch, update.staleness, push.version, self.rule.rounds,
                              self.ring.factor())
-        applied = self.rule.push(w, update, grad, then, consume=True)
+        # rank 0's slice of the gradient (expanded from --wire into a float32 buffer)
+        applied = self.rule.push(w, update, self.slices.gradient(w.link), then, consume=True)
         given = self.ring.exchange()
         if given is not None:   # the gradient's buffer holds the parameters now: this replaces it
             self.slices.took(w.link, given)
@@ -269,11 +268,9 @@ class ParameterServer:
         print(f"mpilb: warning: rank {w.rank}: non-finite gradient for {where} rejected"
               + ("" if w.retried else "; retrying the batch"), file=sys.stderr, flush=True)
         if w.retried:  # the retry failed too: give up on this run
-            fp16 = self.cfg.updates.wire == "fp16"   # (values past 65504 are infinite there)
+            hint = " (--wire fp16 ends at 65504: or --wire bf16)" if self.cfg.updates.wire == "fp16" else ""
             raise RuntimeError(f"rank {w.rank}: non-finite gradient for {where} twice "
-                               f"(also after a retry); lower --lr?"
-                               + (" (--wire fp16 holds magnitudes up to 65504: or --wire "
-                                  "bf16)" if fp16 else ""))
+                               f"(also after a retry); lower --lr?{hint}")
         w.retry = w.retried = True
         self.reply(w)
 
