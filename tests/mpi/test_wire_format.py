@@ -135,3 +135,23 @@ def test_an_unknown_wire_is_one_line_exit_2(digits_dir, tmp_path):
     assert res.returncode == 2
     errors = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(errors) == 1 and "--wire" in errors[0] and "bf16" in errors[0], res.stderr
+
+
+def test_bench_ps_moves_16_bit_values_with_wire_bf16():
+    """`bench ps --wire bf16`: the real server's pushes and replies carry half the payload
+    bytes of fp32's (the rate is not asserted: timings mean nothing on a shared machine)."""
+    per_update = {}
+    for wire in ("fp32", "bf16"):
+        res = mpirun.run(3, "bench", "ps", "--params", "20000", "--seconds", "0.3", "--repeats",
+                         "1", "--json", "--wire", wire, timeout=120)
+        assert res.returncode == 0, res.stderr
+        out = json.loads(res.stdout.strip().splitlines()[-1])
+        assert out["wire"] == wire and out["updates_per_s"] > 0 and out["baseline_updates_per_s"] > 0
+        store = out["runs"][0]["servers"][0]
+        per_update[wire] = (store["bytes_in"] / store["updates"] - 384,
+                            store["bytes_out"] / store["updates"])
+    assert per_update["bf16"][0] == pytest.approx(per_update["fp32"][0] / 2, rel=0.01)
+    assert per_update["bf16"][1] < 0.6 * per_update["fp32"][1]
+    res = mpirun.run(2, "bench", "ps", "--wire", "bf17", timeout=60)
+    errors = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.returncode == 2 and len(errors) == 1 and "--wire 'bf17'" in errors[0], res.stderr
