@@ -155,3 +155,18 @@ def test_bench_ps_moves_16_bit_values_with_wire_bf16():
     res = mpirun.run(2, "bench", "ps", "--wire", "bf17", timeout=60)
     errors = [line for line in res.stderr.splitlines() if line.strip()]
     assert res.returncode == 2 and len(errors) == 1 and "--wire 'bf17'" in errors[0], res.stderr
+
+
+def test_batchnorm_state_follows_a_bf16_gradient_as_float32(digits_dir, tmp_path):
+    """The torch CNN's BatchNorm statistics travel after the bf16 gradient in float32: the
+    server's (checkpointed) state is the workers' running means and variances, not bf16
+    bits read at the wrong offset (garbage) nor the initial zeros and ones."""
+    pytest.importorskip("torch")
+    res, log = train(3, digits_dir, tmp_path, "cnn", "--model", "examples/torch_cnn.py:Net",
+                     "--epochs", "1", "--wire", "bf16")
+    finished(res, log, "bf16")
+    with h5py.File(tmp_path / "cnn.ckpt.h5", "r") as f:
+        state = f["state"][...]
+    assert state.dtype == np.float32 and np.isfinite(state).all()
+    assert np.abs(state).max() < 1e4
+    assert not np.isin(state, [0.0, 1.0]).all()   # the statistics moved
