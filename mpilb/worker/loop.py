@@ -70,7 +70,9 @@ class Worker:
         self.messages = DeviceMessages(self.backend, cfg.workers_cuda_aware)
         # --wire: the element type of pushes and replies (converted here, on the device)
         self.wire = wire_format.wire_format(cfg.updates.wire)
-        wire_format.check_convertible(self.wire, self.backend.xp, f"rank {rank} ({self.backend.name})")
+        device = self.backend.name + ("" if self.backend.device_id is None else f":{self.backend.device_id}")
+        wire_format.check_convertible(self.wire, self.backend.xp, f"device {device}")   # (the
+        # verdict names the rank: "rank 3: --wire fp16: device gpu:0 cannot convert ...")
         self.bell = doorbell.current()   # rank 0 rings with each message (doorbell.py)
         self.backoff = C.Backoff(bell=self.bell)
         # rows sent to and received from other workers (--store local, part-way moves)

@@ -165,13 +165,13 @@ def test_unknown_wire_and_a_device_that_cannot_convert_are_one_line():
                                                 "float16", "right_shift", "left_shift", "add",
                                                 "bitwise_and")})
     with pytest.raises(UsageError) as err:
-        F.check_convertible(F.wire_format("fp16"), xp, "rank 3 (gpu)")
-    assert str(err.value).startswith("--wire fp16: rank 3 (gpu) cannot convert float32 to fp16")
+        F.check_convertible(F.wire_format("fp16"), xp, "device gpu:0")
+    assert str(err.value).startswith("--wire fp16: device gpu:0 cannot convert float32 to fp16")
     assert "\n" not in str(err.value) and "--wire fp32" in str(err.value)
     for name in F.FORMATS:
         F.check_convertible(F.wire_format(name), np, "cpu")
     # the array-module path (CuPy's: no casting arguments) gives numpy's bits too
-    F.check_convertible(F.wire_format("bf16"), xp, "rank 3 (gpu)")
+    F.check_convertible(F.wire_format("bf16"), xp, "device gpu:0")
 
 
 def test_a_push_a_conversion_made_infinite_is_flagged(monkeypatch):

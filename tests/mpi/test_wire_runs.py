@@ -170,3 +170,30 @@ def test_batchnorm_state_follows_a_bf16_gradient_as_float32(digits_dir, tmp_path
     assert state.dtype == np.float32 and np.isfinite(state).all()
     assert np.abs(state).max() < 1e4
     assert not np.isin(state, [0.0, 1.0]).all()   # the statistics moved
+
+
+NO_FP16 = """
+import sys
+from mpilb.mpi import wire_format
+
+def cannot(self, src, dst, xp=None, scratch=None, finite=False):
+    raise TypeError("no float16 on this device")
+
+wire_format.Float16.encode = cannot   # a device without half precision
+from mpilb.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_device_that_cannot_convert_is_one_line_exit_2(digits_dir, tmp_path):
+    script = tmp_path / "nofp16.py"
+    script.write_text(NO_FP16)
+    cmd = [mpirun.mpiexec(), "-n", "3", sys.executable, str(script), "train", "--data", digits_dir,
+           "--epochs", "1", "--no-progress", "--wire", "fp16", "--log", str(tmp_path / "run.h5")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                         env=mpirun.env(PYTHONPATH=ROOT))
+    assert res.returncode == 2, res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1, res.stderr
+    assert errors[0].startswith("mpilb: error: rank 1: --wire fp16: device cpu cannot convert "
+                                "float32 to fp16 (TypeError: no float16 on this device)"), errors
