@@ -200,6 +200,10 @@ OPTIONS: tuple[Option, ...] = (
            "beside the workers of every node (docs/scaling.md)",
            check=(lambda v: v == "per-node" or v >= 1, "an integer >= 1 or per-node"),
            group="mode", metavar="K|per-node", words=("per-node",)),
+    Option("wire", str, "fp32", "element type of gradients (pushes) and parameters (replies) "
+           "between workers and stores: bf16 and fp16 halve the bytes; the stores keep fp32 "
+           "parameters and optimizer state, the workers convert (docs/cluster.md)",
+           ("fp32", "bf16", "fp16"), group="mode"),
 )
 
 # Options that do nothing given another option's value: (option, applies(cfg), the option
