@@ -163,7 +163,8 @@ OPTIONS: tuple[Option, ...] = (
            check=_POSITIVE, group="output", metavar="SECONDS"),
     Option("survive_signals", bool, False, "run each rank under a small supervisor process "
            "that exits with a status when the rank is killed by a signal (kill -9, OOM), so that "
-           "mpiexec -disable-auto-cleanup keeps the other ranks (docs/faults.md)",
+           "mpiexec -disable-auto-cleanup (and Open MPI 4's mpirun --mca "
+           "orte_abort_on_non_zero_status 0) keep the other ranks (docs/faults.md)",
            group="output"),
     Option("progress", bool, True, "live progress on rank 0 (--no-progress silences it)",
            group="output"),
