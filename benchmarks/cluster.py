@@ -21,6 +21,10 @@ alternating, and its ratios are taken within a repeat:
 (f) one slow link: node n2 at 100 Mbit/s (a second box), the mlp 256,256 on 784 features,
     batch 512, 8 epochs, 4 workers on n1, n2: the run's training time against the same run
     without n2's workers (2 workers on n1).
+(g) `--wire bf16` against fp32 where the network bounds the rate: `bench ps --params
+    1000000`, one store, 4 null workers on the two other nodes (`-hosts n0:1,n1:2,n2:2`),
+    updates/s of each wire in the same repeat; and the final test accuracy of digits runs
+    (the mlp, 30 epochs; the torch MLP, 30 epochs) with each wire, on the same layout.
 Writes benchmarks/results/cluster.json; exit 0 when every target is met.
 """
 
@@ -107,6 +111,64 @@ def ddp(box, data: str, epochs: int) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def wire_case(box, work: str, digits: str, rows: dict, has_torch: bool) -> None:
+    """(g): bf16 against fp32 in one repeat, the rate where the network bounds it and the
+    accuracy each reaches."""
+    fp32 = bench_ps(box, "n0:1,n1:2,n2:2")
+    bf16 = bench_ps(box, "n0:1,n1:2,n2:2", "--wire", "bf16")
+    rows["g_fp32"].append(fp32["updates_per_s"])
+    rows["g_bf16"].append(bf16["updates_per_s"])
+    rows["g_ratio"].append(bf16["updates_per_s"] / fp32["updates_per_s"])
+    models = [("g_mlp", ["--model", "mlp"])] + ([("g_torch", [
+        "--model", os.path.join(REPO, "examples", "torch_mlp.py") + ":MLP"])] if has_torch else [])
+    for key, model in models:
+        acc = {}
+        for wire in ("fp32", "bf16"):
+            r = train(box, work, "n0:1,n1:2,n2:2", os.path.join(work, f"{key}-{wire}.h5"),
+                      "--data", digits, *model, "--epochs", "30", "--seed", "1", "--wire", wire)
+            acc[wire] = r["summary"]["final_test_accuracy"]
+        rows[key].append(100 * abs(acc["bf16"] - acc["fp32"]))
+    print(f"  (g) bf16 {rows['g_bf16'][-1]:.1f} updates/s, fp32 {rows['g_fp32'][-1]:.1f}: "
+          f"{rows['g_ratio'][-1]:.2f}x; accuracy gap {rows['g_mlp'][-1]:.2f} points (mlp)", flush=True)
+
+
+def write(res, opts) -> str:
+    """Write the result file. A run of some cases (--only) into the default file keeps the
+    groups of the cases it did not run from the file there, each saying when, at which
+    commit and by what command it was measured, so that a partial rerun never drops the
+    other cases' figures from the docs."""
+    path = _results.out_path(opts, NAME)
+    ran = set(opts.only)
+    if not opts.out and not opts.quick and ran != set(ALL_CASES) and os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+        m = old.get("machine", {})
+        when = f"{m.get('date', '?')} at commit `{m.get('commit', '?')}` by `python {' '.join(old.get('argv', []))}`"
+        for g in old.get("groups", []):
+            if not set(_cases(g["title"])) & ran:
+                g = dict(g)
+                if not g.get("kept"):
+                    g["kept"] = True
+                    g["note"] = (g.get("note", "") + f" Measured {when}, before this file's run "
+                                 f"(which ran `--only {opts.only}`).").strip()
+                res.groups.append(g)
+    order = {c: i for i, c in enumerate(ALL_CASES)}
+    res.groups.sort(key=lambda g: order.get(_cases(g["title"])[:1], len(order)))
+    return res.write(path)
+
+
+def _cases(title: str) -> str:
+    """The case letters a group's title starts with: "(a)-(c) ..." -> "abc", "(f) ..." -> "f"."""
+    head = title.split(" ", 1)[0]
+    letters = [c for c in head if c.isalpha()]
+    if len(letters) == 2 and "-" in head:
+        return "".join(chr(c) for c in range(ord(letters[0]), ord(letters[1]) + 1))
+    return "".join(letters)
+
+
+ALL_CASES = "abcdefg"
+
+
 def main(argv=None) -> int:
     from mpilb.clusterbox import ClusterBox, missing
     from mpilb.clusterbox.system import rate_bytes
@@ -115,7 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--link-rate", default="1gbit")
     ap.add_argument("--epochs", type=int, default=4, help="of the training case")
-    ap.add_argument("--only", default="abcdef", help="the cases to run, e.g. f")
+    ap.add_argument("--only", default=ALL_CASES, help="the cases to run, e.g. f")
     _results.add_output_args(ap, NAME)
     opts = ap.parse_args(argv)
     why = missing()
@@ -134,7 +196,8 @@ def main(argv=None) -> int:
     res = _results.Results(NAME, f"mpilb on 3 nodes of the cluster in a box, links {opts.link_rate}", opts)
     rows = {k: [] for k in ("a", "a_bound", "b", "b_bound", "b_over_a", "c_nodes", "c", "c_one",
                             "async", "sync", "ddp", "async_ddp", "sync_ddp", "comm",
-                            "cpu_remote", "cpu_local", "slow", "without", "slow_ratio")}
+                            "cpu_remote", "cpu_local", "slow", "without", "slow_ratio",
+                            "g_fp32", "g_bf16", "g_ratio", "g_mlp", "g_torch")}
     slow_rates = [opts.link_rate, opts.link_rate, "100mbit"]
     with ClusterBox(nodes=3, link_rate=opts.link_rate) as box, \
             ClusterBox(nodes=3, link_rate=slow_rates) as slow_box:
@@ -149,6 +212,8 @@ def main(argv=None) -> int:
                 rows["slow_ratio"].append(rows["slow"][-1] / rows["without"][-1])
                 print(f"  (f) n2 at 100 Mbit/s: {rows['slow'][-1]:.2f} s; without n2: "
                       f"{rows['without'][-1]:.2f} s ({rows['slow_ratio'][-1]:.2f}x)", flush=True)
+            if "g" in opts.only:
+                wire_case(box, work, digits, rows, has_torch)
             if "a" not in opts.only:
                 continue
             a = bench_ps(box, "n0:1,n1:2,n2:2")
@@ -190,6 +255,17 @@ def main(argv=None) -> int:
                 rows[key].append(float(at["server_cpu_s"]) / float(at["wall_s"]))
             print(f"  (e) rank 0 CPU/wall: workers remote {rows['cpu_remote'][-1]:.3f}, on its node "
                   f"{rows['cpu_local'][-1]:.3f}", flush=True)
+    if rows["g_ratio"]:
+        g = res.group("(g) `--wire bf16` against fp32, one store, 4 workers on n1, n2",
+                      "mpiexec -hosts n0:1,n1:2,n2:2 python -m mpilb bench ps --params 1000000 --seconds 3 --wire bf16")
+        res.figure(g, "g_fp32", "fp32: updates/s", rows["g_fp32"], unit="updates/s", digits=1)
+        res.figure(g, "g_bf16", "`--wire bf16`: updates/s", rows["g_bf16"], unit="updates/s", digits=1)
+        res.figure(g, "g_ratio", "bf16 ÷ fp32 (same repeat)", rows["g_ratio"], unit="x", target=">= 1.8")
+        res.figure(g, "g_mlp", "digits mlp, 30 epochs: |bf16 − fp32| final test accuracy, points",
+                   rows["g_mlp"], unit="points", target="<= 0.5")
+        if rows["g_torch"]:
+            res.figure(g, "g_torch", "digits, torch MLP, 30 epochs: |bf16 − fp32| final test "
+                       "accuracy, points", rows["g_torch"], unit="points", target="<= 0.5")
     if rows["slow"]:
         g = res.group("(f) one node's link at 100 Mbit/s: mlp 256,256, 784 features, batch 512, 8 epochs",
                       "mpiexec -hosts n0:1,n1:2,n2:2 mpilb train --hidden 256,256 --batch 512 --epochs 8")
@@ -200,7 +276,7 @@ def main(argv=None) -> int:
                    target="<= 1.1")
     if not rows["a"]:
         _runs.print_targets(res.checks())
-        res.write(_results.out_path(opts, NAME))
+        write(res, opts)
         return 0 if res.all_met() else 1
     g = res.group("(a)-(c) `mpilb bench ps --params 1000000`, null workers",
                   "mpilb box run --nodes 3 --link-rate 1gbit -- mpiexec -hosts HOSTS python -m mpilb bench ps --params 1000000 --seconds 3")
@@ -229,7 +305,7 @@ def main(argv=None) -> int:
     res.figure(g, "cpu_local", "rank 0 CPU ÷ wall, workers on rank 0's node", rows["cpu_local"], unit="x",
                digits=3)
     _runs.print_targets(res.checks())
-    res.write(_results.out_path(opts, NAME))
+    write(res, opts)
     return 0 if res.all_met() else 1
 
 

@@ -15,7 +15,8 @@
 #   MPILB_SURVIVE   1: a worker process that dies does not end the job (MPICH's
 #                   `mpiexec -disable-auto-cleanup` and `--survive-signals`, so that a
 #                   rank killed by a signal does not make Hydra kill the rest; Open MPI 4's
-#                   `mpirun --mca orte_abort_on_non_zero_status 0`); rank 0 declares it lost after
+#                   `mpirun --mca orte_abort_on_non_zero_status 0` and `--survive-signals`, so
+#                   that mpirun exits 3, not 137, for one killed); rank 0 declares it lost after
 #                   --worker-timeout, its work goes to the others, exit 3 (docs/faults.md).
 #                   Open MPI 5 has `mpirun --with-ft ulfm` for this (not tested with mpilb)
 set -euo pipefail
@@ -38,6 +39,7 @@ launcher=("${MPILB_MPIEXEC:-mpiexec}")
 if [[ ${MPILB_SURVIVE:-0} == 1 ]]; then
     if "${launcher[0]}" --version 2>/dev/null | grep -q "Open MPI\|OpenRTE"; then
         launcher+=(--mca orte_abort_on_non_zero_status 0)   # Open MPI 4: the others run on
+        args+=(--survive-signals)   # a rank killed by signal N would make mpirun exit 128 + N
     else
         # The survivors of a death get SIGUSR1 from Hydra: mpilb tells that notice from a
         # preemption (a preemption only if every worker is heard from again before any is lost).

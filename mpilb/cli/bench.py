@@ -4,6 +4,11 @@ In the same run, a bare loop gives the baseline: one preposted Irecv per worker,
 `w -= lr*g`, Isend back. The ratio of the two update rates is the server's overhead:
 headers, staleness bookkeeping, coverage counting, the run log, the balancer and the
 optimizer's own cost (sgd is the same arithmetic as the bare loop; adam is more).
+
+With --wire bf16 or fp16 both loops move 16-bit values: the real server expands each push
+and encodes each version as `mpilb train` does, the bare loop expands each push and encodes
+each reply. The null workers neither convert nor expand (they compute nothing), so where
+the network bounds the rate, the two wires' updates/s compare the bytes alone.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from mpilb.config.build import build_config
 from mpilb.core.topology import PER_NODE, store_ranks
 from mpilb.errors import UsageError
 from mpilb.mpi import comm as C
-from mpilb.mpi import cores, wire
+from mpilb.mpi import cores, wire, wire_format
 from mpilb.mpi.wire import Cmd
 from mpilb.run.components import config_model
 from mpilb.server.loop import ParameterServer
@@ -49,24 +54,34 @@ class _BenchDataset:
         return (np.zeros((2, self.features), np.float32), np.zeros(2, np.int64))
 
 
-def _bare_server(comm, n: int, seconds: float, lr: float) -> float:
+def _bare_server(comm, n: int, seconds: float, lr: float,
+                 fmt: wire_format.WireFormat = wire_format.Float32()) -> float:
     workers = list(range(1, comm.Get_size()))
     w = np.zeros(n, np.float32)
-    bufs = [np.empty(n, np.float32) for _ in workers]
+    bufs = [np.empty(n, fmt.wire_dtype) for _ in workers]
+    if not fmt.is_fp32:   # pushes expanded into `grad`, replies sent from `sent`
+        grad, scratch = np.empty(n, np.float32), fmt.scratch(n)
+        sent = [np.empty(n, fmt.wire_dtype) for _ in workers]
     reqs = [comm.Irecv(b, source=r, tag=TAG_BARE) for b, r in zip(bufs, workers)]
     sends = [None] * len(workers)
     updates = 0
     t0 = time.perf_counter()
     while True:
         i = C.Request.Waitany(reqs)
-        w -= lr * bufs[i]
+        if fmt.is_fp32:
+            w -= lr * bufs[i]
+        else:
+            fmt.decode(bufs[i], grad)
+            w -= lr * grad
         updates += 1
         if sends[i] is not None:
             sends[i].Wait()
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds:
             break
-        sends[i] = comm.Isend(w, dest=workers[i], tag=TAG_BARE)
+        if not fmt.is_fp32:   # into the worker's own reply buffer (its last send is done)
+            fmt.encode(w, sent[i], np, scratch)
+        sends[i] = comm.Isend(w if fmt.is_fp32 else sent[i], dest=workers[i], tag=TAG_BARE)
         reqs[i] = comm.Irecv(bufs[i], source=workers[i], tag=TAG_BARE)
     # Stop: the worker that just pushed and every other one (after its push lands).
     pending = set(range(len(workers))) - {i}
@@ -82,9 +97,10 @@ def _bare_server(comm, n: int, seconds: float, lr: float) -> float:
     return updates / elapsed
 
 
-def _bare_worker(comm, n: int) -> None:
-    g = np.full(n, 1e-3, np.float32)
-    w = np.empty(n, np.float32)
+def _bare_worker(comm, n: int, fmt: wire_format.WireFormat = wire_format.Float32()) -> None:
+    g = np.empty(n, fmt.wire_dtype)
+    fmt.encode(np.full(n, 1e-3, np.float32), g)
+    w = np.empty(n, fmt.wire_dtype)
     status = C.MPI.Status()
     backoff = C.Backoff()
     while True:
@@ -102,13 +118,17 @@ def _bare_worker(comm, n: int) -> None:
         C.complete(send)
 
 
-def _null_worker(comm, n: int, bounds: list, stores: list) -> None:
+def _null_worker(comm, n: int, bounds: list, stores: list,
+                 fmt: wire_format.WireFormat = wire_format.Float32()) -> None:
     """The worker protocol without computing: push zero-cost gradients of the tasks assigned,
     honouring their ends, cuts and drops (so coverage stays exact, as with real workers).
-    Slices go to their stores (`bounds`, the store ranks `stores`) as real workers send them."""
-    push = wire.new_message(n)
-    push.payload[:] = 1e-3
-    recv = wire.new_message(n)
+    Slices go to their stores (`bounds`, the store ranks `stores`) as real workers send them,
+    in the wire format `fmt` (encoded once: the same gradient every push)."""
+    push = wire_format.new_message(fmt, n)
+    fmt.encode(np.full(n, 1e-3, np.float32), push.payload)
+    recv = wire_format.new_message(fmt, n)
+    head = (wire_format.message_bytes(fmt, n) if len(stores) == 1
+            else wire.HEADER_BYTES + fmt.itemsize * bounds[1])
     tasks: list[list[int]] = []   # [epoch, shard, pos, end]
     backoff = C.Backoff()
     step = 0
@@ -154,19 +174,20 @@ def _null_worker(comm, n: int, bounds: list, stores: list) -> None:
                          comm_s=0.0, idle_s=0.0, nonfinite=False, t=0.0)
         pushes = [comm.Isend(push.payload[bounds[s]:bounds[s + 1]], dest=r, tag=wire.TAG_GRAD)
                   for s, r in enumerate(stores) if s > 0]
-        pushes.append(comm.Isend(push.buf[:wire.HEADER_BYTES + 4 * bounds[1]], dest=0,
-                                 tag=wire.TAG_PUSH))
+        pushes.append(comm.Isend(push.buf[:head], dest=0, tag=wire.TAG_PUSH))
         step += 1
 
 
 _NULL_SHARD = 1_000_000
 
 
-def _bench_config(n: int, seconds: float, optimizer: str, lr: float, stores: list, log: str):
+def _bench_config(n: int, seconds: float, optimizer: str, lr: float, stores: list, log: str,
+                  wire_name: str = "fp32"):
     cfg = build_config({}, {"model": "softmax", "optimizer": optimizer, "lr": lr,
                             "epochs": 1, "max_seconds": seconds, "eval_interval": 1e9,
                             "rebalance_interval": 1.0, "progress": False,
-                            "servers": len(stores), "log": log, "data": "<bench>"})
+                            "servers": len(stores), "log": log, "data": "<bench>",
+                            "wire": wire_name})
     cfg.store_ranks = tuple(stores)
     return cfg
 
@@ -175,15 +196,17 @@ def _bench_dataset(n: int, workers: int) -> _BenchDataset:
     return _BenchDataset(max(1, n // 10 - 1), [_NULL_SHARD] * (2 * workers + 2))
 
 
-def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: list) -> dict:
+def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: list,
+              fmt: wire_format.WireFormat = wire_format.Float32()) -> dict:
     """One timed run of the real server (rank 0), its stores and null workers (every rank).
     Rank 0 returns {updates_per_s, server_cpu_s, train_s, updates, servers: [...]}."""
     rank, size = comm.Get_rank(), comm.Get_size()
     dataset = _bench_dataset(n, size - len(stores))
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = _bench_config(n, seconds, optimizer, lr, stores, os.path.join(tmp, "bench.h5"))
+        cfg = _bench_config(n, seconds, optimizer, lr, stores, os.path.join(tmp, "bench.h5"),
+                            fmt.name)
         if rank not in stores:
-            _null_worker(comm, n, store_bounds(cfg, config_model(cfg, dataset)), stores)
+            _null_worker(comm, n, store_bounds(cfg, config_model(cfg, dataset)), stores, fmt)
             return {}
         if rank > 0:
             SliceRank(cfg, dataset, comm, rank).run()
@@ -197,11 +220,13 @@ def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: l
 
 
 def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sgd",
-             as_json: bool = False, repeats: int = 3, servers=1) -> int:
+             as_json: bool = False, repeats: int = 3, servers=1, wire: str = "fp32") -> int:
     """Run both loops on every rank, alternating `repeats` times; rank 0 prints medians
     (the ratio is the median of the per-pair ratios). With `servers` K > 1 (or "per-node")
     the real server has that many parameter stores, placed by node as `mpilb train` places
-    them (topology.store_ranks); the bare loop stays one server, P-1 workers."""
+    them (topology.store_ranks); the bare loop stays one server, P-1 workers. `wire`: the
+    element type of pushes and replies (--wire), in both loops."""
+    fmt = wire_format.wire_format(wire)   # an unknown one: UsageError, before any MPI
     comm, rank, size = C.world()
     nodes = C.nodes(comm)
     if size < 2:
@@ -233,11 +258,11 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
     for _ in range(repeats):   # alternate, so both loops see the same machine load
         C.wait(comm.Ibarrier())
         if rank == 0:
-            baselines.append(_bare_server(comm, n, seconds, lr))
+            baselines.append(_bare_server(comm, n, seconds, lr, fmt))
         else:
-            _bare_worker(comm, n)
+            _bare_worker(comm, n, fmt)
         C.wait(comm.Ibarrier())
-        run = _real_run(comm, n, seconds, optimizer, lr, stores)
+        run = _real_run(comm, n, seconds, optimizer, lr, stores, fmt)
         if rank == 0:
             runs.append(run)
             rates.append(run["updates_per_s"])
@@ -250,7 +275,8 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
         "workers": size - len(stores),
         "optimizer": optimizer,
         "updates_per_s": rate,
-        "gb_per_s": rate * n * 4 * 2 / 1e9,
+        "wire": fmt.name,
+        "gb_per_s": rate * n * fmt.itemsize * 2 / 1e9,
         "baseline_updates_per_s": baseline,
         "ratio": statistics.median(r / b for r, b in zip(rates, baselines)),
         "ratios": [r / b for r, b in zip(rates, baselines)],
@@ -265,7 +291,7 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
     else:
         k, where = len(stores), len(set(nodes))
         print(f"parameter server ({k} store{'s' if k > 1 else ''} on {where} node"
-              f"{'s' if where > 1 else ''}), {n} float32 params, {size - k} workers, {optimizer}: "
+              f"{'s' if where > 1 else ''}), {n} params ({fmt.name} on the wire), {size - k} workers, {optimizer}: "
               f"{rate:.0f} updates/s ({result['gb_per_s']:.2f} GB/s in+out); bare loop "
               f"{baseline:.0f} updates/s; ratio {result['ratio']:.2f} (medians of {repeats})")
     sys.stdout.flush()

@@ -169,6 +169,8 @@ def build_parser() -> Parser:
     ps.add_argument("--optimizer", default="sgd", choices=("sgd", "momentum", "adam"))
     ps.add_argument("--servers", default="1", metavar="K|per-node",
                     help="parameter stores, placed by node as `mpilb train --servers` does")
+    ps.add_argument("--wire", default="fp32", metavar="fp32|bf16|fp16",
+                    help="element type of pushes and replies, as `mpilb train --wire`")
     ps.add_argument("--json", action="store_true")
 
     exp = sub.add_parser("export", help="trained weights out of a checkpoint")
@@ -257,7 +259,8 @@ def _dispatch(args) -> int:
         from mpilb.cli.bench import bench_ps
 
         return bench_ps(params=args.params, seconds=args.seconds, optimizer=args.optimizer,
-                        as_json=args.json, repeats=args.repeats, servers=args.servers)
+                        as_json=args.json, repeats=args.repeats, servers=args.servers,
+                        wire=args.wire)
     if args.command == "export":
         from mpilb.runfiles.export import export
 

@@ -163,7 +163,8 @@ OPTIONS: tuple[Option, ...] = (
            check=_POSITIVE, group="output", metavar="SECONDS"),
     Option("survive_signals", bool, False, "run each rank under a small supervisor process "
            "that exits with a status when the rank is killed by a signal (kill -9, OOM), so that "
-           "mpiexec -disable-auto-cleanup keeps the other ranks (docs/faults.md)",
+           "mpiexec -disable-auto-cleanup (and Open MPI 4's mpirun --mca "
+           "orte_abort_on_non_zero_status 0) keep the other ranks (docs/faults.md)",
            group="output"),
     Option("progress", bool, True, "live progress on rank 0 (--no-progress silences it)",
            group="output"),
@@ -200,6 +201,10 @@ OPTIONS: tuple[Option, ...] = (
            "beside the workers of every node (docs/scaling.md)",
            check=(lambda v: v == "per-node" or v >= 1, "an integer >= 1 or per-node"),
            group="mode", metavar="K|per-node", words=("per-node",)),
+    Option("wire", str, "fp32", "element type of gradients (pushes) and parameters (replies) "
+           "between workers and stores: bf16 and fp16 halve the bytes; the stores keep fp32 "
+           "parameters and optimizer state, the workers convert (docs/cluster.md)",
+           ("fp32", "bf16", "fp16"), group="mode"),
 )
 
 # Options that do nothing given another option's value: (option, applies(cfg), the option

@@ -76,6 +76,7 @@ class UpdateConfig:
     dc_lambda: float
     pipeline: int
     servers: Union[int, str]   # K, or "per-node"
+    wire: str = "fp32"         # element type of pushes and replies (wire_format.py)
 
 
 @dataclass(frozen=True)

@@ -128,11 +128,24 @@ def trim_tail(ledger, rank: int, batch: int) -> Optional[int]:
 
 def first_cut(ledger, d: Holding, task: Task, current: bool) -> int:
     """The first position a cut may take: past whatever the donor may reach before it
-    reads the cut. One batch past what it computes now; pipelined, two (the batch it
-    announced may not have reached us, and it computes one more while waiting),
-    possibly into a task it has not started. Without pipelining a task it has not
-    started stays untouched."""
+    reads the cut. Without pipelining, one batch past what it computes now (a task it has
+    not started stays untouched). Pipelined, the donor may have pushed one more batch than
+    we have seen and compute the next while it waits, and it reads the cut only in the
+    reply to that push:
+
+    - its last push announced a batch of this shard (NEXT_HI): one batch past it (the
+      announced one may be pushed already, and the one after it computed meanwhile);
+    - it announced a batch of another shard: one batch past ``pos`` (the batch after the
+      announced one may start this task);
+    - it announced none (nothing was left when it pushed): two batches past ``pos`` (a
+      reply since may have brought this task, whose first batch it pushed and whose
+      second it computes).
+
+    (Until 2026-12-01 two batches past the announced one in every case; the simulator's
+    pipelined workers check the rule: a batch pushed past its cut is counted as stray.)"""
+    b = d.batch_sent
     if ledger.pipeline:
-        reach = d.next_hi if d.next_shard == task.shard else task.pos
-        return max(task.pos, reach) + 2 * d.batch_sent
-    return task.pos + (d.batch_sent if current else 0)
+        if d.next_shard == task.shard:
+            return max(task.pos, d.next_hi) + b
+        return task.pos + (2 * b if d.next_shard < 0 else b)
+    return task.pos + (b if current else 0)

@@ -75,13 +75,27 @@ class EpochTracker:
     def complete(self) -> bool:
         return self.distinct == self.total
 
-    def end(self, t: float) -> EpochStats:
+    def stats(self, t: float) -> EpochStats:
+        """The current epoch's figures, were it to end at `t`."""
         applied = int(self.counts.sum(dtype=np.int64))
-        stats = EpochStats(self.epoch, self.t_start, t, applied, applied,
-                           int(np.count_nonzero(self.counts > 1)),
-                           int(np.count_nonzero(self.counts == 0)))
+        return EpochStats(self.epoch, self.t_start, t, applied, applied,
+                          int(np.count_nonzero(self.counts > 1)),
+                          int(np.count_nonzero(self.counts == 0)))
+
+    def end(self, t: float) -> EpochStats:
+        stats = self.stats(t)
         self.completed.append(stats)
         return stats
+
+    def completed_at(self, t: float) -> list[EpochStats]:
+        """The finished epochs as a checkpoint taken at `t` records them: with the current
+        one when all its samples are applied but it has not been ended yet (a checkpoint
+        taken between the last push of an epoch and its end, e.g. the rescue checkpoint of a
+        run whose log failed on that push): the checkpoint says the next epoch comes next,
+        so this one's record must be in it or a resume never counts it."""
+        if self.complete and not any(s.epoch == self.epoch for s in self.completed):
+            return [*self.completed, self.stats(t)]
+        return list(self.completed)
 
     def coverage(self) -> dict:
         """The summary's `coverage` (docs/logs.md) over completed epochs: `applied` counts distinct samples."""

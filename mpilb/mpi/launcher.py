@@ -55,7 +55,7 @@ def launch(env: Optional[Mapping[str, str]] = None) -> Launch:
         rank, seen_rank = _number(env, *ranks)
         return Launch(name, size, rank, seen + seen_rank + [f"{v}={env[v]}" for v in extra if v in env])
 
-    if "OMPI_COMM_WORLD_SIZE" in env:
+    if open_mpi(env):
         return read("Open MPI mpirun", ("OMPI_COMM_WORLD_SIZE",), ("OMPI_COMM_WORLD_RANK",))
     if "MPI_LOCALNRANKS" in env:   # set by MPICH's Hydra only
         return read("mpiexec (MPICH Hydra)", ("PMI_SIZE",), ("PMI_RANK",), ("MPI_LOCALNRANKS",))
@@ -67,6 +67,11 @@ def launch(env: Optional[Mapping[str, str]] = None) -> Launch:
     if "PMIX_RANK" in env:
         return read("a PMIx launcher", (), ("PMIX_RANK",))
     return Launch("none (singleton: one process without mpiexec)")
+
+
+def open_mpi(env: Optional[Mapping[str, str]] = None) -> bool:
+    """Whether Open MPI's mpirun (or its orted) started this process."""
+    return "OMPI_COMM_WORLD_SIZE" in (os.environ if env is None else env)
 
 
 def announced_size() -> int:

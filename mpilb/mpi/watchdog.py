@@ -7,7 +7,10 @@ sent nothing for :data:`KEEP_ALIVE_S` that it is there (an empty ORDERS header, 
 waiting worker reads and keeps waiting; server/outbox.py), and rank 0 asks each parameter
 store for its counters every fraction of a second. So a rank that has waited :func:`limit`
 seconds without a word from rank 0 knows rank 0 is gone or unreachable: it says so in one
-line and exits 1.
+line and exits 1. Under Open MPI's mpirun it ends the job with MPI_Abort(1) instead: under
+`--mca orte_abort_on_non_zero_status 0` mpirun passes over exit statuses, so the job would
+exit 0 (rank 0's supervisor exited with a status) or never end (rank 0 was killed by a
+signal, after which that mpirun waits for an abort that no one sends).
 
 Only time spent waiting counts (from the start of a wait, or the end of this rank's own
 compute, whichever is later): a long step of its own is no silence of rank 0. Rank 0's
@@ -20,8 +23,11 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import Callable
+
+from mpilb.mpi.launcher import open_mpi
 
 KEEP_ALIVE_S = 1.0   # rank 0 sends each worker something at least this often
 
@@ -68,4 +74,9 @@ class Rank0Watch:
               f"{self.limit - self.worker_timeout:g} s): rank 0 is gone or unreachable, so "
               f"this rank ends itself", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        if open_mpi():
+            from mpilb.mpi.comm import abort
+
+            threading.Timer(5.0, os._exit, (1,)).start()   # should MPI_Abort hang (no orted)
+            abort(1)
         os._exit(1)

@@ -9,6 +9,15 @@ forks the real rank (which inherits the PMI environment and descriptors and call
 itself), passes every stop signal on, and when the rank dies by signal N exits with status
 128 + N, which the launcher sees as an ordinary failed exit.
 
+Open MPI 4's mpirun keeps the others after any death under `--mca
+orte_abort_on_non_zero_status 0`, but its exit code is that of the first rank *killed by a
+signal* (128 + N), while it passes over ranks that exit with a status: a killed worker
+made the job exit 137 where the run ended degraded (MPI_Abort(3)). The same 137 as a status
+leaves the job's code to rank 0. A killed rank 0 is the opposite case, since no one else
+reports the run's end (the workers end themselves with status 1, passed over as well,
+and mpirun would exit 0): there the supervisor dies by the rank's signal itself, and the
+first of the others to give up on rank 0 ends the job with MPI_Abort (mpi/watchdog.py).
+
 Standard library only: it runs before numpy and mpi4py are imported.
 """
 
@@ -16,8 +25,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import sys
+
+from mpilb.mpi.launcher import open_mpi
 
 # What a launcher or a user sends a rank; the rank runs in a process group of its own (so a
 # signal to the supervisor's group reaches it once, through here), so each is passed on.
@@ -57,12 +69,30 @@ def supervise(rank: int) -> None:
         except ChildProcessError:
             os._exit(1)
     code, killed_by = exit_status(status)
-    if killed_by is not None:
-        name = signal.Signals(killed_by).name
-        print(f"mpilb: rank {rank} (pid {pid}) was killed by {name}; its supervisor exits "
-              f"{code} so that the launcher keeps the other ranks (--survive-signals)",
+    if killed_by is None:
+        os._exit(code)
+    name = signal.Signals(killed_by).name
+    if open_mpi() and rank == 0:
+        print(f"mpilb: rank 0 (pid {pid}) was killed by {name}; its supervisor ends by "
+              f"{name} too, so that mpirun reports it (--survive-signals)",
               file=sys.stderr, flush=True)
+        _die_by(killed_by)
+    why = ("mpirun's exit code stays the run's (under --mca orte_abort_on_non_zero_status 0 "
+           "mpirun passes over exit statuses)" if open_mpi()
+           else "the launcher keeps the other ranks")
+    print(f"mpilb: rank {rank} (pid {pid}) was killed by {name}; its supervisor exits "
+          f"{code} so that {why} (--survive-signals)", file=sys.stderr, flush=True)
     os._exit(code)
+
+
+def _die_by(signum: int) -> None:
+    """End this process by `signum` as its rank ended (no core file)."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):   # these two have no handler to reset
+        signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signum])
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)   # a signal whose default action is not to end the process
 
 
 def _forward(pid: int, signum: int) -> None:

@@ -114,7 +114,7 @@ def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epo
                 else:
                     g.attrs[key] = value
             f.create_dataset("coverage/counts", data=counts)
-            f["coverage"].attrs["completed"] = json.dumps([vars(s) for s in tracker.completed])
+            f["coverage"].attrs["completed"] = json.dumps([vars(s) for s in tracker.completed_at(train_s)])
             f["coverage"].attrs["stray"] = int(tracker.stray)
             f.attrs["balancer"] = json.dumps(balancer.state_dict())
             f.flush()

@@ -7,8 +7,10 @@ import time
 
 import numpy as np
 
-from mpilb.mpi import wire
+from mpilb.mpi import comm as C
+from mpilb.mpi import wire, wire_format
 from mpilb.core.topology import stores_of
+from mpilb.server.peers import Link
 from mpilb.server.store import RemoteSlices, slice_ring, store_bounds
 
 
@@ -17,6 +19,11 @@ class SliceGroup:
     drives) and, with --servers K > 1, the others (`remote`). `session.params` and
     `session.optimizer` hold the whole vector and its state: with K > 1 they are filled
     from every store when needed (evaluation, checkpoints).
+
+    With --wire other than fp32, a push's slice arrives in the wire format and is expanded
+    into `grad` (float32, kept: it may become the parameters, and the ring's spare buffer
+    takes its place), and replies go from `encoded` (the parameters converted once per
+    version). With fp32 the push's own receive buffer is the gradient, as ever.
     """
 
     def __init__(self, cfg, session, comm):
@@ -35,7 +42,12 @@ class SliceGroup:
         # a push to rank 0 carries its slice of the gradient, then the model's state
         self.push_floats = n0 + session.model.num_state
 
+        self.fmt = wire_format.wire_format(cfg.updates.wire)
+        self.num_state = session.model.num_state
+
         def new_buffer() -> np.ndarray:   # the ring's buffers can receive pushes (ParamRing)
+            if not self.fmt.is_fp32:   # (pushes arrive in another type: plain vectors)
+                return np.empty(n0, np.float32)
             return wire.new_message(self.push_floats).payload[:n0]
 
         if not self.sliced:
@@ -43,6 +55,9 @@ class SliceGroup:
         else:
             self.local = slice_ring(cfg, np.zeros(n0, np.float32), config_optimizer(cfg.optim, n0),
                                      new_buffer)
+        self.grad = None if self.fmt.is_fp32 else new_buffer()
+        self.encoded = (None if self.fmt.is_fp32
+                        else wire_format.EncodedParams(self.fmt, n0, C.finished))
         self.cpu0 = time.process_time()
         self.last = np.zeros(5)
         self.totals = {r: np.zeros(5) for r in self.ranks}
@@ -52,9 +67,57 @@ class SliceGroup:
         """Floats of rank 0's slice (a push to rank 0 carries these)."""
         return self.bounds[1]
 
+    # ----------------------------------------------------------------- pushes, replies
+    def new_link(self, pipelined: bool) -> Link:
+        """A worker's link, its receive buffer sized for a push to rank 0."""
+        return Link.allocate(self.n0, pipelined, push_floats=self.push_floats, fmt=self.fmt)
+
+    def gradient(self, link: Link) -> np.ndarray:
+        """Rank 0's slice of the gradient in `link`'s push, as float32 (expanded from the
+        wire format into `grad`, in place: no allocation per push)."""
+        if self.fmt.is_fp32:
+            return link.recv.payload[:self.n0]
+        self.fmt.decode(link.recv.payload[:self.n0], self.grad)
+        return self.grad
+
+    def state(self, link: Link) -> np.ndarray:
+        """The model's state floats after the gradient in `link`'s push (float32)."""
+        if self.fmt.is_fp32:
+            return link.recv.payload[self.n0:]
+        return wire_format.views(link.recv.buf, self.fmt, self.n0, self.num_state)[1]
+
+    def took(self, link: Link, given: np.ndarray) -> None:
+        """The gradient's buffer became the parameters; `given` (ParamRing.exchange) takes
+        its place."""
+        if self.fmt.is_fp32:
+            link.recv = wire.message_of(given)   # receive the next push in it
+        else:
+            self.grad = given
+
+    def reply_params(self) -> np.ndarray:
+        """What a reply sends: the current parameters, or their copy in the wire format."""
+        ring = self.local
+        if self.encoded is None:
+            return ring.params
+        return self.encoded.of(ring.params, ring.version)
+
+    def sending(self, req, rank: int) -> None:
+        """`req` sends `rank` the array reply_params gave (it reads it until done)."""
+        if self.encoded is None:
+            self.local.sending(req, rank)
+        else:
+            self.encoded.sending(req)
+            self.local.sent_version(rank)
+
+    def pending(self) -> list:
+        """Sends still reading the parameters (or their wire copies)."""
+        return self.local.pending() + ([] if self.encoded is None else self.encoded.pending())
+
     def start(self, version: int) -> None:
         """Every store takes its slice of the session's parameters and optimizer state."""
         self.local.version = version
+        if self.encoded is not None:
+            self.encoded.forget()
         if not self.sliced:
             return
         s, hi = self.session, self.bounds[1]

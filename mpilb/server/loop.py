@@ -42,7 +42,7 @@ from mpilb.server.lifecycle import Clock, Lifecycle
 from mpilb.server.liveness import Liveness
 from mpilb.server.modes import Update, build_rule
 from mpilb.server.outbox import Outbox
-from mpilb.server.peers import Link, Peer, Roster
+from mpilb.server.peers import Peer, Roster
 from mpilb.server.receive import Receiver
 from mpilb.server.roster import Members
 from mpilb.server.stopsignals import StopSignals
@@ -80,12 +80,12 @@ class ParameterServer:
                                cfg.updates.staleness_bound, sitout)
         # a push carries the gradient (rank 0's slice), then the model's state (e.g. BatchNorm
         # statistics; only with one store, see server/store.py check_servers)
-        self.roster = Roster({r: Peer(rank=r, batch=cfg.balancing.batch, link=Link.allocate(
-                                  self.slices.n0, bool(cfg.updates.pipeline), push_floats=self.slices.push_floats))
+        self.roster = Roster({r: Peer(rank=r, batch=cfg.balancing.batch,
+                                      link=self.slices.new_link(bool(cfg.updates.pipeline)))
                               for r in self.ranks})
         self.peers = self.roster.peers
         bell = doorbell.current()
-        self.outbox = Outbox(comm, self.ledger, self.remote, bell)
+        self.outbox = Outbox(comm, self.ledger, self.remote, bell, self.slices)
         self.rejected = 0
         eval_timer = Interval(cfg.stopping.eval_interval)
         self.epochs = Epochs(cfg, dataset, s, self.ledger, self.roster, self.clock, self.slices,
@@ -139,7 +139,7 @@ class ParameterServer:
         self.receiver.serve(lambda: bool(self.stop.reason) and self.roster.all_stopped(),
                             self.on_push, self.chores)
         self.lifecycle.wind_down()
-        self.receiver.drain(self.ring.pending() + self.outbox.sending)
+        self.receiver.drain(self.slices.pending() + self.outbox.sending)
         self.members.close()
         return self.lifecycle.status()
 
@@ -194,9 +194,7 @@ class ParameterServer:
 
     # ----------------------------------------------------------------- pushes
     def on_push(self, w: Peer) -> None:
-        hdr, payload = w.link.recv.header, w.link.recv.payload
-        grad = payload[:self.slices.n0]   # rank 0's slice of the gradient
-        push = wire.decode_push(hdr)
+        push = wire.decode_push(w.link.recv.header)
         self.ring.bytes_in += w.link.recv.buf.nbytes
         self.remote.pushed(w.rank)
         w.last_push = push
@@ -243,13 +241,14 @@ class ParameterServer:
                         self.version - push.version)
         then = self.ring.params_of(push.version) if self.rule.needs_old_params else None
         if self.model.num_state:   # the server keeps the latest state pushed
-            self.model.set_state(payload[self.slices.n0:])
+            self.model.set_state(self.slices.state(w.link))
         self.remote.gradient(w.rank, update.batch, update.staleness, push.version, self.rule.rounds,
                              self.ring.factor())
-        applied = self.rule.push(w, update, grad, then, consume=True)
+        # rank 0's slice of the gradient (expanded from --wire into a float32 buffer)
+        applied = self.rule.push(w, update, self.slices.gradient(w.link), then, consume=True)
         given = self.ring.exchange()
-        if given is not None:   # the push's buffer holds the parameters now: receive in this
-            w.link.recv = wire.message_of(given)
+        if given is not None:   # the gradient's buffer holds the parameters now: this replaces it
+            self.slices.took(w.link, given)
         if applied is None:   # it joined a round that is not complete yet
             w.hold(time.monotonic())
             if self.ledger.has_orders(w.rank):   # rows others wait for must not wait for the round
@@ -272,8 +271,9 @@ class ParameterServer:
         print(f"mpilb: warning: rank {w.rank}: non-finite gradient for {where} rejected"
               + ("" if w.retried else "; retrying the batch"), file=sys.stderr, flush=True)
         if w.retried:  # the retry failed too: give up on this run
+            hint = " (--wire fp16 ends at 65504: or --wire bf16)" if self.cfg.updates.wire == "fp16" else ""
             raise RuntimeError(f"rank {w.rank}: non-finite gradient for {where} twice "
-                               f"(also after a retry); lower --lr?")
+                               f"(also after a retry); lower --lr?{hint}")
         w.retry = w.retried = True
         self.reply(w)
 

@@ -121,7 +121,12 @@ class ParamRing:
     def sending(self, req, rank: Optional[int] = None) -> None:
         """`req` (a send of the current parameters) reads them until it completes."""
         self.sends[self.cur].append(req)
-        if self.keep_sent and rank is not None:
+        if rank is not None:
+            self.sent_version(rank)
+
+    def sent_version(self, rank: int) -> None:
+        """`rank` was sent the current version (from a copy: --wire): kept for dc."""
+        if self.keep_sent:
             kept = self.sent.setdefault(rank, [])
             kept.append(self.version)
             del kept[:-self.keep_sent]

@@ -26,8 +26,9 @@ class Outbox:
 
     QUIET_S = 0.3e-3   # replies sooner than this after the push are not rung (see reply)
 
-    def __init__(self, comm, ledger, remote, bell):
+    def __init__(self, comm, ledger, remote, bell, slices=None):
         self.comm = comm
+        self.slices = slices       # rank 0's stores (SliceGroup): what a reply sends (--wire)
         self.bell = bell           # rung after each message (doorbell.py)
         self.ledger = ledger
         self.remote = remote
@@ -59,10 +60,15 @@ class Outbox:
         if cmd != Cmd.PARAMS:
             self.bell.ring(peer.rank)
             return
-        # Straight from the parameters: the ring steps into another buffer while this reads.
-        link.params_req = comm.Isend(ring.params, dest=dest, tag=wire.TAG_PARAMS)
-        ring.sending(link.params_req, peer.rank)
-        ring.bytes_out += ring.params.nbytes
+        # Straight from the parameters: the ring steps into another buffer while this reads
+        # (--wire bf16/fp16: from their copy in that format, made once per version).
+        params = ring.params if self.slices is None else self.slices.reply_params()
+        link.params_req = comm.Isend(params, dest=dest, tag=wire.TAG_PARAMS)
+        if self.slices is None:
+            ring.sending(link.params_req, peer.rank)
+        else:
+            self.slices.sending(link.params_req, peer.rank)
+        ring.bytes_out += params.nbytes
         self.sending.append(link.params_req)
         # A worker that pushed a moment ago is still polling finely for this reply (see
         # TimeSincePush.reply_window): a ring would cost rank 0 a wake-up call (~60 µs on a

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mpilb.core.worker_state import Membership, Waiting, WorkerState
-from mpilb.mpi import wire
+from mpilb.mpi import wire, wire_format
 from mpilb.mpi.waiting import WaitEstimate
 
 
@@ -34,11 +34,16 @@ class Link:
         return (world, rank) if self.comm is None else (self.comm, self.dest)
 
     @classmethod
-    def allocate(cls, n: int, pipelined: bool, push_floats: Optional[int] = None) -> "Link":
+    def allocate(cls, n: int, pipelined: bool, push_floats: Optional[int] = None,
+                 fmt: Optional[wire_format.WireFormat] = None) -> "Link":
         # pipelined workers compute on the previous reply while the next is sent: two slots
         # (the parameters are sent from the ParamRing itself, not from a copy per worker);
-        # a push may carry more than the n parameters' gradient (the model's state after it)
-        return cls(recv=wire.new_message(n if push_floats is None else push_floats),
+        # a push may carry more than the n parameters' gradient (the model's state after it);
+        # --wire other than fp32: n wire values, then the state in float32
+        push_floats = n if push_floats is None else push_floats
+        recv = (wire.new_message(push_floats) if fmt is None or fmt.is_fp32
+                else wire_format.new_message(fmt, n, push_floats - n))
+        return cls(recv=recv,
                    replies=[wire.new_message(0) for _ in range(2 if pipelined else 1)],
                    orders_msg=wire.new_message(0))
 

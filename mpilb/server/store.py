@@ -27,7 +27,7 @@ from typing import Optional
 import numpy as np
 
 from mpilb.mpi import comm as C
-from mpilb.mpi import wire
+from mpilb.mpi import wire, wire_format
 from mpilb.core.corrections import build_correction
 from mpilb.errors import MpilbError
 from mpilb.core.topology import stores_of, workers_of
@@ -100,7 +100,13 @@ class SliceRank:
         self.n = self.bounds[s + 1] - self.bounds[s]
         self.ring = slice_ring(cfg, np.zeros(self.n, np.float32), config_optimizer(cfg.optim, self.n))
         self.workers = workers_of(cfg, comm.Get_size())
-        self.grads = {w: np.empty(self.n, np.float32) for w in self.workers}
+        # --wire: slices arrive in that format and are expanded into `grad` (float32);
+        # replies go from `encoded`, the slice converted once per version
+        self.fmt = wire_format.wire_format(cfg.updates.wire)
+        self.grads = {w: np.empty(self.n, self.fmt.wire_dtype) for w in self.workers}
+        self.grad = None if self.fmt.is_fp32 else np.empty(self.n, np.float32)
+        self.encoded = (None if self.fmt.is_fp32
+                        else wire_format.EncodedParams(self.fmt, self.n, C.finished))
         self.recvs: dict = {}
         self.round = np.zeros(self.n, np.float32)
         self.ctrl = np.zeros(wire.CTRL_FIELDS, np.float64)
@@ -151,7 +157,10 @@ class SliceRank:
                 return None
             self.backoff.sleep()
         self.ring.bytes_in += self.grads[w].nbytes
-        return self.grads[w]
+        if self.grad is None:
+            return self.grads[w]
+        self.fmt.decode(self.grads[w], self.grad)
+        return self.grad
 
     def _send_stats(self) -> None:
         if self.stats_req is not None:
@@ -176,7 +185,10 @@ class SliceRank:
                 s.apply(grad, m.batch, m.staleness, then, consume=True)
                 given = s.exchange()
                 if given is not None:   # the gradient's buffer holds the parameters now
-                    self.grads[m.rank] = given
+                    if self.grad is None:
+                        self.grads[m.rank] = given
+                    else:
+                        self.grad = given
             elif m.op == Op.ADD:   # the same arithmetic as the sync rule on rank 0
                 np.multiply(grad, m.batch, out=grad)
                 self.round += grad
@@ -192,9 +204,14 @@ class SliceRank:
             prev = self.replies.get(m.rank)
             if prev is not None:   # (a worker gone mid-transfer: rank 0's silence ends this)
                 C.wait(prev, on_poll=self.rank0.check)
-            req = self.comm.Isend(s.params, dest=m.rank, tag=wire.TAG_PARAMS)
-            s.sending(req, m.rank)
-            s.bytes_out += s.params.nbytes
+            params = s.params if self.encoded is None else self.encoded.of(s.params, s.version)
+            req = self.comm.Isend(params, dest=m.rank, tag=wire.TAG_PARAMS)
+            if self.encoded is None:
+                s.sending(req, m.rank)
+            else:
+                self.encoded.sending(req)
+                s.sent_version(m.rank)
+            s.bytes_out += params.nbytes
             self.replies[m.rank] = req
         elif m.op == Op.LOSE:
             self.lost.add(m.rank)
@@ -210,6 +227,8 @@ class SliceRank:
             _recv_state(self.comm, 0, wire.TAG_GATHER, s.params, s.optimizer, 0, self.n)
             s.version = m.version
             s.optimizer.steps = m.batch
+            if self.encoded is not None:
+                self.encoded.forget()
         elif m.op == Op.STATS:
             self._send_stats()
 
@@ -234,7 +253,8 @@ class SliceRank:
             if req is not None and not req.Test():
                 req.Cancel()
                 C.wait(req, timeout=1.0)
-        for req in self.ring.pending() + [self.stats_req]:
+        copies = [] if self.encoded is None else self.encoded.pending()
+        for req in self.ring.pending() + copies + [self.stats_req]:
             if req is not None:
                 C.wait(req, timeout=max(0.0, deadline - time.monotonic()))
 

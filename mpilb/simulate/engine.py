@@ -27,12 +27,14 @@ from typing import Optional
 import numpy as np
 
 from mpilb.core.balancer import BalancerConfig, build_balancer
-from mpilb.core.decisions import Decisions, FirstSizes
+from mpilb.core.decisions import Decisions, FirstSizes, RebalanceTimer
 from mpilb.core.epochs import EpochTracker, epoch_order
 from mpilb.core.sitout import SitOut
+from mpilb.errors import UsageError
 from mpilb.simulate.cluster import Profile, Slices
 from mpilb.simulate.ledger import Ledger
-from mpilb.simulate.workers import LOST, PUSH, REBALANCE, SimConfig, SimPush, SimWorker
+from mpilb.simulate.workers import (LOST, PUSH, REBALANCE, SimConfig, SimPush, SimWorker,
+                                    read_key)
 
 __all__ = ["Engine", "SimConfig", "SimWorker"]
 
@@ -52,8 +54,13 @@ class Engine:
     (:mod:`mpilb.core.epochs`).
     """
 
+    PIPELINES = False   # --pipeline 1 is simulated by the network engine only
+
     def __init__(self, cfg: SimConfig, profiles: list[Profile], shard_sizes: list[int],
                  replay: bool = False, *, ranks=None):
+        if cfg.pipeline and not self.PIPELINES:
+            raise UsageError("--pipeline 1 is simulated on a network only (--nodes, or --from "
+                             "with --link-rate); give --pipeline 0 without one")
         self.cfg = cfg
         self.replay = replay
         self.shard_sizes = [int(s) for s in shard_sizes]
@@ -62,14 +69,19 @@ class Engine:
         self.balancer = build_balancer(cfg.balancer, ranks, self.shard_sizes, bcfg)
         self.order = epoch_order
         self.ledger = Ledger(self.balancer, EpochTracker(self.shard_sizes), self.shard_sizes, ranks,
-                             part_way=cfg.balancer not in ("static", "round-robin"))
+                             part_way=cfg.balancer not in ("static", "round-robin"),
+                             pipeline=bool(cfg.pipeline))
         self.sitout = (SitOut(self.balancer, self.ledger.tasks_ledger, cfg.batch, cfg.min_batch,
                               cfg.max_batch, cfg.rebalance_interval) if bcfg.sit_out else None)
         self.decisions = Decisions(self.balancer, self.ledger.tasks_ledger, self.sitout, cfg.batch,
                                    self)
         self.first_sizes = FirstSizes(cfg.batch_policy == "proportional")
+        # the server's clock of rebalances: --rebalance-interval after the last one, and
+        # its warm-up ones (as soon as every busy worker has a first rate, then after
+        # 0.25, 0.5, 1 ... s); the first sizes are judged at the steps (first_sizes)
+        self.timer = RebalanceTimer(cfg.rebalance_interval, False)
         self.slices = Slices(cfg.params, cfg.servers, cfg.server_gbps, cfg.apply_s)
-        self.workers = {r: SimWorker(r, p, cfg.inject, cfg.batch, cfg.seed)
+        self.workers = {r: SimWorker(r, p, cfg.inject, cfg.batch, cfg.seed, cfg.jitter)
                         for r, p in zip(ranks, profiles)}
         self.sync = cfg.mode == "sync"
         self.heap: list = []
@@ -124,6 +136,7 @@ class Engine:
 
     def _rebalance(self, t: float) -> None:
         self.decisions.rebalance(t, t)
+        self.timer.done(t)
 
     # ------------------------------------------------------------------ lost workers
     def _die(self, w: SimWorker, t: float) -> None:
@@ -160,15 +173,21 @@ class Engine:
         if kind == PUSH:
             self._on_push(self.workers[rank], t)
         elif kind == REBALANCE:
-            self._rebalance(t)
-            self._at(t + self.cfg.rebalance_interval, REBALANCE)
-            if not self.running and not self.pending_lost and not self.done:
+            interval = self.cfg.rebalance_interval
+            if t - self.timer.last >= interval * (1 - 1e-9):
+                self._rebalance(t)
+            self._at(self.timer.last + interval, REBALANCE)   # (after a warm-up one: later)
+            if self._nobody_busy() and not self.pending_lost and not self.done:
                 # as the server's stall check: nobody computes and nothing can change
                 raise RuntimeError(f"simulation stalled in epoch {self.epoch + 1}: every worker "
                                    f"is idle but the epoch is not complete")
         else:
             self.pending_lost -= 1
             self._declare_lost(self.workers[rank], t)
+
+    def _nobody_busy(self) -> bool:
+        """No worker computes or waits for a reply (the stall check)."""
+        return not self.running
 
     def _begin_epoch(self, epoch: int, t: float) -> None:
         self.epoch, self.t_epoch = epoch, t
@@ -213,7 +232,7 @@ class Engine:
         p = w.profile
         i = p.piece(t)
         io = n * p.io[i] if self.replay else self._read_wait(w, task, t)
-        comp = n * p.compute[i]
+        comp = w.jittered(n * p.compute[i])
         if w.rules:
             comp, io = w.injected(t, comp, io, self.replay)
         push_t = t + io + comp + self._push_delay(w, t)
@@ -226,17 +245,7 @@ class Engine:
         self._at(push_t, PUSH, w.rank)
 
     def _read_wait(self, w: SimWorker, task, t: float) -> float:
-        """Seconds w waits for the rows of ``task`` (synthetic reads, one at a time, each
-        started when the worker knows of the task, behind the previous one)."""
-        tasks = self.ledger.tasks(w.rank)
-        for k, tk in enumerate(tasks):   # current and prefetched: start their reads
-            key = id(tk)
-            if key not in w.ready:
-                start = max(w.read_free, t)
-                w.read_free = start + w.read_seconds(self.shard_sizes[tk.shard] * self.cfg.row_bytes,
-                                                      start)
-                w.ready[key] = w.read_free
-        return max(0.0, w.ready[id(task)] - t)
+        return w.read_wait(self.ledger.tasks(w.rank), task, t, self.shard_sizes, self.cfg.row_bytes)
 
     def _push_delay(self, w: SimWorker, t: float) -> float:
         """Seconds from a step's end to its push reaching the server."""
@@ -277,7 +286,9 @@ class Engine:
         w.samples += w.n
         w.busy += busy
         w.last_gap = t - w.reply_t
-        self.balancer.observe(w.rank, t, w.n, busy, comm_s=w.comm, step_s=w.last_gap)
+        # (pipelined, reply -> push is no step's cost: the server passes none, as here)
+        step_s = None if self.cfg.pipeline else w.last_gap
+        self.balancer.observe(w.rank, t, w.n, busy, comm_s=w.comm, step_s=step_s)
         tasks = self.ledger.tasks(w.rank)
         task = tasks[0]
         lo, hi = task.pos, task.pos + w.n
@@ -285,8 +296,10 @@ class Engine:
         finished = self.ledger.advance(w.rank, hi)
         if finished is not None:
             w.epoch_finish = t
-            w.ready.pop(id(finished), None)
+            w.ready.pop(read_key(finished), None)
         if self.first_sizes.due_after_step(w.step, self._present):
+            self._rebalance(t)
+        elif self.timer.warmup_due(t, self._present(), self.balancer.rate_known):
             self._rebalance(t)
         return task, lo, hi
 

@@ -23,12 +23,15 @@ class Ledger:
         ranks: the workers.
         part_way: split a started task for an idle worker (every policy but static and
             round-robin, as the server does).
+        pipeline: the workers compute a batch ahead (--pipeline 1): the ledger's cuts keep
+            clear of it, as the server's do.
     """
 
     def __init__(self, balancer, tracker, shard_sizes: list[int], ranks: list[int],
-                 part_way: bool = True):
+                 part_way: bool = True, pipeline: bool = False):
         self.balancer = balancer
-        self.tasks_ledger = TaskLedger(balancer, shard_sizes, ranks, split=part_way)
+        self.tasks_ledger = TaskLedger(balancer, shard_sizes, ranks, split=part_way,
+                                       pipeline=pipeline)
         self.tracker = tracker
         self.moved = 0    # shard moves: the balancer's, part-way ones, reassignments
 
@@ -72,6 +75,11 @@ class Ledger:
     def reply(self, worker: int, batch: int) -> None:
         """A reply reaches ``worker``: its assignments, any cut, the batch it is to use."""
         self.tasks_ledger.take_reply(worker, batch)
+
+    def note_next(self, worker: int, shard: int, hi: int) -> None:
+        """Pipelined: the batch ``worker`` computes while its push travels (its push's
+        NEXT_SHARD, NEXT_HI; shard -1 when none)."""
+        self.tasks_ledger.note_next(worker, shard, hi)
 
     def advance(self, worker: int, hi: int):
         """``worker`` pushed positions up to ``hi`` of its current task; returns the task if

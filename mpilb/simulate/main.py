@@ -25,6 +25,8 @@ def add_arguments(p) -> None:
                    help="const:R | lognormal:mean=R,sigma=S | file:CSV (samples/s per worker)")
     p.add_argument("--inject", action="append", default=[], metavar="SPEC",
                    help="RANKS:KIND[=VALUE][@START[-END]][,p=PROB] as for train (repeatable)")
+    p.add_argument("--jitter", type=float, metavar="S", help="each step's compute times a "
+                   "lognormal factor of sigma S, mean 1 (default 0: constant steps)")
     p.add_argument("--samples", type=int, help="samples per epoch (default 1000 per shard)")
     p.add_argument("--shards", type=int, help="shards (default 4 per worker)")
     p.add_argument("--epochs", type=int, help="epochs (default 3; --from: the run's)")
@@ -51,6 +53,9 @@ def add_arguments(p) -> None:
                           "1.5gbit, 125mbps (one, or one per node; default 10gbit)")
     net.add_argument("--shm-rate", metavar="RATE", help="within a node (default 40gbit)")
     net.add_argument("--latency", type=float, metavar="S", help="one way, per transfer (default 5e-5)")
+    net.add_argument("--pipeline", type=int, choices=(0, 1), help="1: a worker computes its "
+                     "next batch while its push travels (default: 1, as train's async; --from: "
+                     "the run's)")
     net.add_argument("--wire", metavar="fp32|bf16|fp16[,...]",
                      help="bytes per float on the wire: 4, 2, 2 (default fp32)")
     p.add_argument("--read-mbps", type=float, default=None, help="shard reads, MB/s (default 1000)")
@@ -167,14 +172,15 @@ def _clusters(args):
         clusters = [(args.from_log, run.profiles, run.shard_sizes, True, extra)]
         if _network_given(args):
             spec, node_of = _replay_network(args, run)
-            cfg.update(network=spec, node_of=node_of, inject=run.rank_faults)
+            cfg.update(network=spec, node_of=node_of, inject=run.rank_faults,
+                       pipeline=int(rc.get("pipeline") or 0))
             clusters = [(args.from_log, run.rank_profiles(), run.shard_sizes, True, extra)]
     elif args.nodes is not None:
         spec = _network(args, args.nodes)
         clusters = [_net_cluster(args, spec)]
         seed = args.seed if args.seed is not None else 0
         params = args.params if args.params is not None else 100_000
-        cfg.update(params=params, seed=seed, network=spec,
+        cfg.update(params=params, seed=seed, network=spec, pipeline=1,
                    inject=parse_injects(args.inject, len(spec.node_of())))
     else:
         if _network_given(args):
@@ -204,6 +210,12 @@ def _clusters(args):
         value = getattr(args, key, None)
         if value is not None:
             cfg[key] = value
+    if args.jitter is not None:
+        if not args.jitter >= 0 or args.jitter > 3:
+            raise UsageError(f"--jitter must be between 0 and 3 (a lognormal sigma; got {args.jitter})")
+        cfg["jitter"] = args.jitter
+    if args.pipeline is not None:
+        cfg["pipeline"] = args.pipeline
     if args.sit_out is not None:
         cfg["sit_out"] = bool(args.sit_out)
     if args.server_gbps is not None:

@@ -14,7 +14,13 @@ replaced by the cluster's layout (async updates):
 - the stores apply their slices when they have both the slice and the command, on their own
   CPUs (a FIFO queue: ``apply_s + 8 bytes per float of a slice / --server-gbps``), then send
   the worker its slices of the parameters (store node ``up`` -> worker node ``down``);
-- the worker's next step starts when every slice of the reply has arrived.
+- the worker's next step starts when every slice of the reply has arrived; with
+  ``--pipeline 1`` (async's default, as for `train`) it computes the next batch while its
+  push travels, from what it holds when it pushes (announced to rank 0 as the push's
+  NEXT_SHARD/NEXT_HI), and pushes it when both the batch and the reply are there;
+- a worker owed nothing goes idle when rank 0 sends it that reply (as the server's peers
+  do), so an epoch's start or a move wakes it while that reply is still on its way; the
+  wake is a reply of its own (the parameters again), sent once the first has arrived.
 """
 
 from __future__ import annotations
@@ -23,28 +29,46 @@ import heapq
 
 from mpilb.errors import UsageError
 from mpilb.simulate.engine import Engine, summarize
-from mpilb.simulate.workers import REBALANCE, SimWorker
+from mpilb.simulate.workers import PUSH, REBALANCE, SimWorker
 from mpilb.simulate.network import WIRE_BYTES, Fabric, Layout, Topology
 
 ARRIVE, STORE_SEND, REPLY = 0, 1, 2
 
 
+class _Batch:
+    """A batch a worker computes: positions [lo, hi) of ``task``, its compute and I/O
+    seconds, and when it is computed."""
+
+    __slots__ = ("task", "lo", "hi", "comp", "io", "done")
+
+    def __init__(self, task, lo: int, hi: int, comp: float, io: float, done: float):
+        self.task, self.lo, self.hi = task, lo, hi
+        self.comp, self.io, self.done = comp, io, done
+
+
 class _InFlight:
-    """One worker's push on its way: when its slices reached each group of stores, when
-    rank 0 decided, how many groups' replies are still to come."""
+    """One worker's push on its way (``batch``; None for a wake's reply alone): when its
+    slices reached each group of stores, when rank 0 decided, how many groups' replies are
+    still to come, the batch computed meanwhile (pipelined), and whether a wake must follow
+    its reply."""
 
-    __slots__ = ("sent", "arrived", "decided", "replies")
+    __slots__ = ("sent", "arrived", "decided", "replies", "batch", "ahead", "wake")
 
-    def __init__(self, sent: float, k: int):
+    def __init__(self, sent: float, k: int, batch=None):
         self.sent = sent
         self.arrived: list = [None] * k
         self.decided = None
         self.replies = k
+        self.batch = batch
+        self.ahead = None
+        self.wake = False
 
 
 class NetEngine(Engine):
     """Simulate ``cfg`` on the workers of ``layout`` (``profiles``: one per MPI rank; the
     stores' entries are not used). Keywords as :class:`Engine`'s."""
+
+    PIPELINES = True
 
     def __init__(self, cfg, profiles, shard_sizes, replay: bool = False, *, layout: Layout):
         if cfg.mode != "async":
@@ -77,15 +101,103 @@ class NetEngine(Engine):
                 rows.append((len(far), wire * sum(floats[s] for s in far),
                              wire * sum(floats[s] for s in near)))
             self.plan[node] = rows
-        self.flight: dict[int, _InFlight] = {}
+        self.flight: dict[int, _InFlight] = {}     # rank -> its push or reply on the way
+        self.computing: dict[int, _Batch] = {}     # rank -> the batch it computes (or holds)
+        self.stray = 0     # samples pushed outside the pusher's task (never, by the cut rule)
         self.comm_total = self.step_total = 0.0
 
     # -- hooks of the engine ------------------------------------------------------------
     def _link(self, w: SimWorker, t: float) -> float:
-        return self.fabric.latency      # a message from rank 0 (an idle worker woken)
+        return self.fabric.latency      # a message from rank 0
 
-    def _push_delay(self, w: SimWorker, t: float) -> float:
-        return 0.0                      # the push's transfers are simulated
+    def _nobody_busy(self) -> bool:
+        return not self.flight and not self.computing
+
+    def wake(self, w: SimWorker, t: float, floor) -> None:
+        """Rank 0 sends idle ``w`` a reply with its work (the parameters cross the links
+        again); after the reply on its way, if one is."""
+        w.compute()
+        flight = self.flight.get(w.rank)
+        if flight is not None:
+            flight.wake = True
+        else:
+            self._send_reply(w, t)
+
+    def _send_reply(self, w: SimWorker, t: float) -> None:
+        """A reply to no push (a wake): every store sends its slice."""
+        flight = self.flight[w.rank] = _InFlight(t, len(self.plan[self.node[w.rank]]))
+        flight.decided = t
+        for g in range(len(flight.arrived)):
+            self.fabric.later(t if g == self.g0 else t + self.fabric.latency,
+                              (STORE_SEND, w.rank, g))
+
+    def _declare_lost(self, w: SimWorker, t: float) -> None:
+        self.computing.pop(w.rank, None)   # it hung or crashed: that batch never comes
+        super()._declare_lost(w, t)
+
+    # -- a worker's steps -------------------------------------------------------------
+    def _start(self, w: SimWorker, t: float) -> None:
+        """A reply reached w at ``t`` (or it was woken): push the batch it computed ahead
+        once that is done, else start a batch from what it holds, or go idle."""
+        if w.dead:
+            return
+        w.reply_t = t
+        self.ledger.reply(w.rank, w.batch)
+        ahead = self.computing.get(w.rank)
+        if ahead is not None:
+            if ahead.done <= t:
+                self._push(w, ahead, t)
+            # else: the batch's own PUSH event pushes it
+            return
+        if self._compute(w, t, None) is None:
+            w.go_idle()
+
+    def _compute(self, w: SimWorker, t: float, after):
+        """w starts, at ``t``, its next batch after ``after`` ((task, hi) of the batch just
+        pushed; None: from where its tasks stand); returns it, or None with nothing to do
+        (or when w hangs or crashes)."""
+        pick = self._next_range(w, after)
+        if pick is None:
+            return None
+        if t >= w.fault_t:
+            self._die(w, t)
+            return None
+        task, lo, hi = pick
+        p = w.profile
+        i = p.piece(t)
+        n = hi - lo
+        io = n * p.io[i] if self.replay else self._read_wait(w, task, t)
+        comp = w.jittered(n * p.compute[i])
+        if w.rules:
+            comp, io = w.injected(t, comp, io, self.replay)
+        done = t + io + comp
+        if done >= w.fault_t:
+            self._die(w, t)
+            return None
+        batch = self.computing[w.rank] = _Batch(task, lo, hi, comp, io, done)
+        w.compute()
+        self._at(done, PUSH, w.rank)
+        return batch
+
+    def _next_range(self, w: SimWorker, after):
+        """(task, lo, hi) of w's next batch, from the tasks it holds: after ``after`` in
+        the same task, else from the first position of the next task with work."""
+        if w.batch <= 0 or w.benched:
+            return None
+        tasks = self.ledger.tasks(w.rank)
+        first = 0
+        if after is not None:
+            for k, task in enumerate(tasks):
+                if task is after[0]:
+                    if after[1] < task.end:
+                        return task, after[1], min(after[1] + w.batch, task.end)
+                    first = k + 1
+                    break
+        for k in range(first, len(tasks)):
+            task = tasks[k]
+            if task.remaining > 0:
+                return task, task.pos, min(task.pos + w.batch, task.end)
+        return None
 
     def run(self) -> dict:
         self._begin_epoch(0, 0.0)
@@ -113,10 +225,22 @@ class NetEngine(Engine):
         return res
 
     def _on_push(self, w: SimWorker, t: float) -> None:
-        """w's step is done at ``t``: its slices leave for the stores."""
+        """w's batch is computed at ``t``: pushed now, unless the reply to its last push
+        is still on the way (then at the reply)."""
+        batch = self.computing.get(w.rank)
+        if batch is None or batch.done > t or w.rank in self.flight or w.dead:
+            return
+        self._push(w, batch, t)
+
+    def _push(self, w: SimWorker, batch: _Batch, t: float) -> None:
+        """w pushes ``batch`` at ``t``: its slices leave for the stores; pipelined, it
+        starts its next batch."""
         fab, topo, a = self.fabric, self.topo, self.node[w.rank]
         plan = self.plan[a]
-        self.flight[w.rank] = _InFlight(t, len(plan))
+        del self.computing[w.rank]
+        flight = self.flight[w.rank] = _InFlight(t, len(plan), batch)
+        if self.cfg.pipeline:
+            flight.ahead = self._compute(w, t, (batch.task, batch.hi))
         far_bytes = sum(row[1] for row in plan)
         up = fab.flow(t, topo.up[a], far_bytes) if far_bytes else None
         for g, (m, far, near) in enumerate(plan):
@@ -146,27 +270,50 @@ class NetEngine(Engine):
         else:
             flight.replies -= 1
             if flight.replies == 0:
-                del self.flight[rank]
-                w.comm = t - flight.sent
-                self.comm_total += w.comm
-                self.step_total += w.comp + w.io + w.comm
-                w.epoch_busy += w.comp + w.io + w.comm
-                self.running -= 1
-                self._start(w, t)
+                self._replied(w, flight, t)
+
+    def _replied(self, w: SimWorker, flight: _InFlight, t: float) -> None:
+        """Every slice of a reply reached w at ``t``."""
+        del self.flight[w.rank]
+        batch = flight.batch
+        if batch is not None:
+            # waiting for the reply: after the push, or after the batch computed meanwhile
+            ahead = flight.ahead
+            w.comm = t - (flight.sent if ahead is None else max(flight.sent, ahead.done))
+            w.comm = max(0.0, w.comm)
+            self.comm_total += w.comm
+            self.step_total += batch.comp + batch.io + w.comm
+            w.epoch_busy += batch.comp + batch.io + w.comm
+        if flight.wake:
+            self._send_reply(w, t)    # the wake follows the reply it waited for
+        elif not w.idle:
+            self._start(w, t)
 
     def _decide(self, w: SimWorker, flight: _InFlight, t: float) -> None:
-        """Rank 0 has the header and its slice: the server's side of the push."""
-        task, lo, hi = self._received(w, t)
-        self.running += 1               # still busy: waiting for its reply
+        """Rank 0 has the header and its slice: the server's side of the push; a worker
+        then owed nothing is idle from this reply on (the server's view)."""
+        batch, ahead = flight.batch, flight.ahead
+        w.n, w.comp, w.io = batch.hi - batch.lo, batch.comp, batch.io
+        self.ledger.note_next(w.rank, ahead.task.shard if ahead is not None else -1,
+                              ahead.hi if ahead is not None else 0)
+        tasks = self.ledger.tasks(w.rank)
         flight.decided = t
-        self.updates += 1
-        self.ledger.record(task.epoch, task.shard, lo, hi)
         lat = self.fabric.latency
+        if tasks and tasks[0] is batch.task and batch.lo == batch.task.pos:
+            task, lo, hi = self._received(w, t)
+            self.running += 1            # (the engine's count: _received took it back)
+            self.updates += 1
+            self.ledger.record(task.epoch, task.shard, lo, hi)
+        else:
+            self.stray += w.n            # outside its task: dropped, as the server does
         done = self._apply(w, self.g0, t)
         for g, arrived in enumerate(flight.arrived):
             if g != self.g0 and arrived is not None:
                 self._apply(w, g, max(arrived, t + lat))
-        self._applied(w, done)
+        if self._applied(w, done):
+            return
+        if not self.ledger.tasks_ledger.of[w.rank].owed and w.rank not in self.computing:
+            w.go_idle()
 
     def _apply(self, w: SimWorker, g: int, ready: float) -> float:
         """Group g's stores apply w's slices once ``ready``; their replies leave when applied."""

@@ -37,6 +37,9 @@ class SimConfig:
     apply_s: float = 0.00019
     row_bytes: int = 1024
     wire: str = "fp32"        # bytes per float on the wire (a network model only)
+    pipeline: int = 0         # --pipeline 1: compute the next batch while a push travels
+                              # (a network model only)
+    jitter: float = 0.0       # sigma of a lognormal factor (mean 1) on each step's compute
     inject: list = field(default_factory=list)   # parsed InjectRule objects
 
 
@@ -59,9 +62,10 @@ class SimWorker(WorkerState):
     __slots__ = ("rank", "profile", "rules", "batch", "waiting", "membership", "dead",
                  "reply_t", "n", "comp", "io", "comm", "epoch_busy", "epoch_finish", "busy",
                  "step", "fault_t", "read_free", "ready", "rng", "benched_at", "probing",
-                 "samples", "lags", "last_gap", "last_push")
+                 "samples", "lags", "last_gap", "last_push", "jitter", "noise")
 
-    def __init__(self, rank: int, profile: Profile, rules, batch: int, seed: int):
+    def __init__(self, rank: int, profile: Profile, rules, batch: int, seed: int,
+                 jitter: float = 0.0):
         self.rank, self.profile, self.batch = rank, profile, batch
         self.rules = [r for r in rules if r.applies_to(rank) and r.kind not in ("hang", "crash")]
         faults = [r.start for r in rules if r.applies_to(rank) and r.kind in ("hang", "crash")]
@@ -77,9 +81,12 @@ class SimWorker(WorkerState):
         self.busy = 0.0
         self.step = self.samples = 0
         self.read_free = 0.0
-        self.ready: dict[int, float] = {}
+        self.ready: dict[tuple, float] = {}   # when each task's rows are read, by read_key
         self.rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, rank]) if any(
             r.prob < 1.0 for r in self.rules) else None
+        # per-step noise: a stream of its own, so that it changes no injection's draws
+        self.jitter = jitter
+        self.noise = np.random.default_rng([int(seed) & 0xFFFFFFFF, rank, 1]) if jitter else None
         self.benched_at = 0.0
         self.probing = 0
         self.lags: list = []
@@ -131,6 +138,27 @@ class SimWorker(WorkerState):
                 io *= rule.value
         return comp * factor + delay, io
 
+    def jittered(self, comp: float) -> float:
+        """A step's compute seconds under --jitter: times a lognormal factor of mean 1 (real
+        steps vary, and without it workers of equal speed stay in lock-step for ever,
+        their transfers always sharing the links at the same moments)."""
+        if self.noise is None:
+            return comp
+        s = self.jitter
+        return comp * float(np.exp(s * self.noise.standard_normal() - 0.5 * s * s))
+
+    def read_wait(self, tasks, task, t: float, shard_sizes, row_bytes: int) -> float:
+        """Seconds it waits at ``t`` for the rows of ``task`` (synthetic reads, one at a
+        time, each started when it knows of the task, behind the previous one; ``tasks``:
+        what it holds, current and prefetched)."""
+        for tk in tasks:
+            key = read_key(tk)
+            if key not in self.ready:
+                start = max(self.read_free, t)
+                self.read_free = start + self.read_seconds(shard_sizes[tk.shard] * row_bytes, start)
+                self.ready[key] = self.read_free
+        return max(0.0, self.ready[read_key(task)] - t)
+
     def read_seconds(self, nbytes: int, t: float) -> float:
         """Seconds to read a shard of ``nbytes`` started at ``t`` (synthetic reads)."""
         secs = nbytes / self.profile.read_bps
@@ -141,3 +169,11 @@ class SimWorker(WorkerState):
                 elif rule.kind == "readbw":
                     secs = max(secs, nbytes / (rule.value * 1e6))
         return secs
+
+
+def read_key(task) -> tuple[int, int, int]:
+    """What names a task's read in a worker's ``ready`` times: its epoch, shard and first
+    position. Not ``id(task)``: a task cut away or finished is freed, and a later task may
+    get its id (its memory address, which differs from run to run), finding a read it never
+    had; the same seed then gave different figures (#33)."""
+    return task.epoch, task.shard, task.start

@@ -31,7 +31,7 @@ from mpilb.core.optimizers import clip_grad_norm
 from mpilb.core.topology import stores_of, workers_of
 from mpilb.data.shards import ShardReader
 from mpilb.mpi import comm as C
-from mpilb.mpi import doorbell, wire
+from mpilb.mpi import doorbell, wire, wire_format
 from mpilb.mpi.watchdog import Rank0Watch
 from mpilb.mpi.wire import Cmd
 from mpilb.run import signals
@@ -68,6 +68,11 @@ class Worker:
         self.feed = ShardFeed(self.reader, self.backend)
         self.step_fn = GradientStep(self.model, self.backend, self.injector)
         self.messages = DeviceMessages(self.backend, cfg.workers_cuda_aware)
+        # --wire: the element type of pushes and replies (converted here, on the device)
+        self.wire = wire_format.wire_format(cfg.updates.wire)
+        device = self.backend.name + ("" if self.backend.device_id is None else f":{self.backend.device_id}")
+        wire_format.check_convertible(self.wire, self.backend.xp, f"device {device}")   # (the
+        # verdict names the rank: "rank 3: --wire fp16: device gpu:0 cannot convert ...")
         self.bell = doorbell.current()   # rank 0 rings with each message (doorbell.py)
         self.backoff = C.Backoff(bell=self.bell)
         # rows sent to and received from other workers (--store local, part-way moves)
@@ -79,9 +84,10 @@ class Worker:
         self.rank0 = Rank0Watch(cfg.faults.worker_timeout, rank)   # ends this rank if rank 0 is gone
         self.pushes = Pushes(comm, self.messages, self.n, self.model.num_state, stores, bounds,
                              self.bell, pipelined=bool(cfg.updates.pipeline),
-                             on_poll=self.rank0.check)
+                             on_poll=self.rank0.check, fmt=self.wire)
         self.replies = Replies(comm, rank, self.messages, self.n, stores, bounds, self.bell,
-                               self.backoff, self.rank0, self.rows, pipelined=bool(cfg.updates.pipeline))
+                               self.backoff, self.rank0, self.rows,
+                               pipelined=bool(cfg.updates.pipeline), fmt=self.wire)
         self.assignments = Assignments(self.feed, self.rows, held)
         self.times = TimeSincePush()
         # what the last reply said
@@ -156,10 +162,12 @@ class Worker:
                 time.sleep(3600)
 
     def _compute(self, batch, msg: wire.MessageBuffer) -> Computed:
-        """Gradient of `batch` into the payload of `msg` (staged through the host on a GPU)."""
+        """Gradient of `batch` into the payload of `msg` (staged through the host on a GPU;
+        converted to the wire format, --wire, where it is not fp32)."""
         self._check_fault()
         device_payload = self.messages.device_payload
-        out = msg.payload[:self.n] if device_payload else None
+        wire32 = self.wire.is_fp32
+        out = msg.payload[:self.n] if device_payload and wire32 else None
         loss, grad, compute_s = self.step_fn(self.replies.params, batch, out=out)
         self.rank0.waiting()   # this rank's own step is no silence of rank 0
         # Push the mean gradient: the division and the finiteness check happen here, in
@@ -171,13 +179,15 @@ class Worker:
         nonfinite = not np.isfinite(loss) or not bool(xp.isfinite(grad).all())
         if not nonfinite and self.cfg.updates.mode != "sync":   # (sync: the round's mean, rank 0)
             clip_grad_norm(grad, self.cfg.optim.clip_norm, xp)
+        if not wire32:   # the conversion is compute too; a value it made infinite is flagged
+            nonfinite = self.pushes.encode(grad, msg, finite=not nonfinite) or nonfinite
         compute_s += time.perf_counter() - t0
-        if not device_payload:
+        if wire32 and not device_payload:
             self.backend.to_host(grad, out=msg.payload[:self.n])   # stage through pinned host memory
         if self.model.num_state:
             state = self.model.get_state()   # host floats; the payload is host or device
-            msg.payload[self.n:] = (state if isinstance(msg.payload, np.ndarray)
-                                    else self.backend.asarray(state))
+            into = self.pushes.state_of(msg)
+            into[...] = state if isinstance(into, np.ndarray) else self.backend.asarray(state)
         self.backend.synchronize()   # MPI must not touch device memory still being written
         return Computed(batch, loss, compute_s, nonfinite, self.version)
 

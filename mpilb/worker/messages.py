@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpilb.mpi import wire
+from mpilb.mpi import wire, wire_format
 
 
 class DeviceMessages:
@@ -38,6 +38,26 @@ class DeviceMessages:
         buf = self.backend.empty_host(nbytes)
         buf[:] = 0
         return wire.MessageBuffer(buf, wire.header_view(buf), buf[wire.HEADER_BYTES:].view(np.float32))
+
+    def new_wire(self, fmt: wire_format.WireFormat, floats: int, state: int = 0) -> tuple:
+        """A message of `floats` values of the wire format `fmt`, then `state` float32
+        values: (the MessageBuffer, whose payload holds the wire values, and the state view).
+        Where MPI reads host memory, the payload is converted on the device into `staging`
+        (a device array of the wire type, returned as the third item) and copied over."""
+        nbytes = wire_format.message_bytes(fmt, floats, state)
+        if self.on_cpu:
+            buf = np.zeros(nbytes, dtype=np.uint8)
+            header = wire.header_view(buf)
+        elif self.cuda_aware:
+            buf = self.backend.xp.zeros(nbytes, dtype=np.uint8)
+            header = wire.new_header()
+        else:
+            buf = self.backend.empty_host(nbytes)
+            buf[:] = 0
+            header = wire.header_view(buf)
+        payload, state_view = wire_format.views(buf, fmt, floats, state)
+        staging = None if self.device_payload else self.backend.xp.empty(floats, fmt.wire_dtype)
+        return wire.MessageBuffer(buf, header, payload), state_view, staging
 
     def header_to_buffer(self, msg: wire.MessageBuffer) -> None:
         """Before a send: the host header into a device buffer (and the stream synchronised)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mpilb.mpi import comm as C
-from mpilb.mpi import wire
+from mpilb.mpi import wire, wire_format
 from mpilb.mpi.waiting import WaitEstimate
 from mpilb.worker.messages import DeviceMessages
 
@@ -75,10 +75,13 @@ class Pushes:
         pipelined: --pipeline 1.
         on_poll: called while a send is finished (the watch on rank 0's silence: a store
             gone mid-transfer would keep the send from ever completing).
+        fmt: the wire format (--wire): with fp32 the gradient is computed straight into the
+            payload (on the CPU) and nothing is converted.
     """
 
     def __init__(self, comm, messages: DeviceMessages, floats: int, num_state: int, stores,
-                 bounds, bell, pipelined: bool, on_poll=None):
+                 bounds, bell, pipelined: bool, on_poll=None,
+                 fmt: wire_format.WireFormat = wire_format.Float32()):
         self.comm = comm
         self.on_poll = on_poll
         self.messages = messages
@@ -86,10 +89,42 @@ class Pushes:
         self.stores = stores
         self.bounds = bounds
         self.bell = bell
+        self.fmt = fmt
+        count = 2 if pipelined else 1
         # a push carries the gradient, then the model's state (e.g. BatchNorm statistics)
-        self.bufs = [messages.new(floats + num_state) for _ in range(2 if pipelined else 1)]
+        if fmt.is_fp32:
+            self.bufs = [messages.new(floats + num_state) for _ in range(count)]
+            self.states = [m.payload[floats:] for m in self.bufs]
+            self.staging = self.scratch = None
+        else:   # the wire values, then the state in float32
+            made = [messages.new_wire(fmt, floats, num_state) for _ in range(count)]
+            self.bufs = [m for m, _, _ in made]
+            self.states = [st for _, st, _ in made]
+            self.staging = made[0][2]   # device wire values, copied to the host buffer
+            self.scratch = fmt.scratch(floats, messages.backend.xp)
+        # rank 0 takes the header with slice 0 (with one store, followed by the state)
+        if len(bounds) == 2:
+            self.head_bytes = wire_format.message_bytes(fmt, floats, num_state)
+        else:
+            self.head_bytes = wire.HEADER_BYTES + fmt.itemsize * bounds[1]
         self.reqs: list = []
         self.step = 0   # pushes so far
+
+    def state_of(self, msg: wire.MessageBuffer):
+        """Where the model's state floats go in push buffer `msg`."""
+        return self.states[0 if msg is self.bufs[0] else 1]
+
+    def encode(self, grad, msg: wire.MessageBuffer, finite: bool) -> bool:
+        """The float32 mean gradient `grad` (a backend array) into `msg`'s payload in the
+        wire format, converted where it lies (on a GPU: then copied to the host buffer).
+        Returns True when a finite value became infinite (fp16 beyond 65504): the push
+        must say it is not finite, as the server would otherwise apply it."""
+        overflow = finite and self.fmt.overflows(grad)
+        dst = msg.payload if self.staging is None else self.staging
+        self.fmt.encode(grad, dst, self.messages.backend.xp, self.scratch, finite=finite)
+        if self.staging is not None:
+            self.messages.backend.to_host(self.staging, out=msg.payload)
+        return overflow
 
     def send(self, msg: wire.MessageBuffer, done: Computed, next_range, t: float,
              timings: dict) -> float:
@@ -108,9 +143,7 @@ class Pushes:
         self.reqs = [self.comm.Isend(msg.payload[b[s]:b[s + 1]], dest=r, tag=wire.TAG_GRAD)
                      for s, r in enumerate(self.stores) if s]
         # (with one store, followed by the model's state: the server keeps the latest)
-        state = self.num_state if len(b) == 2 else 0
-        self.reqs.append(self.comm.Isend(msg.buf[:wire.HEADER_BYTES + 4 * (b[1] + state)],
-                                         dest=0, tag=wire.TAG_PUSH))
+        self.reqs.append(self.comm.Isend(msg.buf[:self.head_bytes], dest=0, tag=wire.TAG_PUSH))
         self.bell.ring(0)
         self.step += 1
         # Not waited for here: the receivers have receives posted and, with MPICH's

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from mpilb.mpi import comm as C
-from mpilb.mpi import doorbell, wire
+from mpilb.mpi import doorbell, wire, wire_format
 from mpilb.mpi.wire import Cmd, ReplyMsg
 from mpilb.worker.messages import DeviceMessages
 
@@ -35,10 +35,14 @@ class Replies:
         backoff: the worker's waits; rank0: the watch on rank 0's silence.
         rows: the row exchange (serves the send orders that come meanwhile).
         pipelined: --pipeline 1.
+        fmt: the wire format (--wire). Other than fp32, a reply's values are expanded into
+            `params` (float32, on the compute device) once its slices are in: the
+            parameters in use are never the ones receiving, so one buffer of each suffices.
     """
 
     def __init__(self, comm, rank: int, messages: DeviceMessages, floats: int, stores, bounds,
-                 bell, backoff, rank0, rows, pipelined: bool):
+                 bell, backoff, rank0, rows, pipelined: bool,
+                 fmt: wire_format.WireFormat = wire_format.Float32()):
         self.comm = comm
         self.rank = rank
         self.messages = messages
@@ -49,14 +53,21 @@ class Replies:
         self.rank0 = rank0
         self.rows = rows
         self.pipelined = pipelined
-        self.recv = messages.new(floats)
+        self.fmt = fmt
+        self.staging = None   # the wire values on the device, before they are expanded
         self.spare = None
-        if not messages.device_payload:
+        if not fmt.is_fp32:
+            self.recv, _, self.staging = messages.new_wire(fmt, floats)
+            self.params = messages.backend.xp.zeros(floats, dtype=np.float32)
+        elif not messages.device_payload:
+            self.recv = messages.new(floats)
             self.params = messages.backend.xp.zeros(floats, dtype=np.float32)
         elif pipelined:
+            self.recv = messages.new(floats)
             self.spare = messages.new(floats)
             self.params = self.spare.payload
         else:
+            self.recv = messages.new(floats)
             self.params = self.recv.payload
         self.pulls = None         # receives of the next reply's slices, posted early
         self.early_reply = None   # a reply's header read while blocked for rows (pipelined)
@@ -110,6 +121,13 @@ class Replies:
         payload = self.recv.payload
         if self.params is payload:
             return   # received in place
+        if not self.fmt.is_fp32:   # expanded where the parameters are used
+            backend = self.messages.backend
+            if self.staging is not None:   # pinned host -> device, then expanded there
+                self.staging.set(payload)
+                payload = self.staging
+            self.fmt.decode(payload, self.params, backend.xp)
+            return
         if self.spare is not None:   # pipelined: the other buffer receives next
             self.recv, self.spare = self.spare, self.recv
             self.params = payload

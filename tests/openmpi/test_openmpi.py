@@ -1,8 +1,9 @@
 """mpilb under Open MPI: Debian's Open MPI 4 with mpi4py built from source against it, in a
 virtual environment of its own (.ci/run makes it; MPILB_OMPI_PYTHON names its python,
 default /opt/mpilb-ompi/bin/python). A subset of the MPI scenarios: a digits run with exact
-coverage, --servers 2, a preemption, and a crashed worker with and without the flags that
-let Open MPI's mpirun keep the other ranks running (docs/faults.md). Skips without it."""
+coverage, --servers 2, a preemption, and a crashed or killed worker (and a killed rank 0)
+with and without the flags that let Open MPI's mpirun keep the other ranks running
+(docs/faults.md). Skips without it."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ PYTHON = os.environ.get("MPILB_OMPI_PYTHON", "/opt/mpilb-ompi/bin/python")
 MPIRUN = os.environ.get("MPILB_OMPI_MPIRUN") or shutil.which("mpirun.openmpi") or ""
 # the documented flag: a rank's non-zero exit does not end the job (docs/faults.md)
 SURVIVE = ["--mca", "orte_abort_on_non_zero_status", "0"]
+# and mpilb's, for a rank killed by a signal: mpirun's exit code would be 128 + N otherwise
+SIGNALS = ["--survive-signals"]
 
 
 def _why_not() -> str | None:
@@ -145,6 +148,32 @@ def ranks_of(job) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+def rank_pids(job, n, timeout=60) -> dict[int, int]:
+    """MPI rank -> pid of the rank process itself (under --survive-signals the child of its
+    supervisor, which has the same OMPI_COMM_WORLD_RANK), once all n run: call it once
+    training has started, when every supervisor has forked its rank."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        found, parents = {}, [job.proc.pid]
+        while parents:
+            out = subprocess.run(["pgrep", "-P", ",".join(map(str, parents))],
+                                 capture_output=True, text=True).stdout
+            parents = [int(p) for p in out.split()]
+            for pid in parents:
+                try:
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                rank = [v for v in environ if v.startswith(b"OMPI_COMM_WORLD_RANK=")]
+                if rank:
+                    found[int(rank[0].split(b"=")[1])] = pid   # the deepest one wins
+        if len(found) == n:
+            return found
+        assert job.proc.poll() is None, job.stderr
+        time.sleep(0.2)
+    raise AssertionError(f"the ranks did not start: {found}")
+
+
 def test_sigterm_to_every_rank_preempts(digits_dir, tmp_path):
     """A scheduler's preemption (Slurm signals every task): exit 0, `preempted`. (SIGTERM
     to mpirun itself ends the ranks the same way, but mpirun then exits 1 of its own.)"""
@@ -175,16 +204,60 @@ def test_crashed_worker_is_survived_with_the_flag(digits_dir, tmp_path):
     assert "preempt" not in job.stderr
 
 
-def test_crashed_worker_without_the_flag_fails_the_log(digits_dir, tmp_path):
-    """Plain mpirun ends the job: SIGTERM to the survivors, SIGKILL 1 s later. That SIGTERM
-    is no preemption: the log ends `failed`, and no line says preemption."""
-    code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 2000, "--inject", "2:crash@0.3",
-                                     "--worker-timeout", 5)), tmp_path)
-    assert code != 0, job.stderr
+def test_a_worker_killed_by_sigkill_is_survived_with_the_flags(digits_dir, tmp_path):
+    """kill -9 of a worker under the flag and --survive-signals: the run goes on without it,
+    ends degraded with exact coverage, and mpirun exits rank 0's 3 (not 137: its supervisor
+    exits 137 as a status, which mpirun passes over under that flag) soon after the run."""
+    job = Job(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 60, "--worker-timeout", 3,
+                               *SIGNALS), flags=SURVIVE), tmp_path)
+    wait_training(tmp_path / "run.h5", job)   # the supervisors have forked their ranks by then
+    pids = rank_pids(job, 4)
+    os.kill(pids[2], signal.SIGKILL)
+    code = job.wait(120)
+    assert code == 3, (code, job.stderr)
+    assert "rank 2 (pid" in job.stderr and "was killed by SIGKILL" in job.stderr, job.stderr
+    s = assert_exact(tmp_path / "run.h5", digits_dir, "degraded", lost=[2])
+    assert s["epochs_completed"] == 60
+    end = job.line_at("mpilb: degraded")
+    assert end is not None and job.ended - end < 10, (job.ended - end if end else job.out)
+    assert "preempt" not in job.stderr
+
+
+@pytest.mark.parametrize("fault", ["crash", "SIGKILL"])
+def test_a_lost_worker_without_the_flag_fails_the_log(digits_dir, tmp_path, fault):
+    """Plain mpirun ends the job when a worker exits (crash: status 17) or is killed: SIGTERM
+    to the survivors, SIGKILL 1 s later. That SIGTERM is no preemption: the log ends
+    `failed`, and no line says preemption."""
+    inject = ["--inject", "2:crash@0.3"] if fault == "crash" else []
+    job = Job(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 2000, "--worker-timeout", 5,
+                               *inject)), tmp_path)
+    if fault == "SIGKILL":
+        wait_training(tmp_path / "run.h5", job)
+        os.kill(rank_pids(job, 4)[2], signal.SIGKILL)
+    code = job.wait(120)
+    assert code == (17 if fault == "crash" else 137), (code, job.stderr)
     s = summarize_log(str(tmp_path / "run.h5"))
     assert s["status"] == "failed", (s["status"], job.stderr)
     assert "preemption signal" not in job.stderr and "preempted" not in job.stderr, job.stderr
     assert "rank 2" in job.stderr and "not a preemption" in job.stderr, job.stderr
+
+
+def test_a_killed_rank_0_under_the_flags_is_no_success(digits_dir, tmp_path):
+    """kill -9 of rank 0 under the flag and --survive-signals: its supervisor dies by the same
+    signal (a status would be passed over, and the workers' own ends too: mpirun exited 0),
+    so mpirun exits 137 once the workers have ended themselves."""
+    from mpilb.mpi.watchdog import limit
+
+    job = Job(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 2000, "--worker-timeout", 2,
+                               *SIGNALS), flags=SURVIVE), tmp_path)
+    wait_training(tmp_path / "run.h5", job)   # the supervisors have forked their ranks by then
+    pids = rank_pids(job, 4)
+    os.kill(pids[0], signal.SIGKILL)
+    killed = time.monotonic()
+    code = job.wait(limit(2) + 60)
+    assert code == 137, (code, job.stderr)
+    assert "rank 0 (pid" in job.stderr and "nothing from rank 0" in job.stderr, job.stderr
+    assert job.ended - killed < limit(2) + 10, job.ended - killed
 
 
 def test_with_recovery_the_job_ends_soon_after_the_run(digits_dir, tmp_path):

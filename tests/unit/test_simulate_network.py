@@ -111,8 +111,9 @@ def test_bytes_per_push_and_reply(wire, nbytes):
     topo, fab = eng.topo, eng.fabric
     assert fab.moved[topo.up[1]] == updates * 1000 * nbytes
     assert fab.moved[topo.down[0]] == updates * 1000 * nbytes
-    # the replies (the run ends with the last update, before its reply)
-    assert fab.moved[topo.up[0]] == (updates - 1) * 1000 * nbytes
+    # the replies: the first, waking the worker with its work and the parameters, then one
+    # per update but the last (the run ends with the last update, before its reply)
+    assert fab.moved[topo.up[0]] == updates * 1000 * nbytes
     assert fab.moved[topo.shm[0]] == fab.moved[topo.shm[1]] == 0
 
 
@@ -168,6 +169,8 @@ def test_a_small_what_if(capsys):
     (["--workers", "4", "--servers", "per-node"], "needs a network"),
     (["--workers", "4", "--link-rate", "1gbit"], "need --nodes"),
     (["--nodes", "2", "--mode", "sync"], "not simulated yet"),
+    (["--workers", "4", "--pipeline", "1"], "on a network only"),
+    (["--nodes", "2", "--jitter", "-1"], "--jitter must be"),
 ])
 def test_bad_network_input_is_one_line_and_exit_2(capsys, argv, words):
     code = main(["simulate", *argv, "--epochs", "1"])

@@ -188,7 +188,7 @@ def test_a_pipelined_worker_blocked_for_rows_serves_the_orders_behind_its_reply(
     # the worker's wait then takes the kept reply without receiving it again
     assigned = []
     monkeypatch.setattr(R, "C", SimpleNamespace(Request=SimpleNamespace(Testall=lambda reqs: True),
-                                                complete=lambda req: None))
+                                                complete=lambda req, on_poll=None: None))
     comm.improbe = lambda source, tag: pytest.fail("received twice")
     w = object.__new__(W.Worker)
     w.replies, w.times, w.pushes = r, W.TimeSincePush(), SimpleNamespace(settle=lambda: None)
@@ -210,7 +210,7 @@ def test_a_pipelined_worker_blocked_for_rows_serves_the_orders_behind_its_reply(
 def test_the_gradients_scaling_and_check_count_as_compute(monkeypatch):
     """The mean division and the finiteness check of a pushed gradient are the worker's
     compute: they used to fall in no bucket of its timings (~2 % of a run)."""
-    from mpilb.mpi import wire
+    from mpilb.mpi import wire, wire_format
     from mpilb.worker import loop as W
 
     ticks = {"t": 0.0}
@@ -223,6 +223,7 @@ def test_the_gradients_scaling_and_check_count_as_compute(monkeypatch):
     w = object.__new__(W.Worker)
     w.n, w.version = 4, 3
     w.messages = SimpleNamespace(device_payload=True)
+    w.wire = wire_format.Float32()
     w.injector = SimpleNamespace(fault=lambda now: None)
     w.rows = SimpleNamespace(progress=lambda: None)
     w.signals_sent, w.preempt_reqs = set(), []
@@ -244,7 +245,7 @@ def test_a_push_goes_to_each_store_by_name(monkeypatch):
     from mpilb.worker.pushes import Computed, Pushes
 
     monkeypatch.setattr(P, "C", SimpleNamespace(Request=SimpleNamespace(Testall=lambda reqs: False),
-                                                complete=lambda req: None))
+                                                complete=lambda req, on_poll=None: None))
     sent, rung = [], []
     comm = SimpleNamespace(Isend=lambda buf, dest, tag: sent.append((buf.nbytes, dest, tag))
                            or SimpleNamespace(Test=lambda: True))
