@@ -26,7 +26,7 @@ import time
 from mpilb.core.holdings import Holding
 from mpilb.core.topology import stores_of
 from mpilb.runfiles.requests import JOIN_PREFIX, write_atomically
-from mpilb.server.peers import Link, Peer
+from mpilb.server.peers import Peer
 
 PORT_SUFFIX = ".port"
 CONNECTING_SUFFIX = ".connecting"
@@ -102,7 +102,7 @@ class Admissions:
         s = self.server
         rank = max([s.comm.Get_size() - 1, *s.peers]) + 1
         w = Peer(rank=rank, batch=s.cfg.balancing.batch,
-                 link=Link.allocate(s.slices.n0, bool(s.cfg.updates.pipeline), push_floats=s.slices.push_floats))
+                 link=s.slices.new_link(bool(s.cfg.updates.pipeline)))
         w.link.comm, w.link.dest = comm, 1
         s.peers[rank] = w
         s.ledger.of[rank] = Holding(rank)

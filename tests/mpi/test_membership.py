@@ -204,12 +204,15 @@ def join(log, timeout=120):
                             start_new_session=True)
 
 
-def test_a_worker_joins_a_running_job_and_counts_like_any_other(data, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--wire", "bf16")], ids=["fp32", "bf16"])
+def test_a_worker_joins_a_running_job_and_counts_like_any_other(data, tmp_path, extra):
     """`mpiexec -n 1 mpilb join RUN.h5` part-way through a 3-rank run: the joiner's first
     push is applied within 2 s of its admission, both launches exit 0, the run ends
-    `finished` with exact coverage; members/ holds the join, per_worker the joiner."""
+    `finished` with exact coverage; members/ holds the join, per_worker the joiner. With
+    --wire bf16 its link receives pushes in the wire format (its first push ended the run
+    with a UFuncTypeError when the link was allocated for float32)."""
     log = tmp_path / "run.h5"
-    proc = start(3, data, log, 30)
+    proc = start(3, data, log, 30, *extra)
     try:
         mpirun.wait_training(str(log), proc)
         joiner = join(log)
