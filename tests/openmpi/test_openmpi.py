@@ -194,11 +194,13 @@ def test_sigterm_to_every_rank_preempts(digits_dir, tmp_path):
 def test_crashed_worker_is_survived_with_the_flag(digits_dir, tmp_path):
     """`--mca orte_abort_on_non_zero_status 0`: the run goes on without the dead rank,
     ends degraded with exact coverage, and mpirun exits 3 soon after the run's end."""
-    code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 30, "--inject", "2:crash@0.3",
+    # long enough to outlast --worker-timeout after the crash: a run whose work the others
+    # finish before the dead rank is declared lost ends `finished` (60 epochs took 1.5 s here)
+    code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 300, "--inject", "2:crash@0.3",
                                      "--worker-timeout", 3), flags=SURVIVE), tmp_path)
     assert code == 3, (code, job.stderr)
     s = assert_exact(tmp_path / "run.h5", digits_dir, "degraded", lost=[2])
-    assert s["epochs_completed"] == 30
+    assert s["epochs_completed"] == 300
     end = job.line_at("mpilb: degraded")
     assert end is not None and job.ended - end < 10, job.out
     assert "preempt" not in job.stderr
@@ -208,7 +210,7 @@ def test_a_worker_killed_by_sigkill_is_survived_with_the_flags(digits_dir, tmp_p
     """kill -9 of a worker under the flag and --survive-signals: the run goes on without it,
     ends degraded with exact coverage, and mpirun exits rank 0's 3 (not 137: its supervisor
     exits 137 as a status, which mpirun passes over under that flag) soon after the run."""
-    job = Job(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 60, "--worker-timeout", 3,
+    job = Job(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 300, "--worker-timeout", 3,
                                *SIGNALS), flags=SURVIVE), tmp_path)
     wait_training(tmp_path / "run.h5", job)   # the supervisors have forked their ranks by then
     pids = rank_pids(job, 4)
@@ -217,7 +219,7 @@ def test_a_worker_killed_by_sigkill_is_survived_with_the_flags(digits_dir, tmp_p
     assert code == 3, (code, job.stderr)
     assert "rank 2 (pid" in job.stderr and "was killed by SIGKILL" in job.stderr, job.stderr
     s = assert_exact(tmp_path / "run.h5", digits_dir, "degraded", lost=[2])
-    assert s["epochs_completed"] == 60
+    assert s["epochs_completed"] == 300
     end = job.line_at("mpilb: degraded")
     assert end is not None and job.ended - end < 10, (job.ended - end if end else job.out)
     assert "preempt" not in job.stderr
@@ -264,10 +266,10 @@ def test_with_recovery_the_job_ends_soon_after_the_run(digits_dir, tmp_path):
     """`--enable-recovery` also lets the run go on, but MPI_Abort then ends rank 0 alone:
     rank 0 tells the others to leave (they waited 30 s at the final barrier for the dead
     rank). mpirun exits 0 there whatever the ranks say (why the docs advise the other flag)."""
-    code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 30, "--inject", "2:crash@0.3",
+    code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--epochs", 300, "--inject", "2:crash@0.3",
                                      "--worker-timeout", 3), flags=["--enable-recovery"]), tmp_path)
     assert code == 0, (code, job.stderr)
-    assert assert_exact(tmp_path / "run.h5", digits_dir, "degraded", lost=[2])["epochs_completed"] == 30
+    assert assert_exact(tmp_path / "run.h5", digits_dir, "degraded", lost=[2])["epochs_completed"] == 300
     end = job.line_at("mpilb: degraded")
     assert end is not None and job.ended - end < 10, (job.ended - end if end else job.out)
 
