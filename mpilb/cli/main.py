@@ -235,6 +235,11 @@ def _dispatch(args) -> int:
         return 0
     if args.command == "train":
         from mpilb.cli.launch import train
+        from mpilb.mpi.launcher import foreign_mpi
+
+        problem = foreign_mpi()   # before MPI starts: it would fail with a stack in every rank
+        if problem:
+            raise UsageError(problem)
 
         cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "config_file")}
         if env_world_size() > 1 and _survive_signals(args.config_file, cli_values):

@@ -10,6 +10,8 @@ started several (:func:`mismatch`). Only the standard library is imported here.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
@@ -116,3 +118,43 @@ def mismatch(world_size: int, library: str, env: Optional[Mapping[str, str]] = N
             f"--mpi=pmix or --mpi=pmi2 under Slurm), or rebuild mpi4py against the launcher's "
             f"MPI: pip install --no-binary mpi4py --force-reinstall mpi4py (`mpilb doctor` "
             f"shows both; docs/slurm.md)")
+
+
+# Reads the library mpi4py loads without starting MPI (MPI_Get_library_version may be called
+# before MPI_Init), in a process of its own so that this one's first import still starts MPI.
+_PROBE = ("import mpi4py, re; mpi4py.rc.initialize = False; from mpi4py import MPI; "
+          "v = ' '.join(MPI.Get_library_version().splitlines()[0].split()); "
+          "m = re.search(r'\\s(/\\S*/lib(?:mpi|mpich|impi)[\\w.-]*\\.so[\\w.]*)$', "
+          "open('/proc/self/maps').read(), re.M); print(v + (f' ({m.group(1)})' if m else ''))")
+
+
+def foreign_mpi(env: Optional[Mapping[str, str]] = None, probe=None) -> Optional[str]:
+    """The one-line problem when Open MPI's mpirun started this process but mpi4py loads
+    another MPI library (the MPICH wheel): its MPI_Init fails in every process with an
+    error stack ("unsupported PMI version PMIx") before mpilb could say anything, so it is
+    checked before MPI starts. None where the launcher is not Open MPI's, or its library is
+    what mpi4py loads, or the library cannot be read (MPI then reports for itself).
+    `probe`: returns the library's name as :func:`mpilb.mpi.comm.library_named` does
+    (default: asked of a separate process, ~0.1 s, only under Open MPI's launcher)."""
+    env = os.environ if env is None else env
+    if not open_mpi(env):
+        return None
+    library = (probe or _library_in_a_subprocess)()
+    if not library or "Open MPI" in library:
+        return None
+    job = launch(env)
+    started = f"{job.size} processes" if job.size else "this process"
+    return (f"{job.name} started {started} ({', '.join(job.evidence)}) but mpi4py uses "
+            f"{library}, not Open MPI: MPI cannot start under this launcher. Launch with that "
+            f"library's own mpiexec, or rebuild mpi4py against Open MPI: pip install "
+            f"--no-binary mpi4py --force-reinstall mpi4py (`mpilb doctor` shows both; "
+            f"docs/slurm.md)")
+
+
+def _library_in_a_subprocess() -> str:
+    try:
+        res = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                             timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return res.stdout.strip() if res.returncode == 0 else ""

@@ -280,3 +280,22 @@ def test_bad_input_under_the_flag_still_exits_2(digits_dir, tmp_path):
     code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--batch", -3), flags=SURVIVE), tmp_path)
     assert code == 2, (code, job.stderr)
     assert job.stderr.count("mpilb: error:") == 1 and "--batch" in job.stderr, job.stderr
+
+
+def test_open_mpis_mpirun_with_an_mpich_mpi4py_is_one_line_and_exit_2(digits_dir, tmp_path):
+    """The other mismatch: Open MPI's mpirun starting a python whose mpi4py loads MPICH (the
+    bundled wheel). MPICH's MPI_Init failed in every rank with an error stack ("unsupported
+    PMI version PMIx") and mpirun exited 16; mpilb now checks before MPI starts."""
+    mpich = subprocess.run([sys.executable, "-c", "import mpi4py; mpi4py.rc.initialize = False; "
+                            "from mpi4py import MPI; print(MPI.Get_library_version())"],
+                           capture_output=True, text=True, timeout=60).stdout
+    if not mpich.startswith("MPICH"):
+        pytest.skip(f"this python's mpi4py is not on MPICH: {mpich[:80]}")
+    cmd = [MPIRUN, "--oversubscribe", "-n", "3", sys.executable, "-m", "mpilb",
+           *map(str, train(digits_dir, tmp_path, "--epochs", 1))]
+    code, job = run(cmd, tmp_path)
+    assert code == 2, (code, job.stderr)
+    lines = [ln for ln in job.stderr.splitlines() if ln.startswith("mpilb:") or "Traceback" in ln]
+    assert len(lines) == 1 and "Open MPI mpirun started 3 processes" in lines[0], job.stderr
+    assert "but mpi4py uses MPICH" in lines[0] and "unsupported PMI" not in job.stderr, job.stderr
+    assert not (tmp_path / "run.h5").exists() and not list(tmp_path.glob("runs/*"))
