@@ -239,6 +239,10 @@ def _dispatch(args) -> int:
 
         problem = foreign_mpi()   # before MPI starts: it would fail with a stack in every rank
         if problem:
+            if announced_rank() != 0:   # rank 0 says why; mpirun ends the job at the first
+                import time             # exit that is not 0, maybe before rank 0 has said it
+
+                time.sleep(3.0)
             raise UsageError(problem)
 
         cli_values = {k: v for k, v in vars(args).items() if k not in ("command", "config_file")}
