@@ -33,14 +33,16 @@ except ImportError as exc:  # pragma: no cover - mpi4py is an install requiremen
 
 def wait(req: "MPI.Request", backoff: Optional[Backoff] = None, timeout: Optional[float] = None,
          on_poll=None) -> bool:
-    """Wait for one request without spinning. Returns False on timeout.
+    """Wait for one request (or every request of a list) without spinning. Returns False
+    on timeout.
 
     `on_poll` (optional) is called between polls, e.g. to serve other duties.
     """
+    done = (lambda: MPI.Request.Testall(req)) if isinstance(req, list) else req.Test
     backoff = backoff or Backoff()
     backoff.reset()
     deadline = None if timeout is None else time.monotonic() + timeout
-    while not req.Test():
+    while not done():
         if on_poll is not None:
             on_poll()
         if deadline is not None and time.monotonic() > deadline:

@@ -24,8 +24,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from mpilb.mpi.comm import MPI, library_file
-from mpilb.mpi.waiting import Backoff
+from mpilb.mpi.comm import library_file, wait
 from mpilb.mpi.wire import TAG_END
 
 _CVAR = b"MPIR_CVAR_NO_COLLECTIVE_FINALIZE"
@@ -104,11 +103,5 @@ def end_together(comm, rank: int, skip=(), timeout: Optional[float] = 30.0,
 
 
 def _wait_all(reqs: list, deadline: Optional[float], on_poll) -> bool:
-    backoff = Backoff()
-    while not MPI.Request.Testall(reqs):
-        if on_poll is not None:
-            on_poll()
-        if deadline is not None and time.monotonic() > deadline:
-            return False
-        backoff.sleep()
-    return True
+    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+    return wait(reqs, timeout=timeout, on_poll=on_poll)
