@@ -150,7 +150,9 @@ def test_bench_ps_moves_16_bit_values_with_wire_bf16():
         store = out["runs"][0]["servers"][0]
         per_update[wire] = (store["bytes_in"] / store["updates"] - 384,
                             store["bytes_out"] / store["updates"])
-    assert per_update["bf16"][0] == pytest.approx(per_update["fp32"][0] / 2, rel=0.01)
+    # control messages (hello, stats, the end) are spread over the updates too: a few hundred
+    # bytes an update when a loaded machine makes few of them, hence 5%, not exactly half
+    assert per_update["bf16"][0] == pytest.approx(per_update["fp32"][0] / 2, rel=0.05)
     assert per_update["bf16"][1] < 0.6 * per_update["fp32"][1]
     res = mpirun.run(2, "bench", "ps", "--wire", "bf17", timeout=60)
     errors = [line for line in res.stderr.splitlines() if line.strip()]
