@@ -321,6 +321,7 @@ class Balancer(RateEstimates):
         orphans = self._queues.pop(worker, [])
         self._touch(worker)
         self._rates.pop(worker, None)
+        self._handed.pop(worker, None)
         self._estimates_changed(worker)
         self._committed.pop(worker, None)
         moves = [Move(shard, worker, self._place(shard), "lost") for shard in orphans]
