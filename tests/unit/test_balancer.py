@@ -277,6 +277,7 @@ def test_slow_worker_holding_work_is_not_given_the_last_shard():
 
 def test_committed_count_follows_hand_outs_and_reports():
     bal = _bal("load", sizes=[100] * 9)
+    _teach(bal, {1: 100.0, 2: 100.0, 3: 100.0})    # (without a rate, one shard at a time)
     bal.plan_epoch(0, list(range(9)))
     bal.next_shard(1), bal.next_shard(1)
     bal.observe(1, 1.0, 30, 0.1)

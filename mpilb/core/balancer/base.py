@@ -130,6 +130,8 @@ class Balancer(RateEstimates):
         self._rates = {w: self._new_estimator() for w in self.workers}
         # per-step cost beyond compute and I/O (transfers, waiting to be noticed): EWMA
         self._step_over: dict[int, float | None] = {w: None for w in self.workers}
+        # when each worker without an overhead estimate was first handed work (see observe)
+        self._handed: dict[int, float] = {}
         self._queues: dict[int, list[int]] = {w: [] for w in self.workers}
         self._committed: dict[int, int] = {w: 0 for w in self.workers}
         self._requeued: set[int] = set()    # shards of a lost worker, maybe partly done
@@ -210,6 +212,8 @@ class Balancer(RateEstimates):
         else:
             self._committed[worker] = self._committed.get(worker, 0) + self.shard_sizes[shard]
             self._dirty.add(worker)
+        if worker not in self._handed and not self._overhead_known(worker):
+            self._handed[worker] = self.now
 
     def _steal(self, worker: int) -> int | None:
         return None
@@ -317,6 +321,7 @@ class Balancer(RateEstimates):
         orphans = self._queues.pop(worker, [])
         self._touch(worker)
         self._rates.pop(worker, None)
+        self._handed.pop(worker, None)
         self._estimates_changed(worker)
         self._committed.pop(worker, None)
         moves = [Move(shard, worker, self._place(shard), "lost") for shard in orphans]

@@ -37,8 +37,18 @@ class RateEstimates:
         ``step_s``: what the step cost whoever waits for it, from the parameters sent to
         the gradient received (compute, I/O and both transfers); the step-time fit of
         proportional batches uses it when given, ``busy_s`` otherwise.
+
+        A worker's first report carries no communication of its own: it waited for its
+        first work, which counts as idle, and its push's transfer counts in the next
+        report. Behind a slow link that read as a fast worker (comm_s 0 in a 0.45 s step),
+        and the plan of its first report gave it work it ended the epoch late with. Until
+        it has an overhead estimate, its communication is therefore at least the time
+        from when it was handed its work to this report, less the busy seconds.
         """
         self.now = max(self.now, t)
+        handed = self._handed.pop(worker, None)
+        if handed is not None and comm_s is not None and not self._overhead_known(worker):
+            comm_s = max(comm_s, t - handed - busy_s)
         left = None
         if worker in self._committed:
             left = self._committed[worker] = max(0, self._committed[worker] - int(samples))
@@ -73,6 +83,10 @@ class RateEstimates:
         rounds it slows (the server's sit-out check) rather than here.
         """
         return self._step_over.get(worker) or 0.0, 1.0 / self._planning_rate(worker)
+
+    def _overhead_known(self, worker: int) -> bool:
+        est = self._rates.get(worker)
+        return est is not None and est.overhead is not None
 
     def rate_known(self, worker: int) -> bool:
         """True once ``worker`` has a rate estimate of its own."""
