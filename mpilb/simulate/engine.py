@@ -97,6 +97,7 @@ class Engine:
         self.updates = 0
         self.lost: list[int] = []
         self.epochs: list[dict] = []
+        self.unknown: Optional[SimWorker] = None   # a busy worker without a rate (warm-up)
 
     # ------------------------------------------------------------------ helpers
     def _at(self, t: float, kind: int, rank: int = 0) -> None:
@@ -299,9 +300,26 @@ class Engine:
             w.ready.pop(read_key(finished), None)
         if self.first_sizes.due_after_step(w.step, self._present):
             self._rebalance(t)
-        elif self.timer.warmup_due(t, self._present(), self.balancer.rate_known):
+        elif self._warmup_due(t):
             self._rebalance(t)
         return task, lo, hi
+
+    def _warmup_due(self, t: float) -> bool:
+        """The timer's warm-up rebalance is due at ``t`` (as ``timer.warmup_due``), without
+        a pass over every worker at every push: until the first rates are all known, a
+        worker found busy without a rate (``unknown``) answers no for as long as it stays
+        so; once they are known, the timer reads no workers at all."""
+        timer, known = self.timer, self.balancer.rate_known
+        if timer.warmup_gap is not None:
+            return timer.warmup_due(t, (), known)
+        w = self.unknown
+        if w is not None and w.present and not w.idle and not known(w.rank):
+            return False
+        present = self._present()
+        if timer.warmup_due(t, present, known):
+            return True
+        self.unknown = next((o for o in present if not o.idle and not known(o.rank)), None)
+        return False
 
     def _hold(self, w: SimWorker, task, lo: int, hi: int, t: float) -> None:
         """Sync: w's gradient is summed into the round; the round is applied when no
