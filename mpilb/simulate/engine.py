@@ -97,7 +97,7 @@ class Engine:
         self.updates = 0
         self.lost: list[int] = []
         self.epochs: list[dict] = []
-        self.unknown: Optional[SimWorker] = None   # a busy worker without a rate (warm-up)
+        self.warmup = WarmupCheck(self.timer, self.balancer.rate_known)
 
     # ------------------------------------------------------------------ helpers
     def _at(self, t: float, kind: int, rank: int = 0) -> None:
@@ -300,26 +300,9 @@ class Engine:
             w.ready.pop(read_key(finished), None)
         if self.first_sizes.due_after_step(w.step, self._present):
             self._rebalance(t)
-        elif self._warmup_due(t):
+        elif self.warmup.due(t, self._present):
             self._rebalance(t)
         return task, lo, hi
-
-    def _warmup_due(self, t: float) -> bool:
-        """The timer's warm-up rebalance is due at ``t`` (as ``timer.warmup_due``), without
-        a pass over every worker at every push: until the first rates are all known, a
-        worker found busy without a rate (``unknown``) answers no for as long as it stays
-        so; once they are known, the timer reads no workers at all."""
-        timer, known = self.timer, self.balancer.rate_known
-        if timer.warmup_gap is not None:
-            return timer.warmup_due(t, (), known)
-        w = self.unknown
-        if w is not None and w.present and not w.idle and not known(w.rank):
-            return False
-        present = self._present()
-        if timer.warmup_due(t, present, known):
-            return True
-        self.unknown = next((o for o in present if not o.idle and not known(o.rank)), None)
-        return False
 
     def _hold(self, w: SimWorker, task, lo: int, hi: int, t: float) -> None:
         """Sync: w's gradient is summed into the round; the round is applied when no
@@ -355,6 +338,30 @@ class Engine:
             w.epoch_busy += w.comm
             self._start(w, reply)
         self._count_moves()
+
+
+class WarmupCheck:
+    """``timer.warmup_due`` at every push without a pass over every worker each time: until
+    the first rates are all known, a busy worker found without one (``unknown``) answers no
+    for as long as it stays so; once they are known, the timer reads no workers at all."""
+
+    def __init__(self, timer: RebalanceTimer, rate_known):
+        self.timer, self.known = timer, rate_known
+        self.unknown: Optional[SimWorker] = None
+
+    def due(self, t: float, present) -> bool:
+        """As ``timer.warmup_due(t, present(), rate_known)``."""
+        timer, known = self.timer, self.known
+        if timer.warmup_gap is not None:
+            return timer.warmup_due(t, (), known)
+        w = self.unknown
+        if w is not None and w.present and not w.idle and not known(w.rank):
+            return False
+        workers = present()
+        if timer.warmup_due(t, workers, known):
+            return True
+        self.unknown = next((o for o in workers if not o.idle and not known(o.rank)), None)
+        return False
 
 
 def summarize(engine: Engine) -> dict:

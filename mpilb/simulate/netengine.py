@@ -17,7 +17,10 @@ replaced by the cluster's layout (async updates):
 - the worker's next step starts when every slice of the reply has arrived; with
   ``--pipeline 1`` (async's default, as for `train`) it computes the next batch while its
   push travels, from what it holds when it pushes (announced to rank 0 as the push's
-  NEXT_SHARD/NEXT_HI), and pushes it when both the batch and the reply are there;
+  NEXT_SHARD/NEXT_HI), and pushes it when both the batch and the reply are there; a push
+  whose slices are over ``--eager-bytes`` (MPICH's rendezvous) leaves only when that batch
+  is computed: the worker makes no MPI calls while it computes, so nothing moves its
+  message on (there is no progress thread);
 - a worker owed nothing goes idle when rank 0 sends it that reply (as the server's peers
   do), so an epoch's start or a move wakes it while that reply is still on its way; the
   wake is a reply of its own (the parameters again), sent once the first has arrived.
@@ -32,7 +35,7 @@ from mpilb.simulate.engine import Engine, summarize
 from mpilb.simulate.workers import PUSH, REBALANCE, SimWorker
 from mpilb.simulate.network import WIRE_BYTES, Fabric, Layout, Topology
 
-ARRIVE, STORE_SEND, REPLY = 0, 1, 2
+ARRIVE, STORE_SEND, REPLY, SEND = 0, 1, 2, 3
 
 
 class _Batch:
@@ -92,6 +95,8 @@ class NetEngine(Engine):
         self.store_busy = [0.0] * len(groups)
         self.node = layout.node_of
         # per node, per group: (stores elsewhere, their bytes, bytes of the store on the node)
+        # a push of slices this large moves only while its worker waits in MPI
+        self.rendezvous = wire * max(floats) > cfg.eager_bytes
         self.plan = {}
         for node in {self.node[r] for r in ranks}:
             rows = []
@@ -234,13 +239,23 @@ class NetEngine(Engine):
 
     def _push(self, w: SimWorker, batch: _Batch, t: float) -> None:
         """w pushes ``batch`` at ``t``: its slices leave for the stores; pipelined, it
-        starts its next batch."""
-        fab, topo, a = self.fabric, self.topo, self.node[w.rank]
-        plan = self.plan[a]
+        starts its next batch (and a rendezvous push leaves once that is computed)."""
+        plan = self.plan[self.node[w.rank]]
         del self.computing[w.rank]
         flight = self.flight[w.rank] = _InFlight(t, len(plan), batch)
         if self.cfg.pipeline:
             flight.ahead = self._compute(w, t, (batch.task, batch.hi))
+            if flight.ahead is not None and self.rendezvous:
+                self.fabric.later(flight.ahead.done, (SEND, w.rank, 0))
+                return
+        self._send(w, t)
+
+    def _send(self, w: SimWorker, t: float) -> None:
+        """w's push moves from ``t``: the slices to other nodes through its node's ``up``
+        link and the store nodes' ``down``, the one to its own node's store through shared
+        memory."""
+        fab, topo, a = self.fabric, self.topo, self.node[w.rank]
+        plan = self.plan[a]
         far_bytes = sum(row[1] for row in plan)
         up = fab.flow(t, topo.up[a], far_bytes) if far_bytes else None
         for g, (m, far, near) in enumerate(plan):
@@ -260,6 +275,8 @@ class NetEngine(Engine):
                 self._decide(w, flight, t)
             elif flight.decided is not None:
                 self._apply(w, g, max(t, flight.decided + self.fabric.latency))
+        elif what == SEND:
+            self._send(w, t)
         elif what == STORE_SEND:
             fab, topo, a = self.fabric, self.topo, self.node[rank]
             m, far, near = self.plan[a][g]
