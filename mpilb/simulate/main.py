@@ -56,8 +56,9 @@ def add_arguments(p) -> None:
     net.add_argument("--pipeline", type=int, choices=(0, 1), help="1: a worker computes its "
                      "next batch while its push travels (default: 1, as train's async; --from: "
                      "the run's)")
-    net.add_argument("--eager-bytes", type=float, metavar="B", help="a push of larger slices "
-                     "moves only while its worker waits in MPI, not while it computes "
+    net.add_argument("--eager-bytes", type=float, metavar="B", help="a push across the "
+                     "network with larger slices moves only while its worker waits in MPI, "
+                     "not while it computes "
                      "(rendezvous, no progress thread; default 65536; inf: always)")
     net.add_argument("--wire", metavar="fp32|bf16|fp16[,...]",
                      help="bytes per float on the wire: 4, 2, 2 (default fp32)")

@@ -18,9 +18,10 @@ replaced by the cluster's layout (async updates):
   ``--pipeline 1`` (async's default, as for `train`) it computes the next batch while its
   push travels, from what it holds when it pushes (announced to rank 0 as the push's
   NEXT_SHARD/NEXT_HI), and pushes it when both the batch and the reply are there; a push
-  whose slices are over ``--eager-bytes`` (MPICH's rendezvous) leaves only when that batch
-  is computed: the worker makes no MPI calls while it computes, so nothing moves its
-  message on (there is no progress thread);
+  that crosses the network with slices over ``--eager-bytes`` (MPICH's rendezvous over
+  TCP) leaves only when that batch is computed: the worker makes no MPI calls while it
+  computes, so nothing moves its message on (there is no progress thread); through shared
+  memory a store reads a message itself, so a push within a node leaves at once;
 - a worker owed nothing goes idle when rank 0 sends it that reply (as the server's peers
   do), so an epoch's start or a move wakes it while that reply is still on its way; the
   wake is a reply of its own (the parameters again), sent once the first has arrived.
@@ -106,6 +107,9 @@ class NetEngine(Engine):
                 rows.append((len(far), wire * sum(floats[s] for s in far),
                              wire * sum(floats[s] for s in near)))
             self.plan[node] = rows
+        # pushes from these nodes cross the network (within a node, through shared memory,
+        # a store reads a message itself: it moves at once)
+        self.crosses = {node: any(row[0] for row in rows) for node, rows in self.plan.items()}
         self.flight: dict[int, _InFlight] = {}     # rank -> its push or reply on the way
         self.computing: dict[int, _Batch] = {}     # rank -> the batch it computes (or holds)
         self.stray = 0     # samples pushed outside the pusher's task (never, by the cut rule)
@@ -240,12 +244,13 @@ class NetEngine(Engine):
     def _push(self, w: SimWorker, batch: _Batch, t: float) -> None:
         """w pushes ``batch`` at ``t``: its slices leave for the stores; pipelined, it
         starts its next batch (and a rendezvous push leaves once that is computed)."""
-        plan = self.plan[self.node[w.rank]]
+        a = self.node[w.rank]
+        plan = self.plan[a]
         del self.computing[w.rank]
         flight = self.flight[w.rank] = _InFlight(t, len(plan), batch)
         if self.cfg.pipeline:
             flight.ahead = self._compute(w, t, (batch.task, batch.hi))
-            if flight.ahead is not None and self.rendezvous:
+            if flight.ahead is not None and self.rendezvous and self.crosses[a]:
                 self.fabric.later(flight.ahead.done, (SEND, w.rank, 0))
                 return
         self._send(w, t)

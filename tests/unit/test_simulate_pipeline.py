@@ -113,3 +113,19 @@ def test_the_engines_rebalance_as_the_server_does_while_the_first_rates_settle()
         gaps = [b - a for a, b in zip(times, times[1:])]
         assert gaps[0] == pytest.approx(WARMUP_FIRST_S, rel=0.2)
         assert gaps[1] == pytest.approx(2 * WARMUP_FIRST_S, rel=0.2)
+
+
+def test_a_push_within_a_node_moves_while_its_worker_computes():
+    # through shared memory the store reads the message itself: the rendezvous rule is for
+    # pushes that cross the network only, so a worker beside its store still overlaps
+    spec = NetSpec(1, [2], parse_rates("1gbit", 1), shm_bps=125e6)   # a copy as long as a batch
+    profiles = [C.constant(36600, 0.0, C.READ_MBPS * 1e6) for _ in range(2)]
+    res = {}
+    for pipeline in (0, 1):
+        cfg = SimConfig(balancer="load", params=269322, batch=512, epochs=1, pipeline=pipeline)
+        res[pipeline] = NetEngine(cfg, profiles, [1250] * 8, layout=Layout(spec, 1)).run()
+    assert res[1]["epoch_s"] < 0.8 * res[0]["epoch_s"]
+    cfg = SimConfig(balancer="load", params=269322, batch=512, epochs=1, pipeline=1,
+                    eager_bytes=math.inf)
+    free = NetEngine(cfg, profiles, [1250] * 8, layout=Layout(spec, 1)).run()
+    assert free["epoch_s"] == res[1]["epoch_s"]
