@@ -269,3 +269,23 @@ def test_a_few_stores_are_simulated_apart():
         return NetEngine(cfg, profiles, [10] * 60, layout=Layout(spec, 2)).run()["updates_per_s"]
     assert rate([GBIT] * 3) == pytest.approx(rate([GBIT, GBIT * 1.00001, GBIT * 1.00002]), rel=1e-3)
     assert rate([GBIT] * 3) < 33
+
+
+def test_a_store_applies_pushes_in_rank_0s_order():
+    # SliceRank takes rank 0's commands in order and waits for each slice: a slice on its
+    # way holds up a later push whose slice is there already
+    from mpilb.simulate.netengine import _InFlight
+
+    eng = engine(3, [1, 2, 2], 2, node_of=[0, 1, 1, 2, 2])
+    g = 1 - eng.g0
+    first, second = _InFlight(0.0, 2), _InFlight(0.0, 2)
+    first.decided, second.decided = 1.0, 1.1
+    w3, w4 = eng.workers[3], eng.workers[4]
+    eng.commands[g].extend([(w3, first), (w4, second)])
+    second.arrived[g] = 1.2
+    eng._serve(g)
+    assert eng.store_busy[g] == 0.0 and len(eng.commands[g]) == 2   # waits for the first
+    first.arrived[g] = 2.0
+    eng._serve(g)
+    assert not eng.commands[g]
+    assert eng.free[g] == pytest.approx(2.0 + 2 * eng.service[g])
