@@ -56,10 +56,6 @@ def add_arguments(p) -> None:
     net.add_argument("--pipeline", type=int, choices=(0, 1), help="1: a worker computes its "
                      "next batch while its push travels (default: 1, as train's async; --from: "
                      "the run's)")
-    net.add_argument("--eager-bytes", type=float, metavar="B", help="a push across the "
-                     "network with larger slices moves only while its worker waits in MPI, "
-                     "not while it computes "
-                     "(rendezvous, no progress thread; default 65536; inf: always)")
     net.add_argument("--wire", metavar="fp32|bf16|fp16[,...]",
                      help="bytes per float on the wire: 4, 2, 2 (default fp32)")
     p.add_argument("--read-mbps", type=float, default=None, help="shard reads, MB/s (default 1000)")
@@ -114,9 +110,8 @@ def run_simulate(args) -> int:
     servers = [servers_count(v, spec.nodes if spec else None)
                for v in _list(args.servers, str(base.pop("servers", 1)), "servers")]
     wires = _list(args.wire, "fp32", "wire", WIRE_BYTES)
-    for given, opt in ((args.wire, "--wire"), (args.eager_bytes, "--eager-bytes")):
-        if spec is None and given is not None:
-            raise UsageError(f"{opt} needs a network: give --nodes (or --link-rate with --from)")
+    if spec is None and args.wire is not None:
+        raise UsageError("--wire needs a network: give --nodes (or --link-rate with --from)")
     if spec is not None and "sync" in modes:
         raise UsageError("--mode sync on a network (--nodes/--link-rate) is not simulated yet: "
                          "drop the network options for sync rounds")
@@ -221,10 +216,6 @@ def _clusters(args):
         cfg["jitter"] = args.jitter
     if args.pipeline is not None:
         cfg["pipeline"] = args.pipeline
-    if args.eager_bytes is not None:
-        if not args.eager_bytes >= 0:
-            raise UsageError(f"--eager-bytes must be >= 0 (got {args.eager_bytes})")
-        cfg["eager_bytes"] = args.eager_bytes
     if args.sit_out is not None:
         cfg["sit_out"] = bool(args.sit_out)
     if args.server_gbps is not None:

@@ -17,11 +17,7 @@ replaced by the cluster's layout (async updates):
 - the worker's next step starts when every slice of the reply has arrived; with
   ``--pipeline 1`` (async's default, as for `train`) it computes the next batch while its
   push travels, from what it holds when it pushes (announced to rank 0 as the push's
-  NEXT_SHARD/NEXT_HI), and pushes it when both the batch and the reply are there; a push
-  that crosses the network with slices over ``--eager-bytes`` (MPICH's rendezvous over
-  TCP) leaves only when that batch is computed: the worker makes no MPI calls while it
-  computes, so nothing moves its message on (there is no progress thread); through shared
-  memory a store reads a message itself, so a push within a node leaves at once;
+  NEXT_SHARD/NEXT_HI), and pushes it when both the batch and the reply are there;
 - a worker owed nothing goes idle when rank 0 sends it that reply (as the server's peers
   do), so an epoch's start or a move wakes it while that reply is still on its way; the
   wake is a reply of its own (the parameters again), sent once the first has arrived.
@@ -37,7 +33,7 @@ from mpilb.simulate.engine import Engine, summarize
 from mpilb.simulate.workers import PUSH, REBALANCE, SimWorker
 from mpilb.simulate.network import WIRE_BYTES, Fabric, Layout, Topology
 
-ARRIVE, STORE_SEND, REPLY, SEND = 0, 1, 2, 3
+ARRIVE, STORE_SEND, REPLY = 0, 1, 2
 
 
 class _Batch:
@@ -100,8 +96,6 @@ class NetEngine(Engine):
         self.store_busy = [0.0] * len(groups)
         self.node = layout.node_of
         # per node, per group: (stores elsewhere, their bytes, bytes of the store on the node)
-        # a push of slices this large moves only while its worker waits in MPI
-        self.rendezvous = wire * max(floats) > cfg.eager_bytes
         self.plan = {}
         for node in {self.node[r] for r in ranks}:
             rows = []
@@ -111,9 +105,6 @@ class NetEngine(Engine):
                 rows.append((len(far), wire * sum(floats[s] for s in far),
                              wire * sum(floats[s] for s in near)))
             self.plan[node] = rows
-        # pushes from these nodes cross the network (within a node, through shared memory,
-        # a store reads a message itself: it moves at once)
-        self.crosses = {node: any(row[0] for row in rows) for node, rows in self.plan.items()}
         self.flight: dict[int, _InFlight] = {}     # rank -> its push or reply on the way
         self.computing: dict[int, _Batch] = {}     # rank -> the batch it computes (or holds)
         self.stray = 0     # samples pushed outside the pusher's task (never, by the cut rule)
@@ -247,16 +238,13 @@ class NetEngine(Engine):
 
     def _push(self, w: SimWorker, batch: _Batch, t: float) -> None:
         """w pushes ``batch`` at ``t``: its slices leave for the stores; pipelined, it
-        starts its next batch (and a rendezvous push leaves once that is computed)."""
+        starts its next batch."""
         a = self.node[w.rank]
         plan = self.plan[a]
         del self.computing[w.rank]
         flight = self.flight[w.rank] = _InFlight(t, len(plan), batch)
         if self.cfg.pipeline:
             flight.ahead = self._compute(w, t, (batch.task, batch.hi))
-            if flight.ahead is not None and self.rendezvous and self.crosses[a]:
-                self.fabric.later(flight.ahead.done, (SEND, w.rank, 0))
-                return
         self._send(w, t)
 
     def _send(self, w: SimWorker, t: float) -> None:
@@ -284,8 +272,6 @@ class NetEngine(Engine):
                 self._decide(w, flight, t)
             else:
                 self._serve(g)
-        elif what == SEND:
-            self._send(w, t)
         elif what == STORE_SEND:
             fab, topo, a = self.fabric, self.topo, self.node[rank]
             m, far, near = self.plan[a][g]

@@ -40,8 +40,6 @@ class SimConfig:
     pipeline: int = 0         # --pipeline 1: compute the next batch while a push travels
                               # (a network model only)
     jitter: float = 0.0       # sigma of a lognormal factor (mean 1) on each step's compute
-    eager_bytes: float = 65536.0   # a message of more moves only while its sender waits in
-                                   # MPI (rendezvous; a network model only)
     inject: list = field(default_factory=list)   # parsed InjectRule objects
 
 
