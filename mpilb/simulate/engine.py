@@ -97,6 +97,7 @@ class Engine:
         self.updates = 0
         self.lost: list[int] = []
         self.epochs: list[dict] = []
+        self.warmup = WarmupCheck(self.timer, self.balancer.rate_known)
 
     # ------------------------------------------------------------------ helpers
     def _at(self, t: float, kind: int, rank: int = 0) -> None:
@@ -299,7 +300,7 @@ class Engine:
             w.ready.pop(read_key(finished), None)
         if self.first_sizes.due_after_step(w.step, self._present):
             self._rebalance(t)
-        elif self.timer.warmup_due(t, self._present(), self.balancer.rate_known):
+        elif self.warmup.due(t, self._present):
             self._rebalance(t)
         return task, lo, hi
 
@@ -337,6 +338,30 @@ class Engine:
             w.epoch_busy += w.comm
             self._start(w, reply)
         self._count_moves()
+
+
+class WarmupCheck:
+    """``timer.warmup_due`` at every push without a pass over every worker each time: until
+    the first rates are all known, a busy worker found without one (``unknown``) answers no
+    for as long as it stays so; once they are known, the timer reads no workers at all."""
+
+    def __init__(self, timer: RebalanceTimer, rate_known):
+        self.timer, self.known = timer, rate_known
+        self.unknown: Optional[SimWorker] = None
+
+    def due(self, t: float, present) -> bool:
+        """As ``timer.warmup_due(t, present(), rate_known)``."""
+        timer, known = self.timer, self.known
+        if timer.warmup_gap is not None:
+            return timer.warmup_due(t, (), known)
+        w = self.unknown
+        if w is not None and w.present and not w.idle and not known(w.rank):
+            return False
+        workers = present()
+        if timer.warmup_due(t, workers, known):
+            return True
+        self.unknown = next((o for o in workers if not o.idle and not known(o.rank)), None)
+        return False
 
 
 def summarize(engine: Engine) -> dict:

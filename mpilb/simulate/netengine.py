@@ -26,6 +26,7 @@ replaced by the cluster's layout (async updates):
 from __future__ import annotations
 
 import heapq
+from collections import deque
 
 from mpilb.errors import UsageError
 from mpilb.simulate.engine import Engine, summarize
@@ -89,6 +90,9 @@ class NetEngine(Engine):
         groups = topo.groups
         self.service = [cfg.apply_s + 8.0 * max(floats[s] for s in g) * per_byte for g in groups]
         self.free = [0.0] * len(groups)
+        # per group of stores but rank 0's: the pushes rank 0 decided, in its order, not
+        # applied yet (a store takes rank 0's commands in order, and waits for each slice)
+        self.commands = [deque() for _ in groups]
         self.store_busy = [0.0] * len(groups)
         self.node = layout.node_of
         # per node, per group: (stores elsewhere, their bytes, bytes of the store on the node)
@@ -235,12 +239,20 @@ class NetEngine(Engine):
     def _push(self, w: SimWorker, batch: _Batch, t: float) -> None:
         """w pushes ``batch`` at ``t``: its slices leave for the stores; pipelined, it
         starts its next batch."""
-        fab, topo, a = self.fabric, self.topo, self.node[w.rank]
+        a = self.node[w.rank]
         plan = self.plan[a]
         del self.computing[w.rank]
         flight = self.flight[w.rank] = _InFlight(t, len(plan), batch)
         if self.cfg.pipeline:
             flight.ahead = self._compute(w, t, (batch.task, batch.hi))
+        self._send(w, t)
+
+    def _send(self, w: SimWorker, t: float) -> None:
+        """w's push moves from ``t``: the slices to other nodes through its node's ``up``
+        link and the store nodes' ``down``, the one to its own node's store through shared
+        memory."""
+        fab, topo, a = self.fabric, self.topo, self.node[w.rank]
+        plan = self.plan[a]
         far_bytes = sum(row[1] for row in plan)
         up = fab.flow(t, topo.up[a], far_bytes) if far_bytes else None
         for g, (m, far, near) in enumerate(plan):
@@ -258,8 +270,8 @@ class NetEngine(Engine):
             flight.arrived[g] = t
             if g == self.g0:
                 self._decide(w, flight, t)
-            elif flight.decided is not None:
-                self._apply(w, g, max(t, flight.decided + self.fabric.latency))
+            else:
+                self._serve(g)
         elif what == STORE_SEND:
             fab, topo, a = self.fabric, self.topo, self.node[rank]
             m, far, near = self.plan[a][g]
@@ -298,7 +310,6 @@ class NetEngine(Engine):
                               ahead.hi if ahead is not None else 0)
         tasks = self.ledger.tasks(w.rank)
         flight.decided = t
-        lat = self.fabric.latency
         if tasks and tasks[0] is batch.task and batch.lo == batch.task.pos:
             task, lo, hi = self._received(w, t)
             self.running += 1            # (the engine's count: _received took it back)
@@ -307,13 +318,28 @@ class NetEngine(Engine):
         else:
             self.stray += w.n            # outside its task: dropped, as the server does
         done = self._apply(w, self.g0, t)
-        for g, arrived in enumerate(flight.arrived):
-            if g != self.g0 and arrived is not None:
-                self._apply(w, g, max(arrived, t + lat))
+        for g, queue in enumerate(self.commands):
+            if g != self.g0:
+                queue.append((w, flight))
+                self._serve(g)
         if self._applied(w, done):
             return
         if not self.ledger.tasks_ledger.of[w.rank].owed and w.rank not in self.computing:
             w.go_idle()
+
+    def _serve(self, g: int) -> None:
+        """Group g's stores take rank 0's commands in its order: each push's slice is
+        applied once it is there and its command too (one latency after rank 0 decided),
+        and a slice still on its way holds up the pushes decided after it, as
+        ``SliceRank`` waits for each gradient in turn."""
+        queue, lat = self.commands[g], self.fabric.latency
+        while queue:
+            w, flight = queue[0]
+            arrived = flight.arrived[g]
+            if arrived is None:
+                return
+            queue.popleft()
+            self._apply(w, g, max(arrived, flight.decided + lat))
 
     def _apply(self, w: SimWorker, g: int, ready: float) -> float:
         """Group g's stores apply w's slices once ``ready``; their replies leave when applied."""

@@ -150,10 +150,17 @@ class Topology:
     (each flow at most one link's rate per unit of its weight: a flow spread over m of the
     group's links has weight m), one CPU queue, one reply per push. The links of a store's
     node are its group's: the node's workers push and receive through them as well.
+    Up to ``APART`` stores (or with ``group=False``) every store is a group of its own:
+    grouping is exact for one store per group only, and with a few stores each store's own
+    links are cheap to simulate.
     """
 
-    def __init__(self, layout: Layout):
+    APART = 8
+
+    def __init__(self, layout: Layout, group: bool | None = None):
         spec = layout.spec
+        if group is None:
+            group = layout.k > self.APART
         n = spec.nodes
         rates, caps = [], []
 
@@ -165,7 +172,7 @@ class Topology:
         self.shm = [resource(spec.shm_bps) for _ in range(n)]
         by_rate: dict[float, list[int]] = {}
         for s, node in enumerate(layout.store_nodes):
-            by_rate.setdefault(spec.link_bps[node], []).append(s)
+            by_rate.setdefault(spec.link_bps[node] if group else s, []).append(s)
         self.groups = sorted(by_rate.values())          # store indices per group
         self.group_of_store = [0] * layout.k
         self.up, self.down = [0] * n, [0] * n

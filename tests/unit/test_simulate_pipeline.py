@@ -45,15 +45,17 @@ def test_pipelined_coverage_is_exact_and_no_batch_strays(balancer):
     assert eng.stray == 0   # no batch computed ahead crossed a cut it had not heard of
 
 
-def test_computing_while_the_push_travels_is_faster():
-    # one worker on n1: 14 ms of compute per batch, ~18 ms for the push and its reply;
-    # pipelined, a step takes the longer of the two instead of their sum
+def one_worker(pipeline, **kw):
+    """One worker on n1: 14 ms of compute per batch, ~18 ms for the push and its reply."""
     spec = NetSpec(2, [1, 1], parse_rates("1gbit", 2))
     profiles = [C.constant(36600, 0.0, C.READ_MBPS * 1e6) for _ in range(2)]
-    res = {}
-    for pipeline in (0, 1):
-        cfg = SimConfig(balancer="load", params=269322, batch=512, epochs=1, pipeline=pipeline)
-        res[pipeline] = NetEngine(cfg, profiles, [1250] * 8, layout=Layout(spec, 1)).run()
+    cfg = SimConfig(balancer="load", params=269322, batch=512, epochs=1, pipeline=pipeline, **kw)
+    return NetEngine(cfg, profiles, [1250] * 8, layout=Layout(spec, 1)).run()
+
+
+def test_computing_while_the_push_travels_is_faster():
+    # pipelined, a step takes the longer of the two instead of their sum
+    res = {p: one_worker(p) for p in (0, 1)}
     assert res[1]["epoch_s"] < 0.65 * res[0]["epoch_s"]
     assert res[1]["network"]["comm_share"] < res[0]["network"]["comm_share"]
 
@@ -97,3 +99,4 @@ def test_the_engines_rebalance_as_the_server_does_while_the_first_rates_settle()
         gaps = [b - a for a, b in zip(times, times[1:])]
         assert gaps[0] == pytest.approx(WARMUP_FIRST_S, rel=0.2)
         assert gaps[1] == pytest.approx(2 * WARMUP_FIRST_S, rel=0.2)
+
