@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import socket
 import time
 
 from mpilb.errors import MpilbError, UsageError
@@ -90,7 +91,7 @@ def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
     request = os.path.join(where, f"{JOIN_PREFIX}{os.getpid()}")
     try:
         os.makedirs(where, mode=0o700, exist_ok=True)
-        write_atomically(request, "")
+        write_atomically(request, f"{socket.gethostname()} {os.getpid()}\n")
     except OSError as exc:
         raise UsageError(f"{log}: cannot write the request beside the run log ({exc.strerror})") from None
     deadline = time.monotonic() + wait_s
@@ -109,7 +110,7 @@ def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
         raise UsageError(f"{log}: refused: the run has ended")
     from mpilb.run.worker_join import run_joined
 
-    return run_joined(json.loads(attrs["config"]), port, request)
+    return run_joined(json.loads(attrs["config"]), port, request, log)
 
 
 def _written_now(log: str) -> bool:

@@ -9,10 +9,13 @@ import os
 import sys
 import time
 
+from mpilb.errors import MpilbError, UsageError
 from mpilb.runfiles.requests import answer_of
 
+CONNECT_TIMEOUT_S = 60.0   # rank 0 accepts or drops a joiner well within this (server/admission.py)
 
-def run_joined(values: dict, port: str, request: str) -> int:
+
+def run_joined(values: dict, port: str, request: str, log: str = "") -> int:
     """Join the run whose configuration is `values` at MPI port `port`; returns the exit code."""
     from mpilb.config.sections import Config
     from mpilb.data.dataset import open_dataset
@@ -23,7 +26,18 @@ def run_joined(values: dict, port: str, request: str) -> int:
     cfg = Config.from_values(values)
     cfg.store_ranks = (0,)   # (joins are taken with one store only: server/admission.py)
     dataset = hold_out_validation(cfg.inputs, open_dataset(values["data"], check_files=False))
-    comm = joining.connect(port)
+    comm = joining.connect(port, CONNECT_TIMEOUT_S)
+    if comm is None:
+        answer = answer_of(request)
+        for stale in (request + ".connecting", request + ".answer"):
+            try:
+                os.unlink(stale)   # (rank 0 must not accept it now: mpi/joining.py)
+            except OSError:
+                pass
+        if answer is not None and answer.startswith("refused"):
+            raise UsageError(f"{log}: {answer}")
+        raise MpilbError(f"{log}: rank 0 did not accept this joiner within {CONNECT_TIMEOUT_S:g} s "
+                         f"(is it stopped?)")
     deadline = time.monotonic() + 10.0
     while (answer := answer_of(request)) is None and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -1,0 +1,168 @@
+"""Joins that fail (docs/membership.md, "When a join fails"): a joiner that dies at any stage
+of its admission never holds rank 0 up, two joins at once are both taken, and requests the
+run cannot take are one line, exit 2. Every run ends with exact coverage.
+
+The early stages are played by the test itself through the file handshake (a request file
+naming a process that the test then kills, or one that never connects), so that each stage
+is hit exactly; the later ones by a real `mpilb join`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+
+import pytest
+
+import mpirun
+from mpilb.runfiles.requests import requests_dir
+from test_membership import check_finished_exactly, data, finish, rank_pid, start  # noqa: F401
+
+pytestmark = pytest.mark.mpi
+
+
+def wait_for(path: str, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.01)
+
+
+def announce(log, pid: int) -> str:
+    """What `mpilb join` writes first: its request, naming its host and process."""
+    where = requests_dir(str(log))
+    os.makedirs(where, mode=0o700, exist_ok=True)
+    path = os.path.join(where, f"join-{pid}")
+    with open(path + ".tmp", "w") as fh:
+        fh.write(f"{socket.gethostname()} {pid}\n")
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def stand_in() -> subprocess.Popen:
+    """A process that plays a joiner: it never calls MPI."""
+    return subprocess.Popen(["sleep", "600"])
+
+
+def kill(proc: subprocess.Popen) -> None:
+    proc.kill()
+    proc.wait(timeout=10)
+
+
+def exact(log, data, status):
+    """The run ended `status` with every sample of every epoch applied once."""
+    from mpilb.data.dataset import open_dataset
+    from mpilb.runfiles.runlog import read_columns
+
+    attrs, cols = read_columns(str(log))
+    assert attrs["status"] == status
+    cov = mpirun.recomputed_coverage(str(log), open_dataset(data).shard_sizes)
+    assert cov["missing"] == 0 and cov["duplicates"] == 0, cov
+    return attrs, cols
+
+
+def joiner(log) -> subprocess.Popen:
+    return subprocess.Popen(mpirun.mpilb_cmd(1, "join", str(log)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=mpirun.env(),
+                            start_new_session=True)
+
+
+def test_a_joiner_that_dies_before_it_connects_never_holds_rank_0(data, tmp_path):  # noqa: F811
+    """Three stand-ins, each hit at one stage, on one run: (a) killed after its request was
+    offered a port, (b) killed after it said it connects (before, rank 0 then waited in
+    MPI_Comm_accept for ever: the run never ended), (c) alive and saying it connects but
+    never calling MPI_Comm_connect (rank 0's accept gives up after its timeout). Each is
+    dropped with one line on rank 0's stderr; the run ends finished, exit 0, exact coverage,
+    no join in members/, nothing left beside the log."""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 30)
+    try:
+        mpirun.wait_training(str(log), proc)
+        gone = stand_in()
+        request = announce(log, gone.pid)
+        wait_for(request + ".port")
+        kill(gone)
+        said = stand_in()
+        request = announce(log, said.pid)
+        wait_for(request + ".port")
+        kill(said)
+        with open(request + ".connecting", "w"):
+            pass
+        silent = stand_in()
+        request = announce(log, silent.pid)
+        wait_for(request + ".port")
+        with open(request + ".connecting", "w"):
+            pass
+        assert silent.wait(timeout=30) == -signal.SIGKILL   # (a late connection would harm)
+        assert proc.poll() is None
+    finally:
+        code, out, err = finish(proc, timeout=180)
+    assert code == 0, err
+    attrs, cols = check_finished_exactly(log, data)
+    assert len(cols["members"]["event"]) == 0
+    dropped = [line for line in err.splitlines() if "join" in line and "dropped" in line]
+    assert len(dropped) == 3, err
+    assert f"pid {gone.pid}" in dropped[0] and f"pid {said.pid}" in dropped[1], dropped
+    assert "within" in dropped[2], dropped
+    assert not os.path.exists(requests_dir(str(log)))
+
+
+def test_a_joiner_killed_in_connect_while_rank_0_is_held(data, tmp_path):  # noqa: F811
+    """Rank 0 stopped (SIGSTOP) while a real joiner writes that it connects and calls
+    MPI_Comm_connect; the joiner is then killed and rank 0 let go on. Its connection request
+    waits at rank 0 from a process that is gone: accepting it would end rank 0 (MPICH's UCX
+    transport crashed, measured: signal 11, when it answered a connector that had ended).
+    Rank 0 sees the process gone and drops the join: the run ends finished, exit 0, exact."""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 30)
+    try:
+        mpirun.wait_training(str(log), proc)
+        server = rank_pid(log, 0)
+        j = joiner(log)
+        where = requests_dir(str(log))
+        deadline = time.monotonic() + 60
+        while not any(n.endswith(".port") for n in os.listdir(where) if os.path.isdir(where)):
+            assert time.monotonic() < deadline and j.poll() is None
+            time.sleep(0.005)
+        os.kill(server, signal.SIGSTOP)
+        try:
+            connecting = [n for n in os.listdir(where) if n.endswith(".port")][0]
+            wait_for(os.path.join(where, connecting.replace(".port", ".connecting")), 30.0)
+            time.sleep(1.0)   # (it is in MPI_Comm_connect now: its request sent)
+            os.killpg(j.pid, signal.SIGKILL)
+            j.wait(timeout=10)
+        finally:
+            os.kill(server, signal.SIGCONT)
+    finally:
+        code, out, err = finish(proc, timeout=180)
+    assert code == 0, err
+    attrs, cols = check_finished_exactly(log, data)
+    assert len(cols["members"]["event"]) == 0
+    assert "dropped" in err, err
+
+
+def test_a_joiner_killed_after_its_admission(data, tmp_path):  # noqa: F811
+    """Killed as soon as it says it joined (before or just after its first push): it is a
+    lost worker like any other (after --worker-timeout): the run ends degraded, exit 3,
+    with exact coverage; members/ holds its join and its loss."""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 30, "--worker-timeout", "5")
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+        deadline = time.monotonic() + 90
+        for line in j.stderr:
+            if "joined as worker" in line:
+                break
+            assert time.monotonic() < deadline
+        os.killpg(j.pid, signal.SIGKILL)
+        j.wait(timeout=10)
+    finally:
+        code, out, err = finish(proc, timeout=240)
+    assert code == 3, err
+    attrs, cols = exact(log, data, "degraded")
+    m = cols["members"]
+    assert list(m["event"]) == ["join", "lost"] and list(m["worker"]) == [3, 3], m
+    assert attrs["summary"]["lost_workers"] == [3]
