@@ -5,9 +5,11 @@ once more (mpi/departure.py) and disconnects, so that both launches end with exi
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 from mpilb.errors import MpilbError, UsageError
 from mpilb.runfiles.requests import answer_of
@@ -15,17 +17,41 @@ from mpilb.runfiles.requests import answer_of
 CONNECT_TIMEOUT_S = 60.0   # rank 0 accepts or drops a joiner well within this (server/admission.py)
 
 
-def run_joined(values: dict, port: str, request: str, log: str = "") -> int:
-    """Join the run whose configuration is `values` at MPI port `port`; returns the exit code."""
+@dataclass
+class Prepared:
+    """What a joiner has ready before it asks to join: its configuration (the run's), its
+    data, and what rank 0 compares with its own (the shards' sizes, the model's size)."""
+
+    cfg: object
+    dataset: object
+    num_params: int
+
+    def signature(self) -> str:
+        """The lines after "HOST PID" in the request (server/admission.py reads them)."""
+        return json.dumps({"shards": list(map(int, self.dataset.shard_sizes)),
+                           "params": int(self.num_params)})
+
+
+def prepare(values: dict) -> Prepared:
+    """Everything but MPI, done before the joiner says it connects: then it connects at
+    once, and rank 0's MPI_Comm_accept waits only for that (server/admission.py)."""
     from mpilb.config.sections import Config
     from mpilb.data.dataset import open_dataset
-    from mpilb.mpi import departure, joining
-    from mpilb.run.components import hold_out_validation
-    from mpilb.worker.loop import Worker
+    from mpilb.run.components import config_model, hold_out_validation
+    from mpilb.worker import loop  # noqa: F401  (imported now, not between connect and run)
 
     cfg = Config.from_values(values)
     cfg.store_ranks = (0,)   # (joins are taken with one store only: server/admission.py)
     dataset = hold_out_validation(cfg.inputs, open_dataset(values["data"], check_files=False))
+    return Prepared(cfg, dataset, config_model(cfg, dataset).num_params)
+
+
+def run_joined(ready: Prepared, port: str, request: str, log: str = "") -> int:
+    """Join the run at MPI port `port` with what `ready` holds; returns the exit code."""
+    from mpilb.mpi import departure, joining
+    from mpilb.worker.loop import Worker
+
+    cfg, dataset = ready.cfg, ready.dataset
     comm = joining.connect(port, CONNECT_TIMEOUT_S)
     if comm is None:
         answer = answer_of(request)

@@ -22,6 +22,7 @@ local`, `--mode sync|ssp`, and a joined worker leaving (docs/membership.md).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -87,14 +88,16 @@ def remove(*paths: str) -> None:
             pass
 
 
-def who_asks(path: str) -> tuple[str, int]:
-    """(host, pid) a request file names ("HOST PID"); ("", 0) where it names none."""
+def who_asks(path: str) -> tuple[str, int, dict]:
+    """(host, pid, what it brings) of a request file: "HOST PID", then a JSON line of the
+    joiner's shard sizes and model size (run/worker_join.py); ("", 0, {}) where it names none."""
     try:
         with open(path) as fh:
-            host, pid = fh.read().split()
-        return host, int(pid)
+            first, _, rest = fh.read().partition("\n")
+        host, pid = first.split()
+        return host, int(pid), (json.loads(rest) if rest.strip() else {})
     except (OSError, ValueError):
-        return "", 0
+        return "", 0, {}
 
 
 class Admissions:
@@ -143,6 +146,8 @@ class Admissions:
         cfg = s.cfg
         if s.stop.reason:
             return f"the run is stopping ({s.stop.reason})"
+        if not cfg.faults.join:
+            return "the run was started with --no-join: it takes no workers that join"
         if len(stores_of(cfg)) > 1:
             return "a run with --servers K > 1 takes no joins yet"
         if cfg.inputs.store == "local":
@@ -151,10 +156,23 @@ class Admissions:
             return f"a run with --mode {cfg.updates.mode} takes no joins yet (async only)"
         return ""
 
+    def mismatch(self, brings: dict) -> str:
+        """Why a joiner's data or model are not the run's ("" where they are, or unknown)."""
+        s = self.server
+        ours = list(map(int, s.tracker.shard_sizes))
+        if "shards" in brings and brings["shards"] != ours:
+            theirs = brings["shards"]
+            return (f"the joiner's data (--data {s.cfg.inputs.data}) is not the run's: "
+                    f"{len(theirs)} shards of {sum(theirs)} samples, the run's {len(ours)} of {sum(ours)}")
+        if "params" in brings and brings["params"] != s.model.num_params:
+            return (f"the joiner's model has {brings['params']} parameters, the run's "
+                    f"{s.model.num_params}: not the run's model")
+        return ""
+
     def offer(self, path: str) -> None:
         """A joiner asks: a port of its own, or why not."""
-        why = self.refusal()
-        host, pid = who_asks(path)
+        host, pid, brings = who_asks(path)
+        why = self.refusal() or self.mismatch(brings)
         if why:
             write_atomically(path + ".answer", f"refused: {why}\n")
         else:

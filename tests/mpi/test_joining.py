@@ -30,6 +30,13 @@ def wait_for(path: str, seconds: float = 30.0) -> None:
         time.sleep(0.01)
 
 
+def listing(where: str) -> list[str]:
+    try:
+        return os.listdir(where)
+    except FileNotFoundError:
+        return []
+
+
 def announce(log, pid: int) -> str:
     """What `mpilb join` writes first: its request, naming its host and process."""
     where = requests_dir(str(log))
@@ -123,7 +130,7 @@ def test_a_joiner_killed_in_connect_while_rank_0_is_held(data, tmp_path):  # noq
         j = joiner(log)
         where = requests_dir(str(log))
         deadline = time.monotonic() + 60
-        while not any(n.endswith(".port") for n in os.listdir(where) if os.path.isdir(where)):
+        while not any(n.endswith(".port") for n in listing(where)):
             assert time.monotonic() < deadline and j.poll() is None
             time.sleep(0.005)
         os.kill(server, signal.SIGSTOP)
@@ -166,3 +173,64 @@ def test_a_joiner_killed_after_its_admission(data, tmp_path):  # noqa: F811
     m = cols["members"]
     assert list(m["event"]) == ["join", "lost"] and list(m["worker"]) == [3, 3], m
     assert attrs["summary"]["lost_workers"] == [3]
+
+
+def test_two_joins_at_once(data, tmp_path):  # noqa: F811
+    """Two `mpilb join` started together are both taken, one after the other (a port each),
+    as workers 3 and 4; `mpiexec -n 2 mpilb join` is refused with one line, exit 2. The run
+    ends finished, exit 0, exact coverage."""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 40)
+    try:
+        mpirun.wait_training(str(log), proc)
+        two = subprocess.run(mpirun.mpilb_cmd(2, "join", str(log)), capture_output=True,
+                             text=True, env=mpirun.env(), timeout=120)
+        assert two.returncode == 2, two.stderr
+        assert "one joiner per launch" in two.stderr
+        assert len(two.stderr.strip().splitlines()) == 1, two.stderr
+        joiners = [joiner(log), joiner(log)]
+        ends = [finish(j) for j in joiners]
+    finally:
+        code, out, err = finish(proc)
+    assert [c for c, _, _ in ends] == [0, 0], ends
+    said = sorted(line for _, _, e in ends for line in e.splitlines() if "joined as worker" in line)
+    assert said == ["mpilb: joined as worker 3", "mpilb: joined as worker 4"], ends
+    assert code == 0, err
+    attrs, cols = check_finished_exactly(log, data)
+    m = cols["members"]
+    assert list(m["event"]) == ["join", "join"] and sorted(m["worker"]) == [3, 4]
+    assert {3, 4} <= {w["rank"] for w in attrs["summary"]["per_worker"]}
+
+
+def test_join_refusals(data, tmp_path):  # noqa: F811
+    """A run started with --no-join: `mpilb join` says so in one line, exit 2, and nothing is
+    written beside the log. A run of another user: one line, exit 2 (needs root)."""
+    log = tmp_path / "run.h5"
+    proc = start(2, data, log, 30, "--no-join")
+    try:
+        mpirun.wait_training(str(log), proc)
+        refused = mpirun.run(1, "join", str(log), timeout=60)
+        assert refused.returncode == 2, refused.stderr
+        assert "started with --no-join" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+        assert not os.path.exists(requests_dir(str(log)))
+        # a request written by hand (an older joiner) is refused by rank 0 too
+        request = announce(log, os.getpid())
+        wait_for(request + ".answer")
+        with open(request + ".answer") as fh:
+            assert "started with --no-join" in fh.read()
+        os.unlink(request + ".answer")
+    finally:
+        code, out, err = finish(proc)
+    assert code == 0, err
+    check_finished_exactly(log, data)
+    if os.getuid() == 0:
+        import shutil
+
+        other = tmp_path / "other.h5"
+        shutil.copy(log, other)
+        os.chown(other, 12345, 12345)
+        bad = mpirun.run(1, "join", str(other), timeout=60)
+        assert bad.returncode == 2 and "a run of another user (uid 12345)" in bad.stderr, bad.stderr
+        assert "only its owner can add workers to it" in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
