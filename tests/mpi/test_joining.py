@@ -37,13 +37,14 @@ def listing(where: str) -> list[str]:
         return []
 
 
-def announce(log, pid: int) -> str:
-    """What `mpilb join` writes first: its request, naming its host and process."""
+def announce(log, pid: int, brings: str = "") -> str:
+    """What `mpilb join` writes first: its request, naming its host and process (and the
+    JSON line of its shard sizes and model size)."""
     where = requests_dir(str(log))
     os.makedirs(where, mode=0o700, exist_ok=True)
     path = os.path.join(where, f"join-{pid}")
     with open(path + ".tmp", "w") as fh:
-        fh.write(f"{socket.gethostname()} {pid}\n")
+        fh.write(f"{socket.gethostname()} {pid}\n{brings}")
     os.replace(path + ".tmp", path)
     return path
 
@@ -82,7 +83,8 @@ def test_a_joiner_that_dies_before_it_connects_never_holds_rank_0(data, tmp_path
     MPI_Comm_accept for ever: the run never ended), (c) alive and saying it connects but
     never calling MPI_Comm_connect (rank 0's accept gives up after its timeout). Each is
     dropped with one line on rank 0's stderr; the run ends finished, exit 0, exact coverage,
-    no join in members/, nothing left beside the log."""
+    no join in members/, nothing left beside the log. Then two requests whose data (shard
+    sizes) or model (its size) are not the run's: refused, and why."""
     log = tmp_path / "run.h5"
     proc = start(3, data, log, 30)
     try:
@@ -103,6 +105,14 @@ def test_a_joiner_that_dies_before_it_connects_never_holds_rank_0(data, tmp_path
         with open(request + ".connecting", "w"):
             pass
         assert silent.wait(timeout=30) == -signal.SIGKILL   # (a late connection would harm)
+        for brings, says in (('{"shards": [1, 2], "params": 1}', "the joiner's data"),
+                              ('{"params": 7}', "the joiner's model has 7 parameters")):
+            request = announce(log, os.getpid(), brings)
+            wait_for(request + ".answer")
+            with open(request + ".answer") as fh:
+                answer = fh.read()
+            assert answer.startswith("refused: ") and says in answer, answer
+            os.unlink(request + ".answer")
         assert proc.poll() is None
     finally:
         code, out, err = finish(proc, timeout=180)
@@ -121,7 +131,8 @@ def test_a_joiner_killed_in_connect_while_rank_0_is_held(data, tmp_path):  # noq
     MPI_Comm_connect; the joiner is then killed and rank 0 let go on. Its connection request
     waits at rank 0 from a process that is gone: accepting it would end rank 0 (MPICH's UCX
     transport crashed, measured: signal 11, when it answered a connector that had ended).
-    Rank 0 sees the process gone and drops the join: the run ends finished, exit 0, exact."""
+    Rank 0 sees the process gone and drops the join: the run ends finished, exit 0, exact.
+    (Without that check, measured: the run ended with exit 11.)"""
     log = tmp_path / "run.h5"
     proc = start(3, data, log, 30)
     try:
