@@ -73,8 +73,29 @@ def run_joined(ready: Prepared, port: str, request: str, log: str = "") -> int:
             os.unlink(request + ".answer")
         except OSError:
             pass
-    worker = Worker(cfg, dataset, comm, comm.Get_rank())
-    worker.run()   # (turned away as the run ended: STOP at once)
+    from mpilb.cli.launch import _install_signal_handlers
+
+    _install_signal_handlers(comm.Get_size())   # a worker's: its SIGTERM is told to rank 0
+    try:
+        worker = Worker(cfg, dataset, comm, comm.Get_rank())
+        worker.run()   # (turned away as the run ended: STOP at once)
+    except Exception as exc:   # told to rank 0, which ends the run as for any worker's
+        return _failed(comm, exc, answer)
     departure.end_together(comm, comm.Get_rank(), timeout=None)
     joining.disconnect(comm)
     return 2 if answer is not None and answer.startswith("refused") else 0
+
+
+def _failed(comm, exc: BaseException, answer) -> int:
+    """This joiner failed: rank 0 is told (its one line names the worker), this launch ends
+    with the error's exit code without the job's end (rank 0 ends the run)."""
+    from mpilb.cli.launch import describe, exit_code
+    from mpilb.mpi import comm as C
+    from mpilb.mpi import departure
+
+    worker = answer.removeprefix("joined as ") if answer else "a joiner"
+    text = describe(exc, 1).removeprefix("rank 1: ")
+    C.send_error(comm, text, exit_code(exc))
+    departure.finalize_alone()   # (MPI_Finalize would wait for rank 0, which ends the run)
+    print(f"mpilb: error: {worker}: {text}", file=sys.stderr, flush=True)
+    return exit_code(exc)

@@ -246,6 +246,22 @@ class Admissions:
         s.epochs.wake_idle()
         return rank
 
+    def poll_reports(self) -> None:
+        """A joiner's error report and its signal reports: they come on its own communicator
+        (a worker of the job's reach rank 0 on MPI_COMM_WORLD: chores.py, stopsignals.py) and
+        are taken as theirs are: an error ends the run (docs/faults.md), a signal counts."""
+        from mpilb.mpi import comm as C
+        from mpilb.server.liveness import WorkerFailed
+
+        for rank, comm in self.joined:
+            if rank is None or self.server.peers[rank].lost:
+                continue
+            err = C.poll_error(comm)
+            if err is not None:
+                raise WorkerFailed(rank, err[1], err[2])
+            while (notice := C.poll_preempt(comm)) is not None:
+                self.server.chores.signals.notice(rank, notice[1])
+
     def turn_away(self, directory: str) -> None:
         """The run is over: a joiner already in MPI_Comm_connect is accepted (else it would
         wait there until its timeout) and told to stop at once; the others are answered."""

@@ -90,7 +90,10 @@ class Members:
 
     # ----------------------------------------------------------------- requests
     def poll(self, mono: float) -> None:
-        """Among the chores: the requests written by `mpilb leave`, twice a second."""
+        """Among the chores: the reports of workers that joined (each time), the requests
+        written by `mpilb leave` and `mpilb join` (twice a second)."""
+        if self.admissions is not None and self.admissions.joined:
+            self.admissions.poll_reports()
         if mono < self.next_poll:
             return
         self.next_poll = mono + self.POLL_S

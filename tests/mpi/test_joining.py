@@ -245,3 +245,93 @@ def test_join_refusals(data, tmp_path):  # noqa: F811
         assert bad.returncode == 2 and "a run of another user (uid 12345)" in bad.stderr, bad.stderr
         assert "only its owner can add workers to it" in bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
+
+
+FLAKY = '''
+import os
+
+from mymodels import Linear
+
+
+class Flaky(Linear):
+    """The run's model, whose step fails in a process where FLAKY_JOINER is set."""
+
+    def loss_and_grad(self, params, x, y, out=None):
+        if os.environ.get("FLAKY_JOINER"):
+            raise RuntimeError("the joiner's step failed")
+        return super().loss_and_grad(params, x, y, out)
+'''
+
+
+def test_an_error_in_a_joiner_is_reported_as_a_workers(data, tmp_path):  # noqa: F811
+    """An exception in a joiner's model step: rank 0 says it once, naming the worker, and the
+    run ends `failed`, exit 1, as for any worker (docs/faults.md). Before, the joiner's
+    report went to a communicator rank 0 did not look at: it was declared lost after
+    --worker-timeout and the run went on without a word of why."""
+    import shutil
+
+    shutil.copy(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "mymodels.py"),
+                tmp_path / "mymodels.py")
+    (tmp_path / "flaky.py").write_text(FLAKY)
+    log = tmp_path / "run.h5"
+    cmd = mpirun.mpilb_cmd(3, "train", "--data", data, "--model", f"{tmp_path}/flaky.py:Flaky",
+                           "--batch", "32", "--epochs", "30", "--no-progress", "--log", str(log))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=mpirun.env(), start_new_session=True)
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = subprocess.Popen(mpirun.mpilb_cmd(1, "join", str(log)), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=mpirun.env(FLAKY_JOINER=1),
+                             start_new_session=True)
+        jcode, _, jerr = finish(j, timeout=120)
+    finally:
+        code, out, err = finish(proc, timeout=120)
+    assert jcode == 1, jerr
+    assert code == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("mpilb: error:")]
+    assert lines == ["mpilb: error: rank 3: RuntimeError: the joiner's step failed"], err
+    from mpilb.runfiles.runlog import read_columns
+
+    assert read_columns(str(log))[0]["status"] == "failed"
+
+
+def joiner_pid(log) -> int:
+    """The python process of `mpilb join LOG` (not its mpiexec or Hydra's proxy)."""
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as fh:
+                cmd = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if (b"join" in cmd and str(log).encode() in cmd
+                and not any(b"hydra" in c or c.endswith(b"mpiexec") for c in cmd)):
+            return int(p)
+    raise AssertionError("no joiner process")
+
+
+def test_sigterm_to_a_joiner_preempts_the_run_as_a_workers_does(data, tmp_path):  # noqa: F811
+    """SIGTERM to a joiner's process (after its admission) is reported as a worker's is: the
+    run checkpoints and stops `preempted`, exit 0 (docs/faults.md); the joiner exits 0 with
+    it. Before, its report never reached rank 0 and the run went on."""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 40)
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+        deadline = time.monotonic() + 90
+        for line in j.stderr:
+            if "joined as worker" in line:
+                break
+            assert time.monotonic() < deadline
+        time.sleep(0.5)
+        os.kill(joiner_pid(log), signal.SIGTERM)
+        jcode, _, jerr = finish(j, timeout=120)
+    finally:
+        code, out, err = finish(proc, timeout=120)
+    assert code == 0, err
+    assert jcode == 0, jerr
+    from mpilb.runfiles.runlog import read_columns
+
+    attrs, cols = read_columns(str(log))
+    assert attrs["status"] == "preempted", err
+    assert list(cols["members"]["event"]) == ["join"]
