@@ -29,6 +29,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 from mpilb.core.holdings import Holding
 from mpilb.core.topology import stores_of
@@ -223,11 +224,12 @@ class Admissions:
         comm = self.connected(offer)
         if comm is None:
             return
-        rank = self.admit(comm)
+        rank = self.admit(comm, offer)
         write_atomically(offer.path + ".answer", f"joined as worker {rank}\n")
 
-    def admit(self, comm) -> int:
-        """A worker on `comm` (its rank 1) joins the run now; returns its id."""
+    def admit(self, comm, offer: Optional[Offer] = None) -> int:
+        """A worker on `comm` (its rank 1) joins the run now; returns its id. Its node in
+        `members/` is rank 0's where it runs on rank 0's host, else -1 (not known)."""
         s = self.server
         rank = max([s.comm.Get_size() - 1, *s.peers]) + 1
         w = Peer(rank=rank, batch=s.cfg.balancing.batch,
@@ -240,8 +242,10 @@ class Admissions:
         s.receiver.add(w)
         w.go_idle()
         self.joined.append((rank, comm))
-        self.members.note(rank, "join")
-        print(f"mpilb: a worker joined the run at {s.now():.1f} s as worker {rank}",
+        here = offer is not None and offer.here() and bool(self.members.nodes)
+        self.members.note(rank, "join", node=self.members.nodes[0] if here else -1)
+        where = f" ({offer.who})" if offer is not None and offer.pid else ""
+        print(f"mpilb: a worker joined the run at {s.now():.1f} s as worker {rank}{where}",
               file=sys.stderr, flush=True)
         s.epochs.wake_idle()
         return rank

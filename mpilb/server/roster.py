@@ -20,7 +20,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from mpilb.mpi.wire import Cmd
 from mpilb.run.signals import LEAVE_ASKED
@@ -83,9 +83,11 @@ class Members:
         return members
 
     # ----------------------------------------------------------------- the log
-    def note(self, rank: int, event: str) -> None:
-        """A `members/` row: `rank` joined, left, was lost or was replaced now."""
-        node = self.nodes[rank] if rank < len(self.nodes) else -1
+    def note(self, rank: int, event: str, node: Optional[int] = None) -> None:
+        """A `members/` row: `rank` joined, left, was lost or was replaced now (`node`: where
+        the job does not know it, a joiner's; -1 unknown)."""
+        if node is None:
+            node = self.nodes[rank] if rank < len(self.nodes) else -1
         self.log.append("members", t=self.clock.now(), worker=rank, node=node, event=event)
 
     # ----------------------------------------------------------------- requests

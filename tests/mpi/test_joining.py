@@ -189,7 +189,8 @@ def test_a_joiner_killed_after_its_admission(data, tmp_path):  # noqa: F811
 def test_two_joins_at_once(data, tmp_path):  # noqa: F811
     """Two `mpilb join` started together are both taken, one after the other (a port each),
     as workers 3 and 4; `mpiexec -n 2 mpilb join` is refused with one line, exit 2. The run
-    ends finished, exit 0, exact coverage."""
+    ends finished, exit 0, exact coverage; `mpilb report` lists both joins, with their time
+    and node (rank 0's: the joiners run on its host)."""
     log = tmp_path / "run.h5"
     proc = start(3, data, log, 40)
     try:
@@ -211,6 +212,11 @@ def test_two_joins_at_once(data, tmp_path):  # noqa: F811
     m = cols["members"]
     assert list(m["event"]) == ["join", "join"] and sorted(m["worker"]) == [3, 4]
     assert {3, 4} <= {w["rank"] for w in attrs["summary"]["per_worker"]}
+    assert list(m["node"]) == [0, 0]   # (on rank 0's host: its node)
+    report = mpirun.run(0, "report", str(log), timeout=60)
+    assert report.returncode == 0, report.stderr
+    for rank in (3, 4):
+        assert f"rank {rank} joined (node 0)" in report.stdout, report.stdout
 
 
 def test_join_refusals(data, tmp_path):  # noqa: F811
