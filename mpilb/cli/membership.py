@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import socket
 import time
 
 from mpilb.errors import MpilbError, UsageError
@@ -21,16 +22,16 @@ from mpilb.runfiles.requests import JOIN_PREFIX, LEAVE_PREFIX, answer_of, reques
 ANSWER_WAIT_S = 30.0
 
 
-def _running(log: str) -> tuple[dict, dict]:
+def _running(log: str, what: str = "let its workers go",
+             ended: str = "it has no worker to let go") -> tuple[dict, dict]:
     """The run log of a run of this user that is running now, else one line (UsageError)."""
     attrs, cols = open_log(log)
     owner = os.stat(log).st_uid
     if owner != os.getuid():
-        raise UsageError(f"{log}: a run of another user (uid {owner}): only its owner can let "
-                         f"its workers go")
+        raise UsageError(f"{log}: a run of another user (uid {owner}): only its owner can {what}")
     status = attrs.get("status", "")
     if status != "running":
-        raise UsageError(f"{log}: the run has ended (status {status}): it has no worker to let go")
+        raise UsageError(f"{log}: the run has ended (status {status}): {ended}")
     if not _written_now(log):
         raise UsageError(f"{log}: no run is writing this log (its status says running, but no "
                          f"process holds it: the run was killed?)")
@@ -80,17 +81,25 @@ def leave(log: str, rank: int, wait_s: float = ANSWER_WAIT_S) -> int:
 
 def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
     """This process (a one-rank MPI launch) becomes a worker of the run writing `log`."""
-    attrs, _ = _running(log)
+    attrs, _ = _running(log, "add workers to it", "it takes no more workers")
+    values = json.loads(attrs["config"])
+    if not values.get("join", True):
+        raise UsageError(f"{log}: the run was started with --no-join: it takes no workers that join")
     from mpilb.mpi import comm as C
 
     comm, rank, size = C.world()
     if size != 1:
+        if rank != 0:
+            raise SystemExit(2)   # (rank 0 of this launch says why, once)
         raise UsageError(f"mpilb join: {size} ranks; one joiner per launch for now (mpiexec -n 1)")
+    from mpilb.run.worker_join import prepare, run_joined
+
+    ready = prepare(values)
     where = requests_dir(log)
     request = os.path.join(where, f"{JOIN_PREFIX}{os.getpid()}")
     try:
         os.makedirs(where, mode=0o700, exist_ok=True)
-        write_atomically(request, "")
+        write_atomically(request, f"{socket.gethostname()} {os.getpid()}\n{ready.signature()}\n")
     except OSError as exc:
         raise UsageError(f"{log}: cannot write the request beside the run log ({exc.strerror})") from None
     deadline = time.monotonic() + wait_s
@@ -107,9 +116,7 @@ def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
     write_atomically(request + ".connecting", "")
     if not os.path.exists(request + ".port"):   # the run ended meanwhile (Admissions.turn_away)
         raise UsageError(f"{log}: refused: the run has ended")
-    from mpilb.run.worker_join import run_joined
-
-    return run_joined(json.loads(attrs["config"]), port, request)
+    return run_joined(ready, port, request, log)
 
 
 def _written_now(log: str) -> bool:

@@ -166,6 +166,8 @@ OPTIONS: tuple[Option, ...] = (
            "mpiexec -disable-auto-cleanup (and Open MPI 4's mpirun --mca "
            "orte_abort_on_non_zero_status 0) keep the other ranks (docs/faults.md)",
            group="output"),
+    Option("join", bool, True, "take workers that join the run while it runs (mpilb join "
+           "RUN.h5, docs/membership.md); --no-join refuses them", group="output"),
     Option("progress", bool, True, "live progress on rank 0 (--no-progress silences it)",
            group="output"),
     # models from user code, schedules, validation (docs/models.md)

@@ -135,10 +135,11 @@ class OutputConfig:
 
 @dataclass(frozen=True)
 class FaultConfig:
-    """Lost workers and ranks killed by a signal."""
+    """Lost workers, ranks killed by a signal, and workers that join (--no-join)."""
 
     worker_timeout: float
     survive_signals: bool
+    join: bool
 
 
 @dataclass(frozen=True)

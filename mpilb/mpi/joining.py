@@ -5,6 +5,14 @@ A thread blocked in Accept would starve rank 0's MPI progress (measured: 16 ping
 ~3 s instead of ~6700/s), so rank 0 opens a port only when a joiner asks, and accepts only
 when the joiner says it is connecting: Accept then returns in ~20 ms. Each side merges the
 intercommunicator: rank 0 is rank 0 of the result, the joiners come after it.
+
+Both calls are bounded by MPICH's info key "timeout" (seconds; MPICH's ch4 reads it in
+MPI_Comm_accept as in MPI_Comm_connect, whose default is 180 s): a joiner that died before
+its Connect costs rank 0 that long once, not the run. What a timed-out call leaves behind
+is why a port is used for one joiner only and never closed before the job ends: MPICH (ch4,
+UCX) does not cancel the receive of a timed-out Accept, and a connection request that came
+to it later would be written into memory that is no longer the receive's; and a port's tag
+is given to the next port opened once it is closed.
 """
 
 from __future__ import annotations
@@ -20,18 +28,38 @@ def close_port(port: str) -> None:
     MPI.Close_port(port)
 
 
-def accept(port: str):
-    """Rank 0: take the joiner waiting in :func:`connect` (call only then: this blocks)."""
-    inter = MPI.COMM_SELF.Accept(port)
+def _timeout(seconds: float):
+    info = MPI.Info.Create()
+    info.Set("timeout", str(max(1, int(round(seconds)))))
+    return info
+
+
+def accept(port: str, timeout: float):
+    """Rank 0: take the joiner waiting in :func:`connect` (call only then: this blocks, at
+    most `timeout` s). None if no one connected in that time."""
+    info = _timeout(timeout)
+    try:
+        inter = MPI.COMM_SELF.Accept(port, info)
+    except MPI.Exception:
+        return None
+    finally:
+        info.Free()
     try:
         return inter.Merge(high=False)
     finally:
         inter.Free()
 
 
-def connect(port: str):
-    """A joiner (every rank of its launch): connect to the running job's rank 0."""
-    inter = MPI.COMM_WORLD.Connect(port)
+def connect(port: str, timeout: float):
+    """A joiner (every rank of its launch): connect to the running job's rank 0, waiting at
+    most `timeout` s for its accept. None if it did not accept in that time."""
+    info = _timeout(timeout)
+    try:
+        inter = MPI.COMM_WORLD.Connect(port, info)
+    except MPI.Exception:
+        return None
+    finally:
+        info.Free()
     try:
         return inter.Merge(high=True)
     finally:

@@ -3,11 +3,14 @@
 The handshake goes through files in the requests directory beside the run log
 (server/roster.py), so that rank 0 never blocks in MPI_Comm_accept while it serves:
 
-    joiner: join-PID                 "I want to join"
-    rank 0: join-PID.port            the port's name (opened at the first request), or
+    joiner: join-PID                 "I want to join" (it holds "HOST PID")
+    rank 0: join-PID.port            the name of a port opened for this joiner, or
             join-PID.answer          "refused: ..."
     joiner: join-PID.connecting      "I am in MPI_Comm_connect now"
     rank 0: accepts (~20 ms), then join-PID.answer "joined as worker N"
+
+A joiner that dies on the way is dropped with one line (:meth:`Admissions.drop`) and the
+run goes on; nothing of it was counted: it gets an id and a place only once accepted.
 
 The joiner becomes a worker like the others: a :class:`~mpilb.server.peers.Peer` whose link
 addresses it on its own communicator (rank 1 there; rank 0 is rank 0), a place in the task
@@ -19,9 +22,14 @@ local`, `--mode sync|ssp`, and a joined worker leaving (docs/membership.md).
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
 import sys
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 from mpilb.core.holdings import Holding
 from mpilb.core.topology import stores_of
@@ -31,10 +39,76 @@ from mpilb.server.peers import Peer
 PORT_SUFFIX = ".port"
 CONNECTING_SUFFIX = ".connecting"
 END_TIMEOUT_S = 30.0
+ACCEPT_TIMEOUT_S = 5.0    # a joiner says it connects and calls MPI_Comm_connect at once
+OFFER_TIMEOUT_S = 60.0    # from a port offered to the joiner saying it connects
+
+
+@dataclass
+class Offer:
+    """A port offered to one joiner (its request file `path`, its host and process)."""
+
+    path: str
+    port: str
+    host: str
+    pid: int
+    since: float
+
+    @property
+    def who(self) -> str:
+        return f"pid {self.pid} on {self.host}" if self.pid else os.path.basename(self.path)
+
+    def here(self) -> bool:
+        """Is the joiner's process on this host (where rank 0 can see it)?"""
+        return self.pid > 0 and self.host == socket.gethostname()
+
+    def gone(self) -> bool:
+        """Has the joiner's process ended? (Only seen on rank 0's host: elsewhere, no.)"""
+        return self.here() and not process_alive(self.pid)
+
+
+def process_alive(pid: int) -> bool:
+    """Is `pid` a process that has not ended (a zombie awaiting its parent has)?"""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+
+
+def remove(*paths: str) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def who_asks(path: str) -> tuple[str, int, dict]:
+    """(host, pid, what it brings) of a request file: "HOST PID", then a JSON line of the
+    joiner's shard sizes and model size (run/worker_join.py); ("", 0, {}) where it names none."""
+    try:
+        with open(path) as fh:
+            first, _, rest = fh.read().partition("\n")
+        host, pid = first.split()
+        return host, int(pid), (json.loads(rest) if rest.strip() else {})
+    except (OSError, ValueError):
+        return "", 0, {}
 
 
 class Admissions:
     """Joins of a run (rank 0): the handshake, then the joiner served as a worker.
+
+    Every step of an admission is bounded, so that a joiner that dies in it costs the run
+    at most :data:`ACCEPT_TIMEOUT_S` once (docs/membership.md, "When a join fails"): rank 0
+    calls MPI_Comm_accept only for a joiner whose process it does not see ended, and with
+    MPICH's timeout; a joiner that never says it connects is dropped after
+    :data:`OFFER_TIMEOUT_S`, or at once when its process is seen gone.
 
     Args:
         server: the :class:`~mpilb.server.loop.ParameterServer`.
@@ -44,20 +118,27 @@ class Admissions:
     def __init__(self, server, members):
         self.server = server
         self.members = members
-        self.port = None
+        self.offers: dict[str, Offer] = {}   # request path -> the port it was offered
+        self.ports: list[str] = []           # every port opened: closed at the job's end only
         self.joined: list = []   # (worker id, communicator)
 
     def poll(self, directory: str, names: list[str]) -> None:
+        present = set(names)
         for name in sorted(names):
-            if not name.startswith(JOIN_PREFIX):
-                continue
-            base, _, suffix = name.partition(".")
-            path = os.path.join(directory, base)
+            if name.startswith(JOIN_PREFIX) and "." not in name:
+                try:
+                    self.offer(os.path.join(directory, name))
+                except OSError:
+                    pass
+        mono = time.monotonic()
+        for path, offer in list(self.offers.items()):
             try:
-                if suffix == "":
-                    self.offer(path)
-                elif "." + suffix == CONNECTING_SUFFIX:
-                    self.accept(path)
+                if offer.gone():
+                    self.drop(offer, "ended before it connected", tell=False)
+                elif os.path.basename(path) + CONNECTING_SUFFIX in present:
+                    self.accept(offer)
+                elif mono - offer.since > OFFER_TIMEOUT_S:
+                    self.drop(offer, f"did not connect within {OFFER_TIMEOUT_S:g} s of its port")
             except OSError:
                 pass
 
@@ -66,6 +147,8 @@ class Admissions:
         cfg = s.cfg
         if s.stop.reason:
             return f"the run is stopping ({s.stop.reason})"
+        if not cfg.faults.join:
+            return "the run was started with --no-join: it takes no workers that join"
         if len(stores_of(cfg)) > 1:
             return "a run with --servers K > 1 takes no joins yet"
         if cfg.inputs.store == "local":
@@ -74,31 +157,79 @@ class Admissions:
             return f"a run with --mode {cfg.updates.mode} takes no joins yet (async only)"
         return ""
 
+    def mismatch(self, brings: dict) -> str:
+        """Why a joiner's data or model are not the run's ("" where they are, or unknown)."""
+        s = self.server
+        ours = list(map(int, s.tracker.shard_sizes))
+        if "shards" in brings and brings["shards"] != ours:
+            theirs = brings["shards"]
+            return (f"the joiner's data (--data {s.cfg.inputs.data}) is not the run's: "
+                    f"{len(theirs)} shards of {sum(theirs)} samples, the run's {len(ours)} of {sum(ours)}")
+        if "params" in brings and brings["params"] != s.model.num_params:
+            return (f"the joiner's model has {brings['params']} parameters, the run's "
+                    f"{s.model.num_params}: not the run's model")
+        return ""
+
     def offer(self, path: str) -> None:
-        """A joiner asks: the port's name, or why not."""
-        why = self.refusal()
+        """A joiner asks: a port of its own, or why not."""
+        host, pid, brings = who_asks(path)
+        why = self.refusal() or self.mismatch(brings)
         if why:
             write_atomically(path + ".answer", f"refused: {why}\n")
         else:
-            if self.port is None:
-                from mpilb.mpi import joining
+            from mpilb.mpi import joining
 
-                self.port = joining.open_port()
-            write_atomically(path + PORT_SUFFIX, self.port)
+            port = joining.open_port()
+            self.ports.append(port)
+            self.offers[path] = Offer(path, port, host, pid, time.monotonic())
+            write_atomically(path + PORT_SUFFIX, port)
         os.unlink(path)
 
-    def accept(self, path: str) -> None:
-        """The joiner waits in MPI_Comm_connect: take it (a blocking call, ~20 ms)."""
-        os.unlink(path + CONNECTING_SUFFIX)
-        os.unlink(path + PORT_SUFFIX)
+    def drop(self, offer: Offer, why: str, tell: bool = True) -> None:
+        """The admission of `offer`'s joiner ends without it: one line, the run goes on, and
+        (`tell`: it may still be there to read it) the joiner's answer. Its port stays open,
+        unused (see mpi/joining.py)."""
+        self.offers.pop(offer.path, None)
+        remove(offer.path + PORT_SUFFIX, offer.path + CONNECTING_SUFFIX)
+        print(f"mpilb: a join ({offer.who}) was dropped: the joiner {why}; the run goes on",
+              file=sys.stderr, flush=True)
+        if tell:
+            write_atomically(offer.path + ".answer", f"refused: the joiner {why}\n")
+
+    def connected(self, offer: Offer):
+        """The joiner of `offer` says it waits in MPI_Comm_connect: its communicator, or None
+        (dropped). Never called for a process seen ended: its connection request may wait at
+        rank 0 all the same, and answering it would end rank 0 (MPICH's UCX transport
+        crashed so, measured: signal 11, on an accept whose connector had ended)."""
         from mpilb.mpi import joining
 
-        comm = joining.accept(self.port)
-        rank = self.admit(comm)
-        write_atomically(path + ".answer", f"joined as worker {rank}\n")
+        if offer.gone():
+            self.drop(offer, "ended before it connected", tell=False)
+            return None
+        self.offers.pop(offer.path, None)
+        remove(offer.path + CONNECTING_SUFFIX, offer.path + PORT_SUFFIX)
+        comm = joining.accept(offer.port, ACCEPT_TIMEOUT_S)
+        if comm is None:
+            ended = offer.here()
+            if ended and process_alive(offer.pid):
+                # Its connection, if it came now, would reach the receive MPICH left posted
+                # (mpi/joining.py): the process ends instead.
+                os.kill(offer.pid, signal.SIGKILL)
+            self.drop(offer, f"did not connect within {ACCEPT_TIMEOUT_S:g} s of saying it would",
+                      tell=not ended)
+        return comm
 
-    def admit(self, comm) -> int:
-        """A worker on `comm` (its rank 1) joins the run now; returns its id."""
+    def accept(self, offer: Offer) -> None:
+        """The joiner waits in MPI_Comm_connect: take it (a blocking call, ~20 ms)."""
+        comm = self.connected(offer)
+        if comm is None:
+            return
+        rank = self.admit(comm, offer)
+        write_atomically(offer.path + ".answer", f"joined as worker {rank}\n")
+
+    def admit(self, comm, offer: Optional[Offer] = None) -> int:
+        """A worker on `comm` (its rank 1) joins the run now; returns its id. Its node in
+        `members/` is rank 0's where it runs on rank 0's host, else -1 (not known)."""
         s = self.server
         rank = max([s.comm.Get_size() - 1, *s.peers]) + 1
         w = Peer(rank=rank, batch=s.cfg.balancing.batch,
@@ -111,37 +242,54 @@ class Admissions:
         s.receiver.add(w)
         w.go_idle()
         self.joined.append((rank, comm))
-        self.members.note(rank, "join")
-        print(f"mpilb: a worker joined the run at {s.now():.1f} s as worker {rank}",
+        here = offer is not None and offer.here() and bool(self.members.nodes)
+        self.members.note(rank, "join", node=self.members.nodes[0] if here else -1)
+        where = f" ({offer.who})" if offer is not None and offer.pid else ""
+        print(f"mpilb: a worker joined the run at {s.now():.1f} s as worker {rank}{where}",
               file=sys.stderr, flush=True)
         s.epochs.wake_idle()
         return rank
 
+    def poll_reports(self) -> None:
+        """A joiner's error report and its signal reports: they come on its own communicator
+        (a worker of the job's reach rank 0 on MPI_COMM_WORLD: chores.py, stopsignals.py) and
+        are taken as theirs are: an error ends the run (docs/faults.md), a signal counts."""
+        from mpilb.mpi import comm as C
+        from mpilb.server.liveness import WorkerFailed
+
+        for rank, comm in self.joined:
+            if rank is None or self.server.peers[rank].lost:
+                continue
+            err = C.poll_error(comm)
+            if err is not None:
+                raise WorkerFailed(rank, err[1], err[2])
+            while (notice := C.poll_preempt(comm)) is not None:
+                self.server.chores.signals.notice(rank, notice[1])
+
     def turn_away(self, directory: str) -> None:
         """The run is over: a joiner already in MPI_Comm_connect is accepted (else it would
-        wait there for ever) and told to stop at once; ports offered and not taken go."""
+        wait there until its timeout) and told to stop at once; the others are answered."""
         try:
-            names = sorted(os.listdir(directory))
+            names = set(os.listdir(directory))
         except OSError:
             return
-        for name in names:
-            path = os.path.join(directory, name)
-            if name.startswith(JOIN_PREFIX) and name.endswith(CONNECTING_SUFFIX):
-                base = path[:-len(CONNECTING_SUFFIX)]
-                for stale in (path, base + PORT_SUFFIX):
-                    if os.path.exists(stale):
-                        os.unlink(stale)
-                from mpilb.mpi import joining
-                from mpilb.mpi import wire
+        from mpilb.mpi import wire
 
-                comm = joining.accept(self.port)
-                stop = wire.new_message(0)
-                wire.encode_reply(stop.header, wire.Cmd.STOP, version=0, batch=0)
-                comm.Send(stop.buf, dest=1, tag=wire.TAG_REPLY)
-                self.joined.append((None, comm))
-                write_atomically(base + ".answer", "refused: the run has ended\n")
-            elif name.startswith(JOIN_PREFIX) and name.endswith(PORT_SUFFIX):
-                os.unlink(path)   # offered, not taken: the joiner finds it gone (cli/membership.py)
+        for path, offer in list(self.offers.items()):
+            if os.path.basename(path) + CONNECTING_SUFFIX not in names:
+                self.offers.pop(path)
+                remove(path + PORT_SUFFIX)   # the joiner finds it gone (cli/membership.py)
+                if not offer.gone():
+                    write_atomically(path + ".answer", "refused: the run has ended\n")
+                continue
+            comm = self.connected(offer)
+            if comm is None:
+                continue
+            stop = wire.new_message(0)
+            wire.encode_reply(stop.header, wire.Cmd.STOP, version=0, batch=0)
+            comm.Send(stop.buf, dest=1, tag=wire.TAG_REPLY)
+            self.joined.append((None, comm))
+            write_atomically(path + ".answer", "refused: the run has ended\n")
 
     def finish(self) -> None:
         """The job's end (after its own end barrier): each joiner still there meets rank 0
@@ -154,5 +302,5 @@ class Admissions:
                 continue   # (a lost joiner cannot take part in a disconnect)
             end_together(comm, 0, timeout=END_TIMEOUT_S)
             joining.disconnect(comm)
-        if self.port is not None:
-            joining.close_port(self.port)
+        for port in self.ports:
+            joining.close_port(port)

@@ -20,7 +20,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from mpilb.mpi.wire import Cmd
 from mpilb.run.signals import LEAVE_ASKED
@@ -83,14 +83,19 @@ class Members:
         return members
 
     # ----------------------------------------------------------------- the log
-    def note(self, rank: int, event: str) -> None:
-        """A `members/` row: `rank` joined, left, was lost or was replaced now."""
-        node = self.nodes[rank] if rank < len(self.nodes) else -1
+    def note(self, rank: int, event: str, node: Optional[int] = None) -> None:
+        """A `members/` row: `rank` joined, left, was lost or was replaced now (`node`: where
+        the job does not know it, a joiner's; -1 unknown)."""
+        if node is None:
+            node = self.nodes[rank] if rank < len(self.nodes) else -1
         self.log.append("members", t=self.clock.now(), worker=rank, node=node, event=event)
 
     # ----------------------------------------------------------------- requests
     def poll(self, mono: float) -> None:
-        """Among the chores: the requests written by `mpilb leave`, twice a second."""
+        """Among the chores: the reports of workers that joined (each time), the requests
+        written by `mpilb leave` and `mpilb join` (twice a second)."""
+        if self.admissions is not None and self.admissions.joined:
+            self.admissions.poll_reports()
         if mono < self.next_poll:
             return
         self.next_poll = mono + self.POLL_S

@@ -49,18 +49,21 @@ class StopSignals:
     def poll(self) -> None:
         """Take the workers' notices and rank 0's own signals."""
         while (notice := C.poll_preempt(self.comm)) is not None:
-            src, signum = notice
-            if signum == signals.LEAVE_SIGNAL:
-                if self.on_leave is not None:
-                    self.on_leave(src, "SIGUSR2")
-                continue
-            if signum != signal.SIGUSR1:
-                PREEMPTED.set()   # a stop whatever the vote says (its checkpoint comes first)
-            self.report(src, signum)
+            self.notice(*notice)
         USR1_NOTICE.clear()   # rank 0's own signals, SIGUSR1 included, are in RECEIVED
         while self.own_signals < len(signals.RECEIVED):
             self.own_signals += 1
             self.report(0, signals.RECEIVED[self.own_signals - 1])
+
+    def notice(self, src: int, signum: int) -> None:
+        """Worker `src` reports signal `signum` (a worker that joined: server/admission.py)."""
+        if signum == signals.LEAVE_SIGNAL:
+            if self.on_leave is not None:
+                self.on_leave(src, "SIGUSR2")
+            return
+        if signum != signal.SIGUSR1:
+            PREEMPTED.set()   # a stop whatever the vote says (its checkpoint comes first)
+        self.report(src, signum)
 
     def report(self, rank: int, signum: int) -> None:
         """Stop signal `signum` reached `rank` (0: this one): it starts a vote over the
