@@ -1,7 +1,8 @@
 """Doorbells across nodes, on three emulated nodes (mpilb.clusterbox): rank 0 and the
 workers on other nodes ring each other over UDP (the run log's `doorbells` counts the rings
 rank 0 read from each), a worker on rank 0's node rings through its local socket, and a
-worker that cannot open its UDP socket polls beside the others with exact coverage."""
+worker that cannot open its UDP socket polls beside the others with exact coverage; the
+nodes' ranks count as sharing the machine's CPUs (mpilb.mpi.cores)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 from mpilb.clusterbox import ClusterBox, missing
+from mpilb.mpi import cores
 from mpilb.runfiles.summary import summarize_log
 
 import mpirun
@@ -24,12 +26,13 @@ pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
 needs_box = pytest.mark.skipif(WHY is not None, reason=f"no cluster box here: {WHY}")
 
 OPEN_SCRIPT = textwrap.dedent("""
-    from mpilb.mpi import comm as C, doorbell
+    from mpilb.mpi import comm as C, cores, doorbell
     comm, rank, size = C.world()
     bell = doorbell.open_job(comm, rank, size)
     rows = comm.gather({p: bell.via(p) for p in sorted(bell.peers)}, root=0)
+    spins = cores.spinning(comm)
     if rank == 0:
-        print(repr(rows), flush=True)
+        print(repr((rows, spins)), flush=True)
 """)
 
 # rank 3 cannot bind a UDP socket (as where a firewall or a missing route stops its rings)
@@ -79,9 +82,13 @@ def test_rings_cross_nodes_and_a_rank_without_them_polls(digits_dir, tmp_path):
                              "--log", str(log)], timeout=240, env=mpirun.env())
                 for script, log in ((["-m", "mpilb"], remote), ([str(tmp_path / "no_udp.py")], mixed))]
     assert opened.returncode == 0, opened.stderr
-    rows = ast.literal_eval(opened.stdout.strip().splitlines()[-1])
+    rows, spins = ast.literal_eval(opened.stdout.strip().splitlines()[-1])
     assert rows == [{1: "local", 2: "network", 3: "network", 4: "network"},
                     {0: "local"}, {0: "network"}, {0: "network"}, {0: "network"}]
+    # the box's nodes share this machine's CPUs: its 5 ranks poll first only where it has
+    # a CPU for each (rank 0: and one more), whatever their host names
+    cpus = cores.usable_cpus()
+    assert spins == [6 <= cpus] + [5 <= cpus] * 4
     for res in runs:
         assert res.returncode == 0, res.stderr
     # every worker is on another node than rank 0: each rang it over the network, about once
