@@ -308,8 +308,9 @@ def _cuda_aware_line(cuda_aware: bool, support: set) -> str:
     return f"{requested}; {library}"
 
 
-def _doorbell_line(peers: set, facts: list[dict], out: Findings) -> str:
-    """Which ranks wake rank 0 (and are woken by it) with doorbells (doorbell.py)."""
+def _doorbell_line(peers: set, facts: list[dict], out: Findings, network=()) -> str:
+    """Which ranks wake rank 0 (and are woken by it) with doorbells (doorbell.py): `peers`,
+    those of them in `network` over UDP, the others through local sockets."""
     from mpilb.mpi import doorbell
 
     others = len(facts) - 1
@@ -324,8 +325,14 @@ def _doorbell_line(peers: set, facts: list[dict], out: Findings) -> str:
         out.warn(f"rank(s) {_ranks(mute)} share rank 0's host but cannot ring it (each in its own "
                  f"network namespace?): they and rank 0 poll for each other's messages instead "
                  f"(later notice, more CPU)")
-    return (f"rank 0 <-> {len(peers)} of {others} rank(s) (those on rank 0's host ring both ways; "
-            f"the others poll)")
+    far = [r for r in range(1, len(facts)) if r not in local and r not in peers]
+    if far:
+        out.warn(f"rank(s) {_ranks(far)} on other hosts cannot ring rank 0 over the network (UDP "
+                 f"between their addresses blocked by a firewall, or no IPv4 route?): they and "
+                 f"rank 0 poll for each other's messages instead (more CPU)")
+    udp = len([r for r in peers if r in set(network)])
+    return (f"rank 0 <-> {len(peers)} of {others} rank(s) ({len(peers) - udp} through local "
+            f"sockets, {udp} over the network by UDP; the others poll)")
 
 
 def _waits_line(spins: list[bool]) -> str:
@@ -418,7 +425,8 @@ def doctor() -> int:
         ("CuPy", cupy or "not installed"),
         ("HDF5 file locking", locking),
         ("CUDA-aware MPI", _cuda_aware_line(cuda_aware, {f["cuda_support"] for f in workers})),
-        ("doorbells", _doorbell_line(bell.peers, facts, out)),
+        ("doorbells", _doorbell_line(bell.peers, facts, out,
+                                      {r for r in bell.peers if bell.via(r) == doorbell.NETWORK})),
         ("waits", _waits_line(spins)),
     ]
     width = max(len(k) for k, _ in rows)
