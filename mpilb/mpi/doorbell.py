@@ -30,7 +30,6 @@ read from the sockets is dropped, so a stranger's datagram costs at most one ext
 
 from __future__ import annotations
 
-import fcntl
 import os
 import secrets
 import select
@@ -245,6 +244,8 @@ SIOCGIFADDR = 0x8915   # Linux: an interface's IPv4 address
 
 
 def _interface_address(name: str) -> Optional[str]:
+    import fcntl   # (Unix only; doorbells are Linux only)
+
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
             packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
@@ -350,7 +351,7 @@ def open_job(comm, rank: int, size: int) -> Doorbell:
     awaited = {p for p in others if p in bell.addrs and p not in heard[LOCAL]} if net else set()
     deadline = time.monotonic() + TEST_RING_S
     while awaited - heard[NETWORK] and time.monotonic() < deadline:
-        if select.select((net,), (), (), deadline - time.monotonic())[0]:
+        if select.select((net,), (), (), max(0.0, deadline - time.monotonic()))[0]:
             heard[NETWORK] |= _senders(bell, net)
     everyone = comm.allgather({via: sorted(s) for via, s in heard.items()})
     for peer in others:
