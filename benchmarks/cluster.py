@@ -214,25 +214,24 @@ def main(argv=None) -> int:
                       f"{rows['without'][-1]:.2f} s ({rows['slow_ratio'][-1]:.2f}x)", flush=True)
             if "g" in opts.only:
                 wire_case(box, work, digits, rows, has_torch)
-            if "a" not in opts.only:
-                continue
-            a = bench_ps(box, "n0:1,n1:2,n2:2")
-            b = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "per-node")
-            one = bench_ps(box, "n0:2,n1:2,n2:2")
-            c = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "2")
-            ab = wire_bound("n0:1,n1:2,n2:2", [0], bps, PARAMS)
-            bb = wire_bound("n0:2,n1:2,n2:2", list(b.get("stores", [0, 2, 4])), bps, PARAMS)
-            rows["a"].append(a["updates_per_s"]); rows["a_bound"].append(a["updates_per_s"] / ab)
-            rows["b"].append(b["updates_per_s"]); rows["b_bound"].append(b["updates_per_s"] / bb)
-            rows["b_over_a"].append(b["updates_per_s"] / a["updates_per_s"])
-            nodes = c.get("nodes") or []
-            rows["c_nodes"].append(len({nodes[s] for s in c.get("stores", [])}) if nodes else 1)
-            rows["c"].append(c["updates_per_s"]); rows["c_one"].append(c["updates_per_s"] / one["updates_per_s"])
-            print(f"  (a) {a['updates_per_s']:.1f} updates/s = {rows['a_bound'][-1]:.2f} of {ab:.1f}; "
-                  f"(b) {b['updates_per_s']:.1f} = {rows['b_bound'][-1]:.2f} of {bb:.1f}, "
-                  f"{rows['b_over_a'][-1]:.2f}x (a); (c) stores {c.get('stores')} on "
-                  f"{rows['c_nodes'][-1]} nodes, {rows['c_one'][-1]:.2f}x one store", flush=True)
-            if has_torch:
+            if set("abc") & set(opts.only):
+                a = bench_ps(box, "n0:1,n1:2,n2:2")
+                b = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "per-node")
+                one = bench_ps(box, "n0:2,n1:2,n2:2")
+                c = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "2")
+                ab = wire_bound("n0:1,n1:2,n2:2", [0], bps, PARAMS)
+                bb = wire_bound("n0:2,n1:2,n2:2", list(b.get("stores", [0, 2, 4])), bps, PARAMS)
+                rows["a"].append(a["updates_per_s"]); rows["a_bound"].append(a["updates_per_s"] / ab)
+                rows["b"].append(b["updates_per_s"]); rows["b_bound"].append(b["updates_per_s"] / bb)
+                rows["b_over_a"].append(b["updates_per_s"] / a["updates_per_s"])
+                nodes = c.get("nodes") or []
+                rows["c_nodes"].append(len({nodes[s] for s in c.get("stores", [])}) if nodes else 1)
+                rows["c"].append(c["updates_per_s"]); rows["c_one"].append(c["updates_per_s"] / one["updates_per_s"])
+                print(f"  (a) {a['updates_per_s']:.1f} updates/s = {rows['a_bound'][-1]:.2f} of {ab:.1f}; "
+                      f"(b) {b['updates_per_s']:.1f} = {rows['b_bound'][-1]:.2f} of {bb:.1f}, "
+                      f"{rows['b_over_a'][-1]:.2f}x (a); (c) stores {c.get('stores')} on "
+                      f"{rows['c_nodes'][-1]} nodes, {rows['c_one'][-1]:.2f}x one store", flush=True)
+            if has_torch and "d" in opts.only:
                 args = ["--data", data, *TORCH_MODEL, "--batch", "512", "--epochs", str(opts.epochs),
                         "--lr", "0.05", "--optimizer", "momentum"]
                 ra = train(box, work, "n0:1,n1:2,n2:2", os.path.join(work, "async.h5"), *args)
@@ -247,14 +246,15 @@ def main(argv=None) -> int:
                 print(f"  (d) async {rows['async'][-1]:.0f}, sync {rows['sync'][-1]:.0f}, DDP "
                       f"{dd['samples_per_s']:.0f} samples/s; fast worker comm share "
                       f"{rows['comm'][-1]:.2f}", flush=True)
-            slow = ["--data", digits, "--model", "softmax", "--batch", "32", "--epochs", "3",
-                    "--inject", "*:delay=0.05"]
-            for key, hosts in (("cpu_remote", "n0:1,n1:2,n2:1"), ("cpu_local", "n0:4")):
-                r = train(box, work, hosts, os.path.join(work, f"{key}.h5"), *slow)
-                at = r["attrs"]
-                rows[key].append(float(at["server_cpu_s"]) / float(at["wall_s"]))
-            print(f"  (e) rank 0 CPU/wall: workers remote {rows['cpu_remote'][-1]:.3f}, on its node "
-                  f"{rows['cpu_local'][-1]:.3f}", flush=True)
+            if "e" in opts.only:
+                slow = ["--data", digits, "--model", "softmax", "--batch", "32", "--epochs", "3",
+                        "--inject", "*:delay=0.05"]
+                for key, hosts in (("cpu_remote", "n0:1,n1:2,n2:1"), ("cpu_local", "n0:4")):
+                    r = train(box, work, hosts, os.path.join(work, f"{key}.h5"), *slow)
+                    at = r["attrs"]
+                    rows[key].append(float(at["server_cpu_s"]) / float(at["wall_s"]))
+                print(f"  (e) rank 0 CPU/wall: workers remote {rows['cpu_remote'][-1]:.3f}, on its node "
+                      f"{rows['cpu_local'][-1]:.3f}", flush=True)
     if rows["g_ratio"]:
         g = res.group("(g) `--wire bf16` against fp32, one store, 4 workers on n1, n2",
                       "mpiexec -hosts n0:1,n1:2,n2:2 python -m mpilb bench ps --params 1000000 --seconds 3 --wire bf16")
@@ -274,20 +274,8 @@ def main(argv=None) -> int:
                    rows["without"], unit="s")
         res.figure(g, "slow_ratio", "with the slow node ÷ without it", rows["slow_ratio"], unit="x",
                    target="<= 1.1")
-    if not rows["a"]:
-        _runs.print_targets(res.checks())
-        write(res, opts)
-        return 0 if res.all_met() else 1
-    g = res.group("(a)-(c) `mpilb bench ps --params 1000000`, null workers",
-                  "mpilb box run --nodes 3 --link-rate 1gbit -- mpiexec -hosts HOSTS python -m mpilb bench ps --params 1000000 --seconds 3")
-    res.figure(g, "a", "(a) one store, 4 remote workers: updates/s", rows["a"], unit="updates/s", digits=1)
-    res.figure(g, "a_bound", "(a) ÷ its wire bound", rows["a_bound"], unit="x")
-    res.figure(g, "b", "(b) `--servers per-node`, 2 ranks per node: updates/s", rows["b"], unit="updates/s", digits=1)
-    res.figure(g, "b_bound", "(b) ÷ its wire bound", rows["b_bound"], unit="x", target=">= 0.8")
-    res.figure(g, "b_over_a", "(b) ÷ (a)", rows["b_over_a"], unit="x", target=">= 1.8")
-    res.figure(g, "c_nodes", "(c) `--servers 2`, block layout: nodes its stores are on", rows["c_nodes"],
-               digits=0, target=">= 2", decide="all")
-    res.figure(g, "c_one", "(c) ÷ one store, same layout", rows["c_one"], unit="x")
+    if rows["a"]:
+        _abc_figures(res, rows)
     if rows["async"]:
         g = res.group("(d) training: torch MLP 256-256-256-10, 784 features, batch 512, 4 workers on n1, n2",
                       "mpiexec -hosts n0:1,n1:2,n2:2 mpilb train --model examples/torch_mlp.py:MLP --model-arg hidden=256 --model-arg layers=3 --batch 512 --optimizer momentum --lr 0.05")
@@ -299,14 +287,28 @@ def main(argv=None) -> int:
         res.figure(g, "sync_ddp", "mpilb sync ÷ DDP", rows["sync_ddp"], unit="x")
         res.figure(g, "comm", "async: a fast worker's share of time communicating", rows["comm"], unit="x",
                    target="<= 0.25")
-    g = res.group("(e) slow workers: `--model softmax --batch 32 --epochs 3 --inject '*:delay=0.05'` on digits", "")
-    res.figure(g, "cpu_remote", "rank 0 CPU ÷ wall, workers on n1, n2", rows["cpu_remote"], unit="x",
-               digits=3, target="<= 0.05")
-    res.figure(g, "cpu_local", "rank 0 CPU ÷ wall, workers on rank 0's node", rows["cpu_local"], unit="x",
-               digits=3)
+    if rows["cpu_remote"]:
+        g = res.group("(e) slow workers: `--model softmax --batch 32 --epochs 3 --inject '*:delay=0.05'` on digits", "")
+        res.figure(g, "cpu_remote", "rank 0 CPU ÷ wall, workers on n1, n2", rows["cpu_remote"], unit="x",
+                   digits=3, target="<= 0.05")
+        res.figure(g, "cpu_local", "rank 0 CPU ÷ wall, workers on rank 0's node", rows["cpu_local"], unit="x",
+                   digits=3)
     _runs.print_targets(res.checks())
     write(res, opts)
     return 0 if res.all_met() else 1
+
+
+def _abc_figures(res, rows: dict) -> None:
+    g = res.group("(a)-(c) `mpilb bench ps --params 1000000`, null workers",
+                  "mpilb box run --nodes 3 --link-rate 1gbit -- mpiexec -hosts HOSTS python -m mpilb bench ps --params 1000000 --seconds 3")
+    res.figure(g, "a", "(a) one store, 4 remote workers: updates/s", rows["a"], unit="updates/s", digits=1)
+    res.figure(g, "a_bound", "(a) ÷ its wire bound", rows["a_bound"], unit="x")
+    res.figure(g, "b", "(b) `--servers per-node`, 2 ranks per node: updates/s", rows["b"], unit="updates/s", digits=1)
+    res.figure(g, "b_bound", "(b) ÷ its wire bound", rows["b_bound"], unit="x", target=">= 0.8")
+    res.figure(g, "b_over_a", "(b) ÷ (a)", rows["b_over_a"], unit="x", target=">= 1.8")
+    res.figure(g, "c_nodes", "(c) `--servers 2`, block layout: nodes its stores are on", rows["c_nodes"],
+               digits=0, target=">= 2", decide="all")
+    res.figure(g, "c_one", "(c) ÷ one store, same layout", rows["c_one"], unit="x")
 
 
 if __name__ == "__main__":

@@ -308,8 +308,9 @@ def _cuda_aware_line(cuda_aware: bool, support: set) -> str:
     return f"{requested}; {library}"
 
 
-def _doorbell_line(peers: set, facts: list[dict], out: Findings) -> str:
-    """Which ranks wake rank 0 (and are woken by it) with doorbells (doorbell.py)."""
+def _doorbell_line(via: dict, facts: list[dict], out: Findings) -> str:
+    """Which ranks wake rank 0 (and are woken by it) with doorbells (doorbell.py); `via`:
+    how each of them rings (doorbell.LOCAL or NETWORK)."""
     from mpilb.mpi import doorbell
 
     others = len(facts) - 1
@@ -318,14 +319,16 @@ def _doorbell_line(peers: set, facts: list[dict], out: Findings) -> str:
     if not doorbell.wanted():
         return ("off (MPILB_DOORBELL=0)" if os.environ.get("MPILB_DOORBELL") == "0"
                 else "not on this platform (Linux only): waits poll")
-    local = [r for r, f in enumerate(facts) if r and f["host"] == facts[0]["host"]]
-    mute = [r for r in local if r not in peers]
-    if mute:
-        out.warn(f"rank(s) {_ranks(mute)} share rank 0's host but cannot ring it (each in its own "
-                 f"network namespace?): they and rank 0 poll for each other's messages instead "
-                 f"(later notice, more CPU)")
-    return (f"rank 0 <-> {len(peers)} of {others} rank(s) (those on rank 0's host ring both ways; "
-            f"the others poll)")
+    mute = [r for r in range(1, len(facts)) if r not in via]
+    for near, why in ((True, "share rank 0's host but cannot ring it (each in its own network namespace?)"),
+                      (False, "on other hosts cannot ring rank 0 (UDP blocked by a firewall, or no IPv4 route?)")):
+        ranks = [r for r in mute if (facts[r]["host"] == facts[0]["host"]) == near]
+        if ranks:
+            out.warn(f"rank(s) {_ranks(ranks)} {why}: they and rank 0 poll for each other's "
+                     f"messages instead (later notice, more CPU)")
+    udp = sum(v == doorbell.NETWORK for v in via.values())
+    return (f"rank 0 <-> {len(via)} of {others} rank(s) ({len(via) - udp} through local sockets, "
+            f"{udp} over the network by UDP; the others poll)")
 
 
 def _waits_line(spins: list[bool]) -> str:
@@ -418,7 +421,7 @@ def doctor() -> int:
         ("CuPy", cupy or "not installed"),
         ("HDF5 file locking", locking),
         ("CUDA-aware MPI", _cuda_aware_line(cuda_aware, {f["cuda_support"] for f in workers})),
-        ("doorbells", _doorbell_line(bell.peers, facts, out)),
+        ("doorbells", _doorbell_line({r: bell.via(r) for r in bell.peers}, facts, out)),
         ("waits", _waits_line(spins)),
     ]
     width = max(len(k) for k, _ in rows)

@@ -95,6 +95,11 @@ class Backoff:
             return   # the message may be a progress call away (FREE_POLLS)
         if self.spin_s and time.monotonic() < self.spin_until:
             return   # a CPU of its own: poll on
+        if self.bell is not None and self.bell.owed:
+            # A ring announced a message MPI does not show yet (over the network the ring
+            # may come first): poll for it as rank 0 does, not a sleep of the schedule's.
+            self.bell.rest(self.far)
+            return
         if self.due is not None:
             ahead = self.due - time.monotonic()
             if ahead > self.poll:

@@ -129,4 +129,5 @@ class Lifecycle:
             status, train_s=self.train_s if self.train_s is not None else self.now(),
             wall_s=self.now(), cpu_s=time.process_time() - self.clock.cpu0,
             lost=self.roster.lost, rejected=self.server.rejected,
-            servers=json.dumps(servers), stray_samples=self.tracker.stray)
+            servers=json.dumps(servers), stray_samples=self.tracker.stray,
+            doorbells=json.dumps(self.receiver.bell.report()))

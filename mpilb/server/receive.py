@@ -61,6 +61,8 @@ class Receiver:
         # Every worker rings when it pushes: sleep until one does (or the chores are due)
         # instead of polling for pushes on a schedule.
         rung = all(self.bell.rings_with(w.rank) for w in order)
+        # a ring over the network may be lost: then the push is looked for when it was due
+        lossy = any(self.bell.via(w.rank) == doorbell.NETWORK for w in order)
         progress_until = spin_until = 0.0
         chores_s = chores.CHORES_RUNG_S if rung else chores.CHORES_S
         next_chores = chores_at = 0.0
@@ -93,7 +95,11 @@ class Receiver:
                 # worker computes meanwhile would otherwise be polled all that time.
                 self.backoff.short()
             elif rung:
-                self.bell.rest(chores_at + chores.RUNG_NAP_S - time.monotonic())
+                until = chores_at + chores.RUNG_NAP_S
+                if lossy:
+                    due, grace, _ = chores.next_push_due()
+                    until = until if due is None else min(until, due + grace)
+                self.bell.rest(until - time.monotonic())
                 if self.bell.take_poke():
                     progress_until = time.monotonic() + self.PROGRESS_S
             else:

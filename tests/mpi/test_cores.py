@@ -2,6 +2,10 @@
 MPILB_SPIN override (no MPI needed)."""
 
 import os
+import shutil
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -12,7 +16,7 @@ from mpilb.mpi.waiting import Backoff
 
 
 def ranks(*specs):
-    """(host, cpus, usable) per rank; cpus None where the OS cannot say."""
+    """(machine, cpus, usable) per rank; cpus None where the OS cannot say."""
     return [(h, None if c is None else sorted(c), u) for h, c, u in specs]
 
 
@@ -126,3 +130,16 @@ def test_ranks_told_to_poll_on_shared_cpus_still_train_exactly(synth_dir, tmp_pa
     cov = s["coverage"]
     assert s["status"] == "finished" and cov["applied"] == cov["expected"] > 0
     assert cov["duplicates"] == 0 and cov["missing"] == 0
+
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and unshare")
+def test_ranks_count_together_by_machine_not_host_name():
+    """The nodes of a cluster in a box have their own host names on one machine's CPUs: a
+    process under another host name is on the same machine (by host name, every rank of a
+    box on 2 CPUs polled first: tests/cluster/test_doorbells.py)."""
+    code = "import socket; from mpilb.mpi import cores; print(socket.gethostname(), cores.machine())"
+    res = subprocess.run(["unshare", "--uts", "sh", "-c", f"hostname mpilb-other && {sys.executable} -c '{code}'"],
+                         capture_output=True, text=True, timeout=30, env=mpirun.env())
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["mpilb-other", cores.machine()] != [socket.gethostname()] * 2

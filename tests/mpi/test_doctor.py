@@ -51,14 +51,18 @@ def test_doorbells_line_and_ranks_on_rank_0s_host_that_cannot_ring(monkeypatch):
     monkeypatch.delenv("MPILB_DOORBELL", raising=False)
     ranks = [facts("a"), facts("a", 1), facts("a", 2), facts("b")]
     out = D.Findings()
-    line = D._doorbell_line({1, 2}, ranks, out)
-    assert line.startswith("rank 0 <-> 2 of 3 rank(s)") and not out.warnings   # b: another host
+    line = D._doorbell_line({1: "local", 2: "local", 3: "network"}, ranks, out)
+    assert line == ("rank 0 <-> 3 of 3 rank(s) (2 through local sockets, 1 over the network by "
+                    "UDP; the others poll)") and not out.warnings   # 3: another host
     out = D.Findings()
-    D._doorbell_line({1}, ranks, out)
+    assert D._doorbell_line({1: "local", 2: "local"}, ranks, out).startswith("rank 0 <-> 2 of 3 rank(s)")
+    assert len(out.warnings) == 1 and "rank(s) 3 on other hosts cannot ring" in out.warnings[0]
+    out = D.Findings()
+    D._doorbell_line({1: "local", 3: "network"}, ranks, out)
     assert len(out.warnings) == 1 and "rank(s) 2 share rank 0's host" in out.warnings[0]
     monkeypatch.setenv("MPILB_DOORBELL", "0")
-    assert D._doorbell_line(set(), ranks, D.Findings()).startswith("off (MPILB_DOORBELL=0)")
-    assert D._doorbell_line(set(), ranks[:1], D.Findings()) == "not used (one rank)"
+    assert D._doorbell_line({}, ranks, D.Findings()).startswith("off (MPILB_DOORBELL=0)")
+    assert D._doorbell_line({}, ranks[:1], D.Findings()) == "not used (one rank)"
 
 
 

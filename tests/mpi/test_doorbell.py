@@ -225,3 +225,53 @@ def test_a_rank_that_cannot_ring_trains_alongside_ranks_that_do(synth_dir, tmp_p
     assert s["status"] == "finished" and cov["applied"] == cov["expected"] > 0
     assert cov["duplicates"] == 0 and cov["missing"] == 0
     assert all(w["samples"] > 0 for w in s["per_worker"])
+
+
+def test_rank_0_resting_on_network_rings_wakes_when_a_push_is_due():
+    """A ring over UDP may be lost: rank 0 looks for the push it expects at its due time
+    (plus grace), not only at its next chores' nap (RUNG_NAP_S, 100 ms)."""
+    from types import SimpleNamespace
+
+    from mpilb.mpi import comm as C
+    from mpilb.server.receive import Receiver
+
+    class Bell:
+        enabled = True
+
+        def __init__(self, via):
+            self.via_, self.rests = via, []
+
+        def rings_with(self, rank):
+            return True
+
+        def via(self, rank):
+            return self.via_
+
+        def rest(self, longest):
+            self.rests.append(longest)
+
+        def wait(self, timeout):
+            return 0
+
+        def took(self, rank):
+            pass
+
+        def take_poke(self):
+            return False
+
+    class Chores:
+        CHORES_S, CHORES_RUNG_S, RUNG_NAP_S = 0.01, 0.025, 0.1
+
+        def next_push_due(self):
+            return time.monotonic() + 0.01, 0.002, 0.05
+
+        def run(self):
+            pass
+
+    for via, longest in ((doorbell.NETWORK, 0.012), (doorbell.LOCAL, 0.1)):
+        w = SimpleNamespace(rank=1, link=SimpleNamespace(recv_req=C.REQUEST_NULL))
+        bell = Bell(via)
+        outbox = SimpleNamespace(in_flight=lambda: False)
+        receiver = Receiver(None, SimpleNamespace(peers={1: w}), bell, outbox, None, None)
+        receiver.serve(lambda: len(bell.rests) >= 2, None, Chores())
+        assert abs(bell.rests[-1] - longest) < 0.005, (via, bell.rests)
