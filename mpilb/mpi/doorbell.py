@@ -294,23 +294,19 @@ def _open_net(rank: int, rank0_address: Optional[str]) -> Optional[socket.socket
     source = rank0_address if rank == 0 else route_source(rank0_address)
     if source is None:
         return None
-    sock = None
-    try:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.bind((source, 0))
-        sock.setblocking(False)
-        return sock
-    except OSError:
-        if sock is not None:
-            sock.close()
-        return None
+    return _bound(socket.AF_INET, (source, 0))
 
 
 def _open_local(name: str) -> Optional[socket.socket]:
+    return _bound(socket.AF_UNIX, name)
+
+
+def _bound(family, address) -> Optional[socket.socket]:
+    """A nonblocking datagram socket of `family` bound to `address`, or None where that fails."""
     sock = None
     try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        sock.bind(name)
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        sock.bind(address)
         sock.setblocking(False)
         return sock
     except OSError:

@@ -9,6 +9,7 @@ is hit exactly; the later ones by a real `mpilb join`."""
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -75,6 +76,18 @@ def joiner(log) -> subprocess.Popen:
     return subprocess.Popen(mpirun.mpilb_cmd(1, "join", str(log)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=mpirun.env(),
                             start_new_session=True)
+
+
+def wait_joined(j: subprocess.Popen, timeout: float = 90) -> None:
+    """Until the joiner says it joined; fails after `timeout` s or when it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if select.select([j.stderr], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            line = j.stderr.readline()
+            assert line, f"the joiner ended (exit {j.wait()}) before it joined"
+            if "joined as worker" in line:
+                return
+    raise AssertionError(f"the joiner did not join within {timeout} s")
 
 
 def test_a_joiner_that_dies_before_it_connects_never_holds_rank_0(data, tmp_path):  # noqa: F811
@@ -176,11 +189,7 @@ def test_a_joiner_killed_after_its_admission(data, tmp_path):  # noqa: F811
     try:
         mpirun.wait_training(str(log), proc)
         j = joiner(log)
-        deadline = time.monotonic() + 90
-        for line in j.stderr:
-            if "joined as worker" in line:
-                break
-            assert time.monotonic() < deadline
+        wait_joined(j)
         os.killpg(j.pid, signal.SIGKILL)
         j.wait(timeout=10)
     finally:
@@ -330,11 +339,7 @@ def test_sigterm_to_a_joiner_preempts_the_run_as_a_workers_does(data, tmp_path):
     try:
         mpirun.wait_training(str(log), proc)
         j = joiner(log)
-        deadline = time.monotonic() + 90
-        for line in j.stderr:
-            if "joined as worker" in line:
-                break
-            assert time.monotonic() < deadline
+        wait_joined(j)
         time.sleep(0.5)
         os.kill(joiner_pid(log), signal.SIGTERM)
         jcode, _, jerr = finish(j, timeout=120)
