@@ -296,3 +296,35 @@ def test_local_sh(tmp_path, digits):
     proc = run([JOBS / "mpirun/local.sh", *TRAIN, "--log", log, "--no-progress"], tmp_path, env)
     attrs = assert_finished(log, 3, proc)
     assert attrs["config"]["device"] == "auto"
+
+
+@pytest.mark.mpi
+def test_join_grows_a_running_job_from_a_second_job(tmp_path, digits):
+    """train_cpu.sbatch runs; join.sbatch --ntasks=2, a second job, adds two workers to it
+    (ids 3 and 4): both jobs exit 0, the run finishes with exact coverage and members/ holds
+    the two joins."""
+    env = shim_env(tmp_path)
+    train = start([SHIM / "sbatch", "--nodes=1", "--ntasks=3", JOBS / "slurm/train_cpu.sbatch",
+                   "--data", digits, "--model", "mlp", "--hidden", "16", "--epochs", "150",
+                   "--seed", "1", "--no-progress", "--log", tmp_path / "run.h5"], tmp_path, env)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not _holds_updates(tmp_path / "run.h5"):
+            assert train.poll() is None and time.monotonic() < deadline, train.communicate()
+            time.sleep(0.2)
+        join = run([SHIM / "sbatch", "--ntasks=2", JOBS / "slurm/join.sbatch", tmp_path / "run.h5"],
+                   tmp_path, env)
+    finally:
+        proc = finish(train, timeout=TIMEOUT * 3)
+    assert join.returncode == 0, join.stdout + join.stderr
+    assert join.stderr.count("joined as worker") == 2, join.stderr
+    attrs = assert_finished(tmp_path / "run.h5", 3, proc)
+    from mpilb.runfiles.runlog import read_columns
+    members = read_columns(str(tmp_path / "run.h5"))[1]["members"]
+    assert sorted(members["worker"]) == [3, 4]
+    assert {3, 4} <= {w["rank"] for w in attrs["summary"]["per_worker"]}
+
+
+def _holds_updates(log: Path) -> bool:
+    from mpilb.runfiles.runlog import holds_updates
+    return log.exists() and holds_updates(str(log))
