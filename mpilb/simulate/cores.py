@@ -3,7 +3,7 @@
 Where more ranks of a node are busy than it has cores, each busy rank's compute runs
 slower by busy / cores. Busy counts the node's workers that have work (not idle), each as
 the share of its last step it spent computing, and, on rank 0's node, the server as the
-share of a core it uses (its CPU seconds per update times the updates per second so far).
+share of a core it used in the run replayed (``server_cpu_s`` over ``train_s``).
 Nowhere else does a rank's speed depend on the others: a node with a core per rank
 (cores >= its ranks, rank 0 counted) is left alone, so a what-if with a core per rank keeps
 its figures to the last bit.
@@ -34,13 +34,17 @@ class NodeCores:
         cores: usable cores of each node (by node index).
         node_of: the node of each simulated worker, by the engine's worker number (1..W).
         server_node: rank 0's node.
-        server_cpu_s: rank 0's CPU seconds per update (0: the server is not counted).
+        server_share: the share of a core rank 0 uses (0: the server is not counted). Taken
+            from the replayed run as it stands, not scaled with the simulated updates per
+            second: scaled, the load replay of a static run's log read 8% longer in each
+            of the 5 tries of docs/simulate.md (rank 0's CPU share 0.25 there, 0.44 under
+            load) while the fast workers computed no slower under load than under static.
     """
 
     cores: tuple
     node_of: dict
     server_node: int = 0
-    server_cpu_s: float = 0.0
+    server_share: float = 0.0
 
     def shared(self) -> frozenset:
         """The nodes whose ranks outnumber their cores (rank 0 counted on its node)."""
@@ -49,8 +53,8 @@ class NodeCores:
             count[node] = count.get(node, 0) + 1
         return frozenset(n for n, k in count.items() if k > self.cores[n])
 
-    def factor(self, engine, w, now: float) -> float:
-        """How much slower ``w``'s compute that starts at ``now`` runs: busy ÷ cores of its
+    def factor(self, engine, w) -> float:
+        """How much slower the compute of the step ``w`` starts runs: busy ÷ cores of its
         node where that exceeds 1, else 1. Notes ``w``'s duty from the step it just ended."""
         last = w.comp + w.io + w.comm
         w.duty = w.comp / last if last > 0 else 1.0
@@ -58,8 +62,8 @@ class NodeCores:
         busy = w.duty + sum(o.duty for o in engine.workers.values()
                             if o is not w and self.node_of[o.rank] == node and o.present
                             and not o.idle)
-        if node == self.server_node and now > 0:
-            busy += min(1.0, self.server_cpu_s * engine.updates / now)
+        if node == self.server_node:
+            busy += self.server_share
         return max(1.0, busy / self.cores[node])
 
 

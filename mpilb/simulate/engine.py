@@ -235,7 +235,7 @@ class Engine:
         i = p.piece(t)
         io = n * p.io[i] if self.replay else self._read_wait(w, task, t)
         comp = w.jittered(n * p.compute[i])
-        comp *= self.cores.factor(self, w, t + io) if self.cores is not None else 1.0
+        comp *= self.cores.factor(self, w) if self.cores is not None else 1.0
         if w.rules:
             comp, io = w.injected(t, comp, io, self.replay)
         push_t = t + io + comp + self._push_delay(w, t)

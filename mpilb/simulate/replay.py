@@ -110,9 +110,9 @@ def load_run(path: str, params: int | None = None, cores_per_node: int | None = 
     ep = cols["epochs"]
     last = (float(ep["t_start"][-1]), float(ep["t_end"][-1]))
     node_of = _nodes(attrs, world)
-    cores = _cores(attrs, cols, ranks, node_of, world, cores_per_node) if share_cores else None
-    slow = (uncontended(cols, ranks, node_of, cores.cores, cores.shared(),
-                        _server_share(attrs)) if cores is not None else None)
+    cores = _cores(attrs, ranks, node_of, world, cores_per_node) if share_cores else None
+    slow = (uncontended(cols, ranks, node_of, cores.cores, cores.shared(), cores.server_share)
+            if cores is not None else None)
     profiles = [_profile(cols, r, link_model.update_s, last, slow) for r in ranks]
     # the engine numbers workers 1..W: map the run's ranks onto them
     faults = [rule for rule in parse_injects(config.get("inject") or [], world)
@@ -128,14 +128,13 @@ def load_run(path: str, params: int | None = None, cores_per_node: int | None = 
                   rank_faults, cores)
 
 
-def _cores(attrs, cols, ranks, node_of, world, per_node) -> NodeCores | None:
+def _cores(attrs, ranks, node_of, world, per_node) -> NodeCores | None:
     """The model of the nodes' cores, or None where every rank has a core (or none is known)."""
     cores = node_cores(node_of, log_cores(attrs, world), per_node)
     if cores is None:
         return None
-    updates = max(1, len(cols["updates"]["t"]))
     model = NodeCores(cores, {i + 1: node_of[r] for i, r in enumerate(ranks)}, node_of[0],
-                      float(attrs.get("server_cpu_s", 0.0) or 0.0) / updates)
+                      _server_share(attrs))
     return model if model.shared() else None
 
 

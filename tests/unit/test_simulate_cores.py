@@ -63,7 +63,7 @@ def test_a_core_per_rank_changes_nothing_to_the_last_bit():
     profiles = [constant(r, 0.001, 1e9) for r in (100.0, 100.0, 25.0)]
     base = dict(balancer="load", epochs=2, batch=16, params=10_000)
     plain = run(SimConfig(**base), profiles, [500] * 12)
-    cores = NodeCores((4,), {1: 0, 2: 0, 3: 0}, 0, 1e-3)   # 4 ranks, 4 cores
+    cores = NodeCores((4,), {1: 0, 2: 0, 3: 0}, 0, 0.5)   # 4 ranks, 4 cores
     assert run(SimConfig(**base, cores=cores), profiles, [500] * 12) == plain
 
 
