@@ -146,6 +146,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     from mpilb.mpi import cores
 
     cores.start_waits(comm, cfg.store_ranks)   # where a rank has a CPU of its own, waits poll first
+    cpus = comm.allgather(cores.usable_cpus())   # for the log: replays model shared cores
 
     def make_role():
         from mpilb.data.dataset import open_dataset
@@ -156,7 +157,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
         run_attrs = {"config": json.dumps(dict(cfg.values, data=data_dir), sort_keys=True),
                      "run_id": run_id, "mpi_library": mpi_library, "world_size": size,
                      "hostnames": json.dumps(hosts), "nodes": json.dumps(nodes),
-                     "stores": json.dumps(list(cfg.store_ranks))}
+                     "stores": json.dumps(list(cfg.store_ranks)), "cpus": json.dumps(cpus)}
         if size == 1:
             from mpilb.run.serial import SerialTrainer
 

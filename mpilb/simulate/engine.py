@@ -32,6 +32,7 @@ from mpilb.core.epochs import EpochTracker, epoch_order
 from mpilb.core.sitout import SitOut
 from mpilb.errors import UsageError
 from mpilb.simulate.cluster import Profile, Slices
+from mpilb.simulate.cores import crowded
 from mpilb.simulate.ledger import Ledger
 from mpilb.simulate.workers import (LOST, PUSH, REBALANCE, SimConfig, SimPush, SimWorker,
                                     read_key)
@@ -83,7 +84,7 @@ class Engine:
         self.slices = Slices(cfg.params, cfg.servers, cfg.server_gbps, cfg.apply_s)
         self.workers = {r: SimWorker(r, p, cfg.inject, cfg.batch, cfg.seed, cfg.jitter)
                         for r, p in zip(ranks, profiles)}
-        self.sync = cfg.mode == "sync"
+        self.sync, self.cores = cfg.mode == "sync", crowded(cfg.cores)
         self.heap: list = []
         self.seq = 0
         self.now = 0.0
@@ -234,6 +235,7 @@ class Engine:
         i = p.piece(t)
         io = n * p.io[i] if self.replay else self._read_wait(w, task, t)
         comp = w.jittered(n * p.compute[i])
+        comp *= self.cores.factor(self, w) if self.cores is not None else 1.0
         if w.rules:
             comp, io = w.injected(t, comp, io, self.replay)
         push_t = t + io + comp + self._push_delay(w, t)

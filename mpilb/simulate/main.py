@@ -58,6 +58,8 @@ def add_arguments(p) -> None:
                      "the run's)")
     net.add_argument("--wire", metavar="fp32|bf16|fp16[,...]",
                      help="bytes per float on the wire: 4, 2, 2 (default fp32)")
+    p.add_argument("--cores-per-node", type=int, metavar="N", help="usable cores of each node: "
+                   "ranks that outnumber them share them (default --from: the log's cpus)")
     p.add_argument("--read-mbps", type=float, default=None, help="shard reads, MB/s (default 1000)")
     p.add_argument("--row-bytes", type=int, default=None, help="bytes per sample (default 1024)")
     p.add_argument("--rebalance-interval", type=float, help="seconds (default 2; --from: the run's)")
@@ -151,7 +153,8 @@ def _clusters(args):
             raise UsageError("--from replays a run: --workers and --inject come from its log")
         from mpilb.simulate.replay import load_run
 
-        run = load_run(args.from_log, args.params)
+        run = load_run(args.from_log, args.params, args.cores_per_node,
+                       share_cores=not _network_given(args))
         rc = run.config
         if run.params is None and args.params is None:
             raise UsageError(f"--from {args.from_log}: cannot rebuild the model to count its "
@@ -163,7 +166,8 @@ def _clusters(args):
                    rebalance_interval=rc.get("rebalance_interval", 2.0),
                    epochs=len(run.measured_epoch_s), seed=rc.get("seed", 0),
                    worker_timeout=rc.get("worker_timeout", 60.0),
-                   params=run.params, row_bytes=run.row_bytes, inject=run.faults)
+                   params=run.params, row_bytes=run.row_bytes, inject=run.faults,
+                   cores=run.cores)
         if cfg["mode"] == "ssp":
             cfg["mode"] = "async"   # not modelled: replayed as async (docs/simulate.md)
         extra = {"from": args.from_log,
@@ -205,6 +209,15 @@ def _clusters(args):
             clusters.append((f"--rates {args.rates}", profiles, sizes, False, {}))
         rules = parse_injects(args.inject, max(len(c[1]) for c in clusters) + 1)
         cfg.update(params=params, inject=rules, seed=seed)
+        if args.cores_per_node is not None:   # the server and every worker on one node
+            from mpilb.simulate.cores import NodeCores, node_cores
+
+            most = max(len(c[1]) for c in clusters)
+            cfg["cores"] = NodeCores(node_cores([0], None, args.cores_per_node),
+                                     {r: 0 for r in range(1, most + 1)})
+    if args.cores_per_node is not None and "network" in cfg:
+        raise UsageError("--cores-per-node is modelled without a network only: drop --nodes "
+                         "and --link-rate, or --cores-per-node")
     for key in ("batch", "min_batch", "max_batch", "rebalance_interval", "worker_timeout",
                 "seed", "epochs", "row_bytes"):
         value = getattr(args, key, None)

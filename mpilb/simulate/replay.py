@@ -27,6 +27,7 @@ from mpilb.errors import UsageError
 from mpilb.core.inject import parse_injects
 from mpilb.core.topology import default_stores
 from mpilb.simulate.cluster import Profile, Slices
+from mpilb.simulate.cores import NodeCores, log_cores, node_cores, uncontended
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Replay:
     ranks: list[int] = field(default_factory=list)      # the MPI rank of each profile
     node_of: list[int] = field(default_factory=list)    # every rank's node (from hostnames)
     rank_faults: list = field(default_factory=list)     # ``faults`` by MPI rank
+    cores: NodeCores | None = None    # the nodes' cores, where ranks outnumber them
 
     def rank_profiles(self) -> list:
         """A profile for every MPI rank: the run's own for its workers; a rank that was a
@@ -58,9 +60,14 @@ class Replay:
         return out
 
 
-def load_run(path: str, params: int | None = None) -> Replay:
+def load_run(path: str, params: int | None = None, cores_per_node: int | None = None,
+             share_cores: bool = True) -> Replay:
     """Read a finished run's log. UsageError (one line, naming the file) when it cannot be
-    read, is not a run log, or did not finish an epoch."""
+    read, is not a run log, or did not finish an epoch.
+
+    With ``share_cores`` (the engine without a network), where a node's ranks outnumber its
+    cores (``cores_per_node``, else the log's ``cpus``), the workers' compute per sample is
+    taken back to what it would be on a core of their own (:mod:`mpilb.simulate.cores`)."""
     from mpilb.runfiles.runlog import file_kind, read_columns
 
     try:
@@ -102,7 +109,11 @@ def load_run(path: str, params: int | None = None) -> Replay:
     link_model = Slices(params or 0, servers)
     ep = cols["epochs"]
     last = (float(ep["t_start"][-1]), float(ep["t_end"][-1]))
-    profiles = [_profile(cols, r, link_model.update_s, last) for r in ranks]
+    node_of = _nodes(attrs, world)
+    cores = _cores(attrs, ranks, node_of, world, cores_per_node) if share_cores else None
+    slow = (uncontended(cols, ranks, node_of, cores.cores, cores.shared(), cores.server_share)
+            if cores is not None else None)
+    profiles = [_profile(cols, r, link_model.update_s, last, slow) for r in ranks]
     # the engine numbers workers 1..W: map the run's ranks onto them
     faults = [rule for rule in parse_injects(config.get("inject") or [], world)
               if rule.kind in ("hang", "crash")]
@@ -113,8 +124,25 @@ def load_run(path: str, params: int | None = None) -> Replay:
                       f.prob, f.text) for f in faults]
     return Replay(path, config, profiles, shard_sizes, params, row_bytes, faults,
                   [float(e - s) for s, e in zip(ep["t_start"], ep["t_end"])],
-                  [float(u) for u in ep["utilization"]], servers, ranks, _nodes(attrs, world),
-                  rank_faults)
+                  [float(u) for u in ep["utilization"]], servers, ranks, node_of,
+                  rank_faults, cores)
+
+
+def _cores(attrs, ranks, node_of, world, per_node) -> NodeCores | None:
+    """The model of the nodes' cores, or None where every rank has a core (or none is known)."""
+    cores = node_cores(node_of, log_cores(attrs, world), per_node)
+    if cores is None:
+        return None
+    model = NodeCores(cores, {i + 1: node_of[r] for i, r in enumerate(ranks)}, node_of[0],
+                      _server_share(attrs))
+    return model if model.shared() else None
+
+
+def _server_share(attrs: dict) -> float:
+    """The share of a core rank 0 used over the run: its CPU seconds over the training's."""
+    cpu = float(attrs.get("server_cpu_s", 0.0) or 0.0)
+    train = float(attrs.get("train_s", 0.0) or 0.0)
+    return min(1.0, cpu / train) if train > 0 else 0.0
 
 
 def _nodes(attrs: dict, world: int) -> list[int]:
@@ -178,14 +206,16 @@ def _shard_sizes(updates: dict, path: str) -> list[int]:
     return [int(s) for s in sizes]
 
 
-def _profile(cols: dict, rank: int, store_s: float, last: tuple) -> Profile:
+def _profile(cols: dict, rank: int, store_s: float, last: tuple, slow=None) -> Profile:
     """The worker's trace: one piece per ``workers/`` row up to the end of the last epoch
     (``last``: its start and end), then the totals over that epoch for all later times.
 
     A row after the last epoch's end is the run's shutdown (its final steps and the wait
     for the stop, counted as communication over a few steps): it is left out, and past the
     log's end (a what-if whose epochs take longer than the run's) the worker keeps its
-    last epoch's mean speeds rather than that row's.
+    last epoch's mean speeds rather than that row's. ``slow``: the sharing of the node's
+    cores each row was measured under (:func:`mpilb.simulate.cores.uncontended`), which
+    its compute is divided by.
     """
     w = cols["workers"]
     rows = np.flatnonzero(w["worker"] == rank)
@@ -200,13 +230,14 @@ def _profile(cols: dict, rank: int, store_s: float, last: tuple) -> Profile:
         if t > end and edges:
             break
         steps = int(np.searchsorted(ups, t, "right") - np.searchsorted(ups, t_prev, "right"))
-        if n > 0 and w["compute_s"][i] > 0:
+        compute_s = float(w["compute_s"][i]) / (slow[i] if slow is not None else 1.0)
+        if n > 0 and compute_s > 0:
             edges.append(t_prev)
-            comp.append(float(w["compute_s"][i]) / n)
+            comp.append(compute_s / n)
             io.append(float(w["io_s"][i]) / n)
             link.append(max(0.0, float(w["comm_s"][i]) / max(1, steps) - store_s))
             if t_prev >= start:
-                tail += (n, w["compute_s"][i], w["io_s"][i], w["comm_s"][i])
+                tail += (n, compute_s, w["io_s"][i], w["comm_s"][i])
         t_prev = t
     if not edges:
         raise UsageError(f"rank {rank} reported no work in the run log")

@@ -41,6 +41,8 @@ class SimConfig:
                               # (a network model only)
     jitter: float = 0.0       # sigma of a lognormal factor (mean 1) on each step's compute
     inject: list = field(default_factory=list)   # parsed InjectRule objects
+    cores: object = None      # a cores.NodeCores: ranks that outnumber a node's cores share
+                              # them (none where each rank has a core)
 
 
 class SimPush:
@@ -62,7 +64,7 @@ class SimWorker(WorkerState):
     __slots__ = ("rank", "profile", "rules", "batch", "waiting", "membership", "dead",
                  "reply_t", "n", "comp", "io", "comm", "epoch_busy", "epoch_finish", "busy",
                  "step", "fault_t", "read_free", "ready", "rng", "benched_at", "probing",
-                 "samples", "lags", "last_gap", "last_push", "jitter", "noise")
+                 "samples", "lags", "last_gap", "last_push", "jitter", "noise", "duty")
 
     def __init__(self, rank: int, profile: Profile, rules, batch: int, seed: int,
                  jitter: float = 0.0):
@@ -76,6 +78,7 @@ class SimWorker(WorkerState):
         self.reply_t = 0.0
         self.n = 0
         self.comp = self.io = self.comm = 0.0
+        self.duty = 1.0   # the share of its last step it computed (simulate/cores.py)
         self.epoch_busy = 0.0
         self.epoch_finish = None
         self.busy = 0.0

@@ -40,8 +40,10 @@ def test_serial_training_writes_log_and_report(digits_dir, tmp_path):
     assert cov["applied"] == cov["expected"] == 20 * 1438 and cov["duplicates"] == cov["missing"] == 0
     with h5py.File(log, "r") as f:
         for attr in ("mpilb_version", "config", "mpi_library", "world_size", "hostnames",
-                     "start_time", "status"):
+                     "start_time", "status", "cpus"):
             assert attr in f.attrs
+        cpus = json.loads(f.attrs["cpus"])   # what replays model shared cores with
+        assert len(cpus) == 1 and cpus[0] >= 1
         for group in ("updates", "workers", "eval", "shards", "epochs"):
             assert group in f
         assert json.loads(f["summary"].attrs["json"]) == s
