@@ -111,7 +111,7 @@ class TaskLedger:
         """Hand `rank` shards until it holds COMMITTED; with none left, split another's."""
         h = self.of[rank]
         while len(h.tasks) < COMMITTED:
-            shard = self.balancer.next_shard(rank)
+            shard = self.balancer.next_shard(rank, prefetch=bool(h.tasks))
             if shard is None:
                 break
             size = self.shard_sizes[shard]

@@ -186,8 +186,9 @@ class Balancer(RateEstimates):
         """Unstarted shards now queued for ``worker`` (a copy)."""
         return list(self._queues.get(worker, ()))
 
-    def next_shard(self, worker: int) -> int | None:
-        """Hand ``worker`` its next shard, or None when it has nothing left this epoch."""
+    def next_shard(self, worker: int, prefetch: bool = False) -> int | None:
+        """Hand ``worker`` its next shard, or None when it has nothing left this epoch.
+        ``prefetch``: it asks while it still holds a task (a policy may make it wait)."""
         if worker not in self.workers:
             return None
         queue = self._queues[worker]

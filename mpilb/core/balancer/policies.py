@@ -50,7 +50,7 @@ class DemandBalancer(Balancer):
         self._central = order
         return {w: [] for w in self.workers}
 
-    def next_shard(self, worker):
+    def next_shard(self, worker, prefetch=False):
         if worker not in self.workers or not self._central:
             return None
         # With a node-local store, take the first shard this worker holds, if any is left.
@@ -101,17 +101,21 @@ class LoadBalancer(Balancer):
     steal it, and the asker gets it anyway if it runs dry first. Without this a slow worker
     commits to two shards near the end (its current one and its prefetch) and ends the
     epoch late while the fast ones idle; committed shards never move. For the same reason
-    a worker holds one shard at a time until it has a rate: the first plan is blind, and
-    a second shard committed on it to a worker that turns out slow (behind a slow link)
-    ended the run's first epoch late (cluster case (f): 1.35 s, 0.86 s without that node).
+    a worker holds one shard at a time until it has a rate: the first plan is blind, and a
+    second shard committed on it to a worker that turns out slow (behind a slow link) ended
+    the run's first epoch late (cluster case (f): 1.35 s, 0.86 s without that node). That
+    rule holds back a `prefetch` only (asked while the worker still holds a task): one that
+    ran dry gets its next shard whatever its rate (its committed count can lag its reports,
+    and an ssp run whose workers had no rate yet stalled with shards queued).
     """
 
-    def next_shard(self, worker):
+    def next_shard(self, worker, prefetch=False):
         if worker not in self.workers:
             return None
         queue = self._queues[worker]
         if queue and self._committed.get(worker, 0) > 0 and len(self.workers) > 1 and (
-                not self.rate_known(worker) or self._sooner_elsewhere(worker, queue[0])):
+                (prefetch and not self.rate_known(worker))
+                or self._sooner_elsewhere(worker, queue[0])):
             return None
         return super().next_shard(worker)
 
