@@ -32,7 +32,8 @@ REPO = _results.REPO
 RESULTS_DIR = _results.RESULTS_DIR
 DOCS = ["docs/benchmarks.md", "docs/benchmarks/models.md", "docs/benchmarks/data.md",
         "docs/benchmarks/staleness.md",
-        "docs/balancing.md", "docs/data.md", "docs/scaling.md", "docs/gpu.md", "docs/simulate.md"]
+        "docs/balancing.md", "docs/data.md", "docs/scaling.md", "docs/gpu.md", "docs/simulate.md",
+        "docs/membership.md"]
 BLOCK = re.compile(r"(<!-- BEGIN generated: ([\w.-]+) -->\n)(.*?)(<!-- END generated -->)", re.S)
 
 
