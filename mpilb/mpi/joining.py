@@ -37,31 +37,27 @@ def _timeout(seconds: float):
 def accept(port: str, timeout: float):
     """Rank 0: take the joiner waiting in :func:`connect` (call only then: this blocks, at
     most `timeout` s). None if no one connected in that time."""
-    info = _timeout(timeout)
-    try:
-        inter = MPI.COMM_SELF.Accept(port, info)
-    except MPI.Exception:
-        return None
-    finally:
-        info.Free()
-    try:
-        return inter.Merge(high=False)
-    finally:
-        inter.Free()
+    return _merged(lambda info: MPI.COMM_SELF.Accept(port, info), timeout, high=False)
 
 
 def connect(port: str, timeout: float):
     """A joiner (every rank of its launch): connect to the running job's rank 0, waiting at
     most `timeout` s for its accept. None if it did not accept in that time."""
+    return _merged(lambda info: MPI.COMM_WORLD.Connect(port, info), timeout, high=True)
+
+
+def _merged(open_inter, timeout: float, high: bool):
+    """The intracommunicator of the intercommunicator `open_inter(info)` makes within
+    `timeout` s (rank 0 of the job first: `high` on the joiner's side), or None."""
     info = _timeout(timeout)
     try:
-        inter = MPI.COMM_WORLD.Connect(port, info)
+        inter = open_inter(info)
     except MPI.Exception:
         return None
     finally:
         info.Free()
     try:
-        return inter.Merge(high=True)
+        return inter.Merge(high=high)
     finally:
         inter.Free()
 
