@@ -145,8 +145,9 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     doorbell.open_job(comm, rank, size)   # rank 0 and the ranks on its node ring each other
     from mpilb.mpi import cores
 
-    cores.start_waits(comm, cfg.store_ranks)   # where a rank has a CPU of its own, waits poll first
-    cpus = comm.allgather(cores.usable_cpus())   # for the log: replays model shared cores
+    everyone = cores.facts(comm)
+    cores.start_waits(comm, cfg.store_ranks, everyone)   # a rank with a CPU of its own polls first
+    cpus = [usable for _, _, usable, _ in everyone]   # for the log: replays model shared cores
 
     def make_role():
         from mpilb.data.dataset import open_dataset

@@ -106,22 +106,28 @@ def own_core(me: tuple, everyone: list, spare: int = 0) -> bool:
     return sharing + spare <= usable
 
 
-def spinning(comm, stores=(0,)) -> list[bool]:
-    """Collective: for every rank, whether its waits poll first: a worker where it has a
-    CPU to itself, a store (the ranks in `stores`) where its node has one more (see the
-    module's docstring); ``MPILB_SPIN=1`` or ``0`` on a rank decides for it."""
+def facts(comm) -> list[tuple]:
+    """Collective: every rank's ``(machine, cpus, usable, MPILB_SPIN)`` (see :func:`own_core`)."""
     cpus = cpu_set()
-    me = (machine(), sorted(cpus) if cpus is not None else None, usable_cpus(),
-          os.environ.get("MPILB_SPIN", "auto"))
-    everyone = comm.allgather(me)
-    facts = [e[:3] for e in everyone]
-    return [e[3] == "1" if e[3] in ("0", "1") else own_core(e[:3], facts, spare=int(r in stores))
+    return comm.allgather((machine(), sorted(cpus) if cpus is not None else None, usable_cpus(),
+                           os.environ.get("MPILB_SPIN", "auto")))
+
+
+def spinning(comm, stores=(0,), everyone=None) -> list[bool]:
+    """Collective (unless given `everyone`, :func:`facts`' answer): for every rank, whether
+    its waits poll first: a worker where it has a CPU to itself, a store (the ranks in
+    `stores`) where its node has one more (see the module's docstring); ``MPILB_SPIN=1`` or
+    ``0`` on a rank decides for it."""
+    everyone = facts(comm) if everyone is None else everyone
+    known = [e[:3] for e in everyone]
+    return [e[3] == "1" if e[3] in ("0", "1") else own_core(e[:3], known, spare=int(r in stores))
             for r, e in enumerate(everyone)]
 
 
-def start_waits(comm, stores=(0,)) -> list[bool]:
-    """Collective: make this process's waits poll for :data:`SPIN_S` seconds before they
-    sleep where :func:`spinning` says so. Returns every rank's answer."""
-    spins = spinning(comm, stores)
+def start_waits(comm, stores=(0,), everyone=None) -> list[bool]:
+    """Collective (unless given `everyone`): make this process's waits poll for
+    :data:`SPIN_S` seconds before they sleep where :func:`spinning` says so. Returns every
+    rank's answer."""
+    spins = spinning(comm, stores, everyone)
     Backoff.poll_first(SPIN_S if spins[comm.Get_rank()] else 0.0)
     return spins
