@@ -249,7 +249,7 @@ class Admissions:
 
     def admit(self, comm, offer: Optional[Offer] = None, ringback: Optional[dict] = None) -> int:
         """A worker on `comm` (its rank 1) joins the run now; returns its id. Its node in
-        `members/` is rank 0's where it runs on rank 0's host, else -1 (not known).
+        `members/` is that of the job's ranks on its host, else -1 (not known: :meth:`node_of`).
         `ringback`: its doorbell's address (local socket name or network address), rung
         with every message as the job's workers are; it rings rank 0 with every push."""
         s = self.server
@@ -265,13 +265,21 @@ class Admissions:
         s.receiver.add(w)
         w.go_idle()
         self.joined.append((rank, comm))
-        here = offer is not None and offer.here() and bool(self.members.nodes)
-        self.members.note(rank, "join", node=self.members.nodes[0] if here else -1)
+        self.members.note(rank, "join", node=self.node_of(offer))
         where = f" ({offer.who})" if offer is not None and offer.pid else ""
         print(f"mpilb: a worker joined the run at {s.now():.1f} s as worker {rank}{where}",
               file=sys.stderr, flush=True)
         s.epochs.wake_idle()
         return rank
+
+    def node_of(self, offer: Optional[Offer]) -> int:
+        """The node a joiner runs on: that of the job's ranks on its host (its request names
+        the host), -1 where no rank of the job runs there or it named none."""
+        hosts, nodes = getattr(self.server, "hostnames", []), self.members.nodes
+        if offer is None or not offer.host or offer.host not in hosts:
+            return -1
+        rank = hosts.index(offer.host)
+        return int(nodes[rank]) if rank < len(nodes) else -1
 
     def poll_reports(self) -> None:
         """A joiner's error report and its signal reports: they come on its own communicator
