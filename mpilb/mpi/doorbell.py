@@ -108,8 +108,7 @@ class Doorbell:
         return self.via(rank)
 
     def invitation(self) -> Optional[dict]:
-        """What a process joining the job needs to ring this rank (rank 0): its sockets'
-        names and the job's key (for a file only its owner reads, beside the MPI port)."""
+        """What a joiner needs to ring rank 0 (for the owner-only file beside its port)."""
         if self.sock is None and self.net is None:
             return None
         return {"prefix": self.prefix, "key": self.key.hex(),
@@ -392,7 +391,7 @@ def open_job(comm, rank: int, size: int) -> Doorbell:
 
 
 def install(bell: Doorbell) -> None:
-    """Make `bell` this process's (:func:`current`): a joiner's, opened by :func:`join_job`."""
+    """Make `bell` (a joiner's: :func:`join_job`) this process's :func:`current`."""
     global _current
     if _current is not bell:
         _current.close()
@@ -400,12 +399,10 @@ def install(bell: Doorbell) -> None:
 
 
 def join_job(invitation: Optional[dict]) -> tuple[Doorbell, dict]:
-    """A process joining a running job (mpi/joining.py): its doorbell with rank 0, from
-    rank 0's :meth:`Doorbell.invitation`, and what rank 0 needs to ring it back
-    (:meth:`Doorbell.add_peer`). Local where rank 0's socket is reachable from here, else
-    over the network; neither (a silent bell, ``{}``) where rank 0 has no bell or this
-    process may not ring. The bell's rank (its rings' sender) is set once the job gives it
-    an id."""
+    """A joiner's doorbell with rank 0 (from its :meth:`Doorbell.invitation`) and what rank
+    0 needs to ring it back (:meth:`Doorbell.add_peer`): local where rank 0's socket is
+    reachable, else over the network, else none (a silent bell, ``{}``). Its rank (the
+    sender its rings name) is set once the job gives it an id."""
     if not invitation or not wanted():
         return Doorbell(), {}
     prefix, key = invitation["prefix"], bytes.fromhex(invitation["key"])
@@ -426,8 +423,7 @@ def join_job(invitation: Optional[dict]) -> tuple[Doorbell, dict]:
 
 
 def _reaches(sock: socket.socket, name: str, rank: int, key: bytes) -> bool:
-    """Does a local socket of that name exist (a test ring to it is delivered)? A Unix
-    datagram to a name no socket holds fails at once."""
+    """Is a local socket of that name there? (A datagram to a name none holds fails.)"""
     try:
         sock.sendto(RING.pack(rank, TEST, key), name)
         return True
