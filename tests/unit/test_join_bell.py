@@ -108,3 +108,33 @@ def test_a_joiners_launch_has_one_blas_thread(command, threads):
                          timeout=60, cwd=os.getcwd())
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(threads)
+
+
+def test_rank_0_waits_for_rings_only_while_every_worker_rings():
+    """The server sleeps until a ring only where every worker rings (server/receive.py):
+    a joiner that rings keeps it so, one over the network makes rings lossy, one that
+    cannot ring makes rank 0 poll. Before, this was decided once at the start: a joiner
+    that did not ring was noticed only when another worker's ring or the nap woke rank 0."""
+    from types import SimpleNamespace
+
+    from mpilb.server.receive import Receiver
+
+    server = rank0_bell(net=True)
+    try:
+        receiver = Receiver(None, None, server, None, None, None)
+        receiver.order = [SimpleNamespace(rank=1)]
+        receiver.rings()
+        assert receiver.rung and not receiver.lossy
+        server.add_peer(3, local=server.prefix + "0")   # (a socket that is there: its own)
+        receiver.order.append(SimpleNamespace(rank=3))
+        receiver.rings()
+        assert receiver.rung and not receiver.lossy
+        server.add_peer(4, net=("127.0.0.1", 9))
+        receiver.order.append(SimpleNamespace(rank=4))
+        receiver.rings()
+        assert receiver.rung and receiver.lossy
+        receiver.order.append(SimpleNamespace(rank=5))   # no route: it is polled for
+        receiver.rings()
+        assert not receiver.rung
+    finally:
+        server.close()
