@@ -11,9 +11,11 @@ import sys
 
 from mpilb.mpi.launcher import announced_rank, env_world_size, one_blas_thread_per_rank
 
-# Several ranks share a node's cores: one BLAS thread per rank unless the user says otherwise.
-# This must happen before numpy is imported (nothing above imports it).
-one_blas_thread_per_rank()
+# Several ranks share a node's cores: one BLAS thread per rank unless the user says otherwise
+# (a joiner is a rank of the job it joins, whatever its own launch's size: without this, its
+# BLAS threads took the cores of the job's ranks). This must happen before numpy is imported
+# (nothing above imports it).
+one_blas_thread_per_rank(joins=len(sys.argv) > 1 and sys.argv[1] == "join")
 
 # A preemption signal (SIGTERM/SIGUSR1) while a training rank is still importing must not
 # kill it (exit 15, no checkpoint): note it now, `mpilb train` acts on it once running.

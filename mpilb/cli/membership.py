@@ -1,5 +1,5 @@
-"""`mpilb leave RUN.h5 --rank R`: let one worker of a running job go; `mpiexec -n 1 mpilb
-join RUN.h5`: one more worker for it (docs/membership.md).
+"""`mpilb leave RUN.h5 --rank R`: let one worker of a running job go; `mpiexec -n J mpilb
+join RUN.h5`: J more workers for it (docs/membership.md).
 
 The command reaches the job without MPI: it checks the run log (a run of this user, still
 running, R a worker still in it), writes a request file into the directory beside the log
@@ -80,21 +80,18 @@ def leave(log: str, rank: int, wait_s: float = ANSWER_WAIT_S) -> int:
 
 
 def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
-    """This process (a one-rank MPI launch) becomes a worker of the run writing `log`."""
+    """This process becomes a worker of the run writing `log` (each rank of a launch of J
+    ranks does, on its own: run/worker_join.py)."""
+    from mpilb.run.worker_join import Phases, prepare, ready_to_connect, run_joined
+
+    phases = Phases(say=bool(os.environ.get("MPILB_DEBUG")))
     attrs, _ = _running(log, "add workers to it", "it takes no more workers")
     values = json.loads(attrs["config"])
     if not values.get("join", True):
         raise UsageError(f"{log}: the run was started with --no-join: it takes no workers that join")
-    from mpilb.mpi import comm as C
-
-    comm, rank, size = C.world()
-    if size != 1:
-        if rank != 0:
-            raise SystemExit(2)   # (rank 0 of this launch says why, once)
-        raise UsageError(f"mpilb join: {size} ranks; one joiner per launch for now (mpiexec -n 1)")
-    from mpilb.run.worker_join import prepare, run_joined
-
+    phases.mark("started")
     ready = prepare(values)
+    phases.mark("prepared")
     where = requests_dir(log)
     request = os.path.join(where, f"{JOIN_PREFIX}{os.getpid()}")
     try:
@@ -102,21 +99,39 @@ def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
         write_atomically(request, f"{socket.gethostname()} {os.getpid()}\n{ready.signature()}\n")
     except OSError as exc:
         raise UsageError(f"{log}: cannot write the request beside the run log ({exc.strerror})") from None
-    deadline = time.monotonic() + wait_s
+    phases.mark("asked")
+    ready_to_connect()   # while rank 0 takes the request
+    phases.mark("mpi")
+    port, invitation = _offered(request, log, time.monotonic() + wait_s)
+    phases.mark("offered")
+    from mpilb.mpi import doorbell
+
+    bell, ringback = doorbell.join_job(invitation)
+    write_atomically(request + ".connecting", json.dumps(ringback))
+    if not os.path.exists(request + ".port"):   # the run ended meanwhile (Admissions.turn_away)
+        bell.close()
+        raise UsageError(f"{log}: refused: the run has ended")
+    return run_joined(ready, port, request, log, bell, phases)
+
+
+def _offered(request: str, log: str, deadline: float) -> tuple[str, dict]:
+    """Rank 0's answer to a join request: the port it opened for this joiner and its
+    doorbell's invitation (server/admission.py), or its refusal (UsageError)."""
     while not os.path.exists(request + ".port"):
         answer = answer_of(request)
         if answer is not None:
             os.unlink(request + ".answer")
             raise UsageError(f"{log}: {answer}")
         if time.monotonic() > deadline:
-            raise MpilbError(f"{log}: no answer from the run within {wait_s:g} s (is rank 0 stopped?)")
-        time.sleep(0.05)
+            raise MpilbError(f"{log}: no answer from the run within {ANSWER_WAIT_S:g} s (is rank 0 stopped?)")
+        time.sleep(0.01)
     with open(request + ".port") as fh:
-        port = fh.read().strip()
-    write_atomically(request + ".connecting", "")
-    if not os.path.exists(request + ".port"):   # the run ended meanwhile (Admissions.turn_away)
-        raise UsageError(f"{log}: refused: the run has ended")
-    return run_joined(ready, port, request, log)
+        port, _, rest = fh.read().partition("\n")
+    try:
+        invitation = json.loads(rest).get("bell") if rest.strip() else None
+    except ValueError:
+        invitation = None
+    return port.strip(), invitation
 
 
 def _written_now(log: str) -> bool:

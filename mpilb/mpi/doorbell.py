@@ -88,8 +88,31 @@ class Doorbell:
             self.routes[rank] = (self.sock, self.prefix + str(rank))
         elif via == NETWORK and self.net is not None and self.addrs.get(rank) is not None:
             self.routes[rank] = (self.net, self.addrs[rank])
+        self._listen()
+
+    def _listen(self) -> None:
         used = {id(sock) for sock, _ in self.routes.values()}
         self.listening = tuple(s for s in (self.sock, self.net) if s is not None and id(s) in used)
+
+    def add_peer(self, rank: int, local: Optional[str] = None, net=None) -> Optional[str]:
+        """A rank that joined the job (mpi/joining.py): ring it at its local socket `local`
+        where that is reachable from here, else over the network at `net` (ip, port);
+        returns the route taken (None: it is polled for, as without doorbells)."""
+        self.routes.pop(rank, None)
+        if local and self.sock is not None and _reaches(self.sock, local, self.rank, self.key):
+            self.routes[rank] = (self.sock, local)
+        elif net and self.net is not None:
+            self.addrs[rank] = (str(net[0]), int(net[1]))
+            self.routes[rank] = (self.net, self.addrs[rank])
+        self._listen()
+        return self.via(rank)
+
+    def invitation(self) -> Optional[dict]:
+        """What a joiner needs to ring rank 0 (for the owner-only file beside its port)."""
+        if self.sock is None and self.net is None:
+            return None
+        return {"prefix": self.prefix, "key": self.key.hex(),
+                "net": list(self.net.getsockname()) if self.net is not None else None}
 
     def via(self, rank: int) -> Optional[str]:
         sock = self.routes.get(rank, (None,))[0]
@@ -365,6 +388,47 @@ def open_job(comm, rank: int, size: int) -> Doorbell:
         bell.close()
     _current = bell
     return bell
+
+
+def install(bell: Doorbell) -> None:
+    """Make `bell` (a joiner's: :func:`join_job`) this process's :func:`current`."""
+    global _current
+    if _current is not bell:
+        _current.close()
+    _current = bell
+
+
+def join_job(invitation: Optional[dict]) -> tuple[Doorbell, dict]:
+    """A joiner's doorbell with rank 0 (from its :meth:`Doorbell.invitation`) and what rank
+    0 needs to ring it back (:meth:`Doorbell.add_peer`): local where rank 0's socket is
+    reachable, else over the network, else none (a silent bell, ``{}``). Its rank (the
+    sender its rings name) is set once the job gives it an id."""
+    if not invitation or not wanted():
+        return Doorbell(), {}
+    prefix, key = invitation["prefix"], bytes.fromhex(invitation["key"])
+    rank0_net = tuple(invitation["net"]) if invitation.get("net") else None
+    name = f"{prefix}j{os.getpid()}"
+    sock = _open_local(name)
+    if sock is not None and not _reaches(sock, prefix + "0", -1, key):
+        sock.close()
+        sock = None
+    net = None if sock is not None or rank0_net is None else _open_net(1, rank0_net[0])
+    bell = Doorbell(sock, -1, prefix, key=key, net=net,
+                    addrs={0: (rank0_net[0], int(rank0_net[1]))} if rank0_net else {})
+    bell.route(0, LOCAL if sock is not None else NETWORK)
+    if not bell.enabled:
+        bell.close()
+        return bell, {}
+    return bell, ({"local": name} if sock is not None else {"net": list(net.getsockname())})
+
+
+def _reaches(sock: socket.socket, name: str, rank: int, key: bytes) -> bool:
+    """Is a local socket of that name there? (A datagram to a name none holds fails.)"""
+    try:
+        sock.sendto(RING.pack(rank, TEST, key), name)
+        return True
+    except OSError:
+        return False
 
 
 def _senders(bell: Doorbell, sock: Optional[socket.socket]) -> set[int]:

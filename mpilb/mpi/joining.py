@@ -4,7 +4,7 @@ accepted by rank 0 only once the joiner waits in Connect (docs/membership.md).
 A thread blocked in Accept would starve rank 0's MPI progress (measured: 16 ping-pongs in
 ~3 s instead of ~6700/s), so rank 0 opens a port only when a joiner asks, and accepts only
 when the joiner says it is connecting: Accept then returns in ~20 ms. Each side merges the
-intercommunicator: rank 0 is rank 0 of the result, the joiners come after it.
+intercommunicator: rank 0 is rank 0 of the result, the joiner rank 1.
 
 Both calls are bounded by MPICH's info key "timeout" (seconds; MPICH's ch4 reads it in
 MPI_Comm_accept as in MPI_Comm_connect, whose default is 180 s): a joiner that died before
@@ -41,9 +41,10 @@ def accept(port: str, timeout: float):
 
 
 def connect(port: str, timeout: float):
-    """A joiner (every rank of its launch): connect to the running job's rank 0, waiting at
-    most `timeout` s for its accept. None if it did not accept in that time."""
-    return _merged(lambda info: MPI.COMM_WORLD.Connect(port, info), timeout, high=True)
+    """A joiner: connect to the running job's rank 0, waiting at most `timeout` s for its
+    accept. None if it did not accept in that time. Each rank of a joiner's launch connects
+    on its own (MPI_COMM_SELF): J ranks join as J workers, each on a port of its own."""
+    return _merged(lambda info: MPI.COMM_SELF.Connect(port, info), timeout, high=True)
 
 
 def _merged(open_inter, timeout: float, high: bool):

@@ -96,10 +96,12 @@ def env_world_size() -> int:
     return 1
 
 
-def one_blas_thread_per_rank() -> None:
+def one_blas_thread_per_rank(joins: bool = False) -> None:
     """Several ranks share a node's cores: one BLAS thread per rank in a multi-rank job,
-    unless the user says otherwise. Only effective before numpy is imported."""
-    if env_world_size() > 1:
+    unless the user says otherwise; also in a launch of `mpilb join` (`joins`), of any
+    size: its ranks are workers of a job whose other ranks may share their node. Only
+    effective before numpy is imported."""
+    if joins or env_world_size() > 1:
         for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ.setdefault(var, "1")
 

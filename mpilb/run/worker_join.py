@@ -1,7 +1,17 @@
-"""A worker that joins a running job (`mpiexec -n 1 mpilb join RUN.h5`, cli/membership.py):
+"""A worker that joins a running job (`mpiexec -n J mpilb join RUN.h5`, cli/membership.py):
 the run's configuration from its log, a connection to rank 0 (mpi/joining.py), then the
 same worker loop as every other worker, on that connection. At the end it meets rank 0
-once more (mpi/departure.py) and disconnects, so that both launches end with exit 0."""
+once more (mpi/departure.py) and disconnects, so that both launches end with exit 0.
+
+Every rank of a joiner's launch is a joiner of its own: its own request, port and
+connection (MPI_COMM_SELF connects), so that J of them join as J workers.
+
+The path to the first push is ordered so that the joiner's own start overlaps rank 0's
+(docs/membership.md): what the request must name (the data's shard sizes, the model's
+size) first, then the request, then, while rank 0 looks for it (twice a second) and opens
+a port, MPI's start and the worker's code; the doorbell with rank 0 is opened from what
+rank 0 writes beside the port, so that the joiner's pushes and rank 0's replies ring as
+the job's own workers' do (mpi/doorbell.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +19,35 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mpilb.errors import MpilbError, UsageError
 from mpilb.runfiles.requests import answer_of
 
 CONNECT_TIMEOUT_S = 60.0   # rank 0 accepts or drops a joiner well within this (server/admission.py)
+ANSWER_POLL_S = 0.005      # the answer follows rank 0's accept by a few ms
+
+
+@dataclass
+class Phases:
+    """When each step of a join was reached (seconds from the joiner's start), said in one
+    line on stderr at its admission where `say` (MPILB_DEBUG=1): started, the run log
+    read, prepared (data and model), asked (the request written), mpi (MPI started and the
+    worker's code imported), offered (rank 0's port read), connected, admitted."""
+
+    say: bool = False
+    start: float = field(default_factory=time.monotonic)
+    marks: list = field(default_factory=list)
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.monotonic() - self.start))
+
+    def line(self) -> str:
+        return "mpilb: join phases (s from its start): " + ", ".join(f"{n} {t:.3f}" for n, t in self.marks)
+
+    def tell(self) -> None:
+        if self.say:
+            print(self.line(), file=sys.stderr, flush=True)
 
 
 @dataclass
@@ -33,12 +66,11 @@ class Prepared:
 
 
 def prepare(values: dict) -> Prepared:
-    """Everything but MPI, done before the joiner says it connects: then it connects at
-    once, and rank 0's MPI_Comm_accept waits only for that (server/admission.py)."""
+    """What the request names, before it is written (the rest waits for rank 0 meanwhile:
+    :func:`ready_to_connect`)."""
     from mpilb.config.sections import Config
     from mpilb.data.dataset import open_dataset
     from mpilb.run.components import config_model, hold_out_validation
-    from mpilb.worker import loop  # noqa: F401  (imported now, not between connect and run)
 
     cfg = Config.from_values(values)
     cfg.store_ranks = (0,)   # (joins are taken with one store only: server/admission.py)
@@ -46,11 +78,23 @@ def prepare(values: dict) -> Prepared:
     return Prepared(cfg, dataset, config_model(cfg, dataset).num_params)
 
 
-def run_joined(ready: Prepared, port: str, request: str, log: str = "") -> int:
-    """Join the run at MPI port `port` with what `ready` holds; returns the exit code."""
-    from mpilb.mpi import departure, joining
+def ready_to_connect() -> None:
+    """While rank 0 answers the request: MPI's start and the worker's code (imported now,
+    not between the connection and the first push)."""
+    from mpilb.mpi import comm as C
+    from mpilb.worker import loop  # noqa: F401
+
+    C.world()
+
+
+def run_joined(ready: Prepared, port: str, request: str, log: str = "", bell=None,
+               phases: Phases | None = None) -> int:
+    """Join the run at MPI port `port` with what `ready` holds; returns the exit code.
+    `bell`: this joiner's doorbell with rank 0 (doorbell.join_job), rung from its admission."""
+    from mpilb.mpi import departure, doorbell, joining
     from mpilb.worker.loop import Worker
 
+    phases = phases or Phases()
     cfg, dataset = ready.cfg, ready.dataset
     comm = joining.connect(port, CONNECT_TIMEOUT_S)
     if comm is None:
@@ -64,15 +108,21 @@ def run_joined(ready: Prepared, port: str, request: str, log: str = "") -> int:
             raise UsageError(f"{log}: {answer}")
         raise MpilbError(f"{log}: rank 0 did not accept this joiner within {CONNECT_TIMEOUT_S:g} s "
                          f"(is it stopped?)")
+    phases.mark("connected")
     deadline = time.monotonic() + 10.0
     while (answer := answer_of(request)) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(ANSWER_POLL_S)
     if answer is not None:
         print(f"mpilb: {'error: ' if answer.startswith('refused') else ''}{answer}", file=sys.stderr, flush=True)
         try:
             os.unlink(request + ".answer")
         except OSError:
             pass
+    if bell is not None and answer is not None and answer.startswith("joined as worker "):
+        bell.rank = int(answer.rsplit(" ", 1)[1])   # its rings name it by its id in the job
+        doorbell.install(bell)
+    phases.mark("admitted")
+    phases.tell()
     from mpilb.cli.launch import _install_signal_handlers
 
     _install_signal_handlers(comm.Get_size())   # a worker's: its SIGTERM is told to rank 0

@@ -4,10 +4,15 @@ The handshake goes through files in the requests directory beside the run log
 (server/roster.py), so that rank 0 never blocks in MPI_Comm_accept while it serves:
 
     joiner: join-PID                 "I want to join" (it holds "HOST PID")
-    rank 0: join-PID.port            the name of a port opened for this joiner, or
+    rank 0: join-PID.port            the name of a port opened for this joiner, and
+                                     how to ring rank 0's doorbell (mpi/doorbell.py); or
             join-PID.answer          "refused: ..."
-    joiner: join-PID.connecting      "I am in MPI_Comm_connect now"
+    joiner: join-PID.connecting      "I am in MPI_Comm_connect now", and how to ring it
     rank 0: accepts (~20 ms), then join-PID.answer "joined as worker N"
+
+Rank 0 looks for requests twice a second, and at every round of its chores while a port
+it offered waits for its joiner's `.connecting` (Members.poll): the admission proper then
+costs the joiner one chores interval, not half a second.
 
 A joiner that dies on the way is dropped with one line (:meth:`Admissions.drop`) and the
 run goes on; nothing of it was counted: it gets an id and a place only once accepted.
@@ -89,6 +94,17 @@ def remove(*paths: str) -> None:
             pass
 
 
+def ringback_of(path: str) -> dict:
+    """How a joiner's doorbell is rung (its `.connecting` file: a JSON object with "local",
+    a socket name, or "net", an address): {} where it has none."""
+    try:
+        with open(path) as fh:
+            found = json.loads(fh.read() or "{}")
+    except (OSError, ValueError):
+        return {}
+    return {k: found[k] for k in ("local", "net") if found.get(k)} if isinstance(found, dict) else {}
+
+
 def who_asks(path: str) -> tuple[str, int, dict]:
     """(host, pid, what it brings) of a request file: "HOST PID", then a JSON line of the
     joiner's shard sizes and model size (run/worker_join.py); ("", 0, {}) where it names none."""
@@ -123,6 +139,8 @@ class Admissions:
         self.joined: list = []   # (worker id, communicator)
 
     def poll(self, directory: str, names: list[str]) -> None:
+        """The requests directory's files `names`: new requests get a port (or a refusal),
+        offers whose joiner says it connects are accepted."""
         present = set(names)
         for name in sorted(names):
             if name.startswith(JOIN_PREFIX) and "." not in name:
@@ -182,7 +200,8 @@ class Admissions:
             port = joining.open_port()
             self.ports.append(port)
             self.offers[path] = Offer(path, port, host, pid, time.monotonic())
-            write_atomically(path + PORT_SUFFIX, port)
+            bell = self.server.receiver.bell.invitation()
+            write_atomically(path + PORT_SUFFIX, port + "\n" + json.dumps({"bell": bell}) + "\n")
         os.unlink(path)
 
     def drop(self, offer: Offer, why: str, tell: bool = True) -> None:
@@ -221,17 +240,21 @@ class Admissions:
 
     def accept(self, offer: Offer) -> None:
         """The joiner waits in MPI_Comm_connect: take it (a blocking call, ~20 ms)."""
+        ringback = ringback_of(offer.path + CONNECTING_SUFFIX)
         comm = self.connected(offer)
         if comm is None:
             return
-        rank = self.admit(comm, offer)
+        rank = self.admit(comm, offer, ringback)
         write_atomically(offer.path + ".answer", f"joined as worker {rank}\n")
 
-    def admit(self, comm, offer: Optional[Offer] = None) -> int:
+    def admit(self, comm, offer: Optional[Offer] = None, ringback: Optional[dict] = None) -> int:
         """A worker on `comm` (its rank 1) joins the run now; returns its id. Its node in
-        `members/` is rank 0's where it runs on rank 0's host, else -1 (not known)."""
+        `members/` is that of the job's ranks on its host, else -1 (not known: :meth:`node_of`).
+        `ringback`: its doorbell's address (local socket name or network address), rung
+        with every message as the job's workers are; it rings rank 0 with every push."""
         s = self.server
         rank = max([s.comm.Get_size() - 1, *s.peers]) + 1
+        s.receiver.bell.add_peer(rank, **(ringback or {}))
         w = Peer(rank=rank, batch=s.cfg.balancing.batch,
                  link=s.slices.new_link(bool(s.cfg.updates.pipeline)))
         w.link.comm, w.link.dest = comm, 1
@@ -242,13 +265,21 @@ class Admissions:
         s.receiver.add(w)
         w.go_idle()
         self.joined.append((rank, comm))
-        here = offer is not None and offer.here() and bool(self.members.nodes)
-        self.members.note(rank, "join", node=self.members.nodes[0] if here else -1)
+        self.members.note(rank, "join", node=self.node_of(offer))
         where = f" ({offer.who})" if offer is not None and offer.pid else ""
         print(f"mpilb: a worker joined the run at {s.now():.1f} s as worker {rank}{where}",
               file=sys.stderr, flush=True)
         s.epochs.wake_idle()
         return rank
+
+    def node_of(self, offer: Optional[Offer]) -> int:
+        """The node a joiner runs on: that of the job's ranks on its host (its request names
+        the host), -1 where no rank of the job runs there or it named none."""
+        hosts, nodes = getattr(self.server, "hostnames", []), self.members.nodes
+        if offer is None or not offer.host or offer.host not in hosts:
+            return -1
+        rank = hosts.index(offer.host)
+        return int(nodes[rank]) if rank < len(nodes) else -1
 
     def poll_reports(self) -> None:
         """A joiner's error report and its signal reports: they come on its own communicator

@@ -41,6 +41,7 @@ class Receiver:
         self.backoff = C.Backoff(bell=bell)
         self.order: list = []   # the workers, in the order of `reqs`
         self.reqs: list = []
+        self.rung = self.lossy = False   # (see rings)
 
     def post(self, w) -> None:
         wire.clear_push(w.link.recv.header)   # the buffer may hold an old push (see failed)
@@ -48,25 +49,30 @@ class Receiver:
         w.link.recv_req = comm.Irecv(w.link.recv.buf, source=source, tag=wire.TAG_PUSH)
 
     def add(self, w) -> None:
-        """A worker joined while serving: its receive goes into the ones tested."""
+        """A worker joined while serving: its receive goes into the ones tested, and how
+        rank 0 waits follows whether it rings (server/admission.py)."""
         self.post(w)
         self.order.append(w)
         self.reqs.append(w.link.recv_req)
+        self.rings()
+
+    def rings(self) -> None:
+        """Every worker rings when it pushes (`rung`): sleep until one does (or the chores
+        are due) instead of polling for pushes on a schedule; a ring over the network may
+        be lost (`lossy`): then the push is also looked for when it was due."""
+        self.rung = all(self.bell.rings_with(w.rank) for w in self.order)
+        self.lossy = any(self.bell.via(w.rank) == doorbell.NETWORK for w in self.order)
 
     def serve(self, done: Callable[[], bool], on_push: Callable, chores) -> None:
         """Hand every push to ``on_push`` until ``done()``; ``chores``: the
         :class:`~mpilb.server.chores.Chores`, run every CHORES_S (or CHORES_RUNG_S)."""
         order = self.order = list(self.roster.peers.values())
         reqs = self.reqs = [w.link.recv_req for w in order]
-        # Every worker rings when it pushes: sleep until one does (or the chores are due)
-        # instead of polling for pushes on a schedule.
-        rung = all(self.bell.rings_with(w.rank) for w in order)
-        # a ring over the network may be lost: then the push is looked for when it was due
-        lossy = any(self.bell.via(w.rank) == doorbell.NETWORK for w in order)
+        self.rings()
         progress_until = spin_until = 0.0
-        chores_s = chores.CHORES_RUNG_S if rung else chores.CHORES_S
         next_chores = chores_at = 0.0
         while not done():
+            rung = self.rung   # (a worker that joins may change it)
             try:
                 arrived = C.Request.Testsome(reqs)
             except C.MPIError:   # a worker's process ended (see failed)
@@ -96,7 +102,7 @@ class Receiver:
                 self.backoff.short()
             elif rung:
                 until = chores_at + chores.RUNG_NAP_S
-                if lossy:
+                if self.lossy:
                     due, grace, _ = chores.next_push_due()
                     until = until if due is None else min(until, due + grace)
                 self.bell.rest(until - time.monotonic())
@@ -106,7 +112,8 @@ class Receiver:
                 self.backoff.sleep()   # a ring from a worker on this node ends a sleep early
             mono = time.monotonic()
             if mono >= next_chores:   # every 10 or 25 ms at most, not at every poll
-                next_chores, chores_at = mono + chores_s, mono
+                next_chores = mono + (chores.CHORES_RUNG_S if rung else chores.CHORES_S)
+                chores_at = mono
                 chores.run()
 
     def failed(self, order: list, reqs: list) -> list[int]:

@@ -93,10 +93,11 @@ class Members:
     # ----------------------------------------------------------------- requests
     def poll(self, mono: float) -> None:
         """Among the chores: the reports of workers that joined (each time), the requests
-        written by `mpilb leave` and `mpilb join` (twice a second)."""
+        written by `mpilb leave` and `mpilb join` (twice a second; each time while a joiner
+        offered a port has not connected yet: admission.py)."""
         if self.admissions is not None and self.admissions.joined:
             self.admissions.poll_reports()
-        if mono < self.next_poll:
+        if mono < self.next_poll and not (self.admissions is not None and self.admissions.offers):
             return
         self.next_poll = mono + self.POLL_S
         if LEAVE_ASKED.is_set():   # on rank 0 itself: nothing to let go
