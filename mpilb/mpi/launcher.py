@@ -100,8 +100,14 @@ def one_blas_thread_per_rank() -> None:
     """Several ranks share a node's cores: one BLAS thread per rank in a multi-rank job,
     unless the user says otherwise. Only effective before numpy is imported."""
     if env_world_size() > 1:
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ.setdefault(var, "1")
+        one_blas_thread()
+
+
+def one_blas_thread() -> None:
+    """One BLAS thread, unless the user says otherwise (a rank among others on its node, as a
+    replacement worker is: run/replacement.py). Only effective before numpy is imported."""
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
 
 
 def mismatch(world_size: int, library: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:

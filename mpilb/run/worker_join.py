@@ -48,10 +48,8 @@ def prepare(values: dict) -> Prepared:
 
 def run_joined(ready: Prepared, port: str, request: str, log: str = "") -> int:
     """Join the run at MPI port `port` with what `ready` holds; returns the exit code."""
-    from mpilb.mpi import departure, joining
-    from mpilb.worker.loop import Worker
+    from mpilb.mpi import joining
 
-    cfg, dataset = ready.cfg, ready.dataset
     comm = joining.connect(port, CONNECT_TIMEOUT_S)
     if comm is None:
         answer = answer_of(request)
@@ -73,8 +71,18 @@ def run_joined(ready: Prepared, port: str, request: str, log: str = "") -> int:
             os.unlink(request + ".answer")
         except OSError:
             pass
-    from mpilb.cli.launch import _install_signal_handlers
+    return work(ready, comm, answer)
 
+
+def work(ready: Prepared, comm, answer) -> int:
+    """Be a worker of the run on `comm` (rank 0 of the run is its rank 0) until the run ends
+    (`answer`: rank 0's word, "joined as worker N" or "refused: ..."); the exit code. A
+    joiner's and a replacement's (run/replacement.py) alike."""
+    from mpilb.cli.launch import _install_signal_handlers
+    from mpilb.mpi import departure, joining
+    from mpilb.worker.loop import Worker
+
+    cfg, dataset = ready.cfg, ready.dataset
     _install_signal_handlers(comm.Get_size())   # a worker's: its SIGTERM is told to rank 0
     try:
         worker = Worker(cfg, dataset, comm, comm.Get_rank())

@@ -227,9 +227,11 @@ class Admissions:
         rank = self.admit(comm, offer)
         write_atomically(offer.path + ".answer", f"joined as worker {rank}\n")
 
-    def admit(self, comm, offer: Optional[Offer] = None) -> int:
+    def admit(self, comm, offer: Optional[Offer] = None, event: str = "join",
+              node: Optional[int] = None) -> int:
         """A worker on `comm` (its rank 1) joins the run now; returns its id. Its node in
-        `members/` is rank 0's where it runs on rank 0's host, else -1 (not known)."""
+        `members/` is rank 0's where it runs on rank 0's host, else -1 (not known). A
+        replacement (server/respawn.py) comes with its `event` ("respawn") and `node`."""
         s = self.server
         rank = max([s.comm.Get_size() - 1, *s.peers]) + 1
         w = Peer(rank=rank, batch=s.cfg.balancing.batch,
@@ -242,11 +244,14 @@ class Admissions:
         s.receiver.add(w)
         w.go_idle()
         self.joined.append((rank, comm))
-        here = offer is not None and offer.here() and bool(self.members.nodes)
-        self.members.note(rank, "join", node=self.members.nodes[0] if here else -1)
-        where = f" ({offer.who})" if offer is not None and offer.pid else ""
-        print(f"mpilb: a worker joined the run at {s.now():.1f} s as worker {rank}{where}",
-              file=sys.stderr, flush=True)
+        if node is None:
+            here = offer is not None and offer.here() and bool(self.members.nodes)
+            node = self.members.nodes[0] if here else -1
+        self.members.note(rank, event, node=node)
+        if event == "join":
+            where = f" ({offer.who})" if offer is not None and offer.pid else ""
+            print(f"mpilb: a worker joined the run at {s.now():.1f} s as worker {rank}{where}",
+                  file=sys.stderr, flush=True)
         s.epochs.wake_idle()
         return rank
 

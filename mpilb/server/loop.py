@@ -56,7 +56,7 @@ class ParameterServer:
         self.dataset = dataset
         self.comm = comm
         self.ranks = workers_of(cfg, comm.Get_size())   # the others hold parameters (--servers)
-        hosts = json.loads(run_attrs.get("hostnames", "[]"))
+        self.hosts = hosts = json.loads(run_attrs.get("hostnames", "[]"))   # (--respawn's too)
         holders = (placement(len(dataset.shard_sizes), self.ranks, cfg.inputs.replicas, hosts)
                    if cfg.inputs.store == "local" else None)   # copies on other nodes
         self.session = s = Session(cfg, dataset, run_attrs, self.ranks, holders)
