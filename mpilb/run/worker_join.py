@@ -40,7 +40,10 @@ def prepare(values: dict) -> Prepared:
     from mpilb.run.components import config_model, hold_out_validation
     from mpilb.worker import loop  # noqa: F401  (imported now, not between connect and run)
 
-    cfg = Config.from_values(values)
+    # --inject names ranks of the job, not of this launch (whose world is 1 rank, or 2 once
+    # merged): it stays the job's (a joiner with it failed its check at once: "rank 2 is
+    # not in this job of 2 rank(s)")
+    cfg = Config.from_values(dict(values, inject=[]))
     cfg.store_ranks = (0,)   # (joins are taken with one store only: server/admission.py)
     dataset = hold_out_validation(cfg.inputs, open_dataset(values["data"], check_files=False))
     return Prepared(cfg, dataset, config_model(cfg, dataset).num_params)

@@ -92,9 +92,7 @@ class Respawns:
         from mpilb.mpi import spawning
 
         host = self.hosts[lost] if lost < len(self.hosts) else ""
-        # (--inject names the job's ranks: the lost one's crash is not the replacement's)
-        values = dict(self.server.cfg.values, inject=[])
-        args = ["-m", spawning.CHILD_MODULE, str(lost), json.dumps(values)]
+        args = ["-m", spawning.CHILD_MODULE, str(lost), json.dumps(dict(self.server.cfg.values))]
         try:
             comm = spawning.spawn(args, host)
         except spawning.SpawnRefused as exc:
