@@ -150,7 +150,9 @@ def churn_run(data: str, workdir: str, plan: Plan, epochs: int, env: dict,
             "members": rows, "coverage": cov,
             "exact": cov["applied"] == cov["expected"] and cov["missing"] == cov["duplicates"] == 0
             and cov == summary["coverage"],
-            "accuracy": float(summary["final_test_accuracy"]), "stderr": err[-3000:],
+            "accuracy": float(summary["final_test_accuracy"]),
+            "end_t": float(cols["epochs"]["t_end"][-1]) if len(cols["epochs"]["t_end"]) else 0.0,
+            "stderr": err[-3000:],
             "join_stderr": join_err[-1500:]}
 
 

@@ -36,5 +36,6 @@ def test_a_run_with_a_join_a_leave_and_a_kill(seed, synth_dir, reference, tmp_pa
     assert not churn.problems(out, reference, POINTS), (churn.problems(out, reference, POINTS), out)
     events = [(w, e) for _, w, e in out["members"]]
     assert (plan.crash_rank, "lost") in events, out   # the kill came while the run ran
-    if plan.respawn:
+    t_lost = next(t for t, w, e in out["members"] if e == "lost")
+    if plan.respawn and out["end_t"] - t_lost > 10:   # (a quiet machine may end sooner)
         assert any(e == "respawn" for _, e in events), out
