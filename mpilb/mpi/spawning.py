@@ -18,6 +18,7 @@ import sys
 from typing import Mapping, Optional
 
 from mpilb.mpi.comm import MPI
+from mpilb.mpi.joining import merge
 from mpilb.mpi.wire import TAG_READY
 
 CHILD_MODULE = "mpilb.run.replacement"
@@ -60,10 +61,7 @@ def spawn(args: list[str], host: str = "") -> object:
         raise SpawnRefused(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
     finally:
         info.Free()
-    try:
-        return inter.Merge(high=False)
-    finally:
-        inter.Free()
+    return merge(inter, high=False)
 
 
 def parent() -> Optional[object]:
@@ -72,10 +70,7 @@ def parent() -> Optional[object]:
     inter = MPI.Comm.Get_parent()
     if inter == MPI.COMM_NULL:
         return None
-    try:
-        return inter.Merge(high=True)
-    finally:
-        inter.Free()
+    return merge(inter, high=True)
 
 
 def say_ready(comm) -> None:
