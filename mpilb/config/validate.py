@@ -71,7 +71,7 @@ def check_combinations(cfg: Config) -> None:
 def check_respawn(cfg: Config) -> None:
     """--respawn admits a replacement as a join is admitted (server/respawn.py): not where a
     worker arriving part-way is not supported yet."""
-    servers = cfg.values["servers"]
+    servers = cfg.updates.servers
     why = ("--mode sync (a round's members are fixed)" if cfg.updates.mode == "sync" else
            "--store local (a replacement holds no shards)" if cfg.inputs.store == "local" else
            f"--servers {servers} (a replacement talks to rank 0's store only)" if servers != 1
