@@ -168,6 +168,9 @@ OPTIONS: tuple[Option, ...] = (
            group="output"),
     Option("join", bool, True, "take workers that join the run while it runs (mpilb join "
            "RUN.h5, docs/membership.md); --no-join refuses them", group="output"),
+    Option("respawn", bool, False, "start a replacement (MPI_Comm_spawn, on the lost one's "
+           "host where it can) for each worker declared lost, at most one per lost worker; "
+           "async and ssp, one store, not --store local (docs/membership.md)", group="output"),
     Option("progress", bool, True, "live progress on rank 0 (--no-progress silences it)",
            group="output"),
     # models from user code, schedules, validation (docs/models.md)

@@ -135,11 +135,13 @@ class OutputConfig:
 
 @dataclass(frozen=True)
 class FaultConfig:
-    """Lost workers, ranks killed by a signal, and workers that join (--no-join)."""
+    """Lost workers (and their replacements, --respawn), ranks killed by a signal, and
+    workers that join (--no-join)."""
 
     worker_timeout: float
     survive_signals: bool
     join: bool
+    respawn: bool
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,23 @@ def check_combinations(cfg: Config) -> None:
                          "replace: give one of them")
     if cfg.updates.pipeline and cfg.updates.mode == "sync":
         raise UsageError("--pipeline 1 cannot be combined with --mode sync (a sync round waits for every gradient)")
+    if cfg.faults.respawn:
+        check_respawn(cfg)
     if out.log and Path(out.log).is_dir():
         raise UsageError(f"--log {out.log}: is a directory, expected a file name such as run.h5")
+
+
+def check_respawn(cfg: Config) -> None:
+    """--respawn admits a replacement as a join is admitted (server/respawn.py): not where a
+    worker arriving part-way is not supported yet."""
+    servers = cfg.updates.servers
+    why = ("--mode sync (a round's members are fixed)" if cfg.updates.mode == "sync" else
+           "--store local (a replacement holds no shards)" if cfg.inputs.store == "local" else
+           f"--servers {servers} (a replacement talks to rank 0's store only)" if servers != 1
+           else "")
+    if why:
+        raise UsageError(f"--respawn cannot be combined with {why}: it works with --mode async "
+                         f"or ssp, one store and the shared store")
 
 
 def _show(name: str, value: Any, source: str) -> str:

@@ -57,6 +57,12 @@ def _merged(open_inter, timeout: float, high: bool):
         return None
     finally:
         info.Free()
+    return merge(inter, high)
+
+
+def merge(inter, high: bool):
+    """The intracommunicator of the intercommunicator `inter`, which is freed (`high`: this
+    side's ranks come after the other's). A joiner's and a replacement's (mpi/spawning.py)."""
     try:
         return inter.Merge(high=high)
     finally:

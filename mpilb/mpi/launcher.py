@@ -102,8 +102,14 @@ def one_blas_thread_per_rank(joins: bool = False) -> None:
     size: its ranks are workers of a job whose other ranks may share their node. Only
     effective before numpy is imported."""
     if joins or env_world_size() > 1:
-        for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-            os.environ.setdefault(var, "1")
+        one_blas_thread()
+
+
+def one_blas_thread() -> None:
+    """One BLAS thread, unless the user says otherwise (a rank among others on its node, as a
+    replacement worker is: run/replacement.py). Only effective before numpy is imported."""
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
 
 
 def mismatch(world_size: int, library: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:

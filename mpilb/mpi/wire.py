@@ -42,6 +42,7 @@ TAG_GATHER = 18    # store s > 0 <-> rank 0: a slice and its optimizer state (ga
 TAG_STATS = 19     # store s > 0 -> rank 0: its counters (STATS_FIELDS)
 TAG_LEAVE = 20     # rank 0 -> the others: end now, with this exit code (comm.tell_leave)
 TAG_END = 21       # the end of the job: every rank -> rank 0 "done", rank 0 -> them "go" (mpi/departure.py)
+TAG_READY = 22     # a replacement (--respawn) -> rank 0: "my data and model are ready" (mpi/spawning.py)
 TAG_SHARD_BASE = 1000   # shard rows between workers: tag and tag+1 (samples, labels)
 SHARD_TAGS = 10000      # transfer tags cycle through this many pairs
 # Rows sent again by another holder when the first was lost: a range of their own above the

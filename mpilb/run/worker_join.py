@@ -72,30 +72,22 @@ def prepare(values: dict) -> Prepared:
     from mpilb.data.dataset import open_dataset
     from mpilb.run.components import config_model, hold_out_validation
 
-    cfg = Config.from_values(values)
+    # --inject names ranks of the job, not of this launch (whose world is 1 rank, or 2 once
+    # merged): it stays the job's (a joiner with it failed its check at once: "rank 2 is
+    # not in this job of 2 rank(s)")
+    cfg = Config.from_values(dict(values, inject=[]))
     cfg.store_ranks = (0,)   # (joins are taken with one store only: server/admission.py)
     dataset = hold_out_validation(cfg.inputs, open_dataset(values["data"], check_files=False))
     return Prepared(cfg, dataset, config_model(cfg, dataset).num_params)
-
-
-def ready_to_connect() -> None:
-    """While rank 0 answers the request: MPI's start and the worker's code (imported now,
-    not between the connection and the first push)."""
-    from mpilb.mpi import comm as C
-    from mpilb.worker import loop  # noqa: F401
-
-    C.world()
 
 
 def run_joined(ready: Prepared, port: str, request: str, log: str = "", bell=None,
                phases: Phases | None = None) -> int:
     """Join the run at MPI port `port` with what `ready` holds; returns the exit code.
     `bell`: this joiner's doorbell with rank 0 (doorbell.join_job), rung from its admission."""
-    from mpilb.mpi import departure, doorbell, joining
-    from mpilb.worker.loop import Worker
+    from mpilb.mpi import doorbell, joining
 
     phases = phases or Phases()
-    cfg, dataset = ready.cfg, ready.dataset
     comm = joining.connect(port, CONNECT_TIMEOUT_S)
     if comm is None:
         answer = answer_of(request)
@@ -123,8 +115,18 @@ def run_joined(ready: Prepared, port: str, request: str, log: str = "", bell=Non
         doorbell.install(bell)
     phases.mark("admitted")
     phases.tell()
-    from mpilb.cli.launch import _install_signal_handlers
+    return work(ready, comm, answer)
 
+
+def work(ready: Prepared, comm, answer) -> int:
+    """Be a worker of the run on `comm` (rank 0 of the run is its rank 0) until the run ends
+    (`answer`: rank 0's word, "joined as worker N" or "refused: ..."); the exit code. A
+    joiner's and a replacement's (run/replacement.py) alike."""
+    from mpilb.cli.launch import _install_signal_handlers
+    from mpilb.mpi import departure, joining
+    from mpilb.worker.loop import Worker
+
+    cfg, dataset = ready.cfg, ready.dataset
     _install_signal_handlers(comm.Get_size())   # a worker's: its SIGTERM is told to rank 0
     try:
         worker = Worker(cfg, dataset, comm, comm.Get_rank())

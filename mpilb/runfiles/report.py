@@ -78,7 +78,8 @@ def format_summary(s: dict, path: str = "") -> str:
     return "\n".join(lines)
 
 
-_MEMBER_WORDS = {"join": "joined", "leave": "left", "lost": "was lost", "respawn": "was replaced"}
+_MEMBER_WORDS = {"join": "joined", "leave": "left", "lost": "was lost",
+                 "respawn": "started as a replacement"}
 
 
 def format_members(cols: dict) -> list[str]:

@@ -247,11 +247,14 @@ class Admissions:
         rank = self.admit(comm, offer, ringback)
         write_atomically(offer.path + ".answer", f"joined as worker {rank}\n")
 
-    def admit(self, comm, offer: Optional[Offer] = None, ringback: Optional[dict] = None) -> int:
+    def admit(self, comm, offer: Optional[Offer] = None, ringback: Optional[dict] = None,
+              event: str = "join", node: Optional[int] = None) -> int:
         """A worker on `comm` (its rank 1) joins the run now; returns its id. Its node in
         `members/` is that of the job's ranks on its host, else -1 (not known: :meth:`node_of`).
         `ringback`: its doorbell's address (local socket name or network address), rung
-        with every message as the job's workers are; it rings rank 0 with every push."""
+        with every message as the job's workers are; it rings rank 0 with every push
+        (without one it is polled for). A replacement (server/respawn.py) comes with its
+        `event` ("respawn") and `node`."""
         s = self.server
         rank = max([s.comm.Get_size() - 1, *s.peers]) + 1
         s.receiver.bell.add_peer(rank, **(ringback or {}))
@@ -265,10 +268,11 @@ class Admissions:
         s.receiver.add(w)
         w.go_idle()
         self.joined.append((rank, comm))
-        self.members.note(rank, "join", node=self.node_of(offer))
-        where = f" ({offer.who})" if offer is not None and offer.pid else ""
-        print(f"mpilb: a worker joined the run at {s.now():.1f} s as worker {rank}{where}",
-              file=sys.stderr, flush=True)
+        self.members.note(rank, event, node=self.node_of(offer) if node is None else node)
+        if event == "join":
+            where = f" ({offer.who})" if offer is not None and offer.pid else ""
+            print(f"mpilb: a worker joined the run at {s.now():.1f} s as worker {rank}{where}",
+                  file=sys.stderr, flush=True)
         s.epochs.wake_idle()
         return rank
 

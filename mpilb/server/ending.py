@@ -61,6 +61,10 @@ def serve(server: ParameterServer) -> int:
         # run stopped as asked (checkpoint written): exit 0, so that a requeue follows.
         code = 0 if status == "preempted" else 3
         sys.stdout.flush()
+        if server.members.admissions is not None:
+            # workers that joined or replaced a lost one end with the job first: MPI_Abort
+            # does not reach a joiner's launch (it waited for its end forever)
+            server.members.admissions.finish()
         launcher = C.open_mpi_launcher()
         if launcher is not None and launcher["recovery"]:
             C.tell_leave(server.comm, code, skip=server.lost + server.members.left)   # MPI_Abort ends rank 0 alone

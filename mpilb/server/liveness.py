@@ -152,7 +152,7 @@ class Liveness:
         w.lose()
         self.roster.lost.append(w.rank)
         if self.members is not None:
-            self.members.note(w.rank, "lost")
+            self.members.lost(w.rank)   # (--respawn: its replacement, roster.py)
         self.forget(w)
         if fails:   # the job ends: log `failed`
             raise WorkerFailed(w.rank, fails)

@@ -11,7 +11,7 @@ and nothing more is sent to it. The worker ends alone (mpi/departure.py) with ex
 run ends `finished`, not `degraded`. The last worker is never let go: the run would stop.
 
 Every change is a row of the `members/` log group: `t`, `worker`, `node`, `event` (`join`,
-`leave`, `lost`; `respawn` is the contract's other event, see docs/membership.md).
+`leave`, `lost`, `respawn`: a replacement for a lost worker, respawn.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from mpilb.mpi.wire import Cmd
 from mpilb.run.signals import LEAVE_ASKED
 from mpilb.runfiles.requests import ANSWER_SUFFIX, JOIN_PREFIX, LEAVE_PREFIX, requests_dir, write_atomically
 from mpilb.server.admission import Admissions
+from mpilb.server.respawn import Respawns
 
 
 
@@ -69,6 +70,7 @@ class Members:
         self.next_poll = 0.0
         self.left: list[int] = []   # ranks that left, in order
         self.admissions = None      # joins (admission.py; a live server's only)
+        self.respawns = None        # replacements of lost workers (respawn.py; --respawn)
 
     @classmethod
     def of_server(cls, server, nodes: list) -> "Members":
@@ -80,6 +82,8 @@ class Members:
                    sole_copies=lambda rank: sole_copies(server.ledger, rank),
                    note_departure=lambda rank: server.chores.signals.note_departure(rank))
         members.admissions = Admissions(server, members)
+        if server.cfg.faults.respawn:
+            members.respawns = Respawns(server, members, server.hostnames)
         return members
 
     # ----------------------------------------------------------------- the log
@@ -90,13 +94,23 @@ class Members:
             node = self.nodes[rank] if rank < len(self.nodes) else -1
         self.log.append("members", t=self.clock.now(), worker=rank, node=node, event=event)
 
+    def lost(self, rank: int) -> None:
+        """Worker `rank` was declared lost (liveness.py): its row, and (--respawn) its
+        replacement at the next chores."""
+        self.note(rank, "lost")
+        if self.respawns is not None:
+            self.respawns.lost(rank)
+
     # ----------------------------------------------------------------- requests
     def poll(self, mono: float) -> None:
-        """Among the chores: the reports of workers that joined (each time), the requests
-        written by `mpilb leave` and `mpilb join` (twice a second; each time while a joiner
-        offered a port has not connected yet: admission.py)."""
+        """Among the chores: the reports of workers that joined (each time), replacements
+        of lost workers (--respawn, each time), the requests written by `mpilb leave` and
+        `mpilb join` (twice a second; each time while a joiner offered a port has not
+        connected yet: admission.py)."""
         if self.admissions is not None and self.admissions.joined:
             self.admissions.poll_reports()
+        if self.respawns is not None:
+            self.respawns.poll()
         if mono < self.next_poll and not (self.admissions is not None and self.admissions.offers):
             return
         self.next_poll = mono + self.POLL_S
