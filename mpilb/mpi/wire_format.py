@@ -142,6 +142,41 @@ class Float16(WireFormat):
         xp.copyto(dst, src.view(xp.float16))
 
 
+class Residual:
+    """Error feedback for a worker's pushes: what rounding to the wire format took off one
+    push's gradient is added to the next push's, so that the sum of what the stores receive
+    stays within one rounding of the sum of the float32 gradients, however many pushes
+    there are (rounding each push alone lets a value that always rounds the same way drift:
+    1 + 2^-9 arrives as 1 in bf16, push after push). One float32 vector on the worker's
+    device, three passes over it per push, no allocation.
+
+    Args:
+        fmt: the wire format (not fp32: nothing is rounded there).
+        n: floats of the gradient; xp: the array module where it lies (numpy or CuPy).
+    """
+
+    def __init__(self, fmt: WireFormat, n: int, xp=np):
+        self.fmt = fmt
+        self.xp = xp
+        self.carry = xp.zeros(n, dtype=xp.float32)   # rounding not yet sent
+        self.scratch = fmt.scratch(n, xp)
+
+    def encode(self, grad, dst, finite: bool = True) -> bool:
+        """`grad` (float32, overwritten by grad + carry) -> `dst` in the wire format, and
+        this push's rounding carried to the next. `finite`: `grad` holds no NaN or infinity.
+        Returns True when a finite value became infinite on the wire. A push the stores
+        reject (non-finite, or made so) leaves the carry as it was, for the next push."""
+        xp, fmt = self.xp, self.fmt
+        if finite:
+            xp.add(grad, self.carry, out=grad)
+        overflow = finite and fmt.overflows(grad)
+        fmt.encode(grad, dst, xp, self.scratch, finite=finite)
+        if finite and not overflow:
+            fmt.decode(dst, self.carry, xp)                  # what the stores will read
+            xp.subtract(grad, self.carry, out=self.carry)   # what it lacks (exact in float32)
+        return overflow
+
+
 def wire_format(name: str) -> WireFormat:
     """The format registered as `name`; UsageError (one line) for any other."""
     if name not in FORMATS:
