@@ -4,7 +4,9 @@ The stores keep float32 parameters and optimizer state whatever the wire carries
 converts its gradient to the wire type before it pushes and expands each reply's parameters
 after it arrives (with the backend's array module: numpy, or CuPy on a GPU); a store expands
 each gradient it receives into a float32 buffer it keeps, and converts its parameters for the
-replies once per version (:class:`EncodedParams`), not once per reply.
+replies once per version (:class:`EncodedParams`), not once per reply. A worker's pushes
+carry each push's rounding to the next (:class:`Residual`, error feedback), since the stores
+add the gradients up and a rounding that always goes one way would add up with them.
 
 A 16-bit format travels as uint16 (numpy has no bfloat16, and MPI needs no datatype for it):
 
