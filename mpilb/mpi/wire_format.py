@@ -4,7 +4,9 @@ The stores keep float32 parameters and optimizer state whatever the wire carries
 converts its gradient to the wire type before it pushes and expands each reply's parameters
 after it arrives (with the backend's array module: numpy, or CuPy on a GPU); a store expands
 each gradient it receives into a float32 buffer it keeps, and converts its parameters for the
-replies once per version (:class:`EncodedParams`), not once per reply.
+replies once per version (:class:`EncodedParams`), not once per reply. A worker's pushes
+carry each push's rounding to the next (:class:`Residual`, error feedback), since the stores
+add the gradients up and a rounding that always goes one way would add up with them.
 
 A 16-bit format travels as uint16 (numpy has no bfloat16, and MPI needs no datatype for it):
 
@@ -140,6 +142,41 @@ class Float16(WireFormat):
 
     def decode(self, src, dst, xp=np):
         xp.copyto(dst, src.view(xp.float16))
+
+
+class Residual:
+    """Error feedback for a worker's pushes: what rounding to the wire format took off one
+    push's gradient is added to the next push's, so that the sum of what the stores receive
+    stays within one rounding of the sum of the float32 gradients, however many pushes
+    there are (rounding each push alone lets a value that always rounds the same way drift:
+    1 + 2^-9 arrives as 1 in bf16, push after push). One float32 vector on the worker's
+    device, three passes over it per push, no allocation.
+
+    Args:
+        fmt: the wire format (not fp32: nothing is rounded there).
+        n: floats of the gradient; xp: the array module where it lies (numpy or CuPy).
+    """
+
+    def __init__(self, fmt: WireFormat, n: int, xp=np):
+        self.fmt = fmt
+        self.xp = xp
+        self.carry = xp.zeros(n, dtype=xp.float32)   # rounding not yet sent
+        self.scratch = fmt.scratch(n, xp)
+
+    def encode(self, grad, dst, finite: bool = True) -> bool:
+        """`grad` (float32, overwritten by grad + carry) -> `dst` in the wire format, and
+        this push's rounding carried to the next. `finite`: `grad` holds no NaN or infinity.
+        Returns True when a finite value became infinite on the wire. A push the stores
+        reject (non-finite, or made so) leaves the carry as it was, for the next push."""
+        xp, fmt = self.xp, self.fmt
+        if finite:
+            xp.add(grad, self.carry, out=grad)
+        overflow = finite and fmt.overflows(grad)
+        fmt.encode(grad, dst, xp, self.scratch, finite=finite)
+        if finite and not overflow:
+            fmt.decode(dst, self.carry, xp)                  # what the stores will read
+            xp.subtract(grad, self.carry, out=self.carry)   # what it lacks (exact in float32)
+        return overflow
 
 
 def wire_format(name: str) -> WireFormat:

@@ -95,13 +95,14 @@ class Pushes:
         if fmt.is_fp32:
             self.bufs = [messages.new(floats + num_state) for _ in range(count)]
             self.states = [m.payload[floats:] for m in self.bufs]
-            self.staging = self.scratch = None
+            self.staging = self.residual = None
         else:   # the wire values, then the state in float32
             made = [messages.new_wire(fmt, floats, num_state) for _ in range(count)]
             self.bufs = [m for m, _, _ in made]
             self.states = [st for _, st, _ in made]
             self.staging = made[0][2]   # device wire values, copied to the host buffer
-            self.scratch = fmt.scratch(floats, messages.backend.xp)
+            # each push's rounding goes with the next (error feedback): one float32 vector
+            self.residual = wire_format.Residual(fmt, floats, messages.backend.xp)
         # rank 0 takes the header with slice 0 (with one store, followed by the state)
         if len(bounds) == 2:
             self.head_bytes = wire_format.message_bytes(fmt, floats, num_state)
@@ -115,13 +116,13 @@ class Pushes:
         return self.states[0 if msg is self.bufs[0] else 1]
 
     def encode(self, grad, msg: wire.MessageBuffer, finite: bool) -> bool:
-        """The float32 mean gradient `grad` (a backend array) into `msg`'s payload in the
-        wire format, converted where it lies (on a GPU: then copied to the host buffer).
+        """The float32 mean gradient `grad` (a backend array; it gains the rounding left
+        over from the last push, wire_format.Residual) into `msg`'s payload in the wire
+        format, converted where it lies (on a GPU: then copied to the host buffer).
         Returns True when a finite value became infinite (fp16 beyond 65504): the push
         must say it is not finite, as the server would otherwise apply it."""
-        overflow = finite and self.fmt.overflows(grad)
         dst = msg.payload if self.staging is None else self.staging
-        self.fmt.encode(grad, dst, self.messages.backend.xp, self.scratch, finite=finite)
+        overflow = self.residual.encode(grad, dst, finite=finite)
         if self.staging is not None:
             self.messages.backend.to_host(self.staging, out=msg.payload)
         return overflow

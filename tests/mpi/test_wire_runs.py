@@ -130,6 +130,49 @@ def test_a_non_finite_push_is_rejected_on_a_16_bit_wire(digits_dir, tmp_path, wi
     finished(res, str(log), wire)
 
 
+TINY = """
+import sys
+from mpilb.core import batches
+step = batches.GradientStep.__call__
+
+def tiny(self, params, batch, out=None):
+    loss, grad, compute_s = step(self, params, batch, out=out)
+    grad[-1] = 2e-8 * batch.size   # the last bias's mean gradient: 2e-8, below fp16's 3e-8
+    return loss, grad, compute_s
+
+batches.GradientStep.__call__ = tiny
+from mpilb.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_fp16_pushes_deliver_a_gradient_below_its_smallest_value(digits_dir, tmp_path):
+    """fp16's smallest value is 6e-8: a gradient of 2e-8 rounds to 0 push after push. Each
+    push's rounding goes with the next (error feedback), so the store applies the sum of
+    what the workers computed: the last bias (zero at the start) moves by lr x the sum of
+    the updates' lr_scale x 2e-8, as with fp32 (rounded alone, it would stay 0)."""
+    from mpilb.models import build_model
+
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY)
+    log, ckpt = tmp_path / "run.h5", tmp_path / "run.ckpt.h5"
+    cmd = [mpirun.mpiexec(), "-n", "3", sys.executable, str(script), "train", "--data",
+           digits_dir, "--model", "softmax", "--epochs", "3", "--seed", "1", "--no-progress",
+           "--wire", "fp16", "--log", str(log), "--checkpoint", str(ckpt)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                         env=mpirun.env(PYTHONPATH=ROOT))
+    finished(res, str(log), "fp16")
+    with h5py.File(ckpt, "r") as f:
+        bias = float(f["params"][-1])
+    with h5py.File(log, "r") as f:
+        applied = float(np.sum(f["updates/lr_scale"][...]))
+    model = build_model("softmax", (64,), 10, seed=1)
+    assert model.init_params(1)[-1] == 0.0
+    want = -0.1 * applied * 2e-8   # plain sgd, --lr 0.1
+    # within the carry left on the workers (a few fp16 values) and float32's own rounding
+    assert bias == pytest.approx(want, rel=0.05), (bias, want)
+
+
 def test_an_unknown_wire_is_one_line_exit_2(digits_dir, tmp_path):
     res, _ = train(2, digits_dir, tmp_path, "bad", "--wire", "bf8", "--epochs", "1", timeout=60)
     assert res.returncode == 2
