@@ -81,6 +81,15 @@ def prepare(values: dict) -> Prepared:
     return Prepared(cfg, dataset, config_model(cfg, dataset).num_params)
 
 
+def ready_to_connect() -> None:
+    """While rank 0 answers the request: MPI's start and the worker's code (imported now,
+    not between the connection and the first push)."""
+    from mpilb.mpi import comm as C
+    from mpilb.worker import loop  # noqa: F401
+
+    C.world()
+
+
 def run_joined(ready: Prepared, port: str, request: str, log: str = "", bell=None,
                phases: Phases | None = None) -> int:
     """Join the run at MPI port `port` with what `ready` holds; returns the exit code.
