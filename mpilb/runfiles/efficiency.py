@@ -174,6 +174,10 @@ def warnings(config: dict, up: dict, samples: np.ndarray, accuracy: np.ndarray) 
                    f"{MOMENTUM_RULES[ASYNC_DEFAULT](mu, tau):.2f}")
     dropped = fell(accuracy)
     hint = f"try --correction {ASYNC_DEFAULT}" if not policy and mu > 0 else f"try {fresher}"
+    if config.get("correction") == "dynamic" and mu > 0:   # the swings of more momentum
+        hint = (f"try --correction momentum (momentum "
+                f"{MOMENTUM_RULES['momentum'](float(config.get('momentum') or 0.0), tau):.2f} "
+                f"instead of {mu:.2f} at this staleness), or {fresher}")
     if dropped is not None:
         out.append(f"accuracy fell from {dropped[0]:.4f} to {dropped[1]:.4f} (mean staleness "
                    f"{tau:.1f}, total momentum {total:.2f}): {hint}")

@@ -109,6 +109,10 @@ def test_a_fall_from_the_best_accuracy_is_found():
            "pipeline": 1}
     lines = E.warnings(cfg, updates([7] * 20), np.arange(1, 5), np.array([0.2, 0.5, 0.45, 0.1]))
     assert len(lines) == 1 and "fell from 0.5000 to 0.1000" in lines[0] and "--pipeline 0" in lines[0]
+    # under dynamic (the default) the fall names the policy that keeps less momentum
+    cfg = dict(cfg, correction="dynamic", pipeline=0)
+    lines = E.warnings(cfg, updates([3] * 20), np.arange(1, 5), np.array([0.2, 0.5, 0.45, 0.1]))
+    assert len(lines) == 1 and "try --correction momentum (momentum 0.15 instead of 0.60" in lines[0]
 
 
 def test_efficiency_entry():
