@@ -81,17 +81,19 @@ OPTIONS: tuple[Option, ...] = (
            "staleness; sync: synchronous rounds", ("async", "ssp", "sync"), group="mode"),
     Option("staleness_bound", int, 4, "ssp: steps a worker may run ahead of the slowest",
            check=(lambda v: v >= 0, "an integer >= 0"), group="mode", metavar="S"),
-    Option("correction", str, None, "staleness correction: momentum = the optimizer's "
-           "momentum lowered as the measured staleness grows (asynchrony adds momentum of "
-           "its own); none = as given (the old default); inverse = lr/max(1,tau); dc = "
-           "delay-compensated ASGD", ("none", "momentum", "inverse", "dc"),
-           group="mode", default_text="momentum with --mode async or ssp, none with sync"),
+    Option("correction", str, None, "staleness correction: dynamic = the optimizer's "
+           "momentum set to 1 - (1-mu)(tau+1), tau the measured mean staleness: each "
+           "gradient's long-run step lr/(1-mu) divided by tau+1 (DynSGD through the "
+           "momentum); momentum = mu - tau/(tau+1), what asynchrony adds taken off (the "
+           "previous default); none = as given (the first default); inverse = lr/max(1,tau); dc = delay-compensated ASGD",
+           ("none", "dynamic", "momentum", "inverse", "dc"),
+           group="mode", default_text="dynamic with --mode async or ssp, none with sync"),
     Option("dc_lambda", float, 0.04, "dc: the compensation strength lambda", check=_NON_NEGATIVE,
            group="mode"),
     Option("pipeline", int, None, "1: compute the next gradient while the previous push is in "
            "flight (one more step of staleness, less waiting)", (0, 1), group="mode",
            default_text="1 with --mode async, 0 with ssp or sync, under --correction inverse, "
-           "or under --correction momentum with --optimizer momentum"),
+           "or under --correction dynamic or momentum with --optimizer momentum"),
     # optimizer
     Option("optimizer", str, "sgd", "optimizer run by the parameter stores; adamw: decoupled "
            "weight decay, as torch.optim.AdamW; a torch.optim class by name needs torch "

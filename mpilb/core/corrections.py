@@ -2,9 +2,9 @@
 
 Staleness tau = server version now - version the gradient was computed on. A correction
 maps (gradient, tau) to the gradient to apply and a learning-rate factor, and may first
-adjust the optimizer's hyperparameters (:meth:`Correction.tune`: the `momentum` policy, the
-default of async and ssp, lowers the momentum as the measured staleness grows, since
-asynchrony adds momentum of its own). Like Horovod's compressors these are tiny objects
+adjust the optimizer's hyperparameters (:meth:`Correction.tune`: the `dynamic` policy, the
+default of async and ssp, and the `momentum` one before it lower the momentum as the
+measured staleness grows). Like Horovod's compressors these are tiny objects
 with one or two methods, so adding one is a few lines.
 """
 
@@ -121,12 +121,23 @@ def explicit_momentum(momentum: float, mean_staleness: float) -> float:
     return max(0.0, momentum - implicit_momentum(mean_staleness))
 
 
+def dynamic_momentum(momentum: float, mean_staleness: float) -> float:
+    """The optimizer momentum the `dynamic` policy applies at a mean staleness tau:
+    1 - (1 - mu)(tau + 1), down to 0. A gradient's long-run step lr/(1 - mu) is then the
+    recipe's divided by tau + 1, DynSGD's scaling (Jiang et al. 2017: lr/(tau+1)), reached
+    through the momentum, so that a fresh gradient's own step stays the recipe's lr.
+    (0.9 at tau 0, 0.6 at tau 3, 0.2 at tau 7, 0 from tau 9 on.)"""
+    return max(0.0, 1.0 - (1.0 - momentum) * (1.0 + max(0.0, mean_staleness)))
+
+
 @register("momentum")
 class StalenessMomentum(Correction):
     """The optimizer's momentum lowered by the measured staleness (:func:`explicit_momentum`
     of an exponentially weighted mean of the staleness of applied gradients); the learning
     rate as given. The user's momentum is read from the optimizer at the first gradient,
     and an optimizer without momentum (sgd, adam) is left as it is."""
+
+    rule = staticmethod(explicit_momentum)
 
     def __init__(self, dc_lambda: float = 0.04):
         super().__init__(dc_lambda)
@@ -139,7 +150,23 @@ class StalenessMomentum(Correction):
             return
         if self.momentum is None:
             self.momentum = float(optimizer.momentum)
-        optimizer.momentum = explicit_momentum(self.momentum, tau)
+        optimizer.momentum = self.rule(self.momentum, tau)
+
+
+@register("dynamic")
+class DynamicMomentum(StalenessMomentum):
+    """As `momentum`, by :func:`dynamic_momentum`: the recipe's long-run step divided by the
+    mean staleness + 1."""
+
+    rule = staticmethod(dynamic_momentum)
+
+
+ASYNC_DEFAULT = "dynamic"
+"""The correction of async and ssp when --correction is not given."""
+
+MOMENTUM_RULES = {name: cls.rule for name, cls in CORRECTIONS.items() if hasattr(cls, "rule")}
+"""Correction name -> (the recipe's momentum, mean staleness) -> the momentum applied, for
+the corrections that set the optimizer's momentum from the measured staleness."""
 
 
 def build_correction(name: str, dc_lambda: float = 0.04) -> Correction:

@@ -12,10 +12,8 @@ from typing import Optional
 
 import numpy as np
 
-from mpilb.core.corrections import explicit_momentum, implicit_momentum
+from mpilb.core.corrections import ASYNC_DEFAULT, MOMENTUM_RULES, implicit_momentum
 
-# Corrections that set the optimizer's momentum from the measured staleness.
-MOMENTUM_POLICIES = ("momentum",)
 # Total momentum (explicit + what asynchrony adds) above which a run is warned about.
 HIGH_MOMENTUM = 0.95
 # A plateau: the last third of the evaluations stays this far below the trend of the
@@ -77,8 +75,9 @@ def against_reference(run: tuple[np.ndarray, np.ndarray], ref: tuple[np.ndarray,
 def explicit_used(config: dict, mean_staleness: float) -> float:
     """The optimizer momentum the run applied (at its mean staleness) under its correction."""
     mu = float(config.get("momentum") or 0.0) if config.get("optimizer") == "momentum" else 0.0
-    if config.get("correction") in MOMENTUM_POLICIES:
-        return explicit_momentum(mu, mean_staleness)
+    rule = MOMENTUM_RULES.get(config.get("correction"))
+    if rule is not None:
+        return rule(mu, mean_staleness)
     return mu
 
 
@@ -164,17 +163,21 @@ def warnings(config: dict, up: dict, samples: np.ndarray, accuracy: np.ndarray) 
     tau = float(st.mean())
     mu = explicit_used(config, tau)
     total = mu + implicit_momentum(tau)
-    policy = config.get("correction") in MOMENTUM_POLICIES
+    policy = config.get("correction") in MOMENTUM_RULES
     fresher = ("--pipeline 0 (about half the staleness)" if config.get("pipeline")
                else "a lower --lr, or --mode sync")
     if total > HIGH_MOMENTUM and mu > 0 and not policy:
         out.append(f"staleness is high for the momentum used: mean staleness {tau:.1f} adds "
                    f"momentum ~{implicit_momentum(tau):.2f} to --momentum {mu:g} (total "
-                   f"{total:.2f}); try --correction momentum (the default for async and ssp: "
-                   f"it lowers the momentum by the staleness), or --momentum "
-                   f"{explicit_momentum(mu, tau):.2f}")
+                   f"{total:.2f}); try --correction {ASYNC_DEFAULT} (the default for async and "
+                   f"ssp: it lowers the momentum by the staleness), or --momentum "
+                   f"{MOMENTUM_RULES[ASYNC_DEFAULT](mu, tau):.2f}")
     dropped = fell(accuracy)
-    hint = "try --correction momentum" if not policy and mu > 0 else f"try {fresher}"
+    hint = f"try --correction {ASYNC_DEFAULT}" if not policy and mu > 0 else f"try {fresher}"
+    if config.get("correction") == "dynamic" and mu > 0:   # the swings of more momentum
+        hint = (f"try --correction momentum (momentum "
+                f"{MOMENTUM_RULES['momentum'](float(config.get('momentum') or 0.0), tau):.2f} "
+                f"instead of {mu:.2f} at this staleness), or {fresher}")
     if dropped is not None:
         out.append(f"accuracy fell from {dropped[0]:.4f} to {dropped[1]:.4f} (mean staleness "
                    f"{tau:.1f}, total momentum {total:.2f}): {hint}")

@@ -35,7 +35,8 @@ def assert_exact_coverage(summary):
     ("--correction", "inverse"),
     ("--correction", "dc"),
     ("--pipeline", "0"),
-], ids=["async", "ssp", "sync", "inverse", "dc", "unpipelined"])
+    ("--optimizer", "momentum", "--lr", "0.05"),
+], ids=["async", "ssp", "sync", "inverse", "dc", "unpipelined", "momentum-recipe"])
 def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     log = tmp_path / "run.h5"
     res = mpirun.run(4, "train", "--data", digits_dir, *DIGITS_RUN, "--log", log, *extra)
@@ -54,6 +55,8 @@ def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     assert_exact_coverage(s)
     assert {w["rank"] for w in s["per_worker"]} == {1, 2, 3}
     assert all(w["samples"] > 0 for w in s["per_worker"])
+    if "momentum" in extra:   # a DDP recipe under the default staleness policy, unpipelined
+        assert s["correction"] == "dynamic" and not pipelined
     if "ssp" in extra:
         # While a worker computes, each of the other two can push at most 2S+1 gradients
         # (from S behind it to S ahead, plus the push that gets held): staleness <= 2(2S+1).

@@ -10,7 +10,7 @@ from mpilb.errors import UsageError
 def test_defaults_match_design():
     cfg = build_config()
     assert cfg.updates.mode == "async" and cfg.balancing.balancer == "load" and cfg.balancing.batch_policy == "fixed"
-    assert cfg.inputs.store == "shared" and cfg.updates.correction == "momentum" and cfg.updates.dc_lambda == 0.04
+    assert cfg.inputs.store == "shared" and cfg.updates.correction == "dynamic" and cfg.updates.dc_lambda == 0.04
     assert cfg.inputs.replicas == 1 and cfg.updates.pipeline == 1 and cfg.experiment.inject == []
 
 
@@ -20,9 +20,10 @@ def test_defaults_match_design():
     ({"correction": "inverse"}, 0),               # it would divide the lr by twice the staleness
     ({"pipeline": "0"}, 0), ({"mode": "ssp", "pipeline": "1"}, 1),   # as given
     ({"correction": "inverse", "pipeline": "1"}, 1),
-    # a momentum recipe under the momentum policy (the default): twice the staleness costs
-    # more samples than computing ahead gains
-    ({"optimizer": "momentum"}, 0), ({"optimizer": "momentum", "correction": "none"}, 1),
+    # a momentum recipe under a momentum policy (dynamic, the default, or momentum): twice
+    # the staleness costs more samples than computing ahead gains
+    ({"optimizer": "momentum"}, 0), ({"optimizer": "momentum", "correction": "momentum"}, 0),
+    ({"optimizer": "momentum", "correction": "none"}, 1),
     ({"optimizer": "momentum", "pipeline": "1"}, 1),
 ])
 def test_the_pipeline_default_follows_the_mode(values, pipeline):
@@ -30,7 +31,7 @@ def test_the_pipeline_default_follows_the_mode(values, pipeline):
     assert build_config(values, {}, source="run.toml").updates.pipeline == pipeline   # from a file too
 
 
-@pytest.mark.parametrize("mode,correction", [("async", "momentum"), ("ssp", "momentum"),
+@pytest.mark.parametrize("mode,correction", [("async", "dynamic"), ("ssp", "dynamic"),
                                              ("sync", "none")])
 def test_the_correction_default_follows_the_mode(mode, correction):
     assert build_config({}, {"mode": mode}).updates.correction == correction

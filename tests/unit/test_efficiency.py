@@ -53,11 +53,21 @@ def test_effective_momentum_per_worker():
     assert rows[1]["effective_momentum"] == pytest.approx(7 / 8)
 
 
+@pytest.mark.parametrize("policy,explicit", [("dynamic", 0.6), ("momentum", 0.15), ("none", 0.9)])
+def test_the_momentum_applied_is_the_policy_s(policy, explicit):
+    cfg = {"optimizer": "momentum", "momentum": 0.9, "correction": policy, "mode": "async"}
+    assert E.explicit_used(cfg, 3.0) == pytest.approx(explicit)
+    rows = E.per_worker_staleness(updates([3] * 6), cfg)
+    assert rows[0]["effective_momentum"] == pytest.approx(explicit + 0.75)
+
+
 def test_warning_when_staleness_is_high_for_the_momentum():
     cfg = {"optimizer": "momentum", "momentum": 0.9, "correction": "none", "mode": "async"}
     up = updates([7] * 20)
     lines = E.warnings(cfg, up, np.zeros(0), np.zeros(0))
     assert len(lines) == 1 and "--correction" in lines[0] and "staleness 7.0" in lines[0]
+    # it names the default policy and the momentum that would apply: 1 - 0.1 * 8
+    assert "--correction dynamic" in lines[0] and "--momentum 0.20" in lines[0]
     # low staleness, sgd, sync: nothing to say
     assert E.warnings(cfg, updates([0] * 20), np.zeros(0), np.zeros(0)) == []
     assert E.warnings(dict(cfg, optimizer="sgd"), up, np.zeros(0), np.zeros(0)) == []
@@ -99,6 +109,10 @@ def test_a_fall_from_the_best_accuracy_is_found():
            "pipeline": 1}
     lines = E.warnings(cfg, updates([7] * 20), np.arange(1, 5), np.array([0.2, 0.5, 0.45, 0.1]))
     assert len(lines) == 1 and "fell from 0.5000 to 0.1000" in lines[0] and "--pipeline 0" in lines[0]
+    # under dynamic (the default) the fall names the policy that keeps less momentum
+    cfg = dict(cfg, correction="dynamic", pipeline=0)
+    lines = E.warnings(cfg, updates([3] * 20), np.arange(1, 5), np.array([0.2, 0.5, 0.45, 0.1]))
+    assert len(lines) == 1 and "try --correction momentum (momentum 0.15 instead of 0.60" in lines[0]
 
 
 def test_efficiency_entry():

@@ -4,8 +4,8 @@ the momentum it leaves the optimizer, and the old behaviour under `--correction 
 import numpy as np
 import pytest
 
-from mpilb.core.corrections import (StalenessMeter, build_correction, explicit_momentum,
-                               implicit_momentum)
+from mpilb.core.corrections import (MOMENTUM_RULES, StalenessMeter, build_correction,
+                                    dynamic_momentum, explicit_momentum, implicit_momentum)
 from mpilb.core.optimizers import build_optimizer
 from mpilb.server.modes import ParamRing, Update, build_rule
 from mpilb.server.peers import Peer
@@ -30,6 +30,20 @@ def test_implicit_and_explicit_momentum():
     assert all(a >= b for a, b in zip(values, values[1:]))
 
 
+def test_dynamic_momentum_divides_the_long_run_step_by_tau_plus_one():
+    assert dynamic_momentum(0.9, 0) == pytest.approx(0.9)        # no staleness: the recipe's
+    assert dynamic_momentum(0.9, 3) == pytest.approx(0.6)        # 1 - 0.1 * 4
+    assert dynamic_momentum(0.9, 7) == pytest.approx(0.2)
+    assert dynamic_momentum(0.9, 9) == pytest.approx(0.0, abs=1e-12)
+    assert dynamic_momentum(0.9, 30) == 0.0                      # never below 0
+    assert dynamic_momentum(0.5, 0.5) == pytest.approx(0.25)
+    for tau in (0, 0.5, 1, 2, 3, 5, 8):   # lr / (1 - mu) = the recipe's / (tau + 1)
+        assert 1 / (1 - dynamic_momentum(0.9, tau)) == pytest.approx(10 / (tau + 1))
+    # it keeps more momentum than `momentum` at every staleness short of 9, where both reach 0
+    assert all(dynamic_momentum(0.9, t) >= explicit_momentum(0.9, t) for t in np.linspace(0, 9, 37))
+    assert MOMENTUM_RULES == {"momentum": explicit_momentum, "dynamic": dynamic_momentum}
+
+
 def store(optimizer="momentum", correction="momentum", n=4):
     opt = build_optimizer(optimizer, n, lr=0.1, momentum=0.9)
     return ParamRing(np.zeros(n, np.float32), opt, build_correction(correction), 32)
@@ -41,10 +55,11 @@ def push_all(rule, staleness, count=50):
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_the_policy_sets_the_momentum_from_the_measured_staleness(mode):
-    rule = build_rule(mode, store(), lambda r: True, staleness_bound=100)
+@pytest.mark.parametrize("policy", ["momentum", "dynamic"])
+def test_the_policy_sets_the_momentum_from_the_measured_staleness(mode, policy):
+    rule = build_rule(mode, store(correction=policy), lambda r: True, staleness_bound=100)
     push_all(rule, staleness=3)
-    assert rule.ring.optimizer.momentum == pytest.approx(explicit_momentum(0.9, 3))
+    assert rule.ring.optimizer.momentum == pytest.approx(MOMENTUM_RULES[policy](0.9, 3))
     push_all(rule, staleness=0, count=2000)     # the staleness falls: the recipe's momentum
     assert rule.ring.optimizer.momentum == pytest.approx(0.9, abs=1e-3)
 
@@ -59,8 +74,9 @@ def test_the_old_behaviour_and_other_optimizers_are_left_alone():
     assert not hasattr(rule.ring.optimizer, "momentum")
 
 
-def test_the_policy_keeps_the_learning_rate():
-    rule = build_rule("async", store(), lambda r: True)
+@pytest.mark.parametrize("policy", ["momentum", "dynamic"])
+def test_the_policy_keeps_the_learning_rate(policy):
+    rule = build_rule("async", store(correction=policy), lambda r: True)
     _, lr_scale = rule.push(Peer(1), Update(1, 0, 0, 0, 16, 16, 1.0, 5), np.ones(4, np.float32))
     assert lr_scale == 0.5          # only the batch scaling
 
