@@ -21,8 +21,9 @@ pytestmark = pytest.mark.mpi
 ROOT = str(Path(__file__).resolve().parents[2])   # this tree's mpilb, for the script
 TORCH_MLP = "examples/torch_mlp.py:MLP"
 # Asynchronous runs differ from run to run (arrival order), whatever the wire: the bound
-# leaves room for that noise (measured: docs/cluster.md, "Fewer bytes on the wire").
-ACCURACY_BOUND = 0.02
+# leaves room for that noise (measured: docs/cluster.md, "Fewer bytes on the wire"; one
+# torch MLP pair of a full-suite run differed by 2.2 points, its next two runs passed at 2).
+ACCURACY_BOUND = 0.03
 
 
 def train(n, digits_dir, tmp_path, name, *args, timeout=240):
