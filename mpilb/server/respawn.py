@@ -22,6 +22,7 @@ import json
 import sys
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 READY_TIMEOUT_S = 60.0   # from the spawn to "ready": the replacement's data and model
 
@@ -57,6 +58,7 @@ class Respawns:
         self.wanted: list[int] = []          # lost workers to replace, in order of loss
         self.spawned: list[Spawned] = []     # started, not yet ready
         self.replaced: dict[int, int] = {}   # lost worker -> its replacement's id
+        self.gone: set[int] = set()          # every worker declared lost
         why = unsupported() if self.on else ""
         if why:
             self.turn_off(f"{why}; a lost worker is not replaced")
@@ -71,6 +73,7 @@ class Respawns:
     def lost(self, rank: int) -> None:
         """Worker `rank` was declared lost: replace it at the next chores, if it is one of
         the job's own workers."""
+        self.gone.add(rank)
         if not self.on:
             return
         if rank not in self.server.ranks:
@@ -91,7 +94,8 @@ class Respawns:
     def start(self, lost: int) -> None:
         from mpilb.mpi import spawning
 
-        host = self.hosts[lost] if lost < len(self.hosts) else ""
+        where = self.host_for(lost)
+        host = self.hosts[where] if where is not None else ""
         args = ["-m", spawning.CHILD_MODULE, str(lost), json.dumps(dict(self.server.cfg.values))]
         try:
             comm = spawning.spawn(args, host)
@@ -100,11 +104,22 @@ class Respawns:
                           f"failed ({exc}); no lost worker is replaced")
             return
         nodes = self.members.nodes
-        node = nodes[lost] if host and lost < len(nodes) else -1
+        node = nodes[where] if host and where < len(nodes) else -1
         self.spawned.append(Spawned(lost, comm, spawning.await_ready(comm), time.monotonic(), node))
         print(f"mpilb: --respawn: a replacement for rank {lost} started at "
               f"{self.server.now():.1f} s{f' on {host}' if host else ''}",
               file=sys.stderr, flush=True)
+
+    def host_for(self, lost: int) -> Optional[int]:
+        """The rank whose host the replacement of `lost` is started on: `lost` itself where
+        another rank of the job on its host is still there (the host answers), else rank 0
+        (every rank of that host lost: the node may be down, and a spawn towards it could
+        stop rank 0 until the launcher gives up); None where the run knows no hosts."""
+        if lost >= len(self.hosts):
+            return None
+        host = self.hosts[lost]
+        alive = [r for r, h in enumerate(self.hosts) if h == host and r not in self.gone]
+        return lost if alive else 0
 
     def check(self, spawned: Spawned, mono: float) -> None:
         """A started replacement: ready (admit it), failed, or too late (drop it, one line)."""

@@ -87,7 +87,6 @@ def test_a_spawn_that_fails_turns_respawn_off_with_one_line(monkeypatch, capsys)
 
     r = respawns(monkeypatch, refuse)
     r.lost(2)
-    r.lost(3)
     r.poll()
     assert tried == ["b"] and not r.on and r.wanted == []   # on the lost one's host, once
     err = capsys.readouterr().err.strip().splitlines()
@@ -107,3 +106,20 @@ def test_only_the_jobs_own_workers_are_replaced(monkeypatch, capsys):
     r.lost(3)
     r.poll()
     assert started == [("3", "b")] and r.spawned[0].node == 1 and r.wanted == []
+
+
+def test_a_replacement_goes_to_rank_0s_host_when_every_rank_of_its_own_is_lost(monkeypatch):
+    """Host b holds ranks 2 and 3: one lost, b answers (its other rank is there); both lost,
+    b may be down, and the replacement starts on rank 0's host a."""
+    from types import SimpleNamespace
+
+    started = []
+    quiet = SimpleNamespace(Iprobe=lambda **kw: False)   # a replacement that sends no error
+    r = respawns(monkeypatch, lambda args, host="": started.append((args[2], host)) or quiet)
+    monkeypatch.setattr(type(r), "check", lambda self, spawned, mono: None)   # not ready yet
+    r.lost(2)
+    r.poll()
+    r.lost(3)
+    r.poll()
+    assert started == [("2", "b"), ("3", "a")]
+    assert [s.node for s in r.spawned] == [1, 0]
