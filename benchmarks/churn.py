@@ -1,7 +1,7 @@
 """Churn: runs whose membership changes at random times (a join, a leave and a kill in
 each), against an undisturbed run of the same options.
 
-    python benchmarks/churn.py [--runs 10] [--epochs 30] [--seed 0]
+    python benchmarks/churn.py [--runs 10] [--epochs 30] [--seed 0] [--references 5]
 
 Each run: `mpiexec -disable-auto-cleanup -n 4 mpilb train` (3 workers) on a synthetic
 dataset, with, at times drawn from its seed (seconds after its first applied update, or for
@@ -12,7 +12,8 @@ must show (issue #29): its exit code as it should be (3 where a worker was lost:
 `lost` row in `members/`; else 0), the joiner's and the leave's exit 0 (or, where the run
 had ended before them, their refusal: exit 2), coverage exact (every sample of every
 epoch once, recomputed from the log's ranges) and the final test accuracy within 1 point of
-the undisturbed run's. Writes benchmarks/results/churn.json; exit 0 when every run passes.
+the undisturbed runs' median (`--references`, 5: single async runs differ by about a
+point from one another). Writes benchmarks/results/churn.json; exit 0 when every run passes.
 
 tests/mpi/test_churn.py runs the same scenario (fewer runs, a looser accuracy bound).
 """
@@ -88,11 +89,12 @@ def wait_first_update(log: str, proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def undisturbed(data: str, workdir: str, epochs: int, env: dict, timeout: float = 300) -> float:
+def undisturbed(data: str, workdir: str, epochs: int, env: dict, timeout: float = 300,
+                k: int = 0) -> float:
     """The final test accuracy of the same run without a join, a leave or a kill."""
     from mpilb.runfiles.summary import summarize_log
 
-    log = os.path.join(workdir, "undisturbed.h5")
+    log = os.path.join(workdir, f"undisturbed{k}.h5")
     r = subprocess.run(mpilb(WORKERS + 1, *train_args(data, log, epochs)), cwd=workdir, env=env,
                        capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
@@ -177,6 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--epochs", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0, help="the first run's seed (then +1 each)")
+    ap.add_argument("--references", type=int, default=5,
+                    help="undisturbed runs; the accuracy bound is against their median")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                   "results", f"{NAME}.json"))
     opts = ap.parse_args(argv)
@@ -189,8 +193,12 @@ def main(argv=None) -> int:
     try:
         data = os.path.join(workdir, "synth")
         prepare_synthetic(data, samples=12000, features=32, classes=10, shards=12, seed=0)
-        reference = undisturbed(data, workdir, opts.epochs, env)
-        print(f"undisturbed: test accuracy {reference:.4f}", flush=True)
+        # asynchronous runs differ from run to run (arrival order): the reference is the
+        # median of several undisturbed runs, whose own spread is printed beside it
+        references = [undisturbed(data, workdir, opts.epochs, env, k=k) for k in range(opts.references)]
+        reference = float(np.median(references))
+        print(f"undisturbed: test accuracy {reference:.4f} (median of {len(references)}: "
+              f"{min(references):.4f}-{max(references):.4f})", flush=True)
         runs = []
         for seed in range(opts.seed, opts.seed + opts.runs):
             out = churn_run(data, workdir, Plan.draw(seed), opts.epochs, env)
@@ -204,7 +212,8 @@ def main(argv=None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     passed = sum(not r["problems"] for r in runs)
     result = {"name": NAME, "runs": len(runs), "passed": passed, "epochs": opts.epochs,
-              "undisturbed_accuracy": reference, "accuracy_points": ACCURACY_POINTS,
+              "undisturbed_accuracy": reference, "undisturbed_runs": references,
+              "accuracy_points": ACCURACY_POINTS,
               "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "results": [{k: v for k, v in r.items() if not k.endswith("stderr")} for r in runs]}
     os.makedirs(os.path.dirname(opts.out), exist_ok=True)
