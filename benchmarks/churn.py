@@ -33,6 +33,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+import _results  # noqa: E402
 import _runs  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
@@ -181,11 +182,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0, help="the first run's seed (then +1 each)")
     ap.add_argument("--references", type=int, default=5,
                     help="undisturbed runs; the accuracy bound is against their median")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "results", f"{NAME}.json"))
+    _results.add_output_args(ap, NAME)
     opts = ap.parse_args(argv)
-    import json
-
+    t0 = time.perf_counter()
+    if opts.quick:
+        opts.runs, opts.references = 2, 1
     from mpilb.data.dataset import prepare_synthetic
 
     workdir = tempfile.mkdtemp(prefix="mpilb-churn-")
@@ -211,15 +212,25 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     passed = sum(not r["problems"] for r in runs)
-    result = {"name": NAME, "runs": len(runs), "passed": passed, "epochs": opts.epochs,
-              "undisturbed_accuracy": reference, "undisturbed_runs": references,
-              "accuracy_points": ACCURACY_POINTS,
-              "created": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "results": [{k: v for k, v in r.items() if not k.endswith("stderr")} for r in runs]}
-    os.makedirs(os.path.dirname(opts.out), exist_ok=True)
-    with open(opts.out, "w") as fh:
-        json.dump(result, fh, indent=1)
-    print(f"{passed} of {len(runs)} runs passed; {opts.out}", flush=True)
+    res = _results.Results(NAME, "Churn: joins, leaves and a kill at random times", opts)
+    res.t0 = t0   # (made once the runs are done: their time counts)
+    g = res.group(f"{len(runs)} runs of 3 workers ({opts.epochs} epochs, synthetic 12,000 x 32), each "
+                  f"with a join, a leave and a kill at times drawn from its seed (seeds "
+                  f"{opts.seed}-{opts.seed + len(runs) - 1}; the odd ones with --respawn)",
+                  f"python benchmarks/churn.py --runs {opts.runs} --epochs {opts.epochs}")
+    res.figure(g, "as_expected", "exit code, join and leave as they should be (1 = yes)",
+               [int(not [p for p in r["problems"] if not p.startswith("accuracy")]) for r in runs],
+               digits=0, target=">= 1", decide="all")
+    res.figure(g, "exact", "coverage exact, recomputed from updates/ (1 = yes)",
+               [int(bool(r["exact"])) for r in runs], digits=0, target=">= 1", decide="all")
+    res.figure(g, "accuracy_gap", f"final test accuracy's distance from the undisturbed median, points "
+               f"(median of {len(references)} undisturbed runs: {reference:.4f})",
+               [abs(r["accuracy"] - reference) * 100 for r in runs], unit="points",
+               target=f"<= {ACCURACY_POINTS * 100:g}", decide="all")
+    res.figure(g, "undisturbed", "undisturbed runs: final test accuracy", references, digits=4)
+    res.figure(g, "accuracy", "churned runs: final test accuracy", [r["accuracy"] for r in runs], digits=4)
+    res.write(_results.out_path(opts, NAME))
+    print(f"{passed} of {len(runs)} runs passed", flush=True)
     return 0 if passed == len(runs) else 1
 
 
