@@ -13,7 +13,7 @@ import numpy as np
 from mpilb.errors import UsageError
 from mpilb.runfiles import efficiency as eff
 from mpilb.runfiles.logattrs import format_layout
-from mpilb.runfiles.plots import write_plots
+from mpilb.runfiles.plots import counts_text, worker_counts, write_plots
 from mpilb.runfiles.runlog import write_csv
 from mpilb.runfiles.summary import LOSS_WINDOW, differing_settings, open_log, run_config, setting_text, summarize
 
@@ -82,12 +82,15 @@ _MEMBER_WORDS = {"join": "joined", "leave": "left", "lost": "was lost",
                  "respawn": "started as a replacement"}
 
 
-def format_members(cols: dict) -> list[str]:
-    """The run's membership changes (the `members/` group), one line each: none, no lines."""
+def format_members(cols: dict, attrs: dict | None = None) -> list[str]:
+    """The run's membership changes (the `members/` group), one line each, after the count
+    of workers over time (with the log's root attributes `attrs`): none, no lines."""
     m = cols.get("members") or {}
     if not len(m.get("t", ())):
         return []
     lines = ["  membership changes:"]
+    if attrs is not None:
+        lines.append("    " + counts_text(worker_counts(attrs, cols)))
     for t, rank, node, event in zip(m["t"], m["worker"], m["node"], m["event"]):
         lines.append(f"    {float(t):8.2f} s  rank {int(rank)} {_MEMBER_WORDS.get(str(event), str(event))}"
                      f" (node {int(node)})")
@@ -202,6 +205,6 @@ def run_report(paths: list[str], as_json: bool = False, plots: Optional[str] = N
     if as_json:
         print(json.dumps(summaries[0], indent=2))
     else:
-        print("\n".join([format_summary(summaries[0], paths[0]), *format_members(logs[0][1]),
+        print("\n".join([format_summary(summaries[0], paths[0]), *format_members(logs[0][1], logs[0][0]),
                          *format_layout(logs[0][0])]))
     return 0
