@@ -13,7 +13,7 @@ import numpy as np
 from mpilb.errors import UsageError
 from mpilb.runfiles import efficiency as eff
 from mpilb.runfiles.logattrs import format_layout
-from mpilb.runfiles.plots import counts_text, worker_counts, write_plots
+from mpilb.runfiles.plots import counts_text, resume_times, worker_counts, write_plots
 from mpilb.runfiles.runlog import write_csv
 from mpilb.runfiles.summary import LOSS_WINDOW, differing_settings, open_log, run_config, setting_text, summarize
 
@@ -89,11 +89,13 @@ def format_members(cols: dict, attrs: dict | None = None) -> list[str]:
     if not len(m.get("t", ())):
         return []
     lines = ["  membership changes:"]
+    rows = [(float(t), f"rank {int(rank)} {_MEMBER_WORDS.get(str(event), str(event))} (node {int(node)})")
+            for t, rank, node, event in zip(m["t"], m["worker"], m["node"], m["event"])]
     if attrs is not None:
         lines.append("    " + counts_text(worker_counts(attrs, cols)))
-    for t, rank, node, event in zip(m["t"], m["worker"], m["node"], m["event"]):
-        lines.append(f"    {float(t):8.2f} s  rank {int(rank)} {_MEMBER_WORDS.get(str(event), str(event))}"
-                     f" (node {int(node)})")
+        rows += [(t, "resumed (--resume: the launch's own ranks from here)") for t in resume_times(attrs)]
+    for t, what in sorted(rows, key=lambda r: r[0]):
+        lines.append(f"    {t:8.2f} s  {what}")
     return lines
 
 

@@ -110,7 +110,7 @@ def load_run(path: str, params: int | None = None, cores_per_node: int | None = 
     ranks = sorted({int(r) for r in cols["workers"]["worker"]})
     if not ranks or world < 2:
         raise UsageError(f"--from {path}: no worker rows (a serial run has nothing to balance)")
-    members = _members(cols)
+    members = _members(attrs, cols)
     dataset = _dataset(config)
     row_bytes = dataset.row_nbytes if dataset is not None else 1024
     if params is None:
@@ -140,12 +140,28 @@ def load_run(path: str, params: int | None = None, cores_per_node: int | None = 
                   rank_faults, cores, members)
 
 
-def _members(cols: dict) -> list:
-    """The run's membership changes: (t, rank, event), in time order."""
+def _members(attrs: dict, cols: dict) -> list:
+    """The run's membership changes: (t, rank, event), in time order; at each --resume
+    (``resumed_at``) a worker that had joined and not gone is out (a ``leave`` then: the
+    resumed launch has the job's ranks only)."""
     m = cols.get("members") or {}
-    rows = [(float(t), int(w), str(e)) for t, w, e in zip(m.get("t", ()), m.get("worker", ()),
-                                                          m.get("event", ()))]
-    return sorted(rows, key=lambda r: r[0])
+    rows = sorted(((float(t), int(w), str(e)) for t, w, e in zip(
+        m.get("t", ()), m.get("worker", ()), m.get("event", ()))), key=lambda r: r[0])
+    try:
+        resumes = [float(t) for t in json.loads(attrs.get("resumed_at", "[]"))]
+    except (TypeError, ValueError):
+        resumes = []
+    for resumed in resumes:
+        inside: set = set()
+        for t, w, e in rows:
+            if t > resumed:
+                break
+            if e in ("join", "respawn"):
+                inside.add(w)
+            else:
+                inside.discard(w)
+        rows = sorted(rows + [(resumed, w, "leave") for w in sorted(inside)], key=lambda r: r[0])
+    return rows
 
 
 def _joiner_nodes(node_of: list[int], ranks: list[int], cols: dict) -> list[int]:

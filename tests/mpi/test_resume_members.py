@@ -1,7 +1,8 @@
 """--resume across membership changes (issue 29): a run joined by one worker, SIGTERM'd
 after the join, resumed with the job's own ranks: it finishes with exact coverage, the
-first part's members/ rows stay in the log, and rank 0's `dynamic` correction goes on from
-what it had measured (its checkpoint keeps the staleness average)."""
+first part's members/ rows stay in the log (with the resume's time, `resumed_at`, so that
+the count of workers over time drops back to the launch's), and rank 0's `dynamic`
+correction goes on from what it had measured (its checkpoint keeps the staleness average)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import h5py
 import pytest
 
 import mpirun
+from mpilb.runfiles.plots import worker_counts
 from mpilb.runfiles.runlog import read_columns
 from test_joining import joiner, wait_joined
 from test_membership import check_finished_exactly, data, finish, start  # noqa: F401
@@ -55,6 +57,8 @@ def test_a_run_joined_then_preempted_resumes_with_its_own_ranks(data, tmp_path):
                                                      cols["members"]["event"]) if e == "join"]
     assert [w for _, w in joined] == [3]
     state, version, epoch = correction_state(ckpt)
+    with h5py.File(ckpt, "r") as f:
+        resumed_from = float(f.attrs["train_s"])
     # the async default: `dynamic`, its staleness average over every gradient applied
     assert state["name"] == "dynamic" and state["meter"]["count"] == version > 0
     assert state["meter"]["mean"] > 0
@@ -68,6 +72,10 @@ def test_a_run_joined_then_preempted_resumes_with_its_own_ranks(data, tmp_path):
                                                    cols["members"]["event"]) if e == "join"]
     assert kept == joined                  # the first part's join stays in the log
     assert int((cols["updates"]["worker"] == 3).sum()) > 0   # and the joiner's updates
+    # the log says where the resumed launch (the job's two workers) took over
+    assert json.loads(attrs["resumed_at"]) == [pytest.approx(resumed_from)]
+    steps = worker_counts(attrs, cols)
+    assert [c for _, c in steps] == [2, 3, 2] and steps[2][0] == pytest.approx(resumed_from)
     after, final, _ = correction_state(ckpt)
     # counted on from the checkpoint's (a fresh meter would count final - version only)
     assert after["meter"]["count"] == final > version

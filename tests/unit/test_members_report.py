@@ -15,11 +15,14 @@ CONFIG = {"mode": "async", "balancer": "load", "batch_policy": "fixed", "store":
           "correction": "none", "batch": 32}
 
 
-def small_run(path, members=(), world: int = 3, end: float = 8.0) -> str:
+def small_run(path, members=(), world: int = 3, end: float = 8.0, resumed_at=None) -> str:
     """A finished run of `world` ranks (rank 0 the store) whose workers push every 0.5 s
-    while in the run; `members`: (t, worker, node, event) rows."""
-    log = RunLog(str(path), {"config": json.dumps(CONFIG), "world_size": world,
-                             "hostnames": json.dumps(["h"] * world)}, flush_interval=60.0)
+    while in the run; `members`: (t, worker, node, event) rows; `resumed_at`: the root
+    attribute of a resumed run's log."""
+    attrs = {"config": json.dumps(CONFIG), "world_size": world, "hostnames": json.dumps(["h"] * world)}
+    if resumed_at is not None:
+        attrs["resumed_at"] = json.dumps(resumed_at)
+    log = RunLog(str(path), attrs, flush_interval=60.0)
     inside = {w: (0.0, end) for w in range(1, world)}
     for t, w, node, event in members:
         if event in ("join", "respawn"):
@@ -92,3 +95,18 @@ def test_members_plot_only_with_changes(tmp_path):
     still = small_run(tmp_path / "still.h5")
     written = write_plots([still], str(tmp_path / "still_plots"))
     assert not any(w.endswith("members.png") for w in written)
+
+
+def test_a_resume_starts_with_the_launchs_own_ranks(tmp_path, capsys):
+    """Joined at 3.1 s, rank 2 left at 4 s, resumed from 6 s with the job's ranks 1 and 2:
+    the joiner is out from the resume, rank 2 back."""
+    path = small_run(tmp_path / "resumed.h5", [(3.1, 3, 0, "join"), (4.0, 2, 0, "leave")],
+                     resumed_at=[6.0])
+    assert counts(path) == [(0.0, 2), (pytest.approx(3.1), 3), (4.0, 2)]
+    spans = [(s.rank, s.start, s.end, s.came, s.went) for s in member_spans(*read_columns(path))]
+    assert spans == [(1, 0.0, None, "start", ""), (2, 0.0, 4.0, "start", "leave"),
+                     (2, 6.0, None, "resume", ""), (3, pytest.approx(3.1), 6.0, "join", "resume")]
+    assert run_report([path]) == 0
+    out = capsys.readouterr().out
+    assert "workers: 2 until 3.1 s, 3 until 4.0 s, 2 after" in out
+    assert "6.00 s  resumed" in out

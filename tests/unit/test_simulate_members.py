@@ -110,3 +110,17 @@ def test_a_leave_on_the_network_model(tmp_path, capsys):
     (result,) = json.loads(capsys.readouterr().out)
     assert result["left_workers"] == [3] and result["coverage"]["missing"] == 0
     assert by_worker(result)[3]["last_push_s"] <= 11.0
+
+
+def test_a_resume_takes_the_joiners_out(tmp_path):
+    """A join at 4 s, the run resumed from 12 s with the job's ranks (`resumed_at`): the
+    replay lets the joiner go at 12 s."""
+    import h5py
+
+    from mpilb.simulate.replay import load_run
+
+    path = fake_run(tmp_path / "resumed.h5", {1: (0, 30), 2: (0, 30), 3: (4, 12)},
+                    [(4.0, 3, 0, "join")])
+    with h5py.File(path, "a") as f:
+        f.attrs["resumed_at"] = json.dumps([12.0])
+    assert load_run(path, params=1000).members == [(4.0, 3, "join"), (12.0, 3, "leave")]

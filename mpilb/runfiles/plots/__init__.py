@@ -38,12 +38,13 @@ from mpilb.runfiles.files import replace_file
 from mpilb.runfiles.plots._common import _load, _Run
 from mpilb.runfiles.plots.compare import compare_figures, throughput
 from mpilb.runfiles.plots.learning import eval_figure, loss_figure, staleness_figure
-from mpilb.runfiles.plots.members import counts_text, had_changes, member_spans, members_figure, worker_counts
+from mpilb.runfiles.plots.members import (counts_text, had_changes, member_spans, members_figure,
+                                          resume_times, worker_counts)
 from mpilb.runfiles.plots.shards import shard_spans, shards_figure
 from mpilb.runfiles.plots.workers import batch_figure, rates_figure, timeline_figure, timeline_segments
 
 __all__ = ["write_plots", "shard_spans", "throughput", "timeline_segments", "member_spans",
-           "worker_counts", "counts_text"]
+           "worker_counts", "counts_text", "resume_times"]
 
 
 def write_plots(paths: list[str], out_dir: str) -> list[str]:

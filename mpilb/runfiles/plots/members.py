@@ -2,7 +2,9 @@
 
 A job's own workers (every rank that is not a parameter store) are in the run from its
 start; a ``join`` or ``respawn`` row brings a worker in, a ``leave`` or ``lost`` row takes
-one out (docs/logs.md, ``members/``). The report's text (``workers: 2 until 3.1 s, 4
+one out (docs/logs.md, ``members/``); at a ``--resume`` (root attribute ``resumed_at``) the
+resumed launch starts with its own ranks: those that joined before are out, and its own
+workers that had left are back. The report's text (``workers: 2 until 3.1 s, 4
 after``) and ``members.png`` are both built on :func:`member_spans`.
 """
 
@@ -12,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from mpilb.runfiles.logattrs import store_ranks
+from mpilb.runfiles.logattrs import json_attr, store_ranks
 from mpilb.runfiles.plots._common import _epoch_lines, _figure, _no_data, _Run, _worker_colour
 
 ARRIVALS = ("join", "respawn")
@@ -24,13 +26,14 @@ EVENT_STYLE = {"join": ("^", 70, "#2ca02c"), "respawn": ("P", 80, "#8e5fb5"),
 
 class Span(NamedTuple):
     """A worker's time in the run: from ``start`` (0 for the job's own workers) to ``end``
-    (None: still in at the end of the log), and the events that opened and closed it."""
+    (None: still in at the end of the log), and the events that opened and closed it (a
+    worker has one more span for each time it came back at a resume)."""
 
     rank: int
     start: float
     end: float | None
-    came: str      # "start", "join" or "respawn"
-    went: str      # "", "leave" or "lost"
+    came: str      # "start", "join", "respawn" or "resume"
+    went: str      # "", "leave", "lost" or "resume"
 
 
 def member_events(cols: dict) -> list[tuple[float, int, int, str]]:
@@ -52,16 +55,32 @@ def job_workers(attrs: dict) -> list[int]:
     return [r for r in range(world) if r not in stores]
 
 
+def resume_times(attrs: dict) -> list[float]:
+    """The training seconds each --resume continued from (root attribute ``resumed_at``)."""
+    times = json_attr(attrs, "resumed_at", [])
+    return sorted(float(t) for t in times) if isinstance(times, list) else []
+
+
 def member_spans(attrs: dict, cols: dict) -> list[Span]:
     """Every worker's time in the run, the job's own ranks first, then the others in the
     order they came."""
-    spans = {r: Span(r, 0.0, None, "start", "") for r in job_workers(attrs)}
-    for t, rank, _node, event in member_events(cols):
-        if event in ARRIVALS and rank not in spans:
-            spans[rank] = Span(rank, t, None, event, "")
-        elif event in DEPARTURES and rank in spans and spans[rank].end is None:
-            spans[rank] = spans[rank]._replace(end=t, went=event)
-    return list(spans.values())
+    job = job_workers(attrs)
+    spans = [Span(r, 0.0, None, "start", "") for r in job]
+    rows = [(t, rank, event) for t, rank, _node, event in member_events(cols)]
+    rows += [(t, -1, "resume") for t in resume_times(attrs)]
+    for t, rank, event in sorted(rows, key=lambda r: r[0]):
+        now = {s.rank: i for i, s in enumerate(spans) if s.end is None}   # who is in
+        if event == "resume":
+            for r, i in now.items():
+                if r not in job:
+                    spans[i] = spans[i]._replace(end=t, went="resume")
+            spans += [Span(r, t, None, "resume", "") for r in job if r not in now]
+        elif event in ARRIVALS and rank not in now:
+            spans.append(Span(rank, t, None, event, ""))
+        elif event in DEPARTURES and rank in now:
+            spans[now[rank]] = spans[now[rank]]._replace(end=t, went=event)
+    first = {r: i for i, r in reversed(list(enumerate(s.rank for s in spans)))}
+    return sorted(spans, key=lambda s: (first[s.rank], s.start))
 
 
 def worker_counts(attrs: dict, cols: dict) -> list[tuple[float, int]]:
@@ -113,9 +132,10 @@ def members_figure(run: _Run):
     events = member_events(run.cols)
     if not events:
         _no_data(ax, "no membership changes (members/ is empty)")
-    ranks = [s.rank for s in spans]
-    for lane, s in enumerate(spans):
+    ranks = list(dict.fromkeys(s.rank for s in spans))   # a lane per worker
+    for s in spans:
         stop = end if s.end is None else s.end
+        lane = ranks.index(s.rank)
         lanes.plot([s.start, stop], [lane, lane], color=_worker_colour(s.rank, ranks), lw=6,
                    solid_capstyle="butt", alpha=0.8)
     seen = set()
@@ -126,6 +146,10 @@ def members_figure(run: _Run):
         lanes.scatter([t], [ranks.index(rank) if rank in ranks else -1], marker=marker, s=size,
                       color=colour, edgecolors="black", linewidths=0.5, zorder=3, label=label)
         ax.axvline(t, color=colour, lw=0.8, alpha=0.6)
+    for i, t in enumerate(resume_times(run.attrs)):
+        for a in (ax, lanes):
+            a.axvline(t, color="0.2", lw=1.2, ls="--", label="--resume" if a is lanes and i == 0 else None)
+        seen.add("--resume")
     lanes.set_yticks(range(len(ranks)), [str(r) for r in ranks])
     lanes.set_ylim(len(ranks) - 0.5, -0.5)
     lanes.set_xlim(0, max(end, 1e-3))
