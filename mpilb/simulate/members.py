@@ -49,7 +49,7 @@ class MemberChanges:
         for t, rank, event in self.changes:
             if event in ARRIVALS:
                 engine._at(t, JOIN, rank)
-            elif event == "leave":
+            elif event in ("leave", "resume"):   # (resume: a joiner the resumed launch lacks)
                 engine._at(t, LEAVE, rank)
             elif event == "lost":
                 w = engine.workers.get(rank) or self.outside.get(rank)

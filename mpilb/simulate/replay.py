@@ -142,8 +142,8 @@ def load_run(path: str, params: int | None = None, cores_per_node: int | None = 
 
 def _members(attrs: dict, cols: dict) -> list:
     """The run's membership changes: (t, rank, event), in time order; at each --resume
-    (``resumed_at``) a worker that had joined and not gone is out (a ``leave`` then: the
-    resumed launch has the job's ranks only)."""
+    (``resumed_at``) a worker that had joined and not gone is out (a ``resume`` row, replayed
+    as a leave: the resumed launch has the job's ranks only)."""
     m = cols.get("members") or {}
     rows = sorted(((float(t), int(w), str(e)) for t, w, e in zip(
         m.get("t", ()), m.get("worker", ()), m.get("event", ()))), key=lambda r: r[0])
@@ -160,7 +160,7 @@ def _members(attrs: dict, cols: dict) -> list:
                 inside.add(w)
             else:
                 inside.discard(w)
-        rows = sorted(rows + [(resumed, w, "leave") for w in sorted(inside)], key=lambda r: r[0])
+        rows = sorted(rows + [(resumed, w, "resume") for w in sorted(inside)], key=lambda r: r[0])
     return rows
 
 

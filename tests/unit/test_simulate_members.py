@@ -123,4 +123,10 @@ def test_a_resume_takes_the_joiners_out(tmp_path):
                     [(4.0, 3, 0, "join")])
     with h5py.File(path, "a") as f:
         f.attrs["resumed_at"] = json.dumps([12.0])
-    assert load_run(path, params=1000).members == [(4.0, 3, "join"), (12.0, 3, "leave")]
+    rep = load_run(path, params=1000)
+    assert rep.members == [(4.0, 3, "join"), (12.0, 3, "resume")]
+    from mpilb.simulate.run import simulate
+
+    res = simulate(rep.profiles, rep.shard_sizes, True, members=rep.engine_members(),
+                   balancer="load", epochs=1, batch=10, params=1000)
+    assert res["left_workers"] == [3] and res["coverage"]["missing"] == 0
