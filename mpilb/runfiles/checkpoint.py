@@ -374,11 +374,24 @@ def restore_correction(correction, ckpt: Optional[Checkpoint]) -> bool:
 def restore_balancer(balancer, state: dict) -> bool:
     """Take over the balancer's learnt state (rates) when it fits this job.
 
-    A checkpoint written by another policy or another set of workers (resuming on a
-    different number of ranks) leaves the balancer fresh: its queues are rebuilt at the
-    epoch start from what the checkpoint says is left, and rates are learnt again.
+    A checkpoint written by another policy leaves the balancer fresh. One written by
+    another set of workers (a worker had joined or left, or the resume has another number
+    of ranks) gives the rates it learnt of the workers this job has too; the others are
+    learnt afresh, and the queues are rebuilt at the epoch start from what the checkpoint
+    says is left, as they are for a fresh balancer. Returns whether anything was taken.
     """
-    if state.get("name") != balancer.name or [int(w) for w in state.get("workers", [])] != list(balancer.workers):
+    if state.get("name") != balancer.name:
         return False
-    balancer.load_state_dict(state)
+    saved = [int(w) for w in state.get("workers", [])]
+    if saved == list(balancer.workers):
+        balancer.load_state_dict(state)
+        return True
+    common = set(saved) & set(balancer.workers)
+    if not common:
+        return False
+    merged = balancer.state_dict()     # this job's workers, queues and options
+    merged.update(epoch=state["epoch"], now=state["now"])   # the rates' clock
+    rates = state.get("rates", {})
+    merged["rates"].update({str(w): rates[str(w)] for w in common if str(w) in rates})
+    balancer.load_state_dict(merged)
     return True

@@ -1,7 +1,8 @@
-"""Rank 0's staleness correction in checkpoints: what `dynamic` measured survives --resume
-(issues 28 and 29: a resume after membership changes used to start the staleness average
-afresh, its first gradients at the recipe's full momentum); an older checkpoint without it
-still loads."""
+"""What rank 0 learnt survives --resume across membership changes (issues 28 and 29): the
+staleness correction's measurements (a resume used to start `dynamic`'s staleness average
+afresh, its first gradients at the recipe's full momentum; an older checkpoint without
+them still loads), and the balancer's rates of the workers the resumed job still has
+(before, a checkpoint taken after a join or a leave left the balancer wholly fresh)."""
 
 import json
 
@@ -10,11 +11,13 @@ import numpy as np
 import pytest
 
 from mpilb.config.build import build_config
+from mpilb.core.balancer import BalancerConfig, build_balancer
 from mpilb.core.corrections import build_correction
 from mpilb.core.optimizers import build_optimizer
 from mpilb.data.dataset import open_dataset
 from mpilb.errors import UsageError
 from mpilb.run.session import Session
+from mpilb.runfiles.checkpoint import restore_balancer
 
 
 def measured(name="dynamic", stalenesses=(3, 5, 4, 6, 2, 7, 5, 4)):
@@ -104,3 +107,29 @@ def test_a_damaged_correction_state_is_one_line(digits_dir, tmp_path):
         again.keep_correction(build_correction("dynamic"))
     again.log.close("failed")
     again.log.release()
+
+
+def _learnt(workers, rates):
+    bal = build_balancer("load", workers, [100] * 8, BalancerConfig())
+    for step in range(1, 30):
+        for w in workers:
+            bal.observe(w, 0.1 * step, 10, 10 / rates[w])
+    return bal
+
+
+def test_the_rates_of_the_workers_still_there_are_taken_over():
+    rates = {1: 100.0, 2: 400.0, 3: 50.0}
+    before = _learnt([1, 2, 3], rates)          # rank 3 had joined; the resume lacks it
+    state = json.loads(json.dumps(before.state_dict()))
+    after = build_balancer("load", [1, 2], [100] * 8, BalancerConfig())
+    assert restore_balancer(after, state)
+    assert after.workers == [1, 2]
+    for w in (1, 2):
+        assert after.rate_known(w) and after.rate(w) == pytest.approx(before.rate(w))
+    # a worker the checkpoint did not know (it had left) is learnt afresh
+    back = build_balancer("load", [1, 2, 4], [100] * 8, BalancerConfig())
+    assert restore_balancer(back, state)
+    assert back.rate_known(2) and not back.rate_known(4)
+    # nothing in common, or another policy: fresh
+    assert not restore_balancer(build_balancer("load", [0], [100] * 8, BalancerConfig()), state)
+    assert not restore_balancer(build_balancer("static", [1, 2], [100] * 8, BalancerConfig()), state)
