@@ -5,7 +5,9 @@ maps (gradient, tau) to the gradient to apply and a learning-rate factor, and ma
 adjust the optimizer's hyperparameters (:meth:`Correction.tune`: the `dynamic` policy, the
 default of async and ssp, and the `momentum` one before it lower the momentum as the
 measured staleness grows). Like Horovod's compressors these are tiny objects
-with one or two methods, so adding one is a few lines.
+with one or two methods, so adding one is a few lines. What a correction has measured (the
+staleness average of `dynamic` and `momentum`) goes into rank 0's
+checkpoints (:meth:`Correction.state_dict`), so that `--resume` goes on from it.
 """
 
 from __future__ import annotations
@@ -44,6 +46,16 @@ class Correction:
     def tune(self, optimizer, staleness: int) -> None:
         """Before the step of a gradient of `staleness`: adjust `optimizer`'s
         hyperparameters (the implicit-momentum policies); by default nothing."""
+
+    def state_dict(self) -> dict:
+        """What it has measured, JSON-serialisable (a checkpoint keeps it); by default
+        only its name."""
+        return {"name": self.name}
+
+    def load_state_dict(self, state: dict) -> bool:
+        """Go on from :meth:`state_dict`'s output; False (and nothing changed) when it is
+        another correction's (a resume with another --correction starts afresh)."""
+        return state.get("name") == self.name
 
 
 @register("none")
@@ -101,6 +113,14 @@ class StalenessMeter:
         self.mean += (staleness - self.mean) * max(self.alpha, 1.0 / self.count)
         return self.mean
 
+    def state_dict(self) -> dict:
+        return {"alpha": self.alpha, "count": self.count, "mean": self.mean}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.alpha = float(state["alpha"])
+        self.count = int(state["count"])
+        self.mean = float(state["mean"])
+
 
 def implicit_momentum(mean_staleness: float) -> float:
     """The momentum asynchrony adds by itself at a mean staleness tau: 1 - 1/(tau + 1)
@@ -151,6 +171,17 @@ class StalenessMomentum(Correction):
         if self.momentum is None:
             self.momentum = float(optimizer.momentum)
         optimizer.momentum = self.rule(self.momentum, tau)
+
+    def state_dict(self) -> dict:
+        """The staleness average so far. (Not the recipe's momentum: a resume reads it from
+        its own optimizer, which --momentum sets, as a fresh run does.)"""
+        return {"name": self.name, "meter": self.meter.state_dict()}
+
+    def load_state_dict(self, state: dict) -> bool:
+        if state.get("name") != self.name:
+            return False
+        self.meter.load_state_dict(state["meter"])
+        return True
 
 
 @register("dynamic")

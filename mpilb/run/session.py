@@ -88,6 +88,7 @@ class Session:
         # the factor on --lr at each update (--lr-schedule, --warmup): schedules.py
         self.schedule = build_schedule(cfg, dataset.shard_sizes, len(ranks))
         self.resumed: Optional[checkpoint.Checkpoint] = None
+        self.correction = None   # rank 0's staleness correction, checkpointed (keep_correction)
         if out.resume:
             self.resumed = checkpoint.load(out.checkpoint, self.model, dataset, seed=seed,
                                            validation_fraction=cfg.inputs.validation_fraction)
@@ -198,6 +199,12 @@ class Session:
             self.best.offer(ev, params, epoch, version, save)
 
     # ----------------------------------------------------------------- checkpoints
+    def keep_correction(self, correction) -> None:
+        """Rank 0's staleness correction: its checkpoints keep what it measured, and a
+        resume goes on from what the checkpoint's measured."""
+        self.correction = correction
+        checkpoint.restore_correction(correction, self.resumed)
+
     def write_checkpoint(self, params: np.ndarray, version: int, epoch: int, train_s: float,
                          path: Optional[str] = None, best: Optional[dict] = None) -> None:
         """The one checkpoint writer of a run (serial or rank 0): `params` (host memory) at
@@ -207,7 +214,7 @@ class Session:
                         dataset=self.dataset, params=params, optimizer=self.optimizer,
                         version=version, epoch=epoch, tracker=self.tracker,
                         balancer=self.balancer, train_s=train_s, run_id=self.log.run_id,
-                        best=best)
+                        best=best, correction=self.correction)
 
     def checkpoint(self, params: np.ndarray, version: int, epoch: int, train_s: float) -> None:
         """The run's checkpoint (nothing with --checkpoint off), the run log flushed first:

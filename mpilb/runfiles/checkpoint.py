@@ -1,8 +1,11 @@
 """Checkpoints: everything needed to continue a run, written atomically by rank 0.
 
 A checkpoint holds the parameters, the optimizer state, the version, the epoch and which
-samples of it were applied, the balancer state and the config, plus signatures of the model
-and the dataset so that `--resume` refuses a checkpoint that belongs to something else.
+samples of it were applied, the balancer state, rank 0's staleness correction's state (what
+`dynamic` measured: attribute ``correction``; absent from a serial run's and from
+checkpoints written before it, whose resume measures afresh) and the config, plus
+signatures of the model and the dataset so that `--resume` refuses a checkpoint that
+belongs to something else.
 There is no random-number stream to save for training: every shuffle (shard order, sample
 permutation) is derived from `--seed` and the epoch. (Injected slowdowns with `p=` draw from a
 per-rank stream seeded by `--seed` that restarts with the job; they simulate hardware, not
@@ -69,6 +72,7 @@ class Checkpoint:
     config: dict
     plan: dict = None             # plan_signature the epoch's positions were counted under
     path: str = ""
+    correction: Optional[dict] = None   # rank 0's Correction.state_dict(), if saved
 
     @property
     def mid_epoch(self) -> bool:
@@ -77,10 +81,12 @@ class Checkpoint:
 
 
 def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epoch: int,
-         tracker, balancer, train_s: float, run_id: str, best: Optional[dict] = None) -> None:
+         tracker, balancer, train_s: float, run_id: str, best: Optional[dict] = None,
+         correction=None) -> None:
     """Write a checkpoint atomically (tmp file, flush, fsync, rename). ``run_id`` is the
     run's id, also in its log: ``--resume`` refuses a checkpoint of another run. ``best``:
-    the evaluation a --save-best checkpoint holds (best.py; ``--resume`` refuses those)."""
+    the evaluation a --save-best checkpoint holds (best.py; ``--resume`` refuses those).
+    ``correction``: rank 0's staleness correction, whose state is kept (None: none)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     remove_stale_temps(path)
@@ -117,6 +123,8 @@ def save(path: str, *, cfg, model, dataset, params, optimizer, version: int, epo
             f["coverage"].attrs["completed"] = json.dumps([vars(s) for s in tracker.completed_at(train_s)])
             f["coverage"].attrs["stray"] = int(tracker.stray)
             f.attrs["balancer"] = json.dumps(balancer.state_dict())
+            if correction is not None:
+                f.attrs["correction"] = json.dumps(correction.state_dict())
             f.flush()
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
@@ -244,6 +252,7 @@ def load(path: str, model, dataset, seed: Optional[int] = None,
                 config=json.loads(f.attrs["config"]),
                 plan=json.loads(f.attrs["plan"]) if "plan" in f.attrs else None,
                 path=str(path),
+                correction=json.loads(f.attrs["correction"]) if "correction" in f.attrs else None,
             )
         except KeyError as exc:
             raise UsageError(f"--resume: {path} is not an mpilb checkpoint (missing {exc})") from None
@@ -346,14 +355,43 @@ def restore_tracker(tracker, ckpt: Checkpoint, t: float) -> None:
     tracker.begin(ckpt.epoch, t, ckpt.counts)
 
 
+def restore_correction(correction, ckpt: Optional[Checkpoint]) -> bool:
+    """Go on with what the checkpoint's correction measured (its ``correction``, a
+    :meth:`~mpilb.core.corrections.Correction.state_dict`), when it is this run's
+    correction; True when it did. A checkpoint without it (written before it was kept, or
+    by a serial run), or of another --correction, leaves the correction fresh: it measures
+    again."""
+    state = ckpt.correction if ckpt is not None else None
+    if not isinstance(state, dict):
+        return False
+    try:
+        return correction.load_state_dict(state)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UsageError(f"--resume: {ckpt.path} is damaged: its correction state "
+                         f"({type(exc).__name__}: {exc}); resume from another checkpoint") from None
+
+
 def restore_balancer(balancer, state: dict) -> bool:
     """Take over the balancer's learnt state (rates) when it fits this job.
 
-    A checkpoint written by another policy or another set of workers (resuming on a
-    different number of ranks) leaves the balancer fresh: its queues are rebuilt at the
-    epoch start from what the checkpoint says is left, and rates are learnt again.
+    A checkpoint written by another policy leaves the balancer fresh. One written by
+    another set of workers (a worker had joined or left, or the resume has another number
+    of ranks) gives the rates it learnt of the workers this job has too; the others are
+    learnt afresh, and the queues are rebuilt at the epoch start from what the checkpoint
+    says is left, as they are for a fresh balancer. Returns whether anything was taken.
     """
-    if state.get("name") != balancer.name or [int(w) for w in state.get("workers", [])] != list(balancer.workers):
+    if state.get("name") != balancer.name:
         return False
-    balancer.load_state_dict(state)
+    saved = [int(w) for w in state.get("workers", [])]
+    if saved == list(balancer.workers):
+        balancer.load_state_dict(state)
+        return True
+    common = set(saved) & set(balancer.workers)
+    if not common:
+        return False
+    merged = balancer.state_dict()     # this job's workers, queues and options
+    merged.update(epoch=state["epoch"], now=state["now"])   # the rates' clock
+    rates = state.get("rates", {})
+    merged["rates"].update({str(w): rates[str(w)] for w in common if str(w) in rates})
+    balancer.load_state_dict(merged)
     return True

@@ -13,7 +13,7 @@ import numpy as np
 from mpilb.errors import UsageError
 from mpilb.runfiles import efficiency as eff
 from mpilb.runfiles.logattrs import format_layout
-from mpilb.runfiles.plots import write_plots
+from mpilb.runfiles.plots import counts_text, resume_times, worker_counts, write_plots
 from mpilb.runfiles.runlog import write_csv
 from mpilb.runfiles.summary import LOSS_WINDOW, differing_settings, open_log, run_config, setting_text, summarize
 
@@ -82,15 +82,20 @@ _MEMBER_WORDS = {"join": "joined", "leave": "left", "lost": "was lost",
                  "respawn": "started as a replacement"}
 
 
-def format_members(cols: dict) -> list[str]:
-    """The run's membership changes (the `members/` group), one line each: none, no lines."""
+def format_members(cols: dict, attrs: dict | None = None) -> list[str]:
+    """The run's membership changes (the `members/` group), one line each, after the count
+    of workers over time (with the log's root attributes `attrs`): none, no lines."""
     m = cols.get("members") or {}
     if not len(m.get("t", ())):
         return []
     lines = ["  membership changes:"]
-    for t, rank, node, event in zip(m["t"], m["worker"], m["node"], m["event"]):
-        lines.append(f"    {float(t):8.2f} s  rank {int(rank)} {_MEMBER_WORDS.get(str(event), str(event))}"
-                     f" (node {int(node)})")
+    rows = [(float(t), f"rank {int(rank)} {_MEMBER_WORDS.get(str(event), str(event))} (node {int(node)})")
+            for t, rank, node, event in zip(m["t"], m["worker"], m["node"], m["event"])]
+    if attrs is not None:
+        lines.append("    " + counts_text(worker_counts(attrs, cols)))
+        rows += [(t, "resumed (--resume: the launch's own ranks from here)") for t in resume_times(attrs)]
+    for t, what in sorted(rows, key=lambda r: r[0]):
+        lines.append(f"    {t:8.2f} s  {what}")
     return lines
 
 
@@ -202,6 +207,6 @@ def run_report(paths: list[str], as_json: bool = False, plots: Optional[str] = N
     if as_json:
         print(json.dumps(summaries[0], indent=2))
     else:
-        print("\n".join([format_summary(summaries[0], paths[0]), *format_members(logs[0][1]),
+        print("\n".join([format_summary(summaries[0], paths[0]), *format_members(logs[0][1], logs[0][0]),
                          *format_layout(logs[0][0])]))
     return 0

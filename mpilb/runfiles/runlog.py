@@ -105,6 +105,7 @@ class RunLog:
         if carried is not None:   # keep the first start time, count the resumptions
             f.attrs["start_time"] = carried[0].get("start_time", f.attrs["start_time"])
             f.attrs["resumed"] = int(carried[0].get("resumed", 0)) + 1
+            f.attrs["resumed_at"] = json.dumps(json.loads(carried[0].get("resumed_at", "[]")) + [resume_at])
         f.attrs["status"] = "running"
         for group, columns in SCHEMA.items():
             g = f.create_group(group)

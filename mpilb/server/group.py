@@ -55,6 +55,7 @@ class SliceGroup:
         else:
             self.local = slice_ring(cfg, np.zeros(n0, np.float32), config_optimizer(cfg.optim, n0),
                                      new_buffer)
+        session.keep_correction(self.local.correction)   # checkpointed, restored on --resume
         self.grad = None if self.fmt.is_fp32 else new_buffer()
         self.encoded = (None if self.fmt.is_fp32
                         else wire_format.EncodedParams(self.fmt, n0, C.finished))

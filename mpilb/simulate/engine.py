@@ -16,7 +16,8 @@ proportional sizing after 16 steps each, rebalances, waking idle workers and bat
 revised at each rebalance and epoch start (:mod:`mpilb.core.decisions`), sync rounds
 over the workers that are not idle, sit-out (the server's :class:`~mpilb.core.sitout.SitOut`
 on the simulated workers: lags per round, benching, probes), lost workers
-(``hang``/``crash`` injections; their tasks go back).
+(``hang``/``crash`` injections; their tasks go back), and a replayed run's joins, leaves
+and losses at their times (:mod:`.members`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from mpilb.errors import UsageError
 from mpilb.simulate.cluster import Profile, Slices
 from mpilb.simulate.cores import crowded
 from mpilb.simulate.ledger import Ledger
-from mpilb.simulate.workers import (LOST, PUSH, REBALANCE, SimConfig, SimPush, SimWorker,
-                                    read_key)
+from mpilb.simulate.members import MemberChanges
+from mpilb.simulate.workers import PUSH, REBALANCE, SimConfig, SimPush, SimWorker, read_key
 
 __all__ = ["Engine", "SimConfig", "SimWorker"]
 
@@ -66,10 +67,12 @@ class Engine:
         self.replay = replay
         self.shard_sizes = [int(s) for s in shard_sizes]
         ranks = list(ranks) if ranks is not None else list(range(1, len(profiles) + 1))
+        self.changes = MemberChanges(cfg.members)
         bcfg = BalancerConfig.of_run(cfg, cfg.mode)
-        self.balancer = build_balancer(cfg.balancer, ranks, self.shard_sizes, bcfg)
+        first = self.changes.at_start(ranks)
+        self.balancer = build_balancer(cfg.balancer, first, self.shard_sizes, bcfg)
         self.order = epoch_order
-        self.ledger = Ledger(self.balancer, EpochTracker(self.shard_sizes), self.shard_sizes, ranks,
+        self.ledger = Ledger(self.balancer, EpochTracker(self.shard_sizes), self.shard_sizes, first,
                              part_way=cfg.balancer not in ("static", "round-robin"),
                              pipeline=bool(cfg.pipeline))
         self.sitout = (SitOut(self.balancer, self.ledger.tasks_ledger, cfg.batch, cfg.min_batch,
@@ -92,13 +95,12 @@ class Engine:
         self.t_epoch = 0.0
         self.done = False
         self.running = 0          # workers computing (sync: the round is complete at 0)
-        self.pending_lost = 0     # hung or crashed workers not yet declared lost
         self.members: list[SimWorker] = []
         self.round_batches: list[tuple] = []
         self.updates = 0
-        self.lost: list[int] = []
         self.epochs: list[dict] = []
         self.warmup = WarmupCheck(self.timer, self.balancer.rate_known)
+        self.changes.schedule(self)
 
     # ------------------------------------------------------------------ helpers
     def _at(self, t: float, kind: int, rank: int = 0) -> None:
@@ -142,16 +144,10 @@ class Engine:
 
     # ------------------------------------------------------------------ lost workers
     def _die(self, w: SimWorker, t: float) -> None:
-        """w hangs or crashes: the server notices after --worker-timeout of silence."""
-        w.die()
-        self.pending_lost += 1
-        self._at(max(t, w.fault_t) + self.cfg.worker_timeout, LOST, w.rank)
+        self.changes.die(self, w, t)
 
-    def _declare_lost(self, w: SimWorker, t: float) -> None:
-        w.lose()
-        self.lost.append(w.rank)
-        if all(o.lost for o in self.workers.values()):
-            raise RuntimeError("every simulated worker was lost")
+    def _drop(self, w: SimWorker, t: float) -> None:
+        """w is out of the run (lost, or it left): its work goes to the others."""
         self.balancer.remove_worker(w.rank)
         w.ready.clear()
         self.ledger.take_back(w.rank, lost=True)
@@ -179,13 +175,12 @@ class Engine:
             if t - self.timer.last >= interval * (1 - 1e-9):
                 self._rebalance(t)
             self._at(self.timer.last + interval, REBALANCE)   # (after a warm-up one: later)
-            if self._nobody_busy() and not self.pending_lost and not self.done:
+            if self._nobody_busy() and not self.changes.pending and not self.done:
                 # as the server's stall check: nobody computes and nothing can change
                 raise RuntimeError(f"simulation stalled in epoch {self.epoch + 1}: every worker "
                                    f"is idle but the epoch is not complete")
         else:
-            self.pending_lost -= 1
-            self._declare_lost(self.workers[rank], t)
+            self.changes.event(self, kind, rank, t)
 
     def _nobody_busy(self) -> bool:
         """No worker computes or waits for a reply (the stall check)."""
@@ -205,7 +200,7 @@ class Engine:
     def _end_epoch(self, t: float) -> None:
         self.ledger.end_epoch(t)
         span = max(1e-12, t - self.t_epoch)
-        alive = [w for w in self.workers.values() if not w.lost]
+        alive = [w for w in self.workers.values() if not w.lost and not w.left]
         finishes = [w.epoch_finish for w in alive if w.epoch_finish is not None]
         self.epochs.append({
             "epoch_s": span,
@@ -220,7 +215,10 @@ class Engine:
 
     # ------------------------------------------------------------------ steps
     def _start(self, w: SimWorker, t: float) -> None:
-        """w got a reply at ``t``: start its next step, or go idle with nothing to do."""
+        """w got a reply at ``t``: start its next step, or go idle with nothing to do (or
+        leave, told to)."""
+        if self.changes.departs(self, w, t):
+            return
         self.ledger.reply(w.rank, w.batch)
         tasks = self.ledger.tasks(w.rank)
         if not tasks or w.batch <= 0:
@@ -287,6 +285,9 @@ class Engine:
         busy = w.comp + w.io
         w.step += 1
         w.samples += w.n
+        if w.first_t is None:
+            w.first_t = t
+        w.last_t = t
         w.busy += busy
         w.last_gap = t - w.reply_t
         # (pipelined, reply -> push is no step's cost: the server passes none, as here)
@@ -382,6 +383,9 @@ def summarize(engine: Engine) -> dict:
         "server_busy": min(1.0, engine.slices.busy / total),
         "total_s": total,
         "epochs": [dict(e) for e in ep],
-        "lost_workers": list(engine.lost),
+        "lost_workers": list(engine.changes.lost),
+        "left_workers": list(engine.changes.left),
         "coverage": cov,
+        "per_worker": [{"worker": w.rank, "samples": w.samples, "first_push_s": w.first_t,
+                        "last_push_s": w.last_t} for w in engine.workers.values()],
     }

@@ -10,6 +10,7 @@ or benched worker's tasks. Nothing of the ledger's logic lives here.
 
 from __future__ import annotations
 
+from mpilb.core.holdings import Holding
 from mpilb.core.tasks import TaskLedger
 
 
@@ -86,6 +87,10 @@ class Ledger:
         that finished it."""
         task = self.tasks_ledger.current(worker)
         return task if self.tasks_ledger.advance(worker, hi) else None
+
+    def add_worker(self, worker: int) -> None:
+        """``worker`` joined the run: it holds nothing yet (as the server's admission)."""
+        self.tasks_ledger.of[worker] = Holding(worker)
 
     def can_take_back(self, worker: int) -> bool:
         return self.tasks_ledger.can_take_back(worker)

@@ -167,17 +167,20 @@ def _clusters(args):
                    epochs=len(run.measured_epoch_s), seed=rc.get("seed", 0),
                    worker_timeout=rc.get("worker_timeout", 60.0),
                    params=run.params, row_bytes=run.row_bytes, inject=run.faults,
-                   cores=run.cores)
+                   cores=run.cores, members=run.engine_members())
         if cfg["mode"] == "ssp":
             cfg["mode"] = "async"   # not modelled: replayed as async (docs/simulate.md)
-        extra = {"from": args.from_log,
+        extra = {"from": args.from_log, "members": [list(m) for m in run.members],
                  "measured_epoch_s": sum(run.measured_epoch_s) / len(run.measured_epoch_s),
                  "measured_utilization": sum(run.measured_utilization) / len(run.measured_utilization)}
         clusters = [(args.from_log, run.profiles, run.shard_sizes, True, extra)]
         if _network_given(args):
+            if any(e in ("join", "respawn") for _, _, e in run.members):
+                raise UsageError(f"--from {args.from_log}: a run that workers joined is "
+                                 f"replayed without a network only: drop the network options")
             spec, node_of = _replay_network(args, run)
             cfg.update(network=spec, node_of=node_of, inject=run.rank_faults,
-                       pipeline=int(rc.get("pipeline") or 0))
+                       pipeline=int(rc.get("pipeline") or 0), members=run.members)
             clusters = [(args.from_log, run.rank_profiles(), run.shard_sizes, True, extra)]
     elif args.nodes is not None:
         spec = _network(args, args.nodes)
@@ -263,6 +266,9 @@ def table_head(clusters, spec=None) -> list[str]:
         if replay:
             lines.append(f"measured: epoch_s {extra['measured_epoch_s']:.3f}, "
                          f"utilization {extra['measured_utilization']:.3f}")
+            if extra.get("members"):
+                lines.append("membership changes replayed: " + ", ".join(
+                    f"rank {r} {e} at {t:.1f} s" for t, r, e in extra["members"]))
     if spec is not None:
         rates = sorted({f"{b * 8 / 1e9:g} Gbit/s" for b in spec.link_bps})
         lines.append(f"network: {spec.nodes} nodes, ranks per node {_ranks_text(spec)}, links "

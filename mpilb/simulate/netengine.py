@@ -135,15 +135,15 @@ class NetEngine(Engine):
             self.fabric.later(t if g == self.g0 else t + self.fabric.latency,
                               (STORE_SEND, w.rank, g))
 
-    def _declare_lost(self, w: SimWorker, t: float) -> None:
-        self.computing.pop(w.rank, None)   # it hung or crashed: that batch never comes
-        super()._declare_lost(w, t)
+    def _drop(self, w: SimWorker, t: float) -> None:
+        self.computing.pop(w.rank, None)   # it hung, crashed or left: that batch never comes
+        super()._drop(w, t)
 
     # -- a worker's steps -------------------------------------------------------------
     def _start(self, w: SimWorker, t: float) -> None:
         """A reply reached w at ``t`` (or it was woken): push the batch it computed ahead
         once that is done, else start a batch from what it holds, or go idle."""
-        if w.dead:
+        if w.dead or self.changes.departs(self, w, t):
             return
         w.reply_t = t
         self.ledger.reply(w.rank, w.batch)

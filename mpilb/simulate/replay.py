@@ -13,7 +13,10 @@ From the run log (docs/logs.md):
   shard in the first epoch), batch, batch policy, mode, rebalance interval, seed, epochs
   completed, worker timeout, and the injected faults (``hang``/``crash``; slowdowns are in
   the traces already);
-- the model's parameter count (built from the config and the dataset), for the stores.
+- the model's parameter count (built from the config and the dataset), for the stores;
+- its membership changes (``members/``: joins, respawns, leaves, losses), replayed at their
+  times (:mod:`mpilb.simulate.members`); a worker that joined has its own trace from its
+  rows, and runs on its node where the row names one, else on a node of its own.
 """
 
 from __future__ import annotations
@@ -48,6 +51,13 @@ class Replay:
     node_of: list[int] = field(default_factory=list)    # every rank's node (from hostnames)
     rank_faults: list = field(default_factory=list)     # ``faults`` by MPI rank
     cores: NodeCores | None = None    # the nodes' cores, where ranks outnumber them
+    members: list = field(default_factory=list)   # (t, MPI rank, event) of members/
+
+    def engine_members(self) -> list:
+        """``members`` with the workers numbered as the engine without a network numbers
+        them (1..W, in the order of ``ranks``)."""
+        number = {r: i + 1 for i, r in enumerate(self.ranks)}
+        return [(t, number[r], e) for t, r, e in self.members if r in number]
 
     def rank_profiles(self) -> list:
         """A profile for every MPI rank: the run's own for its workers; a rank that was a
@@ -100,6 +110,7 @@ def load_run(path: str, params: int | None = None, cores_per_node: int | None = 
     ranks = sorted({int(r) for r in cols["workers"]["worker"]})
     if not ranks or world < 2:
         raise UsageError(f"--from {path}: no worker rows (a serial run has nothing to balance)")
+    members = _members(attrs, cols)
     dataset = _dataset(config)
     row_bytes = dataset.row_nbytes if dataset is not None else 1024
     if params is None:
@@ -110,8 +121,9 @@ def load_run(path: str, params: int | None = None, cores_per_node: int | None = 
     ep = cols["epochs"]
     last = (float(ep["t_start"][-1]), float(ep["t_end"][-1]))
     node_of = _nodes(attrs, world)
-    cores = _cores(attrs, ranks, node_of, world, cores_per_node) if share_cores else None
-    slow = (uncontended(cols, ranks, node_of, cores.cores, cores.shared(), cores.server_share)
+    every_node = _joiner_nodes(node_of, ranks, cols)
+    cores = _cores(attrs, ranks, node_of, every_node, cores_per_node) if share_cores else None
+    slow = (uncontended(cols, ranks, every_node, cores.cores, cores.shared(), cores.server_share)
             if cores is not None else None)
     profiles = [_profile(cols, r, link_model.update_s, last, slow) for r in ranks]
     # the engine numbers workers 1..W: map the run's ranks onto them
@@ -125,15 +137,59 @@ def load_run(path: str, params: int | None = None, cores_per_node: int | None = 
     return Replay(path, config, profiles, shard_sizes, params, row_bytes, faults,
                   [float(e - s) for s, e in zip(ep["t_start"], ep["t_end"])],
                   [float(u) for u in ep["utilization"]], servers, ranks, node_of,
-                  rank_faults, cores)
+                  rank_faults, cores, members)
 
 
-def _cores(attrs, ranks, node_of, world, per_node) -> NodeCores | None:
-    """The model of the nodes' cores, or None where every rank has a core (or none is known)."""
-    cores = node_cores(node_of, log_cores(attrs, world), per_node)
+def _members(attrs: dict, cols: dict) -> list:
+    """The run's membership changes: (t, rank, event), in time order; at each --resume
+    (``resumed_at``) a worker that had joined and not gone is out (a ``resume`` row, replayed
+    as a leave: the resumed launch has the job's ranks only)."""
+    m = cols.get("members") or {}
+    rows = sorted(((float(t), int(w), str(e)) for t, w, e in zip(
+        m.get("t", ()), m.get("worker", ()), m.get("event", ()))), key=lambda r: r[0])
+    try:
+        resumes = [float(t) for t in json.loads(attrs.get("resumed_at", "[]"))]
+    except (TypeError, ValueError):
+        resumes = []
+    for resumed in resumes:
+        inside: set = set()
+        for t, w, e in rows:
+            if t > resumed:
+                break
+            if e in ("join", "respawn"):
+                inside.add(w)
+            else:
+                inside.discard(w)
+        rows = sorted(rows + [(resumed, w, "resume") for w in sorted(inside)], key=lambda r: r[0])
+    return rows
+
+
+def _joiner_nodes(node_of: list[int], ranks: list[int], cols: dict) -> list[int]:
+    """``node_of`` extended to every worker's id: a worker that joined (an id above the
+    job's ranks) is on the node its ``join``/``respawn`` row names, else on a node of its
+    own (-1 there: no rank of the job runs on its host)."""
+    m = cols.get("members") or {}
+    named = {int(w): int(n) for w, n, e in zip(m.get("worker", ()), m.get("node", ()),
+                                               m.get("event", ())) if str(e) in ("join", "respawn")}
+    out = list(node_of)
+    spare = max(node_of) + 1 if node_of else 1
+    for r in range(len(node_of), max(ranks, default=0) + 1):
+        node = named.get(r, -1)
+        if node < 0 or node >= spare:
+            node, spare = spare, spare + 1
+        out.append(node)
+    return out
+
+
+def _cores(attrs, ranks, node_of, every_node, per_node) -> NodeCores | None:
+    """The model of the nodes' cores, or None where every rank has a core (or none is
+    known); a node only joiners run on (``every_node`` past ``node_of``'s) has a core each."""
+    cores = node_cores(node_of, log_cores(attrs, len(node_of)), per_node)
     if cores is None:
         return None
-    model = NodeCores(cores, {i + 1: node_of[r] for i, r in enumerate(ranks)}, node_of[0],
+    extra = max(every_node) + 1 - len(cores)
+    cores = tuple(cores) + (len(every_node),) * max(0, extra)
+    model = NodeCores(cores, {i + 1: every_node[r] for i, r in enumerate(ranks)}, node_of[0],
                       _server_share(attrs))
     return model if model.shared() else None
 

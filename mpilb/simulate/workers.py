@@ -13,7 +13,7 @@ import numpy as np
 from mpilb.core.worker_state import Membership, Waiting, WorkerState
 from mpilb.simulate.cluster import Profile
 
-PUSH, REBALANCE, LOST = 0, 1, 2   # the engine's events
+PUSH, REBALANCE, LOST, JOIN, LEAVE = 0, 1, 2, 3, 4   # the engine's events
 
 
 @dataclass
@@ -41,6 +41,8 @@ class SimConfig:
                               # (a network model only)
     jitter: float = 0.0       # sigma of a lognormal factor (mean 1) on each step's compute
     inject: list = field(default_factory=list)   # parsed InjectRule objects
+    members: list = field(default_factory=list)  # (t, worker, event) of a replayed run's
+                              # joins, respawns, leaves and losses (simulate/members.py)
     cores: object = None      # a cores.NodeCores: ranks that outnumber a node's cores share
                               # them (none where each rank has a core)
 
@@ -64,7 +66,8 @@ class SimWorker(WorkerState):
     __slots__ = ("rank", "profile", "rules", "batch", "waiting", "membership", "dead",
                  "reply_t", "n", "comp", "io", "comm", "epoch_busy", "epoch_finish", "busy",
                  "step", "fault_t", "read_free", "ready", "rng", "benched_at", "probing",
-                 "samples", "lags", "last_gap", "last_push", "jitter", "noise", "duty")
+                 "samples", "lags", "last_gap", "last_push", "jitter", "noise", "duty",
+                 "first_t", "last_t")
 
     def __init__(self, rank: int, profile: Profile, rules, batch: int, seed: int,
                  jitter: float = 0.0):
@@ -83,6 +86,8 @@ class SimWorker(WorkerState):
         self.epoch_finish = None
         self.busy = 0.0
         self.step = self.samples = 0
+        self.first_t: Optional[float] = None   # when its first and last pushes arrived
+        self.last_t: Optional[float] = None
         self.read_free = 0.0
         self.ready: dict[tuple, float] = {}   # when each task's rows are read, by read_key
         self.rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, rank]) if any(

@@ -10,6 +10,9 @@ One question per figure. For one run:
 - ``loss.png``: how did the training loss fall (per worker and overall, against time and
   against samples applied)?
 - ``eval.png``: how did the test metric and test loss evolve (against time and samples)?
+- ``members.png``, for a run whose workers changed (``members/`` has rows): how many
+  workers were in the run over time, and which, with joins, leaves, losses and respawns
+  marked.
 
 For several runs: ``compare_accuracy.png`` (the test metric), ``compare_loss.png``,
 ``compare_rates.png`` and ``compare_epoch_time.png``, each run labelled with its file name
@@ -17,9 +20,11 @@ and the settings that differ between the runs.
 
 Every figure is written even when its group is empty (a run killed before its first
 report, a serial run): it then says so in place of the data, so the set of files a
-report produces does not depend on how far the run got.
+report produces does not depend on how far the run got; ``members.png`` is the one added
+only where the run had membership changes.
 
-Modules: ``_common`` (loading, helpers), ``workers``, ``shards``, ``learning``, ``compare``.
+Modules: ``_common`` (loading, helpers), ``workers``, ``shards``, ``learning``, ``members``,
+``compare``.
 matplotlib is imported inside the functions that draw: it is slow to import and only
 ``--plots`` needs it (``mpilb report`` imports this package for every report).
 """
@@ -33,10 +38,13 @@ from mpilb.runfiles.files import replace_file
 from mpilb.runfiles.plots._common import _load, _Run
 from mpilb.runfiles.plots.compare import compare_figures, throughput
 from mpilb.runfiles.plots.learning import eval_figure, loss_figure, staleness_figure
+from mpilb.runfiles.plots.members import (counts_text, had_changes, member_spans, members_figure,
+                                          resume_times, worker_counts)
 from mpilb.runfiles.plots.shards import shard_spans, shards_figure
 from mpilb.runfiles.plots.workers import batch_figure, rates_figure, timeline_figure, timeline_segments
 
-__all__ = ["write_plots", "shard_spans", "throughput", "timeline_segments"]
+__all__ = ["write_plots", "shard_spans", "throughput", "timeline_segments", "member_spans",
+           "worker_counts", "counts_text", "resume_times"]
 
 
 def write_plots(paths: list[str], out_dir: str) -> list[str]:
@@ -68,7 +76,7 @@ def write_plots(paths: list[str], out_dir: str) -> list[str]:
 
 def run_figures(run: _Run) -> list[tuple[str, object]]:
     """(file name, figure) of every per-run figure."""
-    return [
+    figures = [
         ("timeline.png", timeline_figure(run)),
         ("rates.png", rates_figure(run)),
         ("batch.png", batch_figure(run)),
@@ -77,3 +85,6 @@ def run_figures(run: _Run) -> list[tuple[str, object]]:
         ("loss.png", loss_figure(run)),
         ("eval.png", eval_figure(run)),
     ]
+    if had_changes(run):
+        figures.append(("members.png", members_figure(run)))
+    return figures
