@@ -1,0 +1,172 @@
+"""Joins of `--store local` runs, and workers that joined leaving (docs/membership.md).
+
+A joiner reads the shards its node holds (those of the job's workers on its host) and gets
+the others' rows through rank 0, which relays what their holder sends (server/relay.py); a
+joiner let go (`mpilb leave --rank R`, SIGUSR2 to its process) finishes its step, hands
+its work back, disconnects from rank 0 and exits 0 while the run goes on. Every run ends
+`finished`, exit 0, with every sample of every epoch applied exactly once (recomputed from
+`updates/`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import mpirun
+from mpilb.data.dataset import open_dataset
+from mpilb.runfiles.runlog import read_columns
+from test_membership import data, finish, gone_within, leave, start  # noqa: F401
+
+pytestmark = pytest.mark.mpi
+
+
+def joiner(log) -> subprocess.Popen:
+    return subprocess.Popen(mpirun.mpilb_cmd(1, "join", str(log)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=mpirun.env(),
+                            start_new_session=True)
+
+
+def exact(log, data):
+    """The run ended finished with every sample of every epoch applied once; its columns."""
+    attrs, cols = read_columns(str(log))
+    assert attrs["status"] == "finished"
+    cov = mpirun.recomputed_coverage(str(log), open_dataset(data).shard_sizes)
+    assert cov["missing"] == 0 and cov["duplicates"] == 0 and cov["applied"] == cov["expected"], cov
+    return attrs, cols
+
+
+def members(cols) -> list[tuple[int, str]]:
+    m = cols["members"]
+    return [(int(w), e.decode() if isinstance(e, bytes) else str(e))
+            for w, e in zip(m["worker"], m["event"])]
+
+
+def rows_to(cols, rank: int) -> int:
+    """Bytes of shard rows sent to worker `rank` (shards/ `move` rows with bytes)."""
+    sh = cols["shards"]
+    events = [e.decode() if isinstance(e, bytes) else str(e) for e in sh["event"]]
+    return int(sum(int(b) for d, e, b in zip(sh["dst"], events, sh["bytes"])
+                   if int(d) == rank and e == "move"))
+
+
+def wait_joined(log, rank: int, timeout: float = 60.0) -> None:
+    """Until the run log holds an applied update of worker `rank`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            _, cols = read_columns(str(log))
+            if (cols["updates"]["worker"] == rank).any():
+                return
+        except (OSError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"worker {rank} never pushed")
+
+
+def test_a_store_local_run_takes_a_joiner_that_reads_its_nodes_shards(data, tmp_path):
+    """`--store local` on 3 ranks of this host, joined by one more: the joiner is on the
+    job's node, which holds every shard (those of ranks 1 and 2), and reads what it is given
+    from the disk (no rows are sent to it); both launches exit 0, the run ends finished with
+    exact coverage, the joiner's updates/ rows count. (Refused before: "takes no joins yet".)"""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 30, "--store", "local")
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+        jcode, _, jerr = finish(j)
+        assert jcode == 0, jerr
+        assert "mpilb: joined as worker 3" in jerr, jerr
+    finally:
+        code, _, err = finish(proc)
+    assert code == 0, err
+    attrs, cols = exact(log, data)
+    assert members(cols) == [(3, "join")]
+    up = cols["updates"]
+    assert (up["worker"] == 3).sum() > 0
+    assert rows_to(cols, 3) == 0   # its node's disk holds every shard: nothing over MPI
+    assert 3 in {w["rank"] for w in attrs["summary"]["per_worker"]}
+
+
+def test_a_joiner_let_go_with_mpilb_leave_disconnects_and_the_run_finishes(data, tmp_path):
+    """`--store local --replicas 2`: worker 3 joins, pushes, then `mpilb leave --rank 3`:
+    the joiner's launch exits 0 within 15 s while the run goes on; members/ holds its join
+    then its leave; the run ends finished, exit 0, coverage exact; asked again: "has left
+    the run already". (Refused before: "a worker that joined cannot leave yet".)"""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 40, "--store", "local", "--replicas", "2")
+    j = None
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+        wait_joined(log, 3)
+        asked = time.monotonic()
+        done = leave(log, 3)
+        assert done.returncode == 0, done.stderr
+        assert "rank 3 leaves after its current step" in done.stdout
+        jcode, _, jerr = finish(j, timeout=60)
+        assert jcode == 0, jerr
+        assert time.monotonic() - asked < 15.0
+        assert proc.poll() is None, "the run ended with the joiner"
+        again = leave(log, 3)
+        assert again.returncode == 2 and "has left the run already" in again.stderr, again.stderr
+    finally:
+        code, _, err = finish(proc)
+        if j is not None and j.poll() is None:
+            os.killpg(j.pid, signal.SIGKILL)
+    assert code == 0, err
+    attrs, cols = exact(log, data)
+    assert members(cols) == [(3, "join"), (3, "leave")]
+    up = cols["updates"]
+    left_at = float(cols["members"]["t"][1])
+    assert (up["worker"] == 3).sum() > 0
+    assert not (up["t"][up["worker"] == 3] > left_at + 0.5).any()   # nothing after it left
+    summary = attrs["summary"]
+    assert summary["lost_workers"] == []
+    assert "rank 3 left the run at" in err
+
+
+def test_sigusr2_to_a_joiners_process_lets_it_go(data, tmp_path):
+    """SIGUSR2 to the joiner's own process (the shared store): it tells rank 0 on its
+    connection, leaves after its step, exits 0; the run ends finished, exit 0, exact."""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 30)
+    j = None
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+        wait_joined(log, 3)
+        pid = joiner_pid(j.pid)
+        os.kill(pid, signal.SIGUSR2)
+        assert gone_within(pid, 15.0), "the joiner let go is still running"
+        jcode, _, jerr = finish(j, timeout=60)
+        assert jcode == 0, jerr
+        assert proc.poll() is None, "the run ended with the joiner"
+    finally:
+        code, _, err = finish(proc)
+        if j is not None and j.poll() is None:
+            os.killpg(j.pid, signal.SIGKILL)
+    assert code == 0, err
+    _, cols = exact(log, data)
+    assert members(cols) == [(3, "join"), (3, "leave")]
+
+
+def joiner_pid(session: int) -> int:
+    """The mpilb process of a join launch (mpiexec's child in the session `session`)."""
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as fh:
+                cmd = fh.read().split(b"\0")
+            with open(f"/proc/{p}/stat") as fh:
+                sid = int(fh.read().rsplit(")", 1)[1].split()[4])
+        except (OSError, ValueError, IndexError):
+            continue
+        if (sid == session and b"join" in cmd and b"mpilb" in cmd
+                and not any(b"hydra" in c or c.endswith(b"mpiexec") for c in cmd)):
+            return int(p)
+    raise AssertionError("no joiner process")
