@@ -141,7 +141,7 @@ def test_sigusr2_to_a_joiners_process_lets_it_go(data, tmp_path):
         mpirun.wait_training(str(log), proc)
         j = joiner(log)
         wait_joined(log, 3)
-        pid = joiner_pid(j.pid)
+        pid = joiner_pid(log)
         os.kill(pid, signal.SIGUSR2)
         assert gone_within(pid, 15.0), "the joiner let go is still running"
         jcode, _, jerr = finish(j, timeout=60)
@@ -156,17 +156,75 @@ def test_sigusr2_to_a_joiners_process_lets_it_go(data, tmp_path):
     assert members(cols) == [(3, "join"), (3, "leave")]
 
 
-def joiner_pid(session: int) -> int:
-    """The mpilb process of a join launch (mpiexec's child in the session `session`)."""
+def joiner_pid(log) -> int:
+    """The mpilb process of the join launch for `log` (not its mpiexec or hydra proxy)."""
     for p in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{p}/cmdline", "rb") as fh:
                 cmd = fh.read().split(b"\0")
-            with open(f"/proc/{p}/stat") as fh:
-                sid = int(fh.read().rsplit(")", 1)[1].split()[4])
-        except (OSError, ValueError, IndexError):
+        except OSError:
             continue
-        if (sid == session and b"join" in cmd and b"mpilb" in cmd
+        if (b"join" in cmd and str(log).encode() in cmd and b"mpilb" in cmd
                 and not any(b"hydra" in c or c.endswith(b"mpiexec") for c in cmd)):
             return int(p)
     raise AssertionError("no joiner process")
+
+
+def _box_missing():
+    from mpilb.clusterbox import missing
+
+    return missing()
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(_box_missing() is not None, reason="no cluster box here")
+def test_joiners_on_other_nodes_read_their_nodes_shards_and_get_the_rest_through_rank_0(
+        data, tmp_path):
+    """The cluster in a box: a `--store local` run on n0 (ranks 0, 1) and n1 (rank 2),
+    joined by one worker on n1 and one on n2. The one on n1 checks and reads the shards
+    placed on rank 2 (no rows are sent to it for them); the one on n2, a node without a
+    shard, gets every row it trains on from rank 0, which relays what the holders send
+    (shards/ moves to it with bytes). Every launch exits 0, the run ends finished with
+    exact coverage, both joiners' updates/ rows count."""
+    from mpilb.clusterbox import ClusterBox
+    from mpilb.data.shards import placement
+
+    log = tmp_path / "run.h5"
+    train = ["train", "--data", data, "--model", "mlp", "--hidden", "64", "--batch", "32",
+             "--epochs", "40", "--store", "local", "--no-progress", "--log", str(log)]
+    joiners = []
+    with ClusterBox(nodes=3) as box:
+        run = subprocess.Popen(
+            box.command(0, box.mpiexec_cmd(["-hosts", "n0:2,n1:1", sys.executable, "-m", "mpilb",
+                                            *train])),
+            env=box.env(mpirun.env()), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            mpirun.wait_training(str(log), run, timeout=120)
+            for node in (1, 2):
+                joiners.append(box.popen(node, [mpirun.mpiexec(), "-n", "1", sys.executable, "-m",
+                                                "mpilb", "join", str(log)], env=mpirun.env(),
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                wait_joined(log, 2 + node, timeout=120)
+            ends = [j.communicate(timeout=300) for j in joiners]
+            _, err = run.communicate(timeout=300)
+        finally:
+            for proc in (run, *joiners):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=30)
+    for j, (_, jerr) in zip(joiners, ends):
+        assert j.returncode == 0, jerr
+    assert run.returncode == 0, err
+    attrs, cols = exact(log, data)
+    assert members(cols) == [(3, "join"), (4, "join")]
+    hosts = json.loads(attrs["hostnames"])
+    shards = len(open_dataset(data).shard_sizes)
+    on_n1 = {s for s, hs in placement(shards, [1, 2], 1, hosts).items() if 2 in hs}
+    sh = cols["shards"]
+    events = [e.decode() if isinstance(e, bytes) else str(e) for e in sh["event"]]
+    to_3 = [(int(s), int(b)) for s, d, e, b in zip(sh["shard"], sh["dst"], events, sh["bytes"])
+            if int(d) == 3 and e == "move"]
+    assert not [b for s, b in to_3 if s in on_n1 and b > 0], to_3   # read from n1's disk
+    assert rows_to(cols, 4) > 0   # n2 holds nothing: its rows came through rank 0
+    up = cols["updates"]
+    assert (up["worker"] == 3).sum() > 0 and (up["worker"] == 4).sum() > 0
