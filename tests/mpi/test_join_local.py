@@ -228,3 +228,48 @@ def test_joiners_on_other_nodes_read_their_nodes_shards_and_get_the_rest_through
     assert rows_to(cols, 4) > 0   # n2 holds nothing: its rows came through rank 0
     up = cols["updates"]
     assert (up["worker"] == 3).sum() > 0 and (up["worker"] == 4).sum() > 0
+
+
+def test_a_replacement_let_go_leaves_as_a_joiner_does(synth_dir, tmp_path):
+    """--respawn: rank 2 of 4 workers SIGKILLed, replaced by worker 5; then `mpilb leave
+    --rank 5`: the replacement's process ends within 15 s while the run goes on; members/
+    holds lost 2, respawn 5, leave 5; the run ends degraded (rank 2 was lost), exit 3, every
+    epoch's coverage exact. (Refused before: "a worker that joined cannot leave yet".)"""
+    from test_respawn import members as member_rows
+    from test_survival import assert_degraded_exact, finish as finish_job, launch, supervised_ranks
+    from test_survival import train
+
+    epochs, log = 60, tmp_path / "run.h5"
+    cmd = [mpirun.mpiexec(), "-disable-auto-cleanup", "-n", "5", sys.executable, "-m", "mpilb",
+           *train(synth_dir, tmp_path, "--epochs", epochs, "--worker-timeout", 3,
+                  "--survive-signals", "--respawn")]
+    proc = launch(cmd, tmp_path)
+    try:
+        pids = supervised_ranks(proc, 5)
+        mpirun.wait_training(log, proc)
+        os.kill(pids[2], signal.SIGKILL)
+        wait_joined(log, 5, timeout=60)
+        pid = replacement_pid(tmp_path)
+        done = leave(log, 5)
+        assert done.returncode == 0, done.stderr
+        assert gone_within(pid, 15.0), "the replacement let go is still running"
+        assert proc.poll() is None, "the run ended with the replacement"
+    finally:
+        code, out, err = finish_job(proc, timeout=240)
+    assert code == 3, (code, err)
+    assert [(w, e) for _, w, _, e in member_rows(log)] == [(2, "lost"), (5, "respawn"), (5, "leave")]
+    assert_degraded_exact(tmp_path, synth_dir, epochs)
+
+
+def replacement_pid(mark) -> int:
+    """The process of the replacement rank 0 spawned for the job marked `mark`."""
+    from test_survival import marked_processes
+
+    for pid in marked_processes(b"MPILB_TEST_JOB=" + str(mark).encode()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if b"mpilb.run.replacement" in fh.read():
+                    return pid
+        except OSError:
+            continue
+    raise AssertionError("no replacement process")
