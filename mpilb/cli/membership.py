@@ -2,7 +2,8 @@
 join RUN.h5`: J more workers for it (docs/membership.md).
 
 The command reaches the job without MPI: it checks the run log (a run of this user, still
-running, R a worker still in it), writes a request file into the directory beside the log
+running, R a worker still in it: a rank of the job, or a worker that joined or replaced one,
+as its members/ rows say), writes a request file into the directory beside the log
 (server/roster.py) and waits for rank 0's answer there. Rank 0 looks for requests twice a
 second; the worker leaves after its current step. Every refusal is one line and exit 2.
 """
