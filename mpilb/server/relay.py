@@ -73,8 +73,8 @@ class RowRelay:
             self.transfers.append(Relayed(giver, order.dst, order.tag, receives, x, y))
 
     def progress(self) -> None:
-        """Rows that arrived go on to their joiner; transfers done (or from a lost holder,
-        whose rows are ordered again from another copy) are let go."""
+        """Rows that arrived go on to their joiner; transfers done (or from a holder lost
+        or let go, whose rows the ledger orders again from another copy) are let go."""
         if not self.transfers:
             return
         kept = []
@@ -82,7 +82,7 @@ class RowRelay:
             if t.sends is None:
                 if C.Request.Testall(t.receives):
                     self._send_on(t)
-                elif self.peers[t.giver].lost:
+                elif self.peers[t.giver].lost or self.peers[t.giver].left:
                     for req in t.receives:
                         req.Cancel()
                     continue

@@ -69,6 +69,37 @@ def wait_joined(log, rank: int, timeout: float = 60.0) -> None:
     raise AssertionError(f"worker {rank} never pushed")
 
 
+def test_a_joiner_holds_its_nodes_shards_and_is_never_asked_for_rows():
+    """Pure (no mpiexec): a joiner's shards are those of the job's workers on its host; in
+    the ledger it reads them itself, is never the holder ordered to send rows, and counts as
+    no copy for another worker's leave; its rows come from a job's holder."""
+    from mpilb.core.balancer import BalancerConfig, build_balancer
+    from mpilb.core.holdings import Holding
+    from mpilb.core.tasks import TaskLedger
+    from mpilb.data.shards import placement
+    from mpilb.server.roster import sole_copies
+    from mpilb.worker.row_exchange import node_shards
+
+    hosts = ["a", "a", "b"]   # rank 0 and 1 on a, rank 2 on b
+    assert node_shards(6, "b", [1, 2], 1, hosts) == {s for s in range(6) if s % 2 == 1}
+    assert node_shards(6, "c", [1, 2], 1, hosts) == set()
+    holders = placement(6, [1, 2], 1, hosts)
+    bal = build_balancer("load", [1, 2], [100] * 6, BalancerConfig(batch=32), holders)
+    bal.plan_epoch(0, list(range(6)))
+    ledger = TaskLedger(bal, [100] * 6, [1, 2], holders=holders)
+    ledger.of[3] = Holding(3)
+    ledger.readers.add(3)
+    for shard in node_shards(6, "b", [1, 2], 1, hosts):
+        holders[shard].append(3)
+    bal.add_worker(3)
+    ledger.assign(3, 1, 0, 100)   # its node's: read itself
+    ledger.assign(3, 0, 0, 100)   # rank 1's: rank 1 sends, rank 0 relays
+    assert [(t.shard, t.src) for t in ledger.tasks(3)] == [(1, -1), (0, 1)]
+    assert [o.dst for o in ledger.of[1].orders] == [3]
+    assert ledger.holder_for(1, 100) == 2   # never the joiner
+    assert sole_copies(ledger, 2) == [1, 3, 5] and sole_copies(ledger, 3) == []
+
+
 def test_a_store_local_run_takes_a_joiner_that_reads_its_nodes_shards(data, tmp_path):
     """`--store local` on 3 ranks of this host, joined by one more: the joiner is on the
     job's node, which holds every shard (those of ranks 1 and 2), and reads what it is given
