@@ -2,7 +2,8 @@
 join RUN.h5`: J more workers for it (docs/membership.md).
 
 The command reaches the job without MPI: it checks the run log (a run of this user, still
-running, R a worker still in it), writes a request file into the directory beside the log
+running, R a worker still in it: a rank of the job, or a worker that joined or replaced one,
+as its members/ rows say), writes a request file into the directory beside the log
 (server/roster.py) and waits for rank 0's answer there. Rank 0 looks for requests twice a
 second; the worker leaves after its current step. Every refusal is one line and exit 2.
 """
@@ -43,15 +44,17 @@ def leave(log: str, rank: int, wait_s: float = ANSWER_WAIT_S) -> int:
     attrs, cols = _running(log)
     size = int(attrs.get("world_size", 1))
     stores = json.loads(attrs.get("stores", "[0]"))
-    if not 0 <= rank < size:
-        raise UsageError(f"--rank {rank}: the run has ranks 0-{size - 1}")
+    members = cols["members"]
+    if not 0 <= rank < size and not _joined(members, rank):
+        raise UsageError(f"--rank {rank}: the run has ranks 0-{size - 1}"
+                         + (f" and workers that joined ({', '.join(map(str, _joiners(members)))})"
+                            if _joiners(members) else ""))
     if rank == 0:
         raise UsageError("--rank 0 is the parameter server, not a worker: only a worker can leave")
     if rank in stores:
         raise UsageError(f"--rank {rank} holds parameters (a store of --servers), not a worker: "
                          f"only a worker can leave")
-    members = cols["members"]
-    events = [str(e) for w, e in zip(members["worker"], members["event"]) if int(w) == rank]
+    events = [_text(e) for w, e in zip(members["worker"], members["event"]) if int(w) == rank]
     if events and events[-1] in ("leave", "lost"):
         raise UsageError(f"--rank {rank} " + ("has left the run already" if events[-1] == "leave"
                                               else "was lost: it is no longer in the run"))
@@ -79,6 +82,20 @@ def leave(log: str, rank: int, wait_s: float = ANSWER_WAIT_S) -> int:
     return 0
 
 
+def _joiners(members) -> list[int]:
+    """The ids of the workers that joined the run or replaced a lost one (members/ rows)."""
+    return sorted({int(w) for w, e in zip(members["worker"], members["event"])
+                   if _text(e) in ("join", "respawn")})
+
+
+def _joined(members, rank: int) -> bool:
+    return rank in _joiners(members)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
     """This process becomes a worker of the run writing `log` (each rank of a launch of J
     ranks does, on its own: run/worker_join.py)."""
@@ -102,7 +119,13 @@ def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
     phases.mark("asked")
     ready_to_connect()   # while rank 0 takes the request
     phases.mark("mpi")
-    port, invitation = _offered(request, log, time.monotonic() + wait_s)
+    port, offered = _offered(request, log, time.monotonic() + wait_s)
+    invitation = offered.get("bell")
+    if values.get("store") == "local":   # its node's shards, checked (run/worker_join.py)
+        from mpilb.run.worker_join import hold_node_copies
+
+        hold_node_copies(ready, json.loads(attrs.get("hostnames", "[]")),
+                         int(attrs.get("world_size", 1)), offered.get("files") or [])
     phases.mark("offered")
     from mpilb.mpi import doorbell
 
@@ -115,8 +138,9 @@ def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
 
 
 def _offered(request: str, log: str, deadline: float) -> tuple[str, dict]:
-    """Rank 0's answer to a join request: the port it opened for this joiner and its
-    doorbell's invitation (server/admission.py), or its refusal (UsageError)."""
+    """Rank 0's answer to a join request: the port it opened for this joiner and what it
+    wrote beside it (server/admission.py: "bell", its doorbell's invitation; with --store
+    local "files", its shards' entries), or its refusal (UsageError)."""
     while not os.path.exists(request + ".port"):
         answer = answer_of(request)
         if answer is not None:
@@ -128,10 +152,10 @@ def _offered(request: str, log: str, deadline: float) -> tuple[str, dict]:
     with open(request + ".port") as fh:
         port, _, rest = fh.read().partition("\n")
     try:
-        invitation = json.loads(rest).get("bell") if rest.strip() else None
+        facts = json.loads(rest) if rest.strip() else {}
     except ValueError:
-        invitation = None
-    return port.strip(), invitation
+        facts = {}
+    return port.strip(), facts if isinstance(facts, dict) else {}
 
 
 def _written_now(log: str) -> bool:

@@ -44,6 +44,8 @@ def split_for(ledger, thief: int, batch: int) -> Optional[tuple[int, Task, int]]
         current = len(d.tasks) == 1
         if ledger.holders is not None and not current and d.rank not in ledger.holders[task.shard]:
             continue   # its rows are not in the donor's memory or store: nothing to send
+        if d.rank in ledger.readers and thief not in ledger.holders[task.shard]:
+            continue   # a joiner reads its node's copies but sends no rows (ledger.readers)
         cut_min = first_cut(ledger, d, task, current)
         splittable = task.end - cut_min
         if splittable <= 0:

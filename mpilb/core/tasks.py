@@ -37,6 +37,10 @@ class TaskLedger:
         row_nbytes: bytes of one sample (for the `bytes` of a move over MPI).
         pipeline: workers compute one batch ahead (--pipeline 1): cuts keep further away.
         split: part-way moves allowed (not for the fixed static/round-robin plans).
+
+    `readers`: workers in `holders` that read their node's copies of those shards but send
+    no rows (workers that joined: they reach rank 0 only, docs/membership.md); never chosen
+    to send rows, nor counted as a copy another worker's rows could come from.
     """
 
     def __init__(self, balancer, shard_sizes: list[int], ranks: Iterable[int], *,
@@ -50,6 +54,7 @@ class TaskLedger:
         self.split = split
         self.of = {r: Holding(r) for r in ranks}
         self.gone: set[int] = set()   # lost: neither holder nor donor any more
+        self.readers: set[int] = set()   # hold copies, send none (see above)
         self.epoch = 0
         # shard -> [(start, end)] still to do when it is next handed out (a lost worker's
         # remainder, or an interrupted epoch's gaps)
@@ -151,7 +156,8 @@ class TaskLedger:
         A holder must read the rows before it sends them; its rate includes its reads, so
         (work it holds + the rows) / rate ranks a slow reader last even when it is idle.
         """
-        alive = [r for r in self.holders[shard] if r not in self.gone and r not in exclude]
+        alive = [r for r in self.holders[shard]
+                 if r not in self.gone and r not in exclude and r not in self.readers]
         if not alive:
             raise RuntimeError(f"shard {shard}: {self.copies_lost(shard)}")
         return min(alive, key=lambda r: (self.of[r].remaining + rows)
@@ -160,7 +166,7 @@ class TaskLedger:
     def copies_lost(self, shard: int) -> str:
         """What became of a shard's copies, for the line that ends the run: the advice to
         keep more copies only where there was one."""
-        holders = self.holders[shard]
+        holders = [r for r in self.holders[shard] if r not in self.readers]
         ranks = ", ".join(map(str, holders))
         if len(holders) == 1:
             return (f"its only copy was on rank {ranks}, which was lost (use --replicas 2 or "

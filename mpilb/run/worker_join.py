@@ -11,7 +11,14 @@ The path to the first push is ordered so that the joiner's own start overlaps ra
 size) first, then the request, then, while rank 0 looks for it (twice a second) and opens
 a port, MPI's start and the worker's code; the doorbell with rank 0 is opened from what
 rank 0 writes beside the port, so that the joiner's pushes and rank 0's replies ring as
-the job's own workers' do (mpi/doorbell.py)."""
+the job's own workers' do (mpi/doorbell.py).
+
+With `--store local` a joiner reads the shards its node holds (those placed on the job's
+workers on its host), checked against rank 0's checksums first where its node is not rank
+0's (:func:`hold_node_copies`); the rows of the others come from rank 0
+(worker/row_exchange.py, server/relay.py). A joiner let go (`mpilb leave`, SIGUSR2) takes
+the rows still on their way, meets rank 0 on its connection, disconnects and finalises
+alone (:func:`leave_the_run`): its launch exits 0 while the run goes on."""
 
 from __future__ import annotations
 
@@ -58,6 +65,7 @@ class Prepared:
     cfg: object
     dataset: object
     num_params: int
+    held: set | None = None   # --store local: the shards it reads itself (hold_node_copies)
 
     def signature(self) -> str:
         """The lines after "HOST PID" in the request (server/admission.py reads them)."""
@@ -79,6 +87,26 @@ def prepare(values: dict) -> Prepared:
     cfg.store_ranks = (0,)   # (joins are taken with one store only: server/admission.py)
     dataset = hold_out_validation(cfg.inputs, open_dataset(values["data"], check_files=False))
     return Prepared(cfg, dataset, config_model(cfg, dataset).num_params)
+
+
+def hold_node_copies(ready: Prepared, hosts: list[str], world_size: int, files: list) -> None:
+    """--store local: the shards this joiner reads itself, its node's (those placed on the
+    job's workers on this host; none where no worker of the job runs here), into
+    `ready.held`; on another node than rank 0's, its copies of them are checked against
+    rank 0's entries `files` (file, samples, sha256), as a node's first rank checks them at
+    start-up (DataError, one line). Rank 0 computes the same set (server/relay.py)."""
+    import socket
+
+    from mpilb.core.topology import workers_of
+    from mpilb.worker.node_copies import verify_joiner_copies
+    from mpilb.worker.row_exchange import node_shards
+
+    cfg, host = ready.cfg, socket.gethostname()
+    held = node_shards(len(ready.dataset.shard_sizes), host, workers_of(cfg, world_size),
+                       cfg.inputs.replicas, hosts)
+    if files and hosts:
+        verify_joiner_copies(cfg.inputs.data, [tuple(f) for f in files], sorted(held), host, hosts[0])
+    ready.held = held
 
 
 def ready_to_connect() -> None:
@@ -138,10 +166,13 @@ def work(ready: Prepared, comm, answer) -> int:
     cfg, dataset = ready.cfg, ready.dataset
     _install_signal_handlers(comm.Get_size())   # a worker's: its SIGTERM is told to rank 0
     try:
-        worker = Worker(cfg, dataset, comm, comm.Get_rank())
+        worker = Worker(cfg, dataset, comm, comm.Get_rank(),
+                        joined=ready.held if ready.held is not None else set())
         worker.run()   # (turned away as the run ended: STOP at once)
     except Exception as exc:   # told to rank 0, which ends the run as for any worker's
         return _failed(comm, exc, answer)
+    if worker.left:
+        return leave_the_run(worker, comm, answer)
     departure.end_together(comm, comm.Get_rank(), timeout=None)
     joining.disconnect(comm)
     return 2 if answer is not None and answer.startswith("refused") else 0
@@ -160,3 +191,21 @@ def _failed(comm, exc: BaseException, answer) -> int:
     departure.finalize_alone()   # (MPI_Finalize would wait for rank 0, which ends the run)
     print(f"mpilb: error: {worker}: {text}", file=sys.stderr, flush=True)
     return exit_code(exc)
+
+
+def leave_the_run(worker, comm, answer) -> int:
+    """Rank 0 let this joiner go (LEAVE, after its step): the rows still on their way to
+    it are taken, it says it is done and rank 0 answers (server/farewell.py), both
+    disconnect, and it finalises alone (the other ranks of its launch, if any, run on).
+    Exit 0; rank 0 that does not answer within 30 s (stopped) leaves it to finalise alone
+    connected, which MPICH's local finalize allows."""
+    from mpilb.mpi import departure, joining
+
+    worker.rows.settle_receives()
+    met, _ = departure.end_together(comm, comm.Get_rank(), timeout=30.0)
+    if met:
+        joining.disconnect(comm)
+    departure.finalize_alone()
+    who = answer.removeprefix("joined as ") if answer else "this worker"
+    print(f"mpilb: {who} left the run (let go); the run goes on", file=sys.stderr, flush=True)
+    return 0

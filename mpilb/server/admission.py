@@ -21,8 +21,19 @@ The joiner becomes a worker like the others: a :class:`~mpilb.server.peers.Peer`
 addresses it on its own communicator (rank 1 there; rank 0 is rank 0), a place in the task
 ledger and the balancer, its receives among the ones tested; it is woken with work at once
 (a steal, or the queues the balancer gives it). Its id in the logs is above every rank of
-the job. What is not supported yet (refused with one line): `--servers K > 1`, `--store
-local`, `--mode sync|ssp`, and a joined worker leaving (docs/membership.md).
+the job. What is not supported yet (refused with one line): `--servers K > 1` and `--mode
+sync|ssp` (docs/membership.md).
+
+With `--store local` (relay.hold_node_copies) a joiner reads the shards its
+node holds (those of the job's workers on its host) and is one more holder of them in the
+ledger, one that sends no rows (the ledger's `readers`); rows of other shards reach it
+through rank 0 (relay.py). Its port file names rank 0's checksums of the shards, for the
+joiner to check its node's copies against (as a node's first rank does at start-up).
+
+A joiner let go (`mpilb leave`, SIGUSR2: roster.py) is told LEAVE like any worker; then
+(farewell.py) it tells rank 0 it is done on its communicator, rank 0 answers once the
+rows relayed to it are sent, and both disconnect; the joiner's launch finalises alone and
+exits 0 while the run goes on.
 """
 
 from __future__ import annotations
@@ -39,7 +50,9 @@ from typing import Optional
 from mpilb.core.holdings import Holding
 from mpilb.core.topology import stores_of
 from mpilb.runfiles.requests import JOIN_PREFIX, write_atomically
+from mpilb.server.farewell import Farewells
 from mpilb.server.peers import Peer
+from mpilb.server.relay import hold_node_copies
 
 PORT_SUFFIX = ".port"
 CONNECTING_SUFFIX = ".connecting"
@@ -137,6 +150,8 @@ class Admissions:
         self.offers: dict[str, Offer] = {}   # request path -> the port it was offered
         self.ports: list[str] = []           # every port opened: closed at the job's end only
         self.joined: list = []   # (worker id, communicator)
+        self.relay = None        # --store local: rows for joiners (relay.py), from the first
+        self.farewells = Farewells(server, lambda: self.relay)   # joiners let go (farewell.py)
 
     def poll(self, directory: str, names: list[str]) -> None:
         """The requests directory's files `names`: new requests get a port (or a refusal),
@@ -169,8 +184,6 @@ class Admissions:
             return "the run was started with --no-join: it takes no workers that join"
         if len(stores_of(cfg)) > 1:
             return "a run with --servers K > 1 takes no joins yet"
-        if cfg.inputs.store == "local":
-            return "a run with --store local takes no joins yet"
         if cfg.updates.mode != "async":
             return f"a run with --mode {cfg.updates.mode} takes no joins yet (async only)"
         return ""
@@ -201,7 +214,8 @@ class Admissions:
             self.ports.append(port)
             self.offers[path] = Offer(path, port, host, pid, time.monotonic())
             bell = self.server.receiver.bell.invitation()
-            write_atomically(path + PORT_SUFFIX, port + "\n" + json.dumps({"bell": bell}) + "\n")
+            offered = {"bell": bell, **local_store_facts(self.server)}
+            write_atomically(path + PORT_SUFFIX, port + "\n" + json.dumps(offered) + "\n")
         os.unlink(path)
 
     def drop(self, offer: Offer, why: str, tell: bool = True) -> None:
@@ -263,6 +277,8 @@ class Admissions:
         w.link.comm, w.link.dest = comm, 1
         s.peers[rank] = w
         s.ledger.of[rank] = Holding(rank)
+        if s.ledger.holders is not None:
+            self.relay = hold_node_copies(s, rank, offer.host if offer is not None else "")
         s.balancer.add_worker(rank)
         w.last_seen = time.monotonic()
         s.receiver.add(w)
@@ -293,7 +309,7 @@ class Admissions:
         from mpilb.server.liveness import WorkerFailed
 
         for rank, comm in self.joined:
-            if rank is None or self.server.peers[rank].lost:
+            if rank is None or self.server.peers[rank].lost or rank in self.farewells.closed:
                 continue
             err = C.poll_error(comm)
             if err is not None:
@@ -332,10 +348,22 @@ class Admissions:
         from mpilb.mpi import joining
         from mpilb.mpi.departure import end_together
 
+        if self.relay is not None:
+            self.relay.finish()   # rows under way to joiners (their holders' sends end)
+        self.farewells.finish()
         for rank, comm in self.joined:
-            if rank is not None and self.server.peers[rank].lost:
-                continue   # (a lost joiner cannot take part in a disconnect)
+            if rank is not None and (self.server.peers[rank].lost or self.server.peers[rank].left):
+                continue   # (a lost joiner cannot take part in a disconnect; one let go did)
             end_together(comm, 0, timeout=END_TIMEOUT_S)
             joining.disconnect(comm)
         for port in self.ports:
             joining.close_port(port)
+
+
+def local_store_facts(server) -> dict:
+    """What a joiner of a --store local run is told beside its port: rank 0's manifest
+    entries (file, samples, sha256) of every shard, to check its node's copies against
+    (worker/node_copies.py); {} with the shared store."""
+    if server.ledger.holders is None:
+        return {}
+    return {"files": [[sh.file, int(sh.samples), sh.sha256] for sh in server.dataset.shards]}

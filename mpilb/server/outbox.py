@@ -33,6 +33,7 @@ class Outbox:
         self.ledger = ledger
         self.remote = remote
         self.sending: list = []    # sends not known to be complete
+        self.relay = None          # rows for joiners of a --store local run (relay.py)
 
     def reply(self, peer, ring, cmd: Cmd = Cmd.PARAMS, held_s: float = 0.0) -> None:
         """Send `peer` a reply header (PARAMS, STOP or LEAVE) with the tasks, orders and cut it is
@@ -48,6 +49,8 @@ class Outbox:
                               retry=peer.retry, drop=peer.drop)
         else:
             assigns, orders, cut = self.ledger.take_reply(peer.rank, peer.batch)
+            if self.relay is not None and orders:
+                self.relay.watch(peer.rank, orders)
             wire.encode_reply(hdr, cmd, version=version, batch=peer.batch, held_s=held_s,
                               retry=peer.retry, drop=peer.drop, assigns=assigns, orders=orders,
                               cut=cut)
@@ -84,7 +87,10 @@ class Outbox:
             if link.orders_req is not None:
                 link.orders_req.Wait()
             buf, hdr, _ = link.orders_msg
-            wire.encode_orders(hdr, self.ledger.take_orders(peer.rank))
+            orders = self.ledger.take_orders(peer.rank)
+            if self.relay is not None and orders:
+                self.relay.watch(peer.rank, orders)
+            wire.encode_orders(hdr, orders)
             link.orders_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)   # (no joiner holds rows)
             self.sending.append(link.orders_req)
             self.bell.ring(peer.rank)

@@ -1,7 +1,8 @@
 """Who is in the run, as it changes (rank 0): workers let go while the run goes on, and
 (admission.py) workers that join it.
 
-A worker leaves when asked: by SIGUSR2 to its process (it tells rank 0, stopsignals.py) or
+A worker leaves when asked (a worker that joined, or a replacement, too: its connection
+to rank 0 is then closed, farewell.py): by SIGUSR2 to its process (it tells rank 0, stopsignals.py) or
 by `mpilb leave RUN.h5 --rank R` (cli/membership.py), which writes a request file into the
 directory beside the run log (runfiles/requests.py) that rank 0 looks into among its chores.
 Rank 0 lets the worker finish its step: the worker's next reply (to its push, or at once if
@@ -109,6 +110,7 @@ class Members:
         connected yet: admission.py)."""
         if self.admissions is not None and self.admissions.joined:
             self.admissions.poll_reports()
+            self.poll_joiners_rows_and_ends()
         if self.respawns is not None:
             self.respawns.poll()
         if mono < self.next_poll and not (self.admissions is not None and self.admissions.offers):
@@ -146,8 +148,6 @@ class Members:
             answer = f"refused: rank {rank} has left the run already" if w.left else f"rank {rank} is leaving already"
         elif w.lost:
             answer = f"refused: rank {rank} was lost"
-        elif w.link is not None and w.link.comm is not None:
-            answer = f"refused: worker {rank} joined the run, and a worker that joined cannot leave yet"
         elif not w.present or self.stop.reason:
             answer = f"refused: the run is stopping ({self.stop.reason or 'stopped'}): every worker ends with it"
         elif not [p for p in self.roster.present() if p is not w and not p.leaving]:
@@ -179,6 +179,16 @@ class Members:
         print(f"mpilb: rank {w.rank} left the run at {self.clock.now():.1f} s; its unstarted "
               f"work goes to the other workers", file=sys.stderr, flush=True)
         self.hand_back(w)
+        if w.link is not None and w.link.comm is not None and self.admissions is not None:
+            self.admissions.farewells.begin(w)   # a joiner: then both disconnect (farewell.py)
+
+    def poll_joiners_rows_and_ends(self) -> None:
+        """Among the chores, where workers joined: rows relayed to them (--store local,
+        relay.py) and the connections of those let go (farewell.py)."""
+        if self.admissions.relay is not None:
+            self.admissions.relay.progress()
+        if self.admissions.farewells.ends:
+            self.admissions.farewells.poll()
 
     def close(self) -> None:
         """The run is over: requests not taken are answered, the directory goes."""
@@ -203,8 +213,9 @@ class Members:
 
 def sole_copies(ledger, rank: int) -> list[int]:
     """Shards that only `rank` still holds (--store local; none where every rank reads all)."""
-    holders = ledger.holders
-    if holders is None:
-        return []
+    holders, readers = ledger.holders, getattr(ledger, "readers", set())
+    if holders is None or rank in readers:
+        return []   # (a joiner's copies are no one else's source)
+    # (a joiner reads its node's copies but sends none: ledger.readers, relay.py)
     return [s for s, ranks in sorted(holders.items())
-            if rank in ranks and all(r == rank or r in ledger.gone for r in ranks)]
+            if rank in ranks and all(r == rank or r in ledger.gone or r in readers for r in ranks)]

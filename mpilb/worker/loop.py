@@ -49,7 +49,10 @@ class StopWorker(Exception):
 
 
 class Worker:
-    def __init__(self, cfg, dataset, comm, rank: int, hosts=None):
+    def __init__(self, cfg, dataset, comm, rank: int, hosts=None, joined: Optional[set] = None):
+        """`joined`: for a worker that joined the run (run/worker_join.py), the shards it
+        reads itself with `--store local` (its node's: row_exchange.node_shards); the rest
+        reach it through rank 0, its `comm`'s other rank."""
         self.cfg = cfg
         self.comm = comm
         self.rank = rank
@@ -59,7 +62,9 @@ class Worker:
         self.injector = Injector(parse_injects(cfg.experiment.inject, comm.Get_size()), rank, cfg.experiment.seed)
         inj = self.injector
         held = None
-        if cfg.inputs.store == "local":
+        if cfg.inputs.store == "local" and joined is not None:
+            held = set(joined)
+        elif cfg.inputs.store == "local":
             held = held_shards(len(dataset.shard_sizes), rank,
                                workers_of(cfg, comm.Get_size()), cfg.inputs.replicas, hosts)
         self.reader = ShardReader(dataset, seed=cfg.experiment.seed,
@@ -77,7 +82,8 @@ class Worker:
         self.backoff = C.Backoff(bell=self.bell)
         # rows sent to and received from other workers (--store local, part-way moves)
         self.rows = RowExchange(comm, rank, cfg, dataset, self.feed, self.backoff,
-                                on_poll=self._orders_while_blocked, hosts=hosts)
+                                on_poll=self._orders_while_blocked, hosts=hosts,
+                                relayed=joined is not None)
         # --servers K: store s (rank stores[s]) holds parameters [bounds[s], bounds[s+1])
         stores = stores_of(cfg)
         bounds = wire.cut_slices(self.n, len(stores), wire.layer_sizes(self.model))

@@ -7,6 +7,8 @@ first rank of every other node checks the shards placed on that node's ranks aga
 checksums of rank 0's manifest (not the node's own manifest, which may be just as
 different), with the same checks and the same record of files already verified as rank 0
 (:func:`mpilb.data.verified.verify_files`): a start after the first costs a `stat` per file.
+A worker that joins the run on another node than rank 0's checks the shards it will read
+there the same way, before it connects (:func:`verify_joiner_copies`).
 """
 
 from __future__ import annotations
@@ -42,11 +44,27 @@ def verify_node_copies(data_dir: str, files: Sequence[tuple[str, int, str]],
     """
     if not shards:
         return
-    where = f"rank {rank} on node {hosts[rank]}"
+    _verify(data_dir, files, shards, f"rank {rank} on node {hosts[rank]}", hosts[0])
+
+
+def verify_joiner_copies(data_dir: str, files: Sequence[tuple[str, int, str]],
+                         shards: Sequence[int], host: str, rank0_host: str) -> None:
+    """A joiner's check of its node's copies of `shards` (those it will read itself: its
+    node's, row_exchange.node_shards) against rank 0's entries `files`; none on rank 0's
+    own node (rank 0 checked those files).
+
+    Raises:
+        DataError: one line naming the joiner's node, the file and what differs.
+    """
+    if shards and host != rank0_host:
+        _verify(data_dir, files, shards, f"the joiner on node {host}", rank0_host)
+
+
+def _verify(data_dir, files, shards, where: str, rank0_host: str) -> None:
     try:
         ds = open_dataset(data_dir, check_files=False)
         verify_files(ds, [files[s] for s in shards], cached=True,
-                     fix=f"this node's copy is not the file rank 0 checked on node {hosts[0]}: "
+                     fix=f"this node's copy is not the file rank 0 checked on node {rank0_host}: "
                          f"copy the dataset to the node again")
     except DataError as exc:
         raise DataError(f"{where}: {exc}") from None

@@ -5,6 +5,13 @@ comes with the holder's rank and a tag, and the holder is ordered (ORDERS, or th
 reply carries) to send those rows. This module is the worker's side of that exchange: which
 shards this rank holds, the rows it sends without waiting for the transfer, and the rows it
 receives, posted when the task is assigned and waited for when the task is reached.
+
+A worker that joined the run (`mpilb join`, docs/membership.md) reaches rank 0 only, on a
+communicator of its own: it reads the shards its node holds (:func:`node_shards`), sends
+no rows, and receives the others' rows from rank 0, which relays what their holder sends it
+(server/relay.py). So a holder ordered to send rows to a joiner (an id above every rank of
+the job) sends them to rank 0, and the joiner receives every row from rank 0 (`relayed`).
+The messages are the same two buffers (x, y) with the same tags, without pickling.
 """
 
 from __future__ import annotations
@@ -24,6 +31,16 @@ def held_shards(num_shards: int, rank: int, workers: list[int], replicas: int,
     """The shards `rank` holds a copy of with `--store local` (`workers`: the worker ranks;
     `hosts`: every rank's hostname, for copies on different nodes)."""
     return {s for s, hs in placement(num_shards, workers, replicas, hosts).items() if rank in hs}
+
+
+def node_shards(num_shards: int, host: str, workers: list[int], replicas: int,
+                hosts) -> set[int]:
+    """The shards a worker that joins on `host` reads itself with `--store local`: those
+    placed on the job's workers on that host (its node's disk holds them); none on a host
+    where no worker of the job runs (every row then comes over MPI, through rank 0)."""
+    here = {r for r in workers if hosts and r < len(hosts) and hosts[r] == host}
+    return {s for s, hs in placement(num_shards, workers, replicas, hosts).items()
+            if here.intersection(hs)}
 
 
 class RemoteRows:
@@ -77,11 +94,16 @@ class RowExchange:
         backoff: the worker's backoff, used while waiting for rows.
         on_poll: called between polls while waiting for rows (the worker serves the orders
             rank 0 sends meanwhile, and checks for faults).
+        relayed: this worker joined the run (its `comm` reaches rank 0 only): every row
+            comes from rank 0 (see the module's text).
     """
 
-    def __init__(self, comm, rank: int, cfg, dataset, feed, backoff, on_poll, hosts=None):
+    def __init__(self, comm, rank: int, cfg, dataset, feed, backoff, on_poll, hosts=None,
+                 relayed: bool = False):
         self.comm = comm
         self.rank = rank
+        self.relayed = relayed
+        self.size = comm.Get_size()   # ranks above: joiners, reached through rank 0
         self.workers, self.replicas = workers_of(cfg, comm.Get_size()), cfg.inputs.replicas
         self.hosts = hosts   # every rank's hostname: copies are placed by node (shards.py)
         self.feed = feed
@@ -108,11 +130,20 @@ class RowExchange:
     def _send_rows(self, epoch, shard, start, end, dst, tag) -> None:
         """Send positions [start, end) of a shard to `dst` without waiting for the transfer."""
         x, y = self.feed.rows(epoch, shard, start, end)
+        dst = self._via(dst)
         reqs = [self.comm.Isend(x, dest=dst, tag=tag), self.comm.Isend(y, dest=dst, tag=tag + 1)]
         self.outgoing.append((reqs, x, y))   # the arrays live until the sends complete
 
+    def _via(self, rank: int) -> int:
+        """The rank on `comm` that rows to or from worker `rank` travel through: rank 0 for
+        a joiner (an id above the job's ranks) and, on a joiner, for everyone."""
+        return 0 if self.relayed or rank >= self.size else rank
+
     def _sources(self, shard: int, src: int, tag: int) -> list[tuple[int, int]]:
-        """Who may send a shard's rows: `src`, then (replicas) the other holders."""
+        """Who may send a shard's rows: `src`, then (replicas) the other holders; on a
+        joiner, rank 0 with either tag (it relays whichever holder rank 0 ordered)."""
+        if self.relayed:
+            return [(0, tag)] + ([(0, resource_tag(tag))] if self.replicas > 1 else [])
         sources = [(src, tag)]
         if self.replicas > 1:
             alt = resource_tag(tag)
@@ -135,3 +166,21 @@ class RowExchange:
         for reqs, _, _ in self.outgoing:
             for req in reqs:
                 C.wait(req, timeout=timeout)
+
+    def settle_receives(self, timeout: float = 10.0) -> None:
+        """A joiner let go: the rows still on their way to it are taken (rank 0 relays
+        every row it was ordered to, and waits for these sends before it disconnects), so
+        that nothing is pending on the connection; the other copies posted (replicas) are
+        cancelled, and a transfer that does not come within `timeout` (its holder lost)."""
+        deadline = time.monotonic() + timeout
+        for remote in self.remotes:
+            while remote.copies and time.monotonic() < deadline:
+                if any(C.Request.Testall(reqs) for reqs, _, _ in remote.copies):
+                    break
+                self.backoff.sleep()
+            for reqs, _, _ in remote.copies + remote.leftover:
+                for req in reqs:
+                    if not req.Test():
+                        req.Cancel()
+                C.wait(reqs, timeout=1.0)
+        self.remotes = []

@@ -1,0 +1,306 @@
+"""Joins of `--store local` runs, and workers that joined leaving (docs/membership.md).
+
+A joiner reads the shards its node holds (those of the job's workers on its host) and gets
+the others' rows through rank 0, which relays what their holder sends (server/relay.py); a
+joiner let go (`mpilb leave --rank R`, SIGUSR2 to its process) finishes its step, hands
+its work back, disconnects from rank 0 and exits 0 while the run goes on. Every run ends
+`finished`, exit 0, with every sample of every epoch applied exactly once (recomputed from
+`updates/`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import mpirun
+from mpilb.data.dataset import open_dataset
+from mpilb.runfiles.runlog import read_columns
+from test_membership import data, finish, gone_within, leave, start  # noqa: F401
+
+pytestmark = pytest.mark.mpi
+
+
+def joiner(log) -> subprocess.Popen:
+    return subprocess.Popen(mpirun.mpilb_cmd(1, "join", str(log)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=mpirun.env(),
+                            start_new_session=True)
+
+
+def exact(log, data):
+    """The run ended finished with every sample of every epoch applied once; its columns."""
+    attrs, cols = read_columns(str(log))
+    assert attrs["status"] == "finished"
+    cov = mpirun.recomputed_coverage(str(log), open_dataset(data).shard_sizes)
+    assert cov["missing"] == 0 and cov["duplicates"] == 0 and cov["applied"] == cov["expected"], cov
+    return attrs, cols
+
+
+def members(cols) -> list[tuple[int, str]]:
+    m = cols["members"]
+    return [(int(w), e.decode() if isinstance(e, bytes) else str(e))
+            for w, e in zip(m["worker"], m["event"])]
+
+
+def rows_to(cols, rank: int) -> int:
+    """Bytes of shard rows sent to worker `rank` (shards/ `move` rows with bytes)."""
+    sh = cols["shards"]
+    events = [e.decode() if isinstance(e, bytes) else str(e) for e in sh["event"]]
+    return int(sum(int(b) for d, e, b in zip(sh["dst"], events, sh["bytes"])
+                   if int(d) == rank and e == "move"))
+
+
+def wait_joined(log, rank: int, timeout: float = 60.0) -> None:
+    """Until the run log holds an applied update of worker `rank`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            _, cols = read_columns(str(log))
+            if (cols["updates"]["worker"] == rank).any():
+                return
+        except (OSError, KeyError):
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"worker {rank} never pushed")
+
+
+def test_a_joiner_holds_its_nodes_shards_and_is_never_asked_for_rows():
+    """Pure (no mpiexec): a joiner's shards are those of the job's workers on its host; in
+    the ledger it reads them itself, is never the holder ordered to send rows, and counts as
+    no copy for another worker's leave; its rows come from a job's holder."""
+    from mpilb.core.balancer import BalancerConfig, build_balancer
+    from mpilb.core.holdings import Holding
+    from mpilb.core.tasks import TaskLedger
+    from mpilb.data.shards import placement
+    from mpilb.server.roster import sole_copies
+    from mpilb.worker.row_exchange import node_shards
+
+    hosts = ["a", "a", "b"]   # rank 0 and 1 on a, rank 2 on b
+    assert node_shards(6, "b", [1, 2], 1, hosts) == {s for s in range(6) if s % 2 == 1}
+    assert node_shards(6, "c", [1, 2], 1, hosts) == set()
+    holders = placement(6, [1, 2], 1, hosts)
+    bal = build_balancer("load", [1, 2], [100] * 6, BalancerConfig(batch=32), holders)
+    bal.plan_epoch(0, list(range(6)))
+    ledger = TaskLedger(bal, [100] * 6, [1, 2], holders=holders)
+    ledger.of[3] = Holding(3)
+    ledger.readers.add(3)
+    for shard in node_shards(6, "b", [1, 2], 1, hosts):
+        holders[shard].append(3)
+    bal.add_worker(3)
+    ledger.assign(3, 1, 0, 100)   # its node's: read itself
+    ledger.assign(3, 0, 0, 100)   # rank 1's: rank 1 sends, rank 0 relays
+    assert [(t.shard, t.src) for t in ledger.tasks(3)] == [(1, -1), (0, 1)]
+    assert [o.dst for o in ledger.of[1].orders] == [3]
+    assert ledger.holder_for(1, 100) == 2   # never the joiner
+    assert sole_copies(ledger, 2) == [1, 3, 5] and sole_copies(ledger, 3) == []
+
+
+def test_a_store_local_run_takes_a_joiner_that_reads_its_nodes_shards(data, tmp_path):
+    """`--store local` on 3 ranks of this host, joined by one more: the joiner is on the
+    job's node, which holds every shard (those of ranks 1 and 2), and reads what it is given
+    from the disk (no rows are sent to it); both launches exit 0, the run ends finished with
+    exact coverage, the joiner's updates/ rows count. (Refused before: "takes no joins yet".)"""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 30, "--store", "local")
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+        jcode, _, jerr = finish(j)
+        assert jcode == 0, jerr
+        assert "mpilb: joined as worker 3" in jerr, jerr
+    finally:
+        code, _, err = finish(proc)
+    assert code == 0, err
+    attrs, cols = exact(log, data)
+    assert members(cols) == [(3, "join")]
+    up = cols["updates"]
+    assert (up["worker"] == 3).sum() > 0
+    assert rows_to(cols, 3) == 0   # its node's disk holds every shard: nothing over MPI
+    assert 3 in {w["rank"] for w in attrs["summary"]["per_worker"]}
+
+
+def test_a_joiner_let_go_with_mpilb_leave_disconnects_and_the_run_finishes(data, tmp_path):
+    """`--store local --replicas 2`: worker 3 joins, pushes, then `mpilb leave --rank 3`:
+    the joiner's launch exits 0 within 15 s while the run goes on; members/ holds its join
+    then its leave; the run ends finished, exit 0, coverage exact; asked again: "has left
+    the run already". (Refused before: "a worker that joined cannot leave yet".)"""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 40, "--store", "local", "--replicas", "2")
+    j = None
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+        wait_joined(log, 3)
+        asked = time.monotonic()
+        done = leave(log, 3)
+        assert done.returncode == 0, done.stderr
+        assert "rank 3 leaves after its current step" in done.stdout
+        jcode, _, jerr = finish(j, timeout=60)
+        assert jcode == 0, jerr
+        assert time.monotonic() - asked < 15.0
+        assert proc.poll() is None, "the run ended with the joiner"
+        again = leave(log, 3)
+        assert again.returncode == 2 and "has left the run already" in again.stderr, again.stderr
+    finally:
+        code, _, err = finish(proc)
+        if j is not None and j.poll() is None:
+            os.killpg(j.pid, signal.SIGKILL)
+    assert code == 0, err
+    attrs, cols = exact(log, data)
+    assert members(cols) == [(3, "join"), (3, "leave")]
+    up = cols["updates"]
+    left_at = float(cols["members"]["t"][1])
+    assert (up["worker"] == 3).sum() > 0
+    assert not (up["t"][up["worker"] == 3] > left_at + 0.5).any()   # nothing after it left
+    summary = attrs["summary"]
+    assert summary["lost_workers"] == []
+    assert "rank 3 left the run at" in err
+
+
+def test_sigusr2_to_a_joiners_process_lets_it_go(data, tmp_path):
+    """SIGUSR2 to the joiner's own process (the shared store): it tells rank 0 on its
+    connection, leaves after its step, exits 0; the run ends finished, exit 0, exact."""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 30)
+    j = None
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+        wait_joined(log, 3)
+        pid = joiner_pid(log)
+        os.kill(pid, signal.SIGUSR2)
+        assert gone_within(pid, 15.0), "the joiner let go is still running"
+        jcode, _, jerr = finish(j, timeout=60)
+        assert jcode == 0, jerr
+        assert proc.poll() is None, "the run ended with the joiner"
+    finally:
+        code, _, err = finish(proc)
+        if j is not None and j.poll() is None:
+            os.killpg(j.pid, signal.SIGKILL)
+    assert code == 0, err
+    _, cols = exact(log, data)
+    assert members(cols) == [(3, "join"), (3, "leave")]
+
+
+def joiner_pid(log) -> int:
+    """The mpilb process of the join launch for `log` (not its mpiexec or hydra proxy)."""
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/cmdline", "rb") as fh:
+                cmd = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if (b"join" in cmd and str(log).encode() in cmd and b"mpilb" in cmd
+                and not any(b"hydra" in c or c.endswith(b"mpiexec") for c in cmd)):
+            return int(p)
+    raise AssertionError("no joiner process")
+
+
+def _box_missing():
+    from mpilb.clusterbox import missing
+
+    return missing()
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(_box_missing() is not None, reason="no cluster box here")
+def test_joiners_on_other_nodes_read_their_nodes_shards_and_get_the_rest_through_rank_0(
+        data, tmp_path):
+    """The cluster in a box: a `--store local` run on n0 (ranks 0, 1) and n1 (rank 2),
+    joined by one worker on n1 and one on n2. The one on n1 checks and reads the shards
+    placed on rank 2 (no rows are sent to it for them); the one on n2, a node without a
+    shard, gets every row it trains on from rank 0, which relays what the holders send
+    (shards/ moves to it with bytes). Every launch exits 0, the run ends finished with
+    exact coverage, both joiners' updates/ rows count."""
+    from mpilb.clusterbox import ClusterBox
+    from mpilb.data.shards import placement
+
+    log = tmp_path / "run.h5"
+    train = ["train", "--data", data, "--model", "mlp", "--hidden", "64", "--batch", "32",
+             "--epochs", "40", "--store", "local", "--no-progress", "--log", str(log)]
+    joiners = []
+    with ClusterBox(nodes=3) as box:
+        run = subprocess.Popen(
+            box.command(0, box.mpiexec_cmd(["-hosts", "n0:2,n1:1", sys.executable, "-m", "mpilb",
+                                            *train])),
+            env=box.env(mpirun.env()), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            mpirun.wait_training(str(log), run, timeout=120)
+            for node in (1, 2):
+                joiners.append(box.popen(node, [mpirun.mpiexec(), "-n", "1", sys.executable, "-m",
+                                                "mpilb", "join", str(log)], env=mpirun.env(),
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                wait_joined(log, 2 + node, timeout=120)
+            ends = [j.communicate(timeout=300) for j in joiners]
+            _, err = run.communicate(timeout=300)
+        finally:
+            for proc in (run, *joiners):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=30)
+    for j, (_, jerr) in zip(joiners, ends):
+        assert j.returncode == 0, jerr
+    assert run.returncode == 0, err
+    attrs, cols = exact(log, data)
+    assert members(cols) == [(3, "join"), (4, "join")]
+    hosts = json.loads(attrs["hostnames"])
+    shards = len(open_dataset(data).shard_sizes)
+    on_n1 = {s for s, hs in placement(shards, [1, 2], 1, hosts).items() if 2 in hs}
+    sh = cols["shards"]
+    events = [e.decode() if isinstance(e, bytes) else str(e) for e in sh["event"]]
+    to_3 = [(int(s), int(b)) for s, d, e, b in zip(sh["shard"], sh["dst"], events, sh["bytes"])
+            if int(d) == 3 and e == "move"]
+    assert not [b for s, b in to_3 if s in on_n1 and b > 0], to_3   # read from n1's disk
+    assert rows_to(cols, 4) > 0   # n2 holds nothing: its rows came through rank 0
+    up = cols["updates"]
+    assert (up["worker"] == 3).sum() > 0 and (up["worker"] == 4).sum() > 0
+
+
+def test_a_replacement_let_go_leaves_as_a_joiner_does(synth_dir, tmp_path):
+    """--respawn: rank 2 of 4 workers SIGKILLed, replaced by worker 5; then `mpilb leave
+    --rank 5`: the replacement's process ends within 15 s while the run goes on; members/
+    holds lost 2, respawn 5, leave 5; the run ends degraded (rank 2 was lost), exit 3, every
+    epoch's coverage exact. (Refused before: "a worker that joined cannot leave yet".)"""
+    from test_respawn import members as member_rows
+    from test_survival import assert_degraded_exact, finish as finish_job, launch, supervised_ranks
+    from test_survival import train
+
+    epochs, log = 60, tmp_path / "run.h5"
+    cmd = [mpirun.mpiexec(), "-disable-auto-cleanup", "-n", "5", sys.executable, "-m", "mpilb",
+           *train(synth_dir, tmp_path, "--epochs", epochs, "--worker-timeout", 3,
+                  "--survive-signals", "--respawn")]
+    proc = launch(cmd, tmp_path)
+    try:
+        pids = supervised_ranks(proc, 5)
+        mpirun.wait_training(log, proc)
+        os.kill(pids[2], signal.SIGKILL)
+        wait_joined(log, 5, timeout=60)
+        pid = replacement_pid(tmp_path)
+        done = leave(log, 5)
+        assert done.returncode == 0, done.stderr
+        assert gone_within(pid, 15.0), "the replacement let go is still running"
+        assert proc.poll() is None, "the run ended with the replacement"
+    finally:
+        code, out, err = finish_job(proc, timeout=240)
+    assert code == 3, (code, err)
+    assert [(w, e) for _, w, _, e in member_rows(log)] == [(2, "lost"), (5, "respawn"), (5, "leave")]
+    assert_degraded_exact(tmp_path, synth_dir, epochs)
+
+
+def replacement_pid(mark) -> int:
+    """The process of the replacement rank 0 spawned for the job marked `mark`."""
+    from test_survival import marked_processes
+
+    for pid in marked_processes(b"MPILB_TEST_JOB=" + str(mark).encode()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if b"mpilb.run.replacement" in fh.read():
+                    return pid
+        except OSError:
+            continue
+    raise AssertionError("no replacement process")
