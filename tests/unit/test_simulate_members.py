@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from mpilb.cli.main import main
 from mpilb.runfiles.runlog import RunLog
