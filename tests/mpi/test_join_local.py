@@ -100,37 +100,18 @@ def test_a_joiner_holds_its_nodes_shards_and_is_never_asked_for_rows():
     assert sole_copies(ledger, 2) == [1, 3, 5] and sole_copies(ledger, 3) == []
 
 
-def test_a_store_local_run_takes_a_joiner_that_reads_its_nodes_shards(data, tmp_path):
-    """`--store local` on 3 ranks of this host, joined by one more: the joiner is on the
-    job's node, which holds every shard (those of ranks 1 and 2), and reads what it is given
-    from the disk (no rows are sent to it); both launches exit 0, the run ends finished with
-    exact coverage, the joiner's updates/ rows count. (Refused before: "takes no joins yet".)"""
+def test_store_local_joiners_read_their_nodes_shards_and_leave_by_command_or_signal(data, tmp_path):
+    """`--store local --replicas 2` on 3 ranks of this host, joined by one worker and then
+    by another (one run for both: the suite's time). Worker 3 is on the job's node, which
+    holds every shard, and reads what it is given from the disk (no rows are sent to it);
+    `mpilb leave --rank 3` lets it go: its launch exits 0 within 15 s while the run goes on,
+    and asked again: "has left the run already". Worker 4 is let go by SIGUSR2 to its own
+    process: it tells rank 0 on its connection, leaves after its step, exits 0. members/
+    holds each join then its leave, no update of a joiner after its leave; the run ends
+    finished, exit 0, coverage exact. (Refused before: "--store local takes no joins yet",
+    "a worker that joined cannot leave yet".)"""
     log = tmp_path / "run.h5"
-    proc = start(3, data, log, 30, "--store", "local")
-    try:
-        mpirun.wait_training(str(log), proc)
-        j = joiner(log)
-        jcode, _, jerr = finish(j)
-        assert jcode == 0, jerr
-        assert "mpilb: joined as worker 3" in jerr, jerr
-    finally:
-        code, _, err = finish(proc)
-    assert code == 0, err
-    attrs, cols = exact(log, data)
-    assert members(cols) == [(3, "join")]
-    up = cols["updates"]
-    assert (up["worker"] == 3).sum() > 0
-    assert rows_to(cols, 3) == 0   # its node's disk holds every shard: nothing over MPI
-    assert 3 in {w["rank"] for w in attrs["summary"]["per_worker"]}
-
-
-def test_a_joiner_let_go_with_mpilb_leave_disconnects_and_the_run_finishes(data, tmp_path):
-    """`--store local --replicas 2`: worker 3 joins, pushes, then `mpilb leave --rank 3`:
-    the joiner's launch exits 0 within 15 s while the run goes on; members/ holds its join
-    then its leave; the run ends finished, exit 0, coverage exact; asked again: "has left
-    the run already". (Refused before: "a worker that joined cannot leave yet".)"""
-    log = tmp_path / "run.h5"
-    proc = start(3, data, log, 40, "--store", "local", "--replicas", "2")
+    proc = start(3, data, log, 50, "--store", "local", "--replicas", "2")
     j = None
     try:
         mpirun.wait_training(str(log), proc)
@@ -142,36 +123,13 @@ def test_a_joiner_let_go_with_mpilb_leave_disconnects_and_the_run_finishes(data,
         assert "rank 3 leaves after its current step" in done.stdout
         jcode, _, jerr = finish(j, timeout=60)
         assert jcode == 0, jerr
+        assert "mpilb: joined as worker 3" in jerr, jerr
         assert time.monotonic() - asked < 15.0
         assert proc.poll() is None, "the run ended with the joiner"
         again = leave(log, 3)
         assert again.returncode == 2 and "has left the run already" in again.stderr, again.stderr
-    finally:
-        code, _, err = finish(proc)
-        if j is not None and j.poll() is None:
-            os.killpg(j.pid, signal.SIGKILL)
-    assert code == 0, err
-    attrs, cols = exact(log, data)
-    assert members(cols) == [(3, "join"), (3, "leave")]
-    up = cols["updates"]
-    left_at = float(cols["members"]["t"][1])
-    assert (up["worker"] == 3).sum() > 0
-    assert not (up["t"][up["worker"] == 3] > left_at + 0.5).any()   # nothing after it left
-    summary = attrs["summary"]
-    assert summary["lost_workers"] == []
-    assert "rank 3 left the run at" in err
-
-
-def test_sigusr2_to_a_joiners_process_lets_it_go(data, tmp_path):
-    """SIGUSR2 to the joiner's own process (the shared store): it tells rank 0 on its
-    connection, leaves after its step, exits 0; the run ends finished, exit 0, exact."""
-    log = tmp_path / "run.h5"
-    proc = start(3, data, log, 30)
-    j = None
-    try:
-        mpirun.wait_training(str(log), proc)
         j = joiner(log)
-        wait_joined(log, 3)
+        wait_joined(log, 4)
         pid = joiner_pid(log)
         os.kill(pid, signal.SIGUSR2)
         assert gone_within(pid, 15.0), "the joiner let go is still running"
@@ -183,8 +141,17 @@ def test_sigusr2_to_a_joiners_process_lets_it_go(data, tmp_path):
         if j is not None and j.poll() is None:
             os.killpg(j.pid, signal.SIGKILL)
     assert code == 0, err
-    _, cols = exact(log, data)
-    assert members(cols) == [(3, "join"), (3, "leave")]
+    attrs, cols = exact(log, data)
+    assert members(cols) == [(3, "join"), (3, "leave"), (4, "join"), (4, "leave")]
+    up = cols["updates"]
+    for rank, left_at in ((3, float(cols["members"]["t"][1])), (4, float(cols["members"]["t"][3]))):
+        assert (up["worker"] == rank).sum() > 0
+        assert not (up["t"][up["worker"] == rank] > left_at + 0.5).any()   # nothing after it left
+    assert rows_to(cols, 3) == 0 and rows_to(cols, 4) == 0   # the node's disk holds every shard
+    summary = attrs["summary"]
+    assert summary["lost_workers"] == []
+    assert {3, 4} <= {w["rank"] for w in summary["per_worker"]}
+    assert "rank 3 left the run at" in err
 
 
 def joiner_pid(log) -> int:
