@@ -204,9 +204,11 @@ def test_a_joiner_killed_after_its_admission(data, tmp_path):  # noqa: F811
 def test_two_joins_at_once(data, tmp_path):  # noqa: F811
     """Two `mpilb join` started together are both taken, one after the other (a port each),
     as workers 3 and 4. The run ends finished, exit 0, exact coverage; `mpilb report` lists
-    both joins, with their time and node (rank 0's: the joiners run on its host)."""
+    both joins, with their time and node (rank 0's: the joiners run on its host). The run
+    moves --wire bf16: a joiner's link receives pushes in the wire format (its first push
+    ended the run with a UFuncTypeError when the link was allocated for float32)."""
     log = tmp_path / "run.h5"
-    proc = start(3, data, log, 40)
+    proc = start(3, data, log, 40, "--wire", "bf16")
     try:
         mpirun.wait_training(str(log), proc)
         joiners = [joiner(log), joiner(log)]

@@ -204,15 +204,13 @@ def join(log, timeout=120):
                             start_new_session=True)
 
 
-@pytest.mark.parametrize("extra", [(), ("--wire", "bf16")], ids=["fp32", "bf16"])
-def test_a_worker_joins_a_running_job_and_counts_like_any_other(data, tmp_path, extra):
+def test_a_worker_joins_a_running_job_and_counts_like_any_other(data, tmp_path):
     """`mpiexec -n 1 mpilb join RUN.h5` part-way through a 3-rank run: the joiner's first
     push is applied within 2 s of its admission, both launches exit 0, the run ends
-    `finished` with exact coverage; members/ holds the join, per_worker the joiner. With
-    --wire bf16 its link receives pushes in the wire format (its first push ended the run
-    with a UFuncTypeError when the link was allocated for float32)."""
+    `finished` with exact coverage; members/ holds the join, per_worker the joiner. (Joins
+    of a --wire bf16 run: tests/mpi/test_joining.py, two joins at once.)"""
     log = tmp_path / "run.h5"
-    proc = start(3, data, log, 30, *extra)
+    proc = start(3, data, log, 30)
     try:
         mpirun.wait_training(str(log), proc)
         joiner = join(log)

@@ -48,7 +48,7 @@ def bytes_in_per_update(s) -> float:
 
 
 @pytest.mark.parametrize("n,servers,model,wires", [
-    (3, 1, "mlp", ("bf16", "fp16")),
+    (3, 1, "mlp", ("bf16",)),   # (fp16 with two stores, next: one run fewer for the suite)
     (4, 2, "mlp", ("bf16", "fp16")),
     (3, 1, TORCH_MLP, ("bf16",)),
 ])
