@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mpilb.core.holdings import Holding
-from mpilb.core.topology import stores_of
 from mpilb.runfiles.requests import JOIN_PREFIX, write_atomically
 from mpilb.server.peers import Peer
 
@@ -137,6 +136,8 @@ class Admissions:
         self.offers: dict[str, Offer] = {}   # request path -> the port it was offered
         self.ports: list[str] = []           # every port opened: closed at the job's end only
         self.joined: list = []   # (worker id, communicator)
+        self.last_id = 0         # the highest id handed out (a joiner turned away has one)
+        self.reserved = None     # the id the stores accepted the next joiner as (K > 1)
 
     def poll(self, directory: str, names: list[str]) -> None:
         """The requests directory's files `names`: new requests get a port (or a refusal),
@@ -167,12 +168,8 @@ class Admissions:
             return f"the run is stopping ({s.stop.reason})"
         if not cfg.faults.join:
             return "the run was started with --no-join: it takes no workers that join"
-        if len(stores_of(cfg)) > 1:
-            return "a run with --servers K > 1 takes no joins yet"
         if cfg.inputs.store == "local":
             return "a run with --store local takes no joins yet"
-        if cfg.updates.mode != "async":
-            return f"a run with --mode {cfg.updates.mode} takes no joins yet (async only)"
         return ""
 
     def mismatch(self, brings: dict) -> str:
@@ -227,7 +224,7 @@ class Admissions:
             return None
         self.offers.pop(offer.path, None)
         remove(offer.path + CONNECTING_SUFFIX, offer.path + PORT_SUFFIX)
-        comm = joining.accept(offer.port, ACCEPT_TIMEOUT_S)
+        comm = self.accept_on_stores(offer)
         if comm is None:
             ended = offer.here()
             if ended and process_alive(offer.pid):
@@ -236,6 +233,27 @@ class Admissions:
                 os.kill(offer.pid, signal.SIGKILL)
             self.drop(offer, f"did not connect within {ACCEPT_TIMEOUT_S:g} s of saying it would",
                       tell=not ended)
+        return comm
+
+    def next_id(self) -> int:
+        """The id the next worker admitted gets: above every rank of the job and every id
+        given before."""
+        s = self.server
+        return max([s.comm.Get_size() - 1, *s.peers, self.last_id]) + 1
+
+    def accept_on_stores(self, offer: Offer):
+        """MPI's accept of `offer`'s joiner (bounded by ACCEPT_TIMEOUT_S): rank 0's alone,
+        or with --servers K > 1 every store's with it, so that the joiner's communicator
+        holds every store (server/store_joins.py). Its communicator, or None."""
+        from mpilb.mpi import joining
+
+        slices = self.server.slices
+        if not slices.sliced:
+            return joining.accept(offer.port, ACCEPT_TIMEOUT_S)
+        self.reserved = self.next_id()   # the stores know the joiner by it
+        comm = slices.accept_joiner(self.reserved, offer.port, ACCEPT_TIMEOUT_S)
+        if comm is None:
+            self.reserved = None
         return comm
 
     def accept(self, offer: Offer) -> None:
@@ -256,11 +274,12 @@ class Admissions:
         (without one it is polled for). A replacement (server/respawn.py) comes with its
         `event` ("respawn") and `node`."""
         s = self.server
-        rank = max([s.comm.Get_size() - 1, *s.peers]) + 1
+        rank, self.reserved = (self.next_id() if self.reserved is None else self.reserved), None
+        self.last_id = rank
         s.receiver.bell.add_peer(rank, **(ringback or {}))
         w = Peer(rank=rank, batch=s.cfg.balancing.batch,
                  link=s.slices.new_link(bool(s.cfg.updates.pipeline)))
-        w.link.comm, w.link.dest = comm, 1
+        w.link.comm, w.link.dest = comm, comm.Get_size() - 1   # (the stores before it: K > 1)
         s.peers[rank] = w
         s.ledger.of[rank] = Holding(rank)
         s.balancer.add_worker(rank)
@@ -322,7 +341,8 @@ class Admissions:
                 continue
             stop = wire.new_message(0)
             wire.encode_reply(stop.header, wire.Cmd.STOP, version=0, batch=0)
-            comm.Send(stop.buf, dest=1, tag=wire.TAG_REPLY)
+            comm.Send(stop.buf, dest=comm.Get_size() - 1, tag=wire.TAG_REPLY)
+            self.last_id, self.reserved = max(self.last_id, self.reserved or 0), None
             self.joined.append((None, comm))
             write_atomically(path + ".answer", "refused: the run has ended\n")
 
@@ -335,7 +355,9 @@ class Admissions:
         for rank, comm in self.joined:
             if rank is not None and self.server.peers[rank].lost:
                 continue   # (a lost joiner cannot take part in a disconnect)
-            end_together(comm, 0, timeout=END_TIMEOUT_S)
+            # (with --servers K > 1 the other stores, ranks 1..K-1 there, disconnect after
+            # their own end barrier: store.py, SliceRank.disconnect_joined)
+            end_together(comm, 0, skip=range(1, comm.Get_size() - 1), timeout=END_TIMEOUT_S)
             joining.disconnect(comm)
         for port in self.ports:
             joining.close_port(port)

@@ -1,0 +1,101 @@
+"""Joins into runs of more than one parameter store (--servers K > 1), and of --mode ssp and
+sync (docs/membership.md, "Joining a running job"). Each run must end `finished`, exit 0,
+with the joiner's `join` row in members/, its updates applied, and every sample of every
+epoch applied once (recomputed from updates/)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import mpirun
+from mpilb.runfiles.requests import requests_dir
+from test_joining import announce, joiner, kill, stand_in, wait_for
+from test_membership import check_finished_exactly, data, finish, start  # noqa: F401
+
+pytestmark = pytest.mark.mpi
+
+
+def joined_and_finished(proc, j, log, data, worker: int):  # noqa: F811
+    """Both launches exit 0; the run ends finished with exact coverage; members/ holds one
+    join (`worker`), whose updates were applied. Returns (attrs, cols, rank 0's stderr)."""
+    try:
+        jcode, _, jerr = finish(j)
+    finally:
+        code, out, err = finish(proc)
+    assert jcode == 0, jerr
+    assert code == 0, err
+    assert f"joined as worker {worker}" in jerr, jerr
+    attrs, cols = check_finished_exactly(log, data)
+    m = cols["members"]
+    assert list(m["event"]) == ["join"] and list(m["worker"]) == [worker], m
+    up = cols["updates"]
+    mine = up["worker"] == worker
+    assert mine.sum() > 0, "no update of the joiner was applied"
+    assert (up["t"][mine] >= m["t"][0]).all()
+    assert worker in {w["rank"] for w in attrs["summary"]["per_worker"]}
+    return attrs, cols, err
+
+
+def every_store_applied_everything(cols) -> None:
+    """Each store of --servers K applied every update: its `servers/` rows count as many as
+    rank 0's (a joiner whose slices missed a store would leave it behind, or hang it)."""
+    s = cols["servers"]
+    counts = {int(r): int(s["updates"][s["server"] == r].sum()) for r in np.unique(s["server"])}
+    assert len(counts) > 1 and len(set(counts.values())) == 1, counts
+
+
+def test_a_worker_joins_a_run_of_two_stores(data, tmp_path):  # noqa: F811
+    """--servers 2 on 4 ranks (stores 0 and 1, workers 2 and 3): `mpilb join` part-way is
+    accepted by both stores together and joins as worker 4; it pushes each store its slice
+    and pulls each slice from its store: both stores applied every update, coverage exact.
+    (Before: refused, "a run with --servers K > 1 takes no joins yet", exit 2.)"""
+    log = tmp_path / "run.h5"
+    proc = start(4, data, log, 14, "--servers", "2")
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+    except BaseException:
+        finish(proc)
+        raise
+    attrs, cols, err = joined_and_finished(proc, j, log, data, 4)
+    every_store_applied_everything(cols)
+
+
+def test_a_joiner_that_never_connects_holds_no_store(data, tmp_path):  # noqa: F811
+    """--servers 2: a stand-in that says it connects and then ends (rank 0 sees it gone and
+    tells no store to accept), and one that says it connects and never calls MPI_Comm_connect
+    (rank 0 and store 1 accept together; both give up after 5 s). Each is dropped with one
+    line; then a real joiner is taken on the same stores as worker 4 (store 1 was not left
+    in its accept); the run ends finished, exit 0, coverage exact, both stores with every
+    update."""
+    log = tmp_path / "run.h5"
+    proc = start(4, data, log, 24, "--servers", "2")
+    try:
+        mpirun.wait_training(str(log), proc)
+        said = stand_in()
+        request = announce(log, said.pid)
+        wait_for(request + ".port")
+        kill(said)
+        with open(request + ".connecting", "w"):
+            pass
+        silent = stand_in()
+        request = announce(log, silent.pid)
+        wait_for(request + ".port")
+        with open(request + ".connecting", "w"):
+            pass
+        assert silent.wait(timeout=30) == -signal.SIGKILL
+        assert proc.poll() is None
+        j = joiner(log)
+    except BaseException:
+        finish(proc)
+        raise
+    attrs, cols, err = joined_and_finished(proc, j, log, data, 4)
+    every_store_applied_everything(cols)
+    dropped = [line for line in err.splitlines() if "join" in line and "dropped" in line]
+    for who, why in ((said, "ended before it connected"), (silent, "did not connect within 5 s")):
+        assert [line for line in dropped if f"pid {who.pid} " in line and why in line], err
+    assert not os.path.exists(requests_dir(str(log)))
