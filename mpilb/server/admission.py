@@ -39,6 +39,7 @@ from typing import Optional
 from mpilb.core.holdings import Holding
 from mpilb.runfiles.requests import JOIN_PREFIX, write_atomically
 from mpilb.server.peers import Peer
+from mpilb.server.round_entry import Entry, RoundEntry
 
 PORT_SUFFIX = ".port"
 CONNECTING_SUFFIX = ".connecting"
@@ -138,6 +139,7 @@ class Admissions:
         self.joined: list = []   # (worker id, communicator)
         self.last_id = 0         # the highest id handed out (a joiner turned away has one)
         self.reserved = None     # the id the stores accepted the next joiner as (K > 1)
+        self.entering = RoundEntry(lambda: server.rule)   # --mode sync: at a round's close
 
     def poll(self, directory: str, names: list[str]) -> None:
         """The requests directory's files `names`: new requests get a port (or a refusal),
@@ -262,8 +264,50 @@ class Admissions:
         comm = self.connected(offer)
         if comm is None:
             return
+        if self.defer_to_round(Entry(comm, offer, ringback, self.reserved)):
+            return
         rank = self.admit(comm, offer, ringback)
         write_atomically(offer.path + ".answer", f"joined as worker {rank}\n")
+
+    # ----------------------------------------------------------------- --mode sync
+    def defer_to_round(self, entry: Entry) -> bool:
+        """--mode sync with a round open: the joiner is admitted at the round's close
+        (round_entry.py). False where it is admitted now."""
+        if not self.entering.defer(entry):
+            return False
+        self.reserved = None
+        if entry.reserved is not None:   # (the stores know it by that id)
+            self.last_id = max(self.last_id, entry.reserved)
+        return True
+
+    def round_closed(self) -> None:
+        """A sync round closed and its members were released: the joiners that waited for
+        it are admitted now, on the new version as the members are."""
+        def admit(entry: Entry) -> None:
+            if self.server.stop.reason:   # (the run is stopping: it would get no work)
+                return self.stop_accepted(entry.comm, entry.offer.path)
+            self.reserved = entry.reserved
+            rank = self.admit(entry.comm, entry.offer, entry.ringback)
+            write_atomically(entry.offer.path + ".answer", f"joined as worker {rank}\n")
+
+        self.entering.closed(admit)
+
+    def turn_away_entering(self) -> None:
+        """The run is over: joiners still waiting for a round's close are told to stop, as
+        one accepted in turn_away is."""
+        for entry in self.entering.take_all():
+            self.stop_accepted(entry.comm, entry.offer.path)
+
+    def stop_accepted(self, comm, path: str) -> None:
+        """A joiner accepted as the run ends: STOP at once, the answer, and it ends with the
+        job (finish)."""
+        from mpilb.mpi import wire
+
+        stop = wire.new_message(0)
+        wire.encode_reply(stop.header, wire.Cmd.STOP, version=0, batch=0)
+        comm.Send(stop.buf, dest=comm.Get_size() - 1, tag=wire.TAG_REPLY)
+        self.joined.append((None, comm))
+        write_atomically(path + ".answer", "refused: the run has ended\n")
 
     def admit(self, comm, offer: Optional[Offer] = None, ringback: Optional[dict] = None,
               event: str = "join", node: Optional[int] = None) -> int:
@@ -323,12 +367,11 @@ class Admissions:
     def turn_away(self, directory: str) -> None:
         """The run is over: a joiner already in MPI_Comm_connect is accepted (else it would
         wait there until its timeout) and told to stop at once; the others are answered."""
+        self.turn_away_entering()
         try:
             names = set(os.listdir(directory))
         except OSError:
             return
-        from mpilb.mpi import wire
-
         for path, offer in list(self.offers.items()):
             if os.path.basename(path) + CONNECTING_SUFFIX not in names:
                 self.offers.pop(path)
@@ -339,12 +382,8 @@ class Admissions:
             comm = self.connected(offer)
             if comm is None:
                 continue
-            stop = wire.new_message(0)
-            wire.encode_reply(stop.header, wire.Cmd.STOP, version=0, batch=0)
-            comm.Send(stop.buf, dest=comm.Get_size() - 1, tag=wire.TAG_REPLY)
             self.last_id, self.reserved = max(self.last_id, self.reserved or 0), None
-            self.joined.append((None, comm))
-            write_atomically(path + ".answer", "refused: the run has ended\n")
+            self.stop_accepted(comm, path)
 
     def finish(self) -> None:
         """The job's end (after its own end barrier): each joiner still there meets rank 0

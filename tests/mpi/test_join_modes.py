@@ -99,3 +99,49 @@ def test_a_joiner_that_never_connects_holds_no_store(data, tmp_path):  # noqa: F
     for who, why in ((said, "ended before it connected"), (silent, "did not connect within 5 s")):
         assert [line for line in dropped if f"pid {who.pid} " in line and why in line], err
     assert not os.path.exists(requests_dir(str(log)))
+
+
+def test_a_worker_joins_an_ssp_run(data, tmp_path):  # noqa: F811
+    """--mode ssp --staleness-bound 2 on 3 ranks: the joiner starts at the step of the slowest
+    worker at work (as an idle worker woken with work does), so that it does not hold the
+    others back for the steps it never took: they go on applying updates after the join,
+    and so does it. (Before: refused, "takes no joins yet (async only)", exit 2.)"""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 14, "--mode", "ssp", "--staleness-bound", "2")
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+    except BaseException:
+        finish(proc)
+        raise
+    attrs, cols, err = joined_and_finished(proc, j, log, data, 3)
+    up, t_join = cols["updates"], float(cols["members"]["t"][0])
+    for w in (1, 2):
+        assert (up["worker"][up["t"] > t_join + 1.0] == w).sum() > 0, f"worker {w} held back"
+
+
+def test_a_worker_joins_a_sync_run_at_a_round_boundary(data, tmp_path):  # noqa: F811
+    """--mode sync on 3 ranks, rank 2 slowed (20 ms a step), so that a round is open nearly
+    all the time: the joiner, accepted while a round is open, is admitted when it closes
+    (mpilb/server/round_entry.py); from the next round on every round waits for it too. Each round's updates
+    share one version (the round's): the joiner's first update is in a round of its own
+    version with the others', none of its updates is stale, and none is counted twice
+    (coverage exact). (Before: refused, "takes no joins yet (async only)", exit 2.)"""
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 6, "--mode", "sync", "--inject", "2:delay=0.02")
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+    except BaseException:
+        finish(proc)
+        raise
+    attrs, cols, err = joined_and_finished(proc, j, log, data, 3)
+    up = cols["updates"]
+    mine = up["worker"] == 3
+    assert (up["staleness"][mine] == 0).all(), up["staleness"][mine]
+    first = int(up["version"][mine].min())
+    assert set(up["worker"][up["version"] == first].tolist()) >= {1, 2, 3}
+    # every round after the join holds one update of each worker at work (none twice)
+    for v in np.unique(up["version"][up["version"] > first])[:-1]:
+        ranks = up["worker"][up["version"] == v].tolist()
+        assert len(ranks) == len(set(ranks)), (v, ranks)
