@@ -21,8 +21,15 @@ The joiner becomes a worker like the others: a :class:`~mpilb.server.peers.Peer`
 addresses it on its own communicator (rank 1 there; rank 0 is rank 0), a place in the task
 ledger and the balancer, its receives among the ones tested; it is woken with work at once
 (a steal, or the queues the balancer gives it). Its id in the logs is above every rank of
-the job. What is not supported yet (refused with one line): `--servers K > 1`, `--store
-local`, `--mode sync|ssp`, and a joined worker leaving (docs/membership.md).
+the job.
+
+With --servers K > 1 every other store takes part in the accept (:meth:`accept_on_stores`,
+server/store_joins.py): the joiner's communicator then holds every store (store s its rank
+s, the joiner rank K), and its slices go to each store as a job's worker's do. With --mode
+ssp it starts at the slowest busy worker's step (it is woken as an idle worker is); with
+--mode sync one accepted while a round is open is admitted at that round's close
+(:meth:`defer_to_round`, server/round_entry.py). What is not supported yet (refused with
+one line): `--store local`, and a joined worker leaving (docs/membership.md).
 """
 
 from __future__ import annotations
