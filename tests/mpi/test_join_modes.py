@@ -7,36 +7,41 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import numpy as np
 import pytest
 
 import mpirun
 from mpilb.runfiles.requests import requests_dir
-from test_joining import announce, joiner, kill, stand_in, wait_for
+from test_joining import announce, exact, joiner, kill, stand_in, wait_for, wait_joined
 from test_membership import check_finished_exactly, data, finish, start  # noqa: F401
 
 pytestmark = pytest.mark.mpi
 
 
-def joined_and_finished(proc, j, log, data, worker: int):  # noqa: F811
-    """Both launches exit 0; the run ends finished with exact coverage; members/ holds one
-    join (`worker`), whose updates were applied. Returns (attrs, cols, rank 0's stderr)."""
+def joined_and_finished(proc, j, log, data, worker: int, more: int = 0):  # noqa: F811
+    """Both launches exit 0; the run ends finished with exact coverage; members/ holds the
+    joins of `worker` (and the `more` after it, one launch), whose updates were applied.
+    Returns (attrs, cols, rank 0's stderr)."""
     try:
         jcode, _, jerr = finish(j)
     finally:
         code, out, err = finish(proc)
     assert jcode == 0, jerr
     assert code == 0, err
-    assert f"joined as worker {worker}" in jerr, jerr
+    workers = list(range(worker, worker + 1 + more))
+    for w in workers:
+        assert f"joined as worker {w}" in jerr, jerr
     attrs, cols = check_finished_exactly(log, data)
     m = cols["members"]
-    assert list(m["event"]) == ["join"] and list(m["worker"]) == [worker], m
+    assert list(m["event"]) == ["join"] * len(workers) and sorted(m["worker"]) == workers, m
     up = cols["updates"]
-    mine = up["worker"] == worker
-    assert mine.sum() > 0, "no update of the joiner was applied"
-    assert (up["t"][mine] >= m["t"][0]).all()
-    assert worker in {w["rank"] for w in attrs["summary"]["per_worker"]}
+    for w in workers:
+        mine = up["worker"] == w
+        assert mine.sum() > 0, f"no update of joiner {w} was applied"
+        assert (up["t"][mine] >= m["t"][list(m["worker"]).index(w)]).all()
+        assert w in {p["rank"] for p in attrs["summary"]["per_worker"]}
     return attrs, cols, err
 
 
@@ -48,20 +53,44 @@ def every_store_applied_everything(cols) -> None:
     assert len(counts) > 1 and len(set(counts.values())) == 1, counts
 
 
-def test_a_worker_joins_a_run_of_two_stores(data, tmp_path):  # noqa: F811
-    """--servers 2 on 4 ranks (stores 0 and 1, workers 2 and 3): `mpilb join` part-way is
-    accepted by both stores together and joins as worker 4; it pushes each store its slice
-    and pulls each slice from its store: both stores applied every update, coverage exact.
-    (Before: refused, "a run with --servers K > 1 takes no joins yet", exit 2.)"""
+def test_two_workers_join_a_run_of_two_stores(data, tmp_path):  # noqa: F811
+    """--servers 2 on 4 ranks (stores 0 and 1, workers 2 and 3): `mpiexec -n 2 mpilb join`
+    part-way: each rank is accepted by both stores together, as workers 4 and 5; each
+    pushes every store its slice and pulls each slice from its store: both stores applied
+    every update, coverage exact. (Before: refused, "a run with --servers K > 1 takes no
+    joins yet", exit 2.)"""
     log = tmp_path / "run.h5"
     proc = start(4, data, log, 14, "--servers", "2")
     try:
         mpirun.wait_training(str(log), proc)
-        j = joiner(log)
+        j = subprocess.Popen(mpirun.mpilb_cmd(2, "join", str(log)), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=mpirun.env(),
+                             start_new_session=True)
     except BaseException:
         finish(proc)
         raise
-    attrs, cols, err = joined_and_finished(proc, j, log, data, 4)
+    attrs, cols, err = joined_and_finished(proc, j, log, data, 4, more=1)
+    every_store_applied_everything(cols)
+
+
+def test_a_joiner_of_two_stores_killed_after_its_admission(data, tmp_path):  # noqa: F811
+    """--servers 2: a joiner killed once it joined is a lost worker like any other: rank 0
+    and store 1 stop listening to it, the run ends degraded, exit 3, coverage exact, both
+    stores with every update; members/ holds its join and its loss."""
+    log = tmp_path / "run.h5"
+    proc = start(4, data, log, 20, "--servers", "2", "--worker-timeout", "3")
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+        wait_joined(j)
+        os.killpg(j.pid, signal.SIGKILL)
+        j.wait(timeout=10)
+    finally:
+        code, out, err = finish(proc)
+    assert code == 3, err
+    attrs, cols = exact(log, data, "degraded")
+    m = cols["members"]
+    assert list(m["event"]) == ["join", "lost"] and list(m["worker"]) == [4, 4], m
     every_store_applied_everything(cols)
 
 
