@@ -149,27 +149,33 @@ def test_a_worker_joins_an_ssp_run(data, tmp_path):  # noqa: F811
         assert (up["worker"][up["t"] > t_join + 1.0] == w).sum() > 0, f"worker {w} held back"
 
 
-def test_a_worker_joins_a_sync_run_at_a_round_boundary(data, tmp_path):  # noqa: F811
-    """--mode sync on 3 ranks, rank 2 slowed (20 ms a step), so that a round is open nearly
+@pytest.mark.parametrize("servers", [1, 2])
+def test_a_worker_joins_a_sync_run_at_a_round_boundary(data, tmp_path, servers):  # noqa: F811
+    """--mode sync with 2 workers (and --servers 2: with 2 stores, the joiner's id reserved
+    with them while it waits), the last slowed (20 ms a step), so that a round is open nearly
     all the time: the joiner, accepted while a round is open, is admitted when it closes
     (mpilb/server/round_entry.py); from the next round on every round waits for it too. Each round's updates
     share one version (the round's): the joiner's first update is in a round of its own
     version with the others', none of its updates is stale, and none is counted twice
     (coverage exact). (Before: refused, "takes no joins yet (async only)", exit 2.)"""
     log = tmp_path / "run.h5"
-    proc = start(3, data, log, 6, "--mode", "sync", "--inject", "2:delay=0.02")
+    n = servers + 2
+    proc = start(n, data, log, 6, "--mode", "sync", "--servers", str(servers),
+                 "--inject", f"{n - 1}:delay=0.02")
     try:
         mpirun.wait_training(str(log), proc)
         j = joiner(log)
     except BaseException:
         finish(proc)
         raise
-    attrs, cols, err = joined_and_finished(proc, j, log, data, 3)
+    attrs, cols, err = joined_and_finished(proc, j, log, data, n)
     up = cols["updates"]
-    mine = up["worker"] == 3
+    mine = up["worker"] == n
     assert (up["staleness"][mine] == 0).all(), up["staleness"][mine]
     first = int(up["version"][mine].min())
-    assert set(up["worker"][up["version"] == first].tolist()) >= {1, 2, 3}
+    assert set(up["worker"][up["version"] == first].tolist()) >= {n - 2, n - 1, n}
+    if servers > 1:
+        every_store_applied_everything(cols)
     # every round after the join holds one update of each worker at work (none twice)
     for v in np.unique(up["version"][up["version"] > first])[:-1]:
         ranks = up["worker"][up["version"] == v].tolist()
