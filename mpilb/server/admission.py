@@ -318,7 +318,8 @@ class Admissions:
 
     def admit(self, comm, offer: Optional[Offer] = None, ringback: Optional[dict] = None,
               event: str = "join", node: Optional[int] = None) -> int:
-        """A worker on `comm` (its rank 1) joins the run now; returns its id. Its node in
+        """A worker on `comm` (its last rank: 1, or K with --servers K > 1) joins the run
+        now; returns its id. Its node in
         `members/` is that of the job's ranks on its host, else -1 (not known: :meth:`node_of`).
         `ringback`: its doorbell's address (local socket name or network address), rung
         with every message as the job's workers are; it rings rank 0 with every push
@@ -331,6 +332,7 @@ class Admissions:
         w = Peer(rank=rank, batch=s.cfg.balancing.batch,
                  link=s.slices.new_link(bool(s.cfg.updates.pipeline)))
         w.link.comm, w.link.dest = comm, comm.Get_size() - 1   # (the stores before it: K > 1)
+        w.step = self.slowest_step()
         s.peers[rank] = w
         s.ledger.of[rank] = Holding(rank)
         s.balancer.add_worker(rank)
@@ -345,6 +347,13 @@ class Admissions:
                   file=sys.stderr, flush=True)
         s.epochs.wake_idle()
         return rank
+
+    def slowest_step(self) -> int:
+        """A joiner's first step count: the lowest of the workers in the run. Counted from 0,
+        it would have --mode ssp hold every other worker until it caught up; where some are
+        busy, its wake raises it to the lowest of theirs (Decisions.wake_idle), and where
+        none is (all idle, between epochs) this keeps it from lagging the whole run."""
+        return min((p.step for p in self.server.roster.present()), default=0)
 
     def node_of(self, offer: Optional[Offer]) -> int:
         """The node a joiner runs on: that of the job's ranks on its host (its request names
