@@ -249,6 +249,8 @@ def train(config_file, cli_values: dict, raise_errors: bool = False,
             on_poll=(lambda: C.leave_if_told(comm)) if rank else None)
         if rank == 0 and getattr(role, "members", None) is not None and role.members.admissions:
             role.members.admissions.finish()   # workers that joined: the same, then disconnect
+        elif rank != 0 and hasattr(role, "disconnect_joined"):
+            role.disconnect_joined()   # a store of --servers K > 1: from the joiners too
         if alone:
             departure.finalize_alone()   # a collective MPI_Finalize would wait for those gone
         if rank == 0:

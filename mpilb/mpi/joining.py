@@ -13,6 +13,14 @@ is why a port is used for one joiner only and never closed before the job ends: 
 UCX) does not cancel the receive of a timed-out Accept, and a connection request that came
 to it later would be written into memory that is no longer the receive's; and a port's tag
 is given to the next port opened once it is closed.
+
+With --servers K > 1 every store takes part in the accept (:func:`accept_together`): MPI's
+accept is collective over a communicator of rank 0 and the other stores (:func:`stores_group`,
+made at the first join), rank 0 its root, so that the joiner's communicator holds every
+store (rank s there is store s, the joiner rank K) and its pushes and pulls go to each
+store as a job's worker's do. The stores call it on rank 0's command (wire.Op.ACCEPT), with
+the same timeout: when it runs out, rank 0's accept fails and so does every store's
+(measured, MPICH 5.0.2: all of them return the error after the timeout).
 """
 
 from __future__ import annotations
@@ -38,6 +46,23 @@ def accept(port: str, timeout: float):
     """Rank 0: take the joiner waiting in :func:`connect` (call only then: this blocks, at
     most `timeout` s). None if no one connected in that time."""
     return _merged(lambda info: MPI.COMM_SELF.Accept(port, info), timeout, high=False)
+
+
+STORES_TAG = 29   # Comm_create_group's tag for the stores' communicator
+
+
+def stores_group(world, stores):
+    """The communicator of the store ranks `stores` of `world` (rank 0 first, in slice order:
+    store s is its rank s). Collective over those ranks only (MPI_Comm_create_group)."""
+    return world.Create_group(world.Get_group().Incl(list(stores)), STORES_TAG)
+
+
+def accept_together(group, port: str, timeout: float):
+    """Every rank of `group` (the stores: :func:`stores_group`) takes the joiner waiting in
+    :func:`connect`; `port` counts at rank 0 only (the root). Bounded by `timeout` as
+    :func:`accept` is. The merged communicator (rank 0 first, store s its rank s, the joiner
+    last), or None on every rank if no one connected in that time."""
+    return _merged(lambda info: group.Accept(port, info, root=0), timeout, high=False)
 
 
 def connect(port: str, timeout: float):

@@ -129,6 +129,7 @@ class Op(IntEnum):
     STATS = 8         # send rank 0 the counters (updates, bytes in/out, apply_s, cpu_s)
     END = 9           # the run is over: send the counters and finish
     LOAD = 10         # receive the slice and the optimizer state from rank 0 (resume)
+    ACCEPT = 11       # take part in rank 0's accept of joiner RANK (BATCH: the timeout, s)
 
 
 class Ctrl(IntEnum):

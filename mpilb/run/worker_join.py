@@ -84,7 +84,7 @@ def prepare(values: dict) -> Prepared:
     # merged): it stays the job's (a joiner with it failed its check at once: "rank 2 is
     # not in this job of 2 rank(s)")
     cfg = Config.from_values(dict(values, inject=[]))
-    cfg.store_ranks = (0,)   # (joins are taken with one store only: server/admission.py)
+    cfg.store_ranks = (0,)   # (the stores of the job: known once connected, stores_joined)
     dataset = hold_out_validation(cfg.inputs, open_dataset(values["data"], check_files=False))
     return Prepared(cfg, dataset, config_model(cfg, dataset).num_params)
 
@@ -164,6 +164,7 @@ def work(ready: Prepared, comm, answer) -> int:
     from mpilb.worker.loop import Worker
 
     cfg, dataset = ready.cfg, ready.dataset
+    cfg.store_ranks = stores_joined(comm)
     _install_signal_handlers(comm.Get_size())   # a worker's: its SIGTERM is told to rank 0
     try:
         worker = Worker(cfg, dataset, comm, comm.Get_rank(),
@@ -176,6 +177,13 @@ def work(ready: Prepared, comm, answer) -> int:
     departure.end_together(comm, comm.Get_rank(), timeout=None)
     joining.disconnect(comm)
     return 2 if answer is not None and answer.startswith("refused") else 0
+
+
+def stores_joined(comm) -> tuple:
+    """The store ranks on a joiner's communicator: every rank before the joiner's own, the
+    last (--servers K > 1: rank 0 and the other stores accepted it together, store s as its
+    rank s: server/store_joins.py; else rank 0 alone)."""
+    return tuple(range(comm.Get_size() - 1))
 
 
 def _failed(comm, exc: BaseException, answer) -> int:

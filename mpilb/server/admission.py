@@ -21,8 +21,14 @@ The joiner becomes a worker like the others: a :class:`~mpilb.server.peers.Peer`
 addresses it on its own communicator (rank 1 there; rank 0 is rank 0), a place in the task
 ledger and the balancer, its receives among the ones tested; it is woken with work at once
 (a steal, or the queues the balancer gives it). Its id in the logs is above every rank of
-the job. What is not supported yet (refused with one line): `--servers K > 1` and `--mode
-sync|ssp` (docs/membership.md).
+the job.
+
+With --servers K > 1 every other store takes part in the accept (:meth:`accept_on_stores`,
+server/store_joins.py): the joiner's communicator then holds every store (store s its rank
+s, the joiner rank K), and its slices go to each store as a job's worker's do. With --mode
+ssp it starts at the slowest busy worker's step (it is woken as an idle worker is); with
+--mode sync one accepted while a round is open is admitted at that round's close
+(:meth:`defer_to_round`, server/round_entry.py).
 
 With `--store local` (relay.hold_node_copies) a joiner reads the shards its
 node holds (those of the job's workers on its host) and is one more holder of them in the
@@ -48,11 +54,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mpilb.core.holdings import Holding
-from mpilb.core.topology import stores_of
 from mpilb.runfiles.requests import JOIN_PREFIX, write_atomically
 from mpilb.server.farewell import Farewells
 from mpilb.server.peers import Peer
 from mpilb.server.relay import hold_node_copies
+from mpilb.server.round_entry import Entry, RoundEntry
 
 PORT_SUFFIX = ".port"
 CONNECTING_SUFFIX = ".connecting"
@@ -152,6 +158,9 @@ class Admissions:
         self.joined: list = []   # (worker id, communicator)
         self.relay = None        # --store local: rows for joiners (relay.py), from the first
         self.farewells = Farewells(server, lambda: self.relay)   # joiners let go (farewell.py)
+        self.last_id = 0         # the highest id handed out (a joiner turned away has one)
+        self.reserved = None     # the id the stores accepted the next joiner as (K > 1)
+        self.entering = RoundEntry(lambda: server.rule)   # --mode sync: at a round's close
 
     def poll(self, directory: str, names: list[str]) -> None:
         """The requests directory's files `names`: new requests get a port (or a refusal),
@@ -182,10 +191,6 @@ class Admissions:
             return f"the run is stopping ({s.stop.reason})"
         if not cfg.faults.join:
             return "the run was started with --no-join: it takes no workers that join"
-        if len(stores_of(cfg)) > 1:
-            return "a run with --servers K > 1 takes no joins yet"
-        if cfg.updates.mode != "async":
-            return f"a run with --mode {cfg.updates.mode} takes no joins yet (async only)"
         return ""
 
     def mismatch(self, brings: dict) -> str:
@@ -234,14 +239,12 @@ class Admissions:
         (dropped). Never called for a process seen ended: its connection request may wait at
         rank 0 all the same, and answering it would end rank 0 (MPICH's UCX transport
         crashed so, measured: signal 11, on an accept whose connector had ended)."""
-        from mpilb.mpi import joining
-
         if offer.gone():
             self.drop(offer, "ended before it connected", tell=False)
             return None
         self.offers.pop(offer.path, None)
         remove(offer.path + CONNECTING_SUFFIX, offer.path + PORT_SUFFIX)
-        comm = joining.accept(offer.port, ACCEPT_TIMEOUT_S)
+        comm = self.accept_on_stores(offer)
         if comm is None:
             ended = offer.here()
             if ended and process_alive(offer.pid):
@@ -252,29 +255,95 @@ class Admissions:
                       tell=not ended)
         return comm
 
+    def next_id(self) -> int:
+        """The id the next worker admitted gets: above every rank of the job and every id
+        given before."""
+        s = self.server
+        return max([s.comm.Get_size() - 1, *s.peers, self.last_id]) + 1
+
+    def accept_on_stores(self, offer: Offer):
+        """MPI's accept of `offer`'s joiner (bounded by ACCEPT_TIMEOUT_S): rank 0's alone,
+        or with --servers K > 1 every store's with it, so that the joiner's communicator
+        holds every store (server/store_joins.py). Its communicator, or None."""
+        from mpilb.mpi import joining
+
+        slices = self.server.slices
+        if not slices.sliced:
+            return joining.accept(offer.port, ACCEPT_TIMEOUT_S)
+        self.reserved = self.next_id()   # the stores know the joiner by it
+        comm = slices.accept_joiner(self.reserved, offer.port, ACCEPT_TIMEOUT_S)
+        if comm is None:
+            self.reserved = None
+        return comm
+
     def accept(self, offer: Offer) -> None:
         """The joiner waits in MPI_Comm_connect: take it (a blocking call, ~20 ms)."""
         ringback = ringback_of(offer.path + CONNECTING_SUFFIX)
         comm = self.connected(offer)
         if comm is None:
             return
+        if self.defer_to_round(Entry(comm, offer, ringback, self.reserved)):
+            return
         rank = self.admit(comm, offer, ringback)
         write_atomically(offer.path + ".answer", f"joined as worker {rank}\n")
 
+    # ----------------------------------------------------------------- --mode sync
+    def defer_to_round(self, entry: Entry) -> bool:
+        """--mode sync with a round open: the joiner is admitted at the round's close
+        (round_entry.py). False where it is admitted now."""
+        if not self.entering.defer(entry):
+            return False
+        self.reserved = None
+        if entry.reserved is not None:   # (the stores know it by that id)
+            self.last_id = max(self.last_id, entry.reserved)
+        return True
+
+    def round_closed(self) -> None:
+        """A sync round closed and its members were released: the joiners that waited for
+        it are admitted now, on the new version as the members are."""
+        def admit(entry: Entry) -> None:
+            if self.server.stop.reason:   # (the run is stopping: it would get no work)
+                return self.stop_accepted(entry.comm, entry.offer.path)
+            self.reserved = entry.reserved
+            rank = self.admit(entry.comm, entry.offer, entry.ringback)
+            write_atomically(entry.offer.path + ".answer", f"joined as worker {rank}\n")
+
+        self.entering.closed(admit)
+
+    def turn_away_entering(self) -> None:
+        """The run is over: joiners still waiting for a round's close are told to stop, as
+        one accepted in turn_away is."""
+        for entry in self.entering.take_all():
+            self.stop_accepted(entry.comm, entry.offer.path)
+
+    def stop_accepted(self, comm, path: str) -> None:
+        """A joiner accepted as the run ends: STOP at once, the answer, and it ends with the
+        job (finish)."""
+        from mpilb.mpi import wire
+
+        stop = wire.new_message(0)
+        wire.encode_reply(stop.header, wire.Cmd.STOP, version=0, batch=0)
+        comm.Send(stop.buf, dest=comm.Get_size() - 1, tag=wire.TAG_REPLY)
+        self.joined.append((None, comm))
+        write_atomically(path + ".answer", "refused: the run has ended\n")
+
     def admit(self, comm, offer: Optional[Offer] = None, ringback: Optional[dict] = None,
               event: str = "join", node: Optional[int] = None) -> int:
-        """A worker on `comm` (its rank 1) joins the run now; returns its id. Its node in
+        """A worker on `comm` (its last rank: 1, or K with --servers K > 1) joins the run
+        now; returns its id. Its node in
         `members/` is that of the job's ranks on its host, else -1 (not known: :meth:`node_of`).
         `ringback`: its doorbell's address (local socket name or network address), rung
         with every message as the job's workers are; it rings rank 0 with every push
         (without one it is polled for). A replacement (server/respawn.py) comes with its
         `event` ("respawn") and `node`."""
         s = self.server
-        rank = max([s.comm.Get_size() - 1, *s.peers]) + 1
+        rank, self.reserved = (self.next_id() if self.reserved is None else self.reserved), None
+        self.last_id = rank
         s.receiver.bell.add_peer(rank, **(ringback or {}))
         w = Peer(rank=rank, batch=s.cfg.balancing.batch,
                  link=s.slices.new_link(bool(s.cfg.updates.pipeline)))
-        w.link.comm, w.link.dest = comm, 1
+        w.link.comm, w.link.dest = comm, comm.Get_size() - 1   # (the stores before it: K > 1)
+        w.step = self.slowest_step()
         s.peers[rank] = w
         s.ledger.of[rank] = Holding(rank)
         if s.ledger.holders is not None:
@@ -291,6 +360,13 @@ class Admissions:
                   file=sys.stderr, flush=True)
         s.epochs.wake_idle()
         return rank
+
+    def slowest_step(self) -> int:
+        """A joiner's first step count: the lowest of the workers in the run. Counted from 0,
+        it would have --mode ssp hold every other worker until it caught up; where some are
+        busy, its wake raises it to the lowest of theirs (Decisions.wake_idle), and where
+        none is (all idle, between epochs) this keeps it from lagging the whole run."""
+        return min((p.step for p in self.server.roster.present()), default=0)
 
     def node_of(self, offer: Optional[Offer]) -> int:
         """The node a joiner runs on: that of the job's ranks on its host (its request names
@@ -320,12 +396,11 @@ class Admissions:
     def turn_away(self, directory: str) -> None:
         """The run is over: a joiner already in MPI_Comm_connect is accepted (else it would
         wait there until its timeout) and told to stop at once; the others are answered."""
+        self.turn_away_entering()
         try:
             names = set(os.listdir(directory))
         except OSError:
             return
-        from mpilb.mpi import wire
-
         for path, offer in list(self.offers.items()):
             if os.path.basename(path) + CONNECTING_SUFFIX not in names:
                 self.offers.pop(path)
@@ -336,11 +411,8 @@ class Admissions:
             comm = self.connected(offer)
             if comm is None:
                 continue
-            stop = wire.new_message(0)
-            wire.encode_reply(stop.header, wire.Cmd.STOP, version=0, batch=0)
-            comm.Send(stop.buf, dest=1, tag=wire.TAG_REPLY)
-            self.joined.append((None, comm))
-            write_atomically(path + ".answer", "refused: the run has ended\n")
+            self.last_id, self.reserved = max(self.last_id, self.reserved or 0), None
+            self.stop_accepted(comm, path)
 
     def finish(self) -> None:
         """The job's end (after its own end barrier): each joiner still there meets rank 0
@@ -354,7 +426,9 @@ class Admissions:
         for rank, comm in self.joined:
             if rank is not None and (self.server.peers[rank].lost or self.server.peers[rank].left):
                 continue   # (a lost joiner cannot take part in a disconnect; one let go did)
-            end_together(comm, 0, timeout=END_TIMEOUT_S)
+            # (with --servers K > 1 the other stores, ranks 1..K-1 there, disconnect after
+            # their own end barrier: store.py, SliceRank.disconnect_joined)
+            end_together(comm, 0, skip=range(1, comm.Get_size() - 1), timeout=END_TIMEOUT_S)
             joining.disconnect(comm)
         for port in self.ports:
             joining.close_port(port)

@@ -38,6 +38,7 @@ class SliceGroup:
         self.remote = RemoteSlices(comm, self.bounds, cfg.faults.worker_timeout, PREEMPTED.is_set,
                                    self.ranks)
         self.sliced = len(self.ranks) > 1
+        self.stores_comm = None   # rank 0 and the other stores: made at the first join
         n0 = self.bounds[1]
         # a push to rank 0 carries its slice of the gradient, then the model's state
         self.push_floats = n0 + session.model.num_state
@@ -113,6 +114,18 @@ class SliceGroup:
     def pending(self) -> list:
         """Sends still reading the parameters (or their wire copies)."""
         return self.local.pending() + ([] if self.encoded is None else self.encoded.pending())
+
+    def accept_joiner(self, rank: int, port: str, timeout: float):
+        """With K > 1: the joiner waiting in MPI_Comm_connect at `port` is accepted by every
+        store together (store_joins.py), as worker `rank`; its communicator (rank 0 first,
+        store s its rank s, the joiner last), or None (no one connected within `timeout`)."""
+        from mpilb.mpi import joining
+
+        seconds = max(1, int(round(timeout)))   # (the stores are told whole seconds)
+        self.remote.accepting(rank, seconds)
+        if self.stores_comm is None:
+            self.stores_comm = joining.stores_group(self.remote.comm, self.ranks)
+        return joining.accept_together(self.stores_comm, port, seconds)
 
     def start(self, version: int) -> None:
         """Every store takes its slice of the session's parameters and optimizer state."""

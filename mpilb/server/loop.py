@@ -176,8 +176,7 @@ class ParameterServer:
                 self.outbox.orders(w)
 
     def begin_stop(self) -> None:
-        """A stop rule fired (or a preemption): STOP to every worker waiting for a message;
-        the others get it in reply to their next push."""
+        """A stop rule fired (or a preemption): STOP to those waiting, the others at their push."""
         if not self.stop.reason:
             self.stop.reason = "stopped"
         for w in self.present():
@@ -348,3 +347,4 @@ class ParameterServer:
                 else:
                     self.epochs.top_up(w)
                     self._send_reply(w)
+        self.members.admissions.round_closed()   # joiners that waited for it (round_entry.py)

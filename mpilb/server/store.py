@@ -34,6 +34,7 @@ from mpilb.core.topology import stores_of, workers_of
 from mpilb.mpi.watchdog import Rank0Watch
 from mpilb.mpi.wire import Op
 from mpilb.server.modes import ParamRing
+from mpilb.server.store_joins import StoreJoins
 
 END_TIMEOUT_S = 30.0
 PING_S = 0.25        # how often rank 0 asks every store for its counters (its liveness)
@@ -100,6 +101,7 @@ class SliceRank:
         self.n = self.bounds[s + 1] - self.bounds[s]
         self.ring = slice_ring(cfg, np.zeros(self.n, np.float32), config_optimizer(cfg.optim, self.n))
         self.workers = workers_of(cfg, comm.Get_size())
+        self.joins = StoreJoins(comm, stores_of(cfg))   # workers that joined (store_joins.py)
         # --wire: slices arrive in that format and are expanded into `grad` (float32);
         # replies go from `encoded`, the slice converted once per version
         self.fmt = wire_format.wire_format(cfg.updates.wire)
@@ -125,7 +127,8 @@ class SliceRank:
 
     # ----------------------------------------------------------------- messages
     def _post(self, w: int) -> None:
-        self.recvs[w] = self.comm.Irecv(self.grads[w], source=w, tag=wire.TAG_GRAD)
+        comm, source = self.joins.link(w)
+        self.recvs[w] = comm.Irecv(self.grads[w], source=source, tag=wire.TAG_GRAD)
 
     def _poll_ctrl(self) -> bool:
         got = False
@@ -205,7 +208,8 @@ class SliceRank:
             if prev is not None:   # (a worker gone mid-transfer: rank 0's silence ends this)
                 C.wait(prev, on_poll=self.rank0.check)
             params = s.params if self.encoded is None else self.encoded.of(s.params, s.version)
-            req = self.comm.Isend(params, dest=m.rank, tag=wire.TAG_PARAMS)
+            comm, dest = self.joins.link(m.rank)
+            req = comm.Isend(params, dest=dest, tag=wire.TAG_PARAMS)
             if self.encoded is None:
                 s.sending(req, m.rank)
             else:
@@ -231,6 +235,9 @@ class SliceRank:
                 self.encoded.forget()
         elif m.op == Op.STATS:
             self._send_stats()
+        elif m.op == Op.ACCEPT and self.joins.accept(m.rank, m.batch):   # a joiner
+            self.grads[m.rank] = np.empty(self.n, self.fmt.wire_dtype)
+            self._post(m.rank)
 
     def run(self) -> None:
         """Serve rank 0's commands until END."""
@@ -246,6 +253,10 @@ class SliceRank:
                 self._do(m)
         finally:
             self._close()
+
+    def disconnect_joined(self) -> None:
+        """After the job's end barrier: the joiners' communicators (store_joins.py)."""
+        self.joins.disconnect(self.lost)
 
     def _close(self) -> None:
         deadline = time.monotonic() + 5.0   # a lost worker's never complete
@@ -346,6 +357,10 @@ class RemoteSlices:
 
     def reply(self, rank: int) -> None:
         self._command(Op.REPLY, rank)
+
+    def accepting(self, rank: int, timeout: int) -> None:
+        """Every store takes part in rank 0's accept of joiner `rank` (store_joins.py)."""
+        self._command(Op.ACCEPT, rank, batch=timeout)
 
     def lose(self, rank: int) -> None:
         self.owed.discard(rank)

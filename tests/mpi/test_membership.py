@@ -231,14 +231,15 @@ def test_a_worker_joins_a_running_job_and_counts_like_any_other(data, tmp_path):
 
 
 def test_mpilb_join_refusals(data, tmp_path):
-    """A run that has ended, and a run that takes no joins (--servers 2): one line, exit 2."""
+    """A run that has ended, and a run that takes no joins (--no-join; --servers 2 runs take
+    them: test_join_modes.py): one line, exit 2."""
     log = tmp_path / "run.h5"
-    proc = start(4, data, log, 12, "--servers", "2")
+    proc = start(4, data, log, 12, "--servers", "2", "--no-join")
     try:
         mpirun.wait_training(str(log), proc)
         refused = mpirun.run(1, "join", str(log), timeout=60)
         assert refused.returncode == 2, refused.stderr
-        assert "takes no joins yet" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+        assert "started with --no-join" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
     finally:
         code, out, err = finish(proc)
     assert code == 0, err

@@ -176,7 +176,7 @@ def test_store_messages_are_pinned():
     assert (wire.TAG_PARAMS, wire.TAG_GRAD, wire.TAG_CTRL, wire.TAG_GATHER, wire.TAG_STATS) == (14, 16, 17, 18, 19)
     assert {o.name: int(o) for o in wire.Op} == {
         "APPLY": 1, "ADD": 2, "DISCARD": 3, "ROUND": 4, "REPLY": 5, "LOSE": 6, "GATHER": 7,
-        "STATS": 8, "END": 9, "LOAD": 10}
+        "STATS": 8, "END": 9, "LOAD": 10, "ACCEPT": 11}
     assert [int(c) for c in wire.Ctrl] == [0, 1, 2, 3, 4, 5]
     assert (wire.CTRL_FIELDS, wire.STATS_FIELDS) == (8, 6)
     buf = np.zeros(wire.CTRL_FIELDS)
