@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import sys
 
 from mpilb.errors import UsageError
@@ -148,6 +149,8 @@ def _clusters(args):
     from mpilb.simulate import cluster as C
 
     cfg = {}
+    if args.params is not None and args.params < 0:
+        raise UsageError(f"--params must be >= 0 (got {args.params})")
     if args.from_log:
         if args.workers or args.inject:
             raise UsageError("--from replays a run: --workers and --inject come from its log")
@@ -235,8 +238,12 @@ def _clusters(args):
     if args.sit_out is not None:
         cfg["sit_out"] = bool(args.sit_out)
     if args.server_gbps is not None:
+        if not 0 < args.server_gbps < math.inf:
+            raise UsageError(f"--server-gbps must be > 0 (got {args.server_gbps})")
         cfg["server_gbps"] = args.server_gbps
     if args.apply_s is not None:
+        if not 0 <= args.apply_s < math.inf:
+            raise UsageError(f"--apply-s must be >= 0 s (got {args.apply_s})")
         cfg["apply_s"] = args.apply_s
     cfg.setdefault("epochs", 3)
     for key in ("batch", "epochs"):

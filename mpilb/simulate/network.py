@@ -50,7 +50,10 @@ def parse_rate(text: str, what: str = "--link-rate") -> float:
     if not m or float(m.group(1)) <= 0:
         raise UsageError(f"{what} {text!r}: not a rate; give e.g. 100mbit, 1gbit, 1.5gbit or "
                          f"10gbps (bit units are bits/s, bps units bytes/s)")
-    return float(m.group(1)) * _UNITS[m.group(2)]
+    rate = float(m.group(1)) * _UNITS[m.group(2)]
+    if not math.isfinite(rate):
+        raise UsageError(f"{what} {text!r}: too large a rate (past a float's range)")
+    return rate
 
 
 def parse_rates(text: str, nodes: int, what: str = "--link-rate") -> list[float]:
@@ -206,6 +209,8 @@ class Fabric:
     """
 
     def __init__(self, rates: list[float], caps: list[float], latency: float):
+        if not all(0.0 < r < math.inf for r in rates):
+            raise ValueError(f"every resource's rate must be finite and > 0 (got {rates})")
         self.rate = list(rates)
         self.cap = list(caps)
         self.latency = latency
@@ -290,7 +295,11 @@ class Fabric:
         self._advance(res, t)
         heap = self.flows[res]
         v = self.v[res]                     # (never negative)
-        done = v + 1e-9 * (v if v > 1.0 else 1.0)
+        # done: a flow whose finish is within the float error of v, or whose bytes left
+        # would take less than the clock can tell from t (4 ulps of t at the speed): left
+        # on, its next departure would fall at t again and advance v by nothing, for ever
+        slack = 4.0 * math.ulp(t) * self._speed(res) if heap else 0.0
+        done = v + max(1e-9 * (v if v > 1.0 else 1.0), slack)
         while heap and heap[0][0] <= done:
             _, fid = heapq.heappop(heap)
             self.load[res] -= self.weight.pop(fid)

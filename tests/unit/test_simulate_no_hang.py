@@ -1,0 +1,123 @@
+"""`mpilb simulate`'s network model never hangs on degenerate inputs (#33): tiny transfers
+late in a run, zero-size pushes, huge or unbounded link rates, one worker, zero compute."""
+
+import math
+
+import pytest
+
+from mpilb.cli.main import main
+from mpilb.errors import UsageError
+from mpilb.simulate.cluster import Profile, constant
+from mpilb.simulate.netengine import NetEngine
+from mpilb.simulate.network import Fabric, Layout, NetSpec, parse_rate
+from mpilb.simulate.workers import SimConfig
+
+GBIT = 125e6
+MAX_POPS = 200_000    # far above what any test here needs; past it the loop is stuck
+
+
+def bounded(fab: Fabric, limit: int = MAX_POPS) -> Fabric:
+    """``fab`` with a pop that raises past ``limit`` calls (a stuck loop fails fast)."""
+    pop, count = fab.pop, [0]
+
+    def counted():
+        count[0] += 1
+        if count[0] > limit:
+            raise AssertionError(f"the fabric popped {limit} events: stuck")
+        return pop()
+    fab.pop = counted
+    return fab
+
+
+def drain(fab: Fabric) -> dict:
+    done = {}
+    while fab.next_time() < math.inf:
+        t, kind, token = fab.pop()
+        if kind == 2:
+            done[token] = t
+    return done
+
+
+@pytest.mark.parametrize("t0, nbytes, rate", [(945.3254248583684, 4000.0, 5e9),
+                                              (939.227851929638, 4.0, 1.25e9),
+                                              (686.7973703249007, 4e5, 1e12)])
+def test_a_small_flow_late_in_a_run_is_done(t0, nbytes, rate):
+    """A flow's last bytes took less than the clock's resolution at t0 (an ulp of t0 at the
+    rate is more than the 1e-9 tolerance): its departure fell at t0 again and again, v not
+    advancing, for ever (a one-node replay with --params 1000 hung)."""
+    fab = bounded(Fabric([rate], [math.inf], 0.0), 100)
+    fab.transfer(t0, [fab.flow(t0, 0, nbytes)], "x")
+    assert drain(fab)["x"] == pytest.approx(t0 + nbytes / rate, abs=1e-9)
+
+
+def engine(nodes, ranks, k=1, params=1000, rate=1e6, link=GBIT, profiles=None, **kw):
+    spec = NetSpec(nodes, ranks, [link] * nodes, latency_s=kw.pop("latency", 5e-5))
+    layout = Layout(spec, k, kw.pop("node_of", None))
+    profiles = profiles or [constant(rate, 0.0, 1e12) for _ in range(sum(ranks))]
+    sizes = kw.pop("sizes", [100] * 8)
+    cfg = SimConfig(balancer=kw.pop("balancer", "load"), epochs=kw.pop("epochs", 1), batch=10,
+                    params=params, apply_s=kw.pop("apply_s", 2e-4), servers=k, pipeline=1, **kw)
+    eng = NetEngine(cfg, profiles, sizes, layout=layout)
+    bounded(eng.fabric)
+    return eng
+
+
+def finished(res, samples):
+    cov = res["coverage"]
+    assert cov["applied"] == cov["expected"] == samples and cov["duplicates"] == 0
+    assert math.isfinite(res["epoch_s"])
+
+
+def test_a_one_node_replay_of_a_tiny_model_late_in_time():
+    # the reported case: one node (store and workers through shared memory), 1000 params,
+    # slow steps so that the clock is at hundreds of seconds when the small slices travel
+    eng = engine(1, [3], params=1000, rate=0.5, sizes=[20] * 20)
+    finished(eng.run(), 400)
+    assert eng.now > 300
+
+
+def test_zero_size_pushes():
+    # no parameters at all, and more stores than parameters (some slices of 0 floats)
+    finished(engine(2, [2, 2], params=0).run(), 800)
+    finished(engine(3, [2, 2, 2], k=3, params=2).run(), 800)
+    # nothing on the wire, no latency, no store time: everything at once, still done
+    finished(engine(2, [1, 1], params=0, latency=0.0, apply_s=0.0).run(), 800)
+
+
+def test_a_huge_link_rate():
+    big = parse_rate("1" + "0" * 300 + "gbit")
+    assert math.isfinite(big)
+    finished(engine(2, [2, 2], params=1000, link=big).run(), 800)
+    finished(engine(2, [2, 2], params=10**9, link=1e30).run(), 800)
+
+
+def test_an_unbounded_rate_is_refused():
+    for text in ("1" + "0" * 400 + "gbit", "1" + "0" * 400 + "bps"):
+        with pytest.raises(UsageError, match="too large"):
+            parse_rate(text)
+    with pytest.raises(ValueError):
+        Fabric([math.inf], [math.inf], 0.0)
+
+
+def test_a_single_worker():
+    finished(engine(1, [2], params=1000).run(), 800)
+    finished(engine(2, [1, 1], params=1000, rate=0.5, sizes=[10] * 30).run(), 300)
+
+
+def test_zero_compute_time():
+    free = [Profile([0.0], [0.0]) for _ in range(4)]
+    finished(engine(2, [2, 2], profiles=free).run(), 800)
+    finished(engine(2, [2, 2], profiles=free, params=0, latency=0.0, apply_s=0.0).run(), 800)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--link-rate", "1" + "0" * 400 + "gbit"], "too large"),
+    (["--shm-rate", "1" + "0" * 400 + "gbit"], "too large"),
+    (["--params", "-1"], "--params must be"),
+    (["--apply-s", "-1"], "--apply-s must be"),
+    (["--server-gbps", "0"], "--server-gbps must be"),
+])
+def test_degenerate_options_are_one_line_and_exit_2(capsys, argv, words):
+    code = main(["simulate", "--nodes", "2", "--ranks-per-node", "2", *argv, "--epochs", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and words in err and "\n" not in err
