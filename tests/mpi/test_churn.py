@@ -29,7 +29,7 @@ def reference(synth_dir, tmp_path_factory) -> float:
                              mpirun.env())
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1])   # one with --respawn, one without (the benchmark: 10)
 def test_a_run_with_a_join_a_leave_and_a_kill(seed, synth_dir, reference, tmp_path):
     plan = churn.Plan.draw(seed)
     out = churn.churn_run(synth_dir, str(tmp_path), plan, EPOCHS, mpirun.env())

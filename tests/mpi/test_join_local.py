@@ -21,6 +21,7 @@ import pytest
 import mpirun
 from mpilb.data.dataset import open_dataset
 from mpilb.runfiles.runlog import read_columns
+from test_joining import joiner_pid
 from test_membership import data, finish, gone_within, leave, start  # noqa: F401
 
 pytestmark = pytest.mark.mpi
@@ -152,20 +153,6 @@ def test_store_local_joiners_read_their_nodes_shards_and_leave_by_command_or_sig
     assert summary["lost_workers"] == []
     assert {3, 4} <= {w["rank"] for w in summary["per_worker"]}
     assert "rank 3 left the run at" in err
-
-
-def joiner_pid(log) -> int:
-    """The mpilb process of the join launch for `log` (not its mpiexec or hydra proxy)."""
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{p}/cmdline", "rb") as fh:
-                cmd = fh.read().split(b"\0")
-        except OSError:
-            continue
-        if (b"join" in cmd and str(log).encode() in cmd and b"mpilb" in cmd
-                and not any(b"hydra" in c or c.endswith(b"mpiexec") for c in cmd)):
-            return int(p)
-    raise AssertionError("no joiner process")
 
 
 def _box_missing():

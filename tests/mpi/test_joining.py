@@ -60,6 +60,25 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait(timeout=10)
 
 
+def stand_ins_saying_they_connect(log) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """Two stand-ins, each offered a port: one says it connects and is killed first (rank 0
+    must see it gone), one says it connects and never calls MPI_Comm_connect (rank 0's
+    accept gives up after its timeout, and rank 0 kills it: a late connection would harm)."""
+    said = stand_in()
+    request = announce(log, said.pid)
+    wait_for(request + ".port")
+    kill(said)
+    with open(request + ".connecting", "w"):
+        pass
+    silent = stand_in()
+    request = announce(log, silent.pid)
+    wait_for(request + ".port")
+    with open(request + ".connecting", "w"):
+        pass
+    assert silent.wait(timeout=30) == -signal.SIGKILL
+    return said, silent
+
+
 def exact(log, data, status):
     """The run ended `status` with every sample of every epoch applied once."""
     from mpilb.data.dataset import open_dataset
@@ -111,18 +130,7 @@ def test_a_joiner_that_dies_before_it_connects_never_holds_rank_0(data, tmp_path
         request = announce(log, gone.pid)
         wait_for(request + ".port")
         kill(gone)
-        said = stand_in()
-        request = announce(log, said.pid)
-        wait_for(request + ".port")
-        kill(said)
-        with open(request + ".connecting", "w"):
-            pass
-        silent = stand_in()
-        request = announce(log, silent.pid)
-        wait_for(request + ".port")
-        with open(request + ".connecting", "w"):
-            pass
-        assert silent.wait(timeout=30) == -signal.SIGKILL   # (a late connection would harm)
+        said, silent = stand_ins_saying_they_connect(log)
         for brings, says in (('{"shards": [1, 2], "params": 1}', "the joiner's data"),
                               ('{"params": 7}', "the joiner's model has 7 parameters")):
             request = announce(log, os.getpid(), brings)
