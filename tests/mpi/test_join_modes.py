@@ -6,7 +6,6 @@ epoch applied once (recomputed from updates/)."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 
 import mpirun
 from mpilb.runfiles.requests import requests_dir
-from test_joining import exact, joiner, stand_ins_saying_they_connect, wait_joined
+from test_joining import exact, joiner, kill_a_joiner_once_joined, stand_ins_saying_they_connect
 from test_membership import check_finished_exactly, data, finish, start  # noqa: F401
 
 pytestmark = pytest.mark.mpi
@@ -58,15 +57,8 @@ def test_a_joiner_of_two_stores_killed_after_its_admission(data, tmp_path):  # n
     and store 1 stop listening to it, the run ends degraded, exit 3, coverage exact, both
     stores with every update; members/ holds its join and its loss."""
     log = tmp_path / "run.h5"
-    proc = start(4, data, log, 20, "--servers", "2", "--worker-timeout", "3")
-    try:
-        mpirun.wait_training(str(log), proc)
-        j = joiner(log)
-        wait_joined(j)
-        os.killpg(j.pid, signal.SIGKILL)
-        j.wait(timeout=10)
-    finally:
-        code, out, err = finish(proc)
+    code, err = kill_a_joiner_once_joined(
+        start(4, data, log, 20, "--servers", "2", "--worker-timeout", "3"), log)
     assert code == 3, err
     attrs, cols = exact(log, data, "degraded")
     m = cols["members"]

@@ -188,12 +188,9 @@ def test_a_joiner_killed_in_connect_while_rank_0_is_held(data, tmp_path):  # noq
     assert "dropped" in err, err
 
 
-def test_a_joiner_killed_after_its_admission(data, tmp_path):  # noqa: F811
-    """Killed as soon as it says it joined (before or just after its first push): it is a
-    lost worker like any other (after --worker-timeout): the run ends degraded, exit 3,
-    with exact coverage; members/ holds its join and its loss."""
-    log = tmp_path / "run.h5"
-    proc = start(3, data, log, 30, "--worker-timeout", "5")
+def kill_a_joiner_once_joined(proc, log) -> tuple[int, str]:
+    """Once the run `proc` trains, a joiner SIGKILLed as soon as it says it joined; then
+    the run's end: (its exit code, rank 0's stderr)."""
     try:
         mpirun.wait_training(str(log), proc)
         j = joiner(log)
@@ -202,6 +199,15 @@ def test_a_joiner_killed_after_its_admission(data, tmp_path):  # noqa: F811
         j.wait(timeout=10)
     finally:
         code, out, err = finish(proc, timeout=240)
+    return code, err
+
+
+def test_a_joiner_killed_after_its_admission(data, tmp_path):  # noqa: F811
+    """Killed as soon as it says it joined (before or just after its first push): it is a
+    lost worker like any other (after --worker-timeout): the run ends degraded, exit 3,
+    with exact coverage; members/ holds its join and its loss."""
+    log = tmp_path / "run.h5"
+    code, err = kill_a_joiner_once_joined(start(3, data, log, 30, "--worker-timeout", "5"), log)
     assert code == 3, err
     attrs, cols = exact(log, data, "degraded")
     m = cols["members"]
