@@ -1,7 +1,7 @@
 """Workers that join a running job: a run started with 2 workers, joined by 2 more a few
 seconds in, against a run started with 4.
 
-    python benchmarks/membership.py [--repeats 3] [--epochs 20] [--join-at 3]
+    python benchmarks/membership.py [--repeats 3] [--epochs 20] [--join-at 3] [--box [--link-rate 1gbit]]
 
 Each repeat runs, on the built-in dataset (`$MPILB_CACHE`, made once):
 
@@ -18,11 +18,18 @@ run (the run clock of each log starts at its training start); and the coverage b
 recorded (every sample of every epoch once). Targets (issue #29): the first push within 2 s
 of the joiner's start, samples/s after the join at least 0.9 of the 4-worker run's, exact
 coverage. Writes benchmarks/results/membership.json; exit 0 when every target is met.
+
+With `--box` (root; mpilb.clusterbox) the same across two nodes of a cluster in a box, links
+shaped to `--link-rate`: the joined run `-hosts n0:2,n1:1` (rank 0 and worker 1 on n0, worker
+2 on n1), both joiners started on n1 (they reach rank 0 over the network, as a second job on
+other nodes does), against `-hosts n0:2,n1:3` (the same ranks on the same nodes from the
+start). Writes benchmarks/results/membership_box.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -46,13 +53,39 @@ def mpilb(n: int, *args: str) -> list[str]:
     return [_runs.mpiexec(), "-n", str(n), sys.executable, "-m", "mpilb", *args]
 
 
+class Here:
+    """Runs on this machine: the job's ranks and the joiners share its memory."""
+
+    def job(self, n: int, args, **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(mpilb(n, *args), **kwargs)
+
+    def joiner(self, args, **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(mpilb(1, *args), **kwargs)
+
+
+class OnTwoNodes:
+    """Runs on two nodes of a cluster in a box: the job's ranks placed by `-hosts` (rank 0 and
+    worker 1 on n0, the other workers on n1), the joiners started on n1."""
+
+    def __init__(self, box):
+        self.box = box
+
+    def job(self, n: int, args, env=None, **kwargs) -> subprocess.Popen:
+        hosts = f"n0:2,n1:{n - 2}"
+        cmd = self.box.mpiexec_cmd(["-hosts", hosts, sys.executable, "-m", "mpilb", *args])
+        return self.box.popen(0, cmd, env=env, **kwargs)
+
+    def joiner(self, args, env=None, **kwargs) -> subprocess.Popen:
+        return self.box.popen(1, mpilb(1, *args), env=env, **kwargs)
+
+
 class Joiner:
     """One `mpilb join` process, and the wall-clock time it said it joined."""
 
-    def __init__(self, log: str, cwd: str, env: dict):
+    def __init__(self, where, log: str, cwd: str, env: dict):
         self.launched = time.time()
-        self.proc = subprocess.Popen(mpilb(1, "join", log), cwd=cwd, env=env, text=True,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = where.joiner(["join", log], cwd=cwd, env=env, text=True,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         self.joined_at: float | None = None
         self.rank: int | None = None
         self.err: list[str] = []
@@ -98,16 +131,16 @@ def samples_per_s(updates, t_from: float) -> float:
     return float(updates["batch"][after].sum()) / span
 
 
-def one_repeat(d: str, opts, env: dict) -> dict:
+def one_repeat(d: str, opts, env: dict, where) -> dict:
     from mpilb.runfiles.runlog import read_columns
 
     common = ["train", "--epochs", str(opts.epochs), "--no-progress"]
     join_log = os.path.join(d, "join.h5")
-    run = subprocess.Popen(mpilb(3, *common, "--log", join_log), cwd=d, env=env, text=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = where.job(3, [*common, "--log", join_log], cwd=d, env=env, text=True,
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_first_update(join_log, run)
     time.sleep(opts.join_at)
-    joiners = [Joiner(join_log, d, env), Joiner(join_log, d, env)]
+    joiners = [Joiner(where, join_log, d, env), Joiner(where, join_log, d, env)]
     codes = [j.wait(timeout=opts.epochs * 20 + 120) for j in joiners]
     _, err = run.communicate(timeout=opts.epochs * 20 + 120)
     if run.returncode != 0 or codes != [0, 0] or None in [j.joined_at for j in joiners]:
@@ -126,10 +159,11 @@ def one_repeat(d: str, opts, env: dict) -> dict:
     joined_rate = samples_per_s(updates, window_from)
 
     four_log = os.path.join(d, "four.h5")
-    res = subprocess.run(mpilb(5, *common, "--log", four_log), cwd=d, env=env, text=True,
-                         capture_output=True, timeout=opts.epochs * 20 + 120)
-    if res.returncode != 0:
-        sys.exit(f"the 4-worker run: exit {res.returncode}\n{res.stderr[-2000:]}")
+    four = where.job(5, [*common, "--log", four_log], cwd=d, env=env, text=True,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, err4 = four.communicate(timeout=opts.epochs * 20 + 120)
+    if four.returncode != 0:
+        sys.exit(f"the 4-worker run: exit {four.returncode}\n{err4[-2000:]}")
     attrs4, cols4 = read_columns(four_log)
     four_rate = samples_per_s(cols4["updates"], window_from)
     out = {"first_push_s": max(first_push), "rate_ratio": joined_rate / four_rate,
@@ -148,26 +182,51 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=20)
     ap.add_argument("--join-at", type=float, default=3.0,
                     help="seconds after the first applied update to start the joiners")
+    ap.add_argument("--box", action="store_true",
+                    help="across two nodes of a cluster in a box (root): joiners on the other node")
+    ap.add_argument("--link-rate", default="1gbit", help="with --box: each node's link rate")
     _results.add_output_args(ap, NAME)
     opts = ap.parse_args(argv)
     if opts.quick:
         opts.repeats, opts.epochs = 1, 10
+    name = f"{NAME}_box" if opts.box else NAME
     cache = os.environ.get("MPILB_CACHE") or os.path.join(tempfile.gettempdir(), "mpilb-bench-cache")
     env = dict(os.environ, MPILB_CACHE=cache)
-    res = _results.Results(NAME, "Workers that join a running job", opts)
+    if opts.box:
+        from mpilb.clusterbox import ClusterBox, missing
+
+        why = missing()
+        if why:
+            sys.exit(f"--box: no cluster in a box here: {why}")
+        title = f"Workers that join a running job from another node (cluster in a box, links {opts.link_rate})"
+        place = ClusterBox(nodes=2, link_rate=opts.link_rate)
+    else:
+        title, place = "Workers that join a running job", None
+    res = _results.Results(name, title, opts)
     runs = []
-    for r in range(opts.repeats):
-        print(f"repeat {r + 1} of {opts.repeats}", flush=True)
-        d = tempfile.mkdtemp(prefix="mpilb-join-")
-        try:
-            runs.append(one_repeat(d, opts, env))
-        finally:
-            shutil.rmtree(d, ignore_errors=True)
-    g = res.group(f"2 workers joined by 2 more {opts.join_at:g} s in, against 4 from the start "
-                  f"(the built-in dataset, {opts.epochs} epochs)",
-                  f"mpiexec -n 3 mpilb train --epochs {opts.epochs} --log join.h5; "
-                  "mpiexec -n 1 mpilb join join.h5 (twice, together); "
-                  f"mpiexec -n 5 mpilb train --epochs {opts.epochs}")
+    with (place if place is not None else contextlib.nullcontext()):
+        where = OnTwoNodes(place) if place is not None else Here()
+        for r in range(opts.repeats):
+            print(f"repeat {r + 1} of {opts.repeats}", flush=True)
+            d = tempfile.mkdtemp(prefix="mpilb-join-")
+            try:
+                runs.append(one_repeat(d, opts, env, where))
+            finally:
+                shutil.rmtree(d, ignore_errors=True)
+    if opts.box:
+        what = (f"2 workers (n0: rank 0 and worker 1; n1: worker 2) joined by 2 more on n1 "
+                f"{opts.join_at:g} s in, against the same 4 workers from the start "
+                f"(the built-in dataset, {opts.epochs} epochs, links {opts.link_rate})")
+        how = (f"mpilb box: mpiexec -hosts n0:2,n1:1 mpilb train --epochs {opts.epochs} --log join.h5; "
+               "on n1: mpiexec -n 1 mpilb join join.h5 (twice, together); "
+               f"mpiexec -hosts n0:2,n1:3 mpilb train --epochs {opts.epochs}")
+    else:
+        what = (f"2 workers joined by 2 more {opts.join_at:g} s in, against 4 from the start "
+                f"(the built-in dataset, {opts.epochs} epochs)")
+        how = (f"mpiexec -n 3 mpilb train --epochs {opts.epochs} --log join.h5; "
+               "mpiexec -n 1 mpilb join join.h5 (twice, together); "
+               f"mpiexec -n 5 mpilb train --epochs {opts.epochs}")
+    g = res.group(what, how)
     res.figure(g, "first_push_s", "a joiner's launch to its first applied push, the later of two",
                [x["first_push_s"] for x in runs], unit="s", digits=2, target=TARGETS["first_push_s"])
     res.figure(g, "rate_ratio", "samples/s from 1 s after the joins ÷ the 4-worker run's, same window",
@@ -179,7 +238,7 @@ def main(argv=None) -> int:
     res.figure(g, "exact", "both runs' coverage exact (1 = yes)", [x["exact"] for x in runs],
                target=TARGETS["exact"])
     _runs.print_targets(res.checks())
-    res.write(_results.out_path(opts, NAME))
+    res.write(_results.out_path(opts, name))
     return 0 if res.all_met() else 1
 
 

@@ -38,6 +38,13 @@ def start(n, data, log, epochs=12, *extra, launcher=()):
                             start_new_session=True)
 
 
+# Every worker sleeps 2 ms a step: a run that must outlive what a test does to it (a few
+# `mpilb leave` commands, each a process start) lasts at least ~250 steps an epoch x 2 ms
+# on a fast machine too (measured on a fast 2-core VM: 8 sync epochs unpaced in 2.4 s, before
+# `mpilb leave` was answered), while on a slow one the sleeps overlap the others' compute.
+PACED = ("--inject", "*:delay=0.002")
+
+
 def rank_pid(log, rank: int) -> int:
     """The pid of `rank` of the job writing `log` (Hydra gives each rank PMI_RANK)."""
     for p in filter(str.isdigit, os.listdir("/proc")):
@@ -96,7 +103,7 @@ def test_mpilb_leave_lets_a_worker_go_and_the_run_finishes(data, tmp_path):
     exit 0, every sample of every epoch applied once; members/ holds the leave; rank 3's
     samples count in per_worker. Requests that cannot be met are one line, exit 2."""
     log = tmp_path / "run.h5"
-    proc = start(4, data, log, 12, "--servers", "2")
+    proc = start(4, data, log, 12, "--servers", "2", *PACED)
     try:
         mpirun.wait_training(str(log), proc)
         pid = rank_pid(log, 3)
@@ -142,7 +149,7 @@ def test_sigusr2_to_a_worker_lets_it_go_with_pipelining(data, tmp_path, launcher
     (after its MPI_Finalize too): that is no preemption (before: every worker reported it,
     the vote passed, and the run stopped `preempted`)."""
     log = tmp_path / "run.h5"
-    proc = start(4, data, log, 10, "--pipeline", "1", launcher=launcher)
+    proc = start(4, data, log, 10, "--pipeline", "1", *PACED, launcher=launcher)
     try:
         mpirun.wait_training(str(log), proc)
         pid = rank_pid(log, 2)
@@ -181,7 +188,7 @@ def test_a_leave_in_the_modes_that_hold_replies(data, tmp_path, mode):
     """sync rounds and the ssp bound hold replies: a worker asked to leave while held goes
     when its reply would have been released, and the rounds (the bound) go on without it."""
     log = tmp_path / "run.h5"
-    proc = start(4, data, log, 8, "--mode", mode)
+    proc = start(4, data, log, 8, "--mode", mode, *PACED)
     try:
         mpirun.wait_training(str(log), proc)
         pid = rank_pid(log, 1)
