@@ -1,7 +1,7 @@
 """Workers that join a running job: a run started with 2 workers, joined by 2 more a few
 seconds in, against a run started with 4.
 
-    python benchmarks/membership.py [--repeats 3] [--epochs 20] [--join-at 3] [--box [--link-rate 1gbit]]
+    python benchmarks/membership.py [--repeats 3] [--epochs 60] [--join-at 3] [--box [--link-rate 1gbit]]
 
 Each repeat runs, on the built-in dataset (`$MPILB_CACHE`, made once):
 
@@ -179,7 +179,7 @@ def one_repeat(d: str, opts, env: dict, where) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--epochs", type=int, default=20)
+    ap.add_argument("--epochs", type=int, default=60)
     ap.add_argument("--join-at", type=float, default=3.0,
                     help="seconds after the first applied update to start the joiners")
     ap.add_argument("--box", action="store_true",
@@ -188,7 +188,7 @@ def main(argv=None) -> int:
     _results.add_output_args(ap, NAME)
     opts = ap.parse_args(argv)
     if opts.quick:
-        opts.repeats, opts.epochs = 1, 10
+        opts.repeats, opts.epochs = 1, 30
     name = f"{NAME}_box" if opts.box else NAME
     cache = os.environ.get("MPILB_CACHE") or os.path.join(tempfile.gettempdir(), "mpilb-bench-cache")
     env = dict(os.environ, MPILB_CACHE=cache)
