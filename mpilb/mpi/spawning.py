@@ -8,7 +8,9 @@ it is one call among the chores between pushes, one per lost worker. Both sides 
 the intercommunicator as a joiner's are merged (mpi/joining.py): rank 0 is rank 0 of the
 result, the replacement rank 1. The replacement then prepares its data and model and says
 it is ready (:func:`say_ready`); rank 0 admits it only then, so that its preparation is
-never timed as a worker's silence, and never waited for.
+never timed as a worker's silence, and never waited for. Its doorbell (mpi/doorbell.py) is
+a joiner's: rank 0's invitation comes with its arguments, its "ready" carries where rank 0
+rings it back, and rank 0's answer to it (:func:`tell_id`) the id its rings name.
 """
 
 from __future__ import annotations
@@ -64,6 +66,22 @@ def spawn(args: list[str], host: str = "") -> object:
     return merge(inter, high=False)
 
 
+def arg(value) -> str:
+    """`value` (JSON) as one argument of the spawned command: hex, because the launcher's
+    handling of arguments drops backslashes (measured, MPICH's Hydra: a doorbell's name
+    "\\u0000mpilb-..." arrived as "u0000mpilb-...")."""
+    import json
+
+    return json.dumps(value).encode().hex()
+
+
+def from_arg(text: str):
+    """The value :func:`arg` wrote."""
+    import json
+
+    return json.loads(bytes.fromhex(text).decode())
+
+
 def parent() -> Optional[object]:
     """In a spawned replacement: the communicator merged with rank 0 (this process is rank
     1 there), or None where this process was not spawned."""
@@ -73,11 +91,38 @@ def parent() -> Optional[object]:
     return merge(inter, high=True)
 
 
-def say_ready(comm) -> None:
-    """The replacement has its data and model: rank 0 may admit it."""
-    comm.send(None, dest=0, tag=TAG_READY)
+ID_WAIT_S = 10.0   # a replacement's wait for its id after its "ready" (rank 0 admits at once)
+
+
+def say_ready(comm, ringback: Optional[dict] = None) -> Optional[int]:
+    """The replacement has its data and model: rank 0 may admit it. `ringback`: where rank 0
+    rings its doorbell (doorbell.join_job). Returns the id rank 0 admitted it as, None where
+    no answer came within :data:`ID_WAIT_S` (not admitted: the run ends, or it came too late
+    and the job's end ends it; it then works unrung until then)."""
+    import time
+
+    from mpilb.mpi.waiting import Backoff
+
+    comm.send(ringback or {}, dest=0, tag=TAG_READY)
+    req = comm.irecv(source=0, tag=TAG_READY)
+    backoff, deadline = Backoff(), time.monotonic() + ID_WAIT_S
+    backoff.reset()
+    while True:
+        done, rank = req.test()   # (the message with it: Test() would drop it)
+        if done:
+            return int(rank)
+        if time.monotonic() > deadline:
+            req.Cancel()
+            return None
+        backoff.sleep()
 
 
 def await_ready(comm):
-    """Rank 0: the request that completes when the replacement on `comm` is ready."""
+    """Rank 0: the request that completes when the replacement on `comm` is ready (with its
+    doorbell's ringback, a dict)."""
     return comm.irecv(source=1, tag=TAG_READY)
+
+
+def tell_id(comm, rank: int) -> None:
+    """Rank 0: the replacement on `comm` was admitted as worker `rank`."""
+    comm.send(int(rank), dest=1, tag=TAG_READY)

@@ -1,6 +1,7 @@
 """A replacement worker (--respawn): the process rank 0 starts with MPI_Comm_spawn when a
 worker is lost (server/respawn.py), as ``python -m mpilb.run.replacement LOST CONFIG``
-(the lost worker's id, the run's options as JSON).
+(the lost worker's id, the run's options and rank 0's doorbell invitation, each JSON in hex:
+mpi/spawning.py's `arg`).
 
 MPI starts first (rank 0 waits in its spawn until this process's MPI_Init connects back),
 then the replacement prepares its data and model as a joiner does, says it is ready, and
@@ -9,7 +10,6 @@ is the same worker as a joiner from there on (run/worker_join.py).
 
 from __future__ import annotations
 
-import json
 import sys
 
 
@@ -28,10 +28,19 @@ def main(argv: list[str]) -> int:
 
     answer = f"joined as the replacement of rank {argv[0]}"
     try:
-        ready = prepare(json.loads(argv[1]))
+        ready = prepare(spawning.from_arg(argv[1]))
     except Exception as exc:   # its data or model on this host: rank 0 is told, the run goes on
         return _failed(comm, exc, answer)
-    spawning.say_ready(comm)
+    from mpilb.mpi import doorbell
+
+    invitation = spawning.from_arg(argv[2]) if len(argv) > 2 else None
+    bell, ringback = doorbell.join_job(invitation or None)
+    rank = spawning.say_ready(comm, ringback)
+    if rank is not None:
+        bell.rank = rank   # its rings name it by its id in the job, as a joiner's do
+        doorbell.install(bell)
+    else:
+        bell.close()
     return work(ready, comm, answer)
 
 

@@ -18,7 +18,6 @@ with one line (it would fail again, and each try stops rank 0 for its duration).
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -96,7 +95,9 @@ class Respawns:
 
         where = self.host_for(lost)
         host = self.hosts[where] if where is not None else ""
-        args = ["-m", spawning.CHILD_MODULE, str(lost), json.dumps(dict(self.server.cfg.values))]
+        invitation = self.server.receiver.bell.invitation()   # its doorbell, a joiner's
+        args = ["-m", spawning.CHILD_MODULE, str(lost), spawning.arg(dict(self.server.cfg.values)),
+                spawning.arg(invitation or {})]
         try:
             comm = spawning.spawn(args, host)
         except spawning.SpawnRefused as exc:
@@ -128,18 +129,23 @@ class Respawns:
         err = C.poll_error(spawned.comm)
         if err is not None:
             return self.drop(spawned, f"failed before it was ready: {err[1]}")
-        done, _ = spawned.ready.test()
+        done, ringback = spawned.ready.test()
         if done:
             self.spawned.remove(spawned)
             if self.server.stop.reason:
                 return   # (the job's end ends it: MPI_Abort, as for the lost worker itself)
-            self.admit(spawned)
+            self.admit(spawned, ringback if isinstance(ringback, dict) else None)
         elif mono - spawned.since > READY_TIMEOUT_S:
             self.drop(spawned, f"was not ready within {READY_TIMEOUT_S:g} s of its start")
 
-    def admit(self, spawned: Spawned) -> None:
+    def admit(self, spawned: Spawned, ringback: Optional[dict] = None) -> None:
+        """Admit a ready replacement as a joiner is, rung at its `ringback` (its doorbell),
+        and tell it its id (the sender its rings name)."""
+        from mpilb.mpi import spawning
+
         admissions = self.members.admissions
-        rank = admissions.admit(spawned.comm, event="respawn", node=spawned.node)
+        rank = admissions.admit(spawned.comm, ringback=ringback, event="respawn", node=spawned.node)
+        spawning.tell_id(spawned.comm, rank)
         self.replaced[spawned.lost] = rank
         print(f"mpilb: worker {rank} replaces rank {spawned.lost} from {self.server.now():.1f} s",
               file=sys.stderr, flush=True)

@@ -30,7 +30,11 @@ def members(log) -> list[tuple[float, int, int, str]]:
 def test_a_worker_killed_by_sigkill_is_replaced(synth_dir, tmp_path):
     """4 workers, rank 2 SIGKILLed once training runs: declared lost after --worker-timeout,
     a replacement (worker 5) spawned on its host and admitted; its first push is applied
-    within 5 s of the loss; exit 3, `degraded` (a worker was lost), exact coverage."""
+    within 5 s of the loss; it rings rank 0 with its pushes as a joiner does (the run log's
+    `doorbells`: via local, rings counted; before, it had no doorbell and rank 0 polled
+    while it worked); exit 3, `degraded` (a worker was lost), exact coverage."""
+    import json
+
     timeout, epochs = 3, 40   # long enough for the replacement's pushes on a quiet machine
     cmd = [mpirun.mpiexec(), "-disable-auto-cleanup", "-n", "5", sys.executable, "-m", "mpilb",
            *train(synth_dir, tmp_path, "--epochs", epochs, "--worker-timeout", timeout,
@@ -53,6 +57,8 @@ def test_a_worker_killed_by_sigkill_is_replaced(synth_dir, tmp_path):
     assert_degraded_exact(tmp_path, synth_dir, epochs)
     per_worker = {w["rank"]: w["samples"] for w in summarize_log(str(tmp_path / "run.h5"))["per_worker"]}
     assert per_worker.get(5, 0) > 0, per_worker
+    bells = json.loads(read_columns(str(tmp_path / "run.h5"))[0]["doorbells"])
+    assert bells.get("5", {}).get("via") == "local" and bells["5"]["rings"] > 0, bells
 
 
 def test_respawn_under_srun_says_it_cannot_and_the_run_goes_on(synth_dir, tmp_path):

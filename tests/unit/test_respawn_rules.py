@@ -59,6 +59,7 @@ class FakeServer:
         self.cfg.values = {"respawn": True}
         self.ranks = list(ranks)
         self.stop = SimpleNamespace(reason="")
+        self.receiver = SimpleNamespace(bell=SimpleNamespace(invitation=lambda: None))
 
     def now(self) -> float:
         return 4.0
