@@ -67,6 +67,7 @@ def leave(log: str, rank: int, wait_s: float = ANSWER_WAIT_S) -> int:
         raise UsageError(f"{log}: cannot write the request beside the run log ({exc.strerror})") from None
     deadline = time.monotonic() + wait_s
     while (answer := answer_of(request)) is None:
+        _not_ended(log, request, "it has no worker to let go")
         if time.monotonic() > deadline:
             raise MpilbError(f"{log}: no answer from the run within {wait_s:g} s (is rank 0 "
                              f"stopped?); the request stays in {where} and is taken when it goes on")
@@ -80,6 +81,25 @@ def leave(log: str, rank: int, wait_s: float = ANSWER_WAIT_S) -> int:
         raise UsageError(f"{log}: {answer}")
     print(f"{log}: {answer}")
     return 0
+
+
+def _not_ended(log: str, request: str, ended: str) -> None:
+    """While waiting for rank 0's answer to `request`: the run ended without one (it had
+    answered the requests there at its end, before this one was written) is one line
+    (UsageError, exit 2), the request and its directory removed. (Before: the wait went on
+    for ANSWER_WAIT_S and ended with exit 1, "no answer".)"""
+    if _written_now(log) or answer_of(request) is not None:
+        return
+    for path in (request, os.path.dirname(request)):
+        try:
+            os.rmdir(path) if path != request else os.unlink(path)
+        except OSError:
+            pass
+    try:
+        status = open_log(log)[0].get("status", "?")
+    except Exception:   # (a log being replaced or damaged: its end is all that is known)
+        status = "?"
+    raise UsageError(f"{log}: the run has ended (status {status}): {ended}")
 
 
 def _joiners(members) -> list[int]:
@@ -141,11 +161,15 @@ def _offered(request: str, log: str, deadline: float) -> tuple[str, dict]:
     """Rank 0's answer to a join request: the port it opened for this joiner and what it
     wrote beside it (server/admission.py: "bell", its doorbell's invitation; with --store
     local "files", its shards' entries), or its refusal (UsageError)."""
+    polls = 0
     while not os.path.exists(request + ".port"):
         answer = answer_of(request)
         if answer is not None:
             os.unlink(request + ".answer")
             raise UsageError(f"{log}: {answer}")
+        polls += 1
+        if polls % 25 == 0:   # (every 0.25 s: the log's lock, not every 10 ms)
+            _not_ended(log, request, "it takes no more workers")
         if time.monotonic() > deadline:
             raise MpilbError(f"{log}: no answer from the run within {ANSWER_WAIT_S:g} s (is rank 0 stopped?)")
         time.sleep(0.01)

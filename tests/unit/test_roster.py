@@ -107,3 +107,34 @@ def test_with_a_local_store_a_worker_holding_the_only_copy_of_a_shard_stays():
     answer = m.request(1, "x")
     assert answer.startswith("refused: rank 1 holds the only copy left of shard(s) 0, 4 (--store local")
     assert not roster.peers[1].leaving
+
+
+def test_a_request_written_after_the_runs_end_is_refused_at_once(synth_dir, tmp_path, monkeypatch):
+    """`mpilb leave` (and `mpilb join`) that found the run running, then wrote its request
+    after rank 0 had answered the requests there at its end: refused in one line, exit 2,
+    within a second, its request and the directory removed (before: it waited 30 s for an
+    answer and ended with exit 1, "no answer from the run"; seen in the churn test on a
+    fast machine)."""
+    import time
+
+    import pytest
+
+    from mpilb.cli import membership
+    from mpilb.errors import UsageError
+    from mpilb.runfiles.summary import open_log
+    import subprocess
+    import sys
+
+    log = tmp_path / "run.h5"
+    done = subprocess.run([sys.executable, "-m", "mpilb", "train", "--data", synth_dir, "--model",
+                           "softmax", "--epochs", "1", "--no-progress", "--log", str(log)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    attrs, cols = open_log(str(log))
+    attrs = dict(attrs, world_size=3)
+    monkeypatch.setattr(membership, "_running", lambda *a, **k: (attrs, cols))  # (it was running)
+    t0 = time.monotonic()
+    with pytest.raises(UsageError, match="the run has ended \\(status finished\\): it has no worker"):
+        membership.leave(str(log), 2)
+    assert time.monotonic() - t0 < 2.0
+    assert not os.path.exists(requests_dir(str(log)))
