@@ -138,3 +138,29 @@ def test_rank_0_waits_for_rings_only_while_every_worker_rings():
         assert not receiver.rung
     finally:
         server.close()
+
+
+def test_a_joiner_rings_locally_when_rank_0s_queue_is_full():
+    """Rank 0 busy serving: rings it has not read yet fill its socket's queue, and a test
+    ring then fails with EAGAIN. That is a socket that is there: the joiner rings locally.
+    (Before: EAGAIN read as "not there", the joiner had no doorbell and rank 0 polled for
+    it; half the runs of the one-launch join test on a fast 2-core VM.)"""
+    bell = rank0_bell()
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    filler.setblocking(False)
+    sent = 0
+    try:
+        while sent < 100000:
+            filler.sendto(doorbell.RING.pack(1, 1, bell.key), bell.prefix + "0")
+            sent += 1
+    except BlockingIOError:
+        pass
+    assert 0 < sent < 100000   # the queue is full now
+    joiner, ringback = doorbell.join_job(bell.invitation())
+    try:
+        assert joiner.via(0) == LOCAL and "local" in ringback, ringback
+        assert not doorbell._reaches(filler, bell.prefix + "nobody", 1, bell.key)
+    finally:
+        joiner.close()
+        filler.close()
+        bell.close()
