@@ -167,12 +167,23 @@ def test_a_joiner_killed_in_connect_while_rank_0_is_held(data, tmp_path):  # noq
         server = rank_pid(log, 0)
         j = joiner(log)
         where = requests_dir(str(log))
+        # The joiner is held from its request to rank 0's stop: else, on a fast machine, it
+        # said it connects before the stop, rank 0 was already in its accept when stopped,
+        # and the accept of the process killed meanwhile ended rank 0 (exit 11; 1 of 2 full
+        # suites on a fast VM). Rank 0 takes a request within 0.5 s; the hold comes ~5 ms
+        # after the request.
         deadline = time.monotonic() + 60
+        while not any(n.startswith("join-") and "." not in n for n in listing(where)):
+            assert time.monotonic() < deadline and j.poll() is None
+            time.sleep(0.005)
+        held = joiner_pid(log)
+        os.kill(held, signal.SIGSTOP)
         while not any(n.endswith(".port") for n in listing(where)):
             assert time.monotonic() < deadline and j.poll() is None
             time.sleep(0.005)
         os.kill(server, signal.SIGSTOP)
         try:
+            os.kill(held, signal.SIGCONT)
             connecting = [n for n in os.listdir(where) if n.endswith(".port")][0]
             wait_for(os.path.join(where, connecting.replace(".port", ".connecting")), 30.0)
             time.sleep(1.0)   # (it is in MPI_Comm_connect now: its request sent)

@@ -103,7 +103,7 @@ def test_mpilb_leave_lets_a_worker_go_and_the_run_finishes(data, tmp_path):
     exit 0, every sample of every epoch applied once; members/ holds the leave; rank 3's
     samples count in per_worker. Requests that cannot be met are one line, exit 2."""
     log = tmp_path / "run.h5"
-    proc = start(4, data, log, 12, "--servers", "2", *PACED)
+    proc = start(4, data, log, 6, "--servers", "2", *PACED)
     try:
         mpirun.wait_training(str(log), proc)
         pid = rank_pid(log, 3)
