@@ -91,13 +91,12 @@ def wait_first_update(log: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def undisturbed(data: str, workdir: str, epochs: int, env: dict, timeout: float = 300,
-                k: int = 0, pace: tuple = ()) -> float:
-    """The final test accuracy of the same run without a join, a leave or a kill (`pace`:
-    more `train` options, as given to :func:`churn_run`)."""
+                k: int = 0) -> float:
+    """The final test accuracy of the same run without a join, a leave or a kill."""
     from mpilb.runfiles.summary import summarize_log
 
     log = os.path.join(workdir, f"undisturbed{k}.h5")
-    r = subprocess.run(mpilb(WORKERS + 1, *train_args(data, log, epochs, *pace)), cwd=workdir, env=env,
+    r = subprocess.run(mpilb(WORKERS + 1, *train_args(data, log, epochs)), cwd=workdir, env=env,
                        capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise RuntimeError(f"the undisturbed run: exit {r.returncode}\n{r.stderr[-2000:]}")
@@ -105,16 +104,14 @@ def undisturbed(data: str, workdir: str, epochs: int, env: dict, timeout: float 
 
 
 def churn_run(data: str, workdir: str, plan: Plan, epochs: int, env: dict,
-              timeout: float = 300, pace: tuple = ()) -> dict:
-    """One run of `plan`: its outcome (codes, members/ rows, coverage, accuracy). `pace`:
-    more `train` options (the test's: a sleep per step, so that a fast machine's run
-    outlives the plan's events)."""
+              timeout: float = 300) -> dict:
+    """One run of `plan`: its outcome (codes, members/ rows, coverage, accuracy)."""
     from mpilb.data.dataset import open_dataset
     from mpilb.runfiles.runlog import read_columns
     from mpilb.runfiles.summary import summarize_log
 
     log = os.path.join(workdir, f"churn-{plan.seed}.h5")
-    extra = ["--inject", f"{plan.crash_rank}:crash@{plan.crash_at}", *pace]
+    extra = ["--inject", f"{plan.crash_rank}:crash@{plan.crash_at}"]
     if plan.respawn:
         extra.append("--respawn")
     job = subprocess.Popen(mpilb(WORKERS + 1, *train_args(data, log, epochs, *extra)), cwd=workdir,

@@ -306,7 +306,11 @@ def test_join_grows_a_running_job_from_a_second_job(tmp_path, digits):
     env = shim_env(tmp_path)
     train = start([SHIM / "sbatch", "--nodes=1", "--ntasks=3", JOBS / "slurm/train_cpu.sbatch",
                    "--data", digits, "--model", "mlp", "--hidden", "16", "--epochs", "150",
-                   "--seed", "1", "--no-progress", "--log", tmp_path / "run.h5"], tmp_path, env)
+                   "--seed", "1", "--no-progress", "--log", tmp_path / "run.h5",
+                   # its workers sleep 3 ms a step, so that the run (~22 steps a worker an
+                   # epoch: at least ~10 s) outlives the second job's start on a fast machine
+                   # too (unpaced it ended first there: "the run has ended", exit 2)
+                   "--inject", "*:delay=0.003"], tmp_path, env)
     try:
         deadline = time.monotonic() + TIMEOUT
         while not _holds_updates(tmp_path / "run.h5"):
