@@ -72,15 +72,21 @@ def leave(log: str, rank: int, wait_s: float = ANSWER_WAIT_S) -> int:
             raise MpilbError(f"{log}: no answer from the run within {wait_s:g} s (is rank 0 "
                              f"stopped?); the request stays in {where} and is taken when it goes on")
         time.sleep(0.1)
-    for path in (request + ".answer", where):
-        try:
-            os.rmdir(path) if path == where else os.unlink(path)
-        except OSError:
-            pass   # (the directory: other requests in it, or rank 0 removes it at the end)
+    _remove(request + ".answer", where)
     if answer.startswith("refused: "):
         raise UsageError(f"{log}: {answer}")
     print(f"{log}: {answer}")
     return 0
+
+
+def _remove(path: str, where: str) -> None:
+    """A request's file done with, and the requests directory `where` if that left it empty
+    (other requests in it, or rank 0 removes it at the end)."""
+    for remove in (lambda: os.unlink(path), lambda: os.rmdir(where)):
+        try:
+            remove()
+        except OSError:
+            pass
 
 
 def _not_ended(log: str, request: str, ended: str) -> None:
@@ -90,11 +96,7 @@ def _not_ended(log: str, request: str, ended: str) -> None:
     for ANSWER_WAIT_S and ended with exit 1, "no answer".)"""
     if _written_now(log) or answer_of(request) is not None:
         return
-    for path in (request, os.path.dirname(request)):
-        try:
-            os.rmdir(path) if path != request else os.unlink(path)
-        except OSError:
-            pass
+    _remove(request, os.path.dirname(request))
     try:
         status = open_log(log)[0].get("status", "?")
     except Exception:   # (a log being replaced or damaged: its end is all that is known)

@@ -15,12 +15,15 @@ rings it back, and rank 0's answer to it (:func:`tell_id`) the id its rings name
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from typing import Mapping, Optional
 
 from mpilb.mpi.comm import MPI
 from mpilb.mpi.joining import merge
+from mpilb.mpi.waiting import Backoff
 from mpilb.mpi.wire import TAG_READY
 
 CHILD_MODULE = "mpilb.run.replacement"
@@ -70,15 +73,11 @@ def arg(value) -> str:
     """`value` (JSON) as one argument of the spawned command: hex, because the launcher's
     handling of arguments drops backslashes (measured, MPICH's Hydra: a doorbell's name
     "\\u0000mpilb-..." arrived as "u0000mpilb-...")."""
-    import json
-
     return json.dumps(value).encode().hex()
 
 
 def from_arg(text: str):
     """The value :func:`arg` wrote."""
-    import json
-
     return json.loads(bytes.fromhex(text).decode())
 
 
@@ -99,10 +98,6 @@ def say_ready(comm, ringback: Optional[dict] = None) -> Optional[int]:
     rings its doorbell (doorbell.join_job). Returns the id rank 0 admitted it as, None where
     no answer came within :data:`ID_WAIT_S` (not admitted: the run ends, or it came too late
     and the job's end ends it; it then works unrung until then)."""
-    import time
-
-    from mpilb.mpi.waiting import Backoff
-
     comm.send(ringback or {}, dest=0, tag=TAG_READY)
     req = comm.irecv(source=0, tag=TAG_READY)
     backoff, deadline = Backoff(), time.monotonic() + ID_WAIT_S

@@ -38,6 +38,14 @@ def listing(where: str) -> list[str]:
         return []
 
 
+def until_listed(where: str, named, j: subprocess.Popen, deadline: float) -> None:
+    """Until a file `named(name)` is in `where`; fails at `deadline` or when the joiner `j`
+    ends first."""
+    while not any(named(n) for n in listing(where)):
+        assert time.monotonic() < deadline and j.poll() is None
+        time.sleep(0.005)
+
+
 def announce(log, pid: int, brings: str = "") -> str:
     """What `mpilb join` writes first: its request, naming its host and process (and the
     JSON line of its shard sizes and model size)."""
@@ -173,14 +181,10 @@ def test_a_joiner_killed_in_connect_while_rank_0_is_held(data, tmp_path):  # noq
         # suites on a fast VM). Rank 0 takes a request within 0.5 s; the hold comes ~5 ms
         # after the request.
         deadline = time.monotonic() + 60
-        while not any(n.startswith("join-") and "." not in n for n in listing(where)):
-            assert time.monotonic() < deadline and j.poll() is None
-            time.sleep(0.005)
+        until_listed(where, lambda n: n.startswith("join-") and "." not in n, j, deadline)
         held = joiner_pid(log)
         os.kill(held, signal.SIGSTOP)
-        while not any(n.endswith(".port") for n in listing(where)):
-            assert time.monotonic() < deadline and j.poll() is None
-            time.sleep(0.005)
+        until_listed(where, lambda n: n.endswith(".port"), j, deadline)
         os.kill(server, signal.SIGSTOP)
         try:
             os.kill(held, signal.SIGCONT)

@@ -4,7 +4,12 @@ refusals, the request files of `mpilb leave`, and the `members/` rows. No MPI.""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from types import SimpleNamespace
+
+import pytest
 
 from mpilb.core.worker_state import Membership, Waiting
 from mpilb.server.peers import Peer, Roster
@@ -115,15 +120,9 @@ def test_a_request_written_after_the_runs_end_is_refused_at_once(synth_dir, tmp_
     within a second, its request and the directory removed (before: it waited 30 s for an
     answer and ended with exit 1, "no answer from the run"; seen in the churn test on a
     fast machine)."""
-    import time
-
-    import pytest
-
     from mpilb.cli import membership
     from mpilb.errors import UsageError
     from mpilb.runfiles.summary import open_log
-    import subprocess
-    import sys
 
     log = tmp_path / "run.h5"
     done = subprocess.run([sys.executable, "-m", "mpilb", "train", "--data", synth_dir, "--model",
