@@ -79,22 +79,35 @@ def test_a_node_whose_copy_of_a_shard_differs_is_refused(reference, tmp_path):
 def test_replicas_2_survive_losing_a_whole_node(reference, tmp_path):
     """Both ranks of n2 stop (a node that hangs): with each shard's two copies on ranks of
     different nodes the others finish every epoch, degraded, with exact coverage (before:
-    copies on adjacent ranks 3 and 4, exit 1 'every rank holding a copy was lost')."""
+    copies on adjacent ranks 3 and 4, exit 1 'every rank holding a copy was lost').
+
+    The workers are paced (4 ms a step, 1500 steps each before the stop) so that the run
+    outlives the stop on a fast machine too: unpaced, 40 epochs took 1.7 s in CI, ended
+    before the stop, and Hydra then waited for n2's stopped ranks."""
     epochs = 40
     env = mpirun.env(MPILB_TEST_JOB=str(tmp_path))
     mark = b"MPILB_TEST_JOB=" + str(tmp_path).encode()
     with ClusterBox(nodes=3) as box:
         stage(box, reference)
         proc = box.popen(0, box.mpiexec_cmd(train_args(box, tmp_path, "--replicas", 2,
-                                                        "--epochs", epochs, "--worker-timeout", 3)),
+                                                        "--epochs", epochs, "--worker-timeout", 3,
+                                                        "--inject", "*:delay=0.004")),
                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        node2 = []
         try:
             node2 = _wait_ranks(mark, proc, {3, 4})
             _wait_training(tmp_path / "run.h5", proc)
             for pid in node2:
                 os.kill(pid, signal.SIGSTOP)
+            assert summarize_log(str(tmp_path / "run.h5"))["status"] == "running", \
+                "the run ended before n2 was stopped"
             out, err = proc.communicate(timeout=240)
         finally:
+            for pid in node2:                # never leave a stopped rank behind
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             if proc.poll() is None:
                 proc.kill()
     assert proc.returncode == 3, (proc.returncode, err)
