@@ -210,7 +210,8 @@ def _alive(pid: int) -> bool:
 def test_sigusr1_to_every_rank_is_still_a_preemption(synth_dir, tmp_path):
     """Slurm's --signal=USR1 reaches every task; no rank died, so it preempts (exit 0)."""
     cmd = [mpirun.mpiexec(), "-disable-auto-cleanup", "-n", "4", sys.executable, "-m", "mpilb",
-           *train(synth_dir, tmp_path, "--epochs", 50, "--worker-timeout", 5)]
+           *train(synth_dir, tmp_path, "--epochs", 50, "--worker-timeout", 5,
+                  "--inject", "*:delay=0.001")]   # paced: outlives the signal on a fast machine
     proc = launch(cmd, tmp_path)
     pids = wait_ranks(proc, 4)
     wait_training(tmp_path / "run.h5", proc)
