@@ -136,3 +136,60 @@ def _wait_ranks(mark: bytes, proc, ranks: set, timeout=60) -> list[int]:
 
 def _wait_training(log, proc, timeout=120):
     mpirun.wait_training(log, proc, timeout)
+
+
+def test_a_partitioned_nodes_workers_end_themselves(reference, tmp_path):
+    """n2's link goes down for good (a partition): rank 0 declares its ranks lost and goes
+    on; they hear nothing from rank 0 and end themselves within the watchdog's limit, while
+    the run still goes on (before: workers and proxy still alive minutes after the job
+    ended). The run then ends degraded with exact coverage and leaves no process behind.
+    (Their own lines cannot reach mpiexec: Hydra's proxy forwards output over the network.
+    The time they took, against the limit, says it was their watchdog.)"""
+    from mpilb.mpi.watchdog import limit
+
+    timeout = 3
+    env = mpirun.env(MPILB_TEST_JOB=str(tmp_path))
+    mark = b"MPILB_TEST_JOB=" + str(tmp_path).encode()
+    with ClusterBox(nodes=3) as box:
+        stage(box, reference)
+        proc = box.popen(0, box.mpiexec_cmd(train_args(box, tmp_path, "--replicas", 2,
+                                                        "--epochs", 90, "--worker-timeout", timeout,
+                                                        "--inject", "*:delay=0.004")),
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        node2 = []
+        try:
+            node2 = _wait_ranks(mark, proc, {3, 4})
+            _wait_training(tmp_path / "run.h5", proc)
+            assert box.run(2, ["ip", "link", "set", "eth0", "down"], timeout=10).returncode == 0
+            t0 = time.monotonic()
+            while any(_alive(p) for p in node2) and time.monotonic() - t0 < limit(timeout) + 10:
+                time.sleep(0.2)
+            took = time.monotonic() - t0
+            still_running = proc.poll() is None
+            left = [p for p in node2 if _alive(p)]
+            out, err = proc.communicate(timeout=240)
+        finally:
+            box.run(2, ["ip", "link", "set", "eth0", "up"], timeout=10)
+            for pid in node2:
+                if _alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            if proc.poll() is None:
+                proc.kill()
+        time.sleep(1.0)
+        behind = list(marked_processes(mark))
+    assert not left and still_running, (left, still_running, err)
+    assert limit(timeout) - 1 < took < limit(timeout) + 5, (took, err)
+    assert proc.returncode == 3, (proc.returncode, err)
+    assert not behind, behind
+    s = summarize_log(str(tmp_path / "run.h5"))
+    assert s["status"] == "degraded" and sorted(s["lost_workers"]) == [3, 4], err
+    mine = recomputed_coverage(str(tmp_path / "run.h5"), reference_sizes(reference))
+    assert mine["applied"] == mine["expected"] and mine["duplicates"] == mine["missing"] == 0, mine
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
