@@ -57,6 +57,9 @@ class FirstSizes:
         return not self.done and step == FIRST_SIZES_STEPS and self.due(busy(present()))
 
 
+CHORES_S = 0.01   # how often the live server's loop runs its chores (timers included)
+
+
 class Interval:
     """A timer that is due every ``every`` seconds after its last :meth:`reset`.
 

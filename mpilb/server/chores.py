@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Callable, Optional
 
-from mpilb.core.decisions import Interval, RebalanceTimer
+from mpilb.core.decisions import CHORES_S, Interval, RebalanceTimer
 from mpilb.mpi import comm as C
 from mpilb.run import signals
 from mpilb.run.signals import PREEMPTED
@@ -92,7 +92,7 @@ class Chores:
         begin_stop: stops every worker (the server's protocol).
     """
 
-    CHORES_S = 0.01    # how often the main loop checks errors, lost workers and timers
+    CHORES_S = CHORES_S   # how often the main loop checks errors, lost workers and timers
     CHORES_RUNG_S = 0.025   # the same where every worker rings (no polls to piggyback on)
     # ... and the longest such a server sleeps: chores due meanwhile wait for the next push
     # to wake it, or for this (each wake-up of its own costs CPU: 25 -> 100 ms took the

@@ -28,7 +28,7 @@ from typing import Optional
 import numpy as np
 
 from mpilb.core.balancer import BalancerConfig, build_balancer
-from mpilb.core.decisions import Decisions, FirstSizes, RebalanceTimer
+from mpilb.core.decisions import CHORES_S, Decisions, FirstSizes, RebalanceTimer
 from mpilb.core.epochs import EpochTracker, epoch_order
 from mpilb.core.sitout import SitOut
 from mpilb.errors import UsageError
@@ -160,7 +160,7 @@ class Engine:
     def run(self) -> dict:
         """Simulate every epoch; returns the figures (see :func:`summarize`)."""
         self._begin_epoch(0, 0.0)
-        self._at(self.cfg.rebalance_interval, REBALANCE)
+        self._at(max(self.cfg.rebalance_interval, CHORES_S), REBALANCE)
         heap = self.heap
         while heap and not self.done:
             self._event(*heapq.heappop(heap))
@@ -171,7 +171,9 @@ class Engine:
         if kind == PUSH:
             self._on_push(self.workers[rank], t)
         elif kind == REBALANCE:
-            interval = self.cfg.rebalance_interval
+            # the server checks its timers once a chore (every CHORES_S): a shorter
+            # --rebalance-interval rebalances once a chore there, and so here
+            interval = max(self.cfg.rebalance_interval, CHORES_S)
             if t - self.timer.last >= interval * (1 - 1e-9):
                 self._rebalance(t)
             self._at(self.timer.last + interval, REBALANCE)   # (after a warm-up one: later)

@@ -29,6 +29,7 @@ import heapq
 from collections import deque
 
 from mpilb.errors import UsageError
+from mpilb.core.decisions import CHORES_S
 from mpilb.simulate.engine import Engine, summarize
 from mpilb.simulate.workers import PUSH, REBALANCE, SimWorker
 from mpilb.simulate.network import WIRE_BYTES, Fabric, Layout, Topology
@@ -205,7 +206,7 @@ class NetEngine(Engine):
 
     def run(self) -> dict:
         self._begin_epoch(0, 0.0)
-        self._at(self.cfg.rebalance_interval, REBALANCE)
+        self._at(max(self.cfg.rebalance_interval, CHORES_S), REBALANCE)
         heap, fab = self.heap, self.fabric
         while heap and not self.done:
             if heap[0][0] <= fab.next_time():

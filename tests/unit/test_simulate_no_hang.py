@@ -121,3 +121,25 @@ def test_degenerate_options_are_one_line_and_exit_2(capsys, argv, words):
     code = main(["simulate", "--nodes", "2", "--ranks-per-node", "2", *argv, "--epochs", "1"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and words in err and "\n" not in err
+
+
+@pytest.mark.parametrize("nodes", [None, 2])
+def test_a_tiny_rebalance_interval_rebalances_once_a_chore_as_the_server_does(nodes, capsys):
+    """`--rebalance-interval 1e-9` scheduled a rebalance every 1e-9 s of simulated time: a
+    40 s run did not end in minutes. The server checks its timers once a chore (every
+    CHORES_S), so that is the most it rebalances, in the simulator too: the run takes a
+    second or two, and its figures are those of --rebalance-interval CHORES_S."""
+    import time
+
+    from mpilb.core.decisions import CHORES_S
+
+    net = ["--nodes", str(nodes), "--ranks-per-node", "1,2", "--link-rate", "1gbit"] if nodes else \
+        ["--workers", "4"]
+    base = ["simulate", *net, "--epochs", "2", "--balancer", "load", "--json"]
+    t0 = time.monotonic()
+    assert main([*base, "--rebalance-interval", "1e-9"]) == 0
+    took = time.monotonic() - t0
+    tiny = capsys.readouterr().out
+    assert main([*base, "--rebalance-interval", str(CHORES_S)]) == 0
+    assert tiny == capsys.readouterr().out
+    assert took < 30, took
