@@ -118,8 +118,10 @@ def run_simulate(args) -> int:
     if spec is not None and "sync" in modes:
         raise UsageError("--mode sync on a network (--nodes/--link-rate) is not simulated yet: "
                          "drop the network options for sync rounds")
-    layouts = {k: Layout(spec, k, base.get("node_of")) for k in servers} if spec else {}
+    layouts = ({k: Layout(spec, k, base.get("node_of"), base.get("absent", frozenset()))
+                for k in servers} if spec else {})
     base.pop("node_of", None)
+    base.pop("absent", None)
     results = []
     if not args.json:   # rows as they come: a large cluster takes a while per configuration
         print("\n".join(table_head(clusters, spec)), flush=True)
@@ -178,11 +180,9 @@ def _clusters(args):
                  "measured_utilization": sum(run.measured_utilization) / len(run.measured_utilization)}
         clusters = [(args.from_log, run.profiles, run.shard_sizes, True, extra)]
         if _network_given(args):
-            if any(e in ("join", "respawn") for _, _, e in run.members):
-                raise UsageError(f"--from {args.from_log}: a run that workers joined is "
-                                 f"replayed without a network only: drop the network options")
             spec, node_of = _replay_network(args, run)
-            cfg.update(network=spec, node_of=node_of, inject=run.rank_faults,
+            cfg.update(network=spec, node_of=node_of, absent=frozenset(run.never_worked()),
+                       inject=run.rank_faults,
                        pipeline=int(rc.get("pipeline") or 0), members=run.members)
             clusters = [(args.from_log, run.rank_profiles(), run.shard_sizes, True, extra)]
     elif args.nodes is not None:
@@ -349,8 +349,9 @@ def _net_cluster(args, spec):
 
 
 def _replay_network(args, run):
-    """The run's layout (its nodes from the log's hostnames) with the given links."""
-    node_of = run.node_of
+    """The run's layout (its nodes from the log's hostnames; a joiner on the node its join
+    names, or on a node of its own) with the given links."""
+    node_of = run.every_node or run.node_of
     if args.nodes is not None and args.nodes != max(node_of) + 1:
         raise UsageError(f"--from {args.from_log}: the run had {max(node_of) + 1} nodes; "
                          f"--nodes {args.nodes} does not match (drop it)")

@@ -44,10 +44,13 @@ class MemberChanges:
     def schedule(self, engine) -> None:
         """Hold the joiners out of ``engine.workers`` until their time; put the joins and
         leaves on its heap; set the silence of the workers it lost."""
-        for rank in self.arrivals:
+        for rank in list(self.arrivals):
+            if rank not in engine.workers:      # (an id that never worked: no worker)
+                del self.arrivals[rank]
+                continue
             self.outside[rank] = engine.workers.pop(rank)
         for t, rank, event in self.changes:
-            if event in ARRIVALS:
+            if event in ARRIVALS and rank in self.arrivals:
                 engine._at(t, JOIN, rank)
             elif event in ("leave", "resume"):   # (resume: a joiner the resumed launch lacks)
                 engine._at(t, LEAVE, rank)

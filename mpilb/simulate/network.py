@@ -112,11 +112,13 @@ class Layout:
         spec: the network.
         k: stores, on nodes 0..K-1 (K = nodes: one per node).
         node_of: each rank's node (default: ranks numbered node by node).
+        absent: ranks that are no workers (a replayed joiner's id that never worked).
     """
 
     spec: NetSpec
     k: int
     node_of: list[int] | None = None
+    absent: frozenset = frozenset()
 
     def __post_init__(self):
         if self.k > self.spec.nodes:
@@ -133,7 +135,8 @@ class Layout:
         self.store_ranks = stores
         self.store_nodes = [node_of[r] for r in stores]
         taken = set(stores)
-        self.worker_ranks = [r for r in range(len(node_of)) if r not in taken]
+        self.worker_ranks = [r for r in range(len(node_of))
+                             if r not in taken and r not in self.absent]
         if not self.worker_ranks:
             raise UsageError(f"--servers {self.k}: no rank is left to be a worker")
 

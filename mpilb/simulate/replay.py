@@ -52,6 +52,12 @@ class Replay:
     rank_faults: list = field(default_factory=list)     # ``faults`` by MPI rank
     cores: NodeCores | None = None    # the nodes' cores, where ranks outnumber them
     members: list = field(default_factory=list)   # (t, MPI rank, event) of members/
+    every_node: list[int] = field(default_factory=list)   # node_of and the joiners' ids'
+
+    def never_worked(self) -> set[int]:
+        """Joiners' ids (past the job's ranks) without a row of their own in workers/: a
+        joiner that never started work is no worker in a replay on the run's network."""
+        return set(range(len(self.node_of), len(self.every_node))) - set(self.ranks)
 
     def engine_members(self) -> list:
         """``members`` with the workers numbered as the engine without a network numbers
@@ -60,12 +66,14 @@ class Replay:
         return [(t, number[r], e) for t, r, e in self.members if r in number]
 
     def rank_profiles(self) -> list:
-        """A profile for every MPI rank: the run's own for its workers; a rank that was a
-        store gets the profile of a worker on its node (else of the first worker)."""
+        """A profile for every MPI rank and joiner's id (``every_node``): the run's own for
+        its workers; a rank that was a store gets the profile of a worker on its node (else
+        of the first worker)."""
         own = dict(zip(self.ranks, self.profiles))
         out = []
-        for rank, node in enumerate(self.node_of):
-            mate = next((own[r] for r in self.ranks if self.node_of[r] == node), self.profiles[0])
+        for rank, node in enumerate(self.every_node or self.node_of):
+            mate = next((own[r] for r in self.ranks if r < len(self.node_of)
+                         and self.node_of[r] == node), self.profiles[0])
             out.append(own.get(rank, mate))
         return out
 
@@ -137,7 +145,7 @@ def load_run(path: str, params: int | None = None, cores_per_node: int | None = 
     return Replay(path, config, profiles, shard_sizes, params, row_bytes, faults,
                   [float(e - s) for s, e in zip(ep["t_start"], ep["t_end"])],
                   [float(u) for u in ep["utilization"]], servers, ranks, node_of,
-                  rank_faults, cores, members)
+                  rank_faults, cores, members, every_node)
 
 
 def _members(attrs: dict, cols: dict) -> list:
