@@ -155,6 +155,38 @@ def test_store_local_joiners_read_their_nodes_shards_and_leave_by_command_or_sig
     assert "rank 3 left the run at" in err
 
 
+def test_a_joiner_of_a_two_store_store_local_run_trains_and_leaves(data, tmp_path):
+    """`--store local --servers 2 --replicas 2`: rank 0 and a second store (rank 1), workers
+    2 and 3, joined by worker 4, which every store admits and whose pushes both apply; it
+    reads its node's shards (this host holds every one) and leaves by `mpilb leave`. The run
+    ends finished, exit 0, exact coverage; the joiner's updates count."""
+    from test_membership import PACED
+
+    log = tmp_path / "run.h5"
+    proc = start(4, data, log, 12, "--store", "local", "--replicas", "2", "--servers", "2",
+                 *PACED)
+    j = None
+    try:
+        mpirun.wait_training(str(log), proc)
+        j = joiner(log)
+        wait_joined(log, 4)
+        time.sleep(0.5)
+        done = leave(log, 4)
+        assert done.returncode == 0, done.stderr
+        jcode, _, jerr = finish(j, timeout=60)
+        assert jcode == 0 and "mpilb: joined as worker 4" in jerr, jerr
+        assert proc.poll() is None, "the run ended with the joiner"
+    finally:
+        code, _, err = finish(proc)
+        if j is not None and j.poll() is None:
+            os.killpg(j.pid, signal.SIGKILL)
+    assert code == 0, err
+    attrs, cols = exact(log, data)
+    assert members(cols) == [(4, "join"), (4, "leave")]
+    assert (cols["updates"]["worker"] == 4).sum() > 0 and rows_to(cols, 4) == 0
+    assert attrs["summary"]["lost_workers"] == []
+
+
 def _box_missing():
     from mpilb.clusterbox import missing
 
