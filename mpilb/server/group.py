@@ -122,6 +122,7 @@ class SliceGroup:
         from mpilb.mpi import joining
 
         seconds = max(1, int(round(timeout)))   # (the stores are told whole seconds)
+        self.remote.answering()   # (a store that cannot take part holds the accept for ever)
         self.remote.accepting(rank, seconds)
         if self.stores_comm is None:
             self.stores_comm = joining.stores_group(self.remote.comm, self.ranks)

@@ -358,6 +358,18 @@ class RemoteSlices:
     def reply(self, rank: int) -> None:
         self._command(Op.REPLY, rank)
 
+    def answering(self) -> None:
+        """Every store has carried out rank 0's commands so far and answered: its counters,
+        asked for now, have come (StoreLost after --worker-timeout otherwise). Called before
+        a collective call that would wait for a store without a bound (the stores' accept
+        of a joiner), so that a store stalled or cut off fails here, named, and not there."""
+        for _ in range(2):   # the answers to a request out already, then to a fresh one
+            self.request_stats()
+            for s, req in sorted(self.stats_reqs.items()):
+                self._wait(req, s, "before the accept of a joiner")
+            for s, inc in self._poll().items():
+                self.unlogged[s] = self.unlogged.get(s, 0) + inc
+
     def accepting(self, rank: int, timeout: int) -> None:
         """Every store takes part in rank 0's accept of joiner `rank` (store_joins.py)."""
         self._command(Op.ACCEPT, rank, batch=timeout)

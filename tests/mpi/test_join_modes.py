@@ -145,3 +145,45 @@ def test_a_worker_joins_a_sync_run_at_a_round_boundary(data, tmp_path, servers):
     for v in np.unique(up["version"][up["version"] > first])[:-1]:
         ranks = up["worker"][up["version"] == v].tolist()
         assert len(ranks) == len(set(ranks)), (v, ranks)
+
+
+def test_a_store_stalled_when_a_worker_joins_ends_the_job_naming_it(data, tmp_path):  # noqa: F811
+    """--servers 2: store 1 stopped (SIGSTOP), then a worker joins. Every store takes part in
+    MPI's accept of a joiner, so a store that cannot held rank 0 in it without a bound (the
+    accept waits for every store). Rank 0 now has every store answer first: the stalled one
+    is named within --worker-timeout, one line, exit 1, the log failed."""
+    import signal
+    import time
+
+    from test_joining import joiner
+    from test_membership import PACED, rank_pid
+
+    timeout = 8
+    log = tmp_path / "run.h5"
+    proc = start(4, data, log, 200, "--servers", "2", "--worker-timeout", str(timeout), *PACED)
+    store = j = None
+    try:
+        mpirun.wait_training(str(log), proc)
+        store = rank_pid(log, 1)
+        os.kill(store, signal.SIGSTOP)
+        t0 = time.monotonic()
+        j = joiner(log)
+        code, _, err = finish(proc, timeout=timeout + 60)
+        took = time.monotonic() - t0
+    finally:
+        if store is not None:
+            try:
+                os.kill(store, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        if j is not None and j.poll() is None:
+            os.killpg(j.pid, signal.SIGKILL)
+    assert code == 1, err
+    errors = [line for line in err.splitlines() if line.startswith("mpilb: error:")]
+    assert len(errors) == 1 and "rank 1 (a parameter store) did not answer" in errors[0], err
+    assert took < 2 * timeout + 15, took
+    import h5py
+    with h5py.File(log, "r") as f:
+        assert f.attrs["status"] == "failed"
