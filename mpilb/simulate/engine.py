@@ -171,9 +171,7 @@ class Engine:
         if kind == PUSH:
             self._on_push(self.workers[rank], t)
         elif kind == REBALANCE:
-            # the server checks its timers once a chore (every CHORES_S): a shorter
-            # --rebalance-interval rebalances once a chore there, and so here
-            interval = max(self.cfg.rebalance_interval, CHORES_S)
+            interval = max(self.cfg.rebalance_interval, CHORES_S)   # once a chore at most
             if t - self.timer.last >= interval * (1 - 1e-9):
                 self._rebalance(t)
             self._at(self.timer.last + interval, REBALANCE)   # (after a warm-up one: later)
