@@ -24,6 +24,7 @@ def add_cases(h) -> None:
     from mpilb.clusterbox import ClusterBox, missing
     from mpilb.clusterbox.launcher import mpi_env
     from mpilb.mpi.watchdog import limit
+    from _runs import alive
 
     case, Case, train, one_line, exact, summary = h.case, h.Case, h.train, h.one_line, h.exact, h.summary
     why = missing()
@@ -63,13 +64,6 @@ def add_cases(h) -> None:
                 return found
             time.sleep(0.2)
         raise RuntimeError(f"ranks {sorted(ranks)} did not start")
-
-    def alive(pid):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-        except OSError:
-            return False
 
     def supervised_rank(c, rank):
         """The pid of rank `rank` itself: the child of its --survive-signals supervisor,

@@ -146,6 +146,15 @@ class Bench:
 
 
 
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie awaiting its parent has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except OSError:
+        return False
+
+
 def marked_processes(entry: bytes) -> dict[int, dict]:
     """pid -> environment (bytes keys and values) of every live, non-zombie process whose
     environment holds exactly `entry` (``b"NAME=value"``): the ranks of one job, found by a

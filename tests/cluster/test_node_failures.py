@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent / "benchmarks"))
 import mpirun  # noqa: E402
-from _runs import marked_processes  # noqa: E402
+from _runs import alive, marked_processes  # noqa: E402
 from mpilb.clusterbox import ClusterBox, missing  # noqa: E402
 from mpilb.data.dataset import open_dataset, prepare_synthetic  # noqa: E402
 from mpilb.runfiles.summary import summarize_log  # noqa: E402
@@ -162,16 +162,16 @@ def test_a_partitioned_nodes_workers_end_themselves(reference, tmp_path):
             _wait_training(tmp_path / "run.h5", proc)
             assert box.run(2, ["ip", "link", "set", "eth0", "down"], timeout=10).returncode == 0
             t0 = time.monotonic()
-            while any(_alive(p) for p in node2) and time.monotonic() - t0 < limit(timeout) + 10:
+            while any(alive(p) for p in node2) and time.monotonic() - t0 < limit(timeout) + 10:
                 time.sleep(0.2)
             took = time.monotonic() - t0
             still_running = proc.poll() is None
-            left = [p for p in node2 if _alive(p)]
+            left = [p for p in node2 if alive(p)]
             out, err = proc.communicate(timeout=240)
         finally:
             box.run(2, ["ip", "link", "set", "eth0", "up"], timeout=10)
             for pid in node2:
-                if _alive(pid):
+                if alive(pid):
                     os.kill(pid, signal.SIGKILL)
             if proc.poll() is None:
                 proc.kill()
@@ -186,10 +186,3 @@ def test_a_partitioned_nodes_workers_end_themselves(reference, tmp_path):
     mine = recomputed_coverage(str(tmp_path / "run.h5"), reference_sizes(reference))
     assert mine["applied"] == mine["expected"] and mine["duplicates"] == mine["missing"] == 0, mine
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False

@@ -16,7 +16,7 @@ import pytest
 import mpirun
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _runs import marked_processes  # noqa: E402  (the job's ranks by their mark, as hostile.py finds them)
+from _runs import alive, marked_processes  # noqa: E402  (the job's ranks by their mark, as hostile.py finds them)
 from mpilb.data.dataset import open_dataset
 from mpilb.runfiles.summary import summarize_log
 from mpirun import recomputed_coverage
@@ -185,10 +185,10 @@ def test_the_ranks_end_themselves_when_rank_0_is_gone(synth_dir, tmp_path, fault
     t0 = time.monotonic()
     os.kill(pids[0], getattr(signal, fault))
     others = [pids[r] for r in range(1, 5)]
-    while time.monotonic() - t0 < limit(timeout) + 10 and any(_alive(p) for p in others):
+    while time.monotonic() - t0 < limit(timeout) + 10 and any(alive(p) for p in others):
         time.sleep(0.2)
     took = time.monotonic() - t0
-    left = [p for p in others if _alive(p)]
+    left = [p for p in others if alive(p)]
     if fault == "SIGSTOP":
         os.kill(pids[0], signal.SIGKILL)
     code, out, err = finish(proc, timeout=60)
@@ -198,13 +198,6 @@ def test_the_ranks_end_themselves_when_rank_0_is_gone(synth_dir, tmp_path, fault
     for r in range(1, 5):
         assert f"rank {r}: nothing from rank 0" in err, err
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except OSError:
-        return False
 
 
 def test_sigusr1_to_every_rank_is_still_a_preemption(synth_dir, tmp_path):
