@@ -290,3 +290,56 @@ def replacement_pid(mark) -> int:
         except OSError:
             continue
     raise AssertionError("no replacement process")
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(_box_missing() is not None, reason="no cluster box here")
+def test_a_joiner_on_a_spare_node_joins_two_stores_on_two_nodes_and_leaves(data, tmp_path):
+    """The cluster in a box: `--store local --servers 2 --replicas 2` with a store on each of
+    n0 and n1 (ranks 0 and 1, dealt round-robin) and a worker on each (ranks 2 and 3), joined
+    by a worker on n2, a node without a shard. Both stores admit it over the network, both
+    apply its pushes, every row it trains on comes through rank 0; then it leaves by `mpilb
+    leave`. Its launch exits 0, the run goes on and ends finished, exit 0, exact coverage."""
+    from mpilb.clusterbox import ClusterBox
+    from test_membership import PACED
+
+    log = tmp_path / "run.h5"
+    train = ["train", "--data", data, "--model", "mlp", "--hidden", "64", "--batch", "32",
+             "--epochs", "15", "--store", "local", "--servers", "2", "--replicas", "2", *PACED,
+             "--no-progress", "--log", str(log)]
+    j = None
+    with ClusterBox(nodes=3) as box:
+        run = subprocess.Popen(
+            box.command(0, box.mpiexec_cmd(["-hosts", "n0,n1", "-n", "4", sys.executable, "-m",
+                                            "mpilb", *train])),
+            env=box.env(mpirun.env()), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            mpirun.wait_training(str(log), run, timeout=120)
+            j = box.popen(2, [mpirun.mpiexec(), "-n", "1", sys.executable, "-m", "mpilb", "join",
+                              str(log)], env=mpirun.env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+            wait_joined(log, 4, timeout=120)
+            time.sleep(1.0)
+            done = leave(log, 4)
+            assert done.returncode == 0, done.stderr
+            _, jerr = j.communicate(timeout=120)
+            assert run.poll() is None, "the run ended with the joiner"
+            _, err = run.communicate(timeout=300)
+        finally:
+            for proc in (run, *([j] if j is not None else [])):
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=30)
+    assert j.returncode == 0 and "mpilb: joined as worker 4" in jerr, jerr
+    assert run.returncode == 0, err
+    attrs, cols = exact(log, data)
+    hosts = json.loads(attrs["hostnames"])
+    assert hosts[:4] == ["n0", "n1", "n0", "n1"], hosts
+    assert members(cols) == [(4, "join"), (4, "leave")]
+    assert rows_to(cols, 4) > 0   # n2 holds nothing: its rows came through rank 0
+    up = cols["updates"]
+    assert (up["worker"] == 4).sum() > 0
+    stores = attrs["summary"]["servers"]   # each store applied every update, the joiner's too
+    assert [s["rank"] for s in stores] == [0, 1], stores
+    assert all(s["updates"] == len(up["worker"]) for s in stores), (stores, len(up["worker"]))
+    assert attrs["summary"]["lost_workers"] == []
