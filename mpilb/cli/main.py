@@ -209,8 +209,9 @@ def main(argv=None) -> int:
         if announced_rank() == 0:
             print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    except MpilbError as exc:
-        print(f"mpilb: error: {exc}", file=sys.stderr, flush=True)
+    except MpilbError as exc:   # (one write: the lines of several ranks stay whole)
+        sys.stderr.write(f"mpilb: error: {exc}\n")
+        sys.stderr.flush()
         return exc.exit_code
     except KeyboardInterrupt:
         return 130

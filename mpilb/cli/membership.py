@@ -121,9 +121,21 @@ def _text(value) -> str:
 def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
     """This process becomes a worker of the run writing `log` (each rank of a launch of J
     ranks does, on its own: run/worker_join.py)."""
-    from mpilb.run.worker_join import Phases, prepare, ready_to_connect, run_joined
+    from mpilb.mpi.launcher import env_world_size
+    from mpilb.run.worker_join import Phases
 
     phases = Phases(say=bool(os.environ.get("MPILB_DEBUG")))
+    if env_world_size() > 1:
+        return _join_launch(log, wait_s, phases)
+    attrs, values, ready = _ready(log, phases)
+    return _ask(log, attrs, values, ready, phases, wait_s, start_mpi=True)
+
+
+def _ready(log: str, phases):
+    """A joiner's checks and preparation before it asks: the run log (a run of this user,
+    running, that takes joins), the run's configuration, the data and model sized."""
+    from mpilb.run.worker_join import prepare
+
     attrs, _ = _running(log, "add workers to it", "it takes no more workers")
     values = json.loads(attrs["config"])
     if not values.get("join", True):
@@ -131,6 +143,58 @@ def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
     phases.mark("started")
     ready = prepare(values)
     phases.mark("prepared")
+    return attrs, values, ready
+
+
+def _join_launch(log: str, wait_s: float, phases) -> int:
+    """A rank of a join launch of J > 1 ranks. MPI starts first: MPI_Init waits for every
+    rank of the launch, so a rank that failed its checks before it (a node without the
+    data, a run that ended) left the others in MPI_Init for good (measured: a launch of 2
+    whose rank 1 was refused waited until it was killed). The launch then agrees on the
+    checks: where every rank failed them alike, the launch's rank 0 says it once; where some
+    did, each of those says why, naming its rank and host, and the others join. Every rank
+    finalises alone (each is a joiner of its own: one that ended must not hold the others'
+    end, nor they its own)."""
+    from mpilb.cli.launch import exit_code
+    from mpilb.mpi import comm as C
+    from mpilb.mpi.departure import finalize_alone
+    from mpilb.run.worker_join import ready_to_connect
+
+    ready_to_connect()
+    comm, rank, _ = C.world()
+    finalize_alone()
+    phases.mark("mpi")
+    try:
+        attrs, values, ready = _ready(log, phases)
+        failed = None
+    except Exception as exc:   # (told to the launch's other ranks, which would wait for it)
+        failed = exc
+    why = "" if failed is None else str(failed)
+    whys = comm.allgather(why)   # (once, at the start: the launch's ranks, not the run's)
+    if failed is not None and all(w == why for w in whys):
+        raise failed   # the same for every rank: said once, by the launch's rank 0 (main)
+    if failed is not None:
+        raise RankError(f"rank {rank} of this launch (on {socket.gethostname()}): {why}",
+                        exit_code(failed))
+    try:
+        return _ask(log, attrs, values, ready, phases, wait_s, start_mpi=False)
+    except UsageError as exc:   # (a refusal of this rank's join: its siblings may be joined)
+        raise RankError(f"rank {rank} of this launch (on {socket.gethostname()}): {exc}", 2) from None
+
+
+class RankError(MpilbError):
+    """What only this rank of a join launch met: said by this rank (the launch's other
+    ranks go on), with its exit code."""
+
+    def __init__(self, text: str, code: int):
+        super().__init__(text)
+        self.exit_code = code
+
+
+def _ask(log: str, attrs: dict, values: dict, ready, phases, wait_s: float, start_mpi: bool) -> int:
+    """Ask rank 0 to join (the request file), take its port, connect and work."""
+    from mpilb.run.worker_join import ready_to_connect, run_joined
+
     where = requests_dir(log)
     request = os.path.join(where, f"{JOIN_PREFIX}{os.getpid()}")
     try:
@@ -139,8 +203,9 @@ def join(log: str, wait_s: float = ANSWER_WAIT_S) -> int:
     except OSError as exc:
         raise UsageError(f"{log}: cannot write the request beside the run log ({exc.strerror})") from None
     phases.mark("asked")
-    ready_to_connect()   # while rank 0 takes the request
-    phases.mark("mpi")
+    if start_mpi:
+        ready_to_connect()   # while rank 0 takes the request
+        phases.mark("mpi")
     port, offered = _offered(request, log, time.monotonic() + wait_s)
     invitation = offered.get("bell")
     if values.get("store") == "local":   # its node's shards, checked (run/worker_join.py)

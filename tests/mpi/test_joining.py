@@ -308,6 +308,42 @@ def test_one_launch_of_two_joiners_rings_and_does_its_share(data, tmp_path):  # 
     assert original > 0 and min(samples[3], samples[4]) >= 0.4 * original, samples
 
 
+def test_a_launch_whose_one_rank_is_refused_joins_its_others(data, tmp_path):  # noqa: F811
+    """`mpiexec -n 1 mpilb join RUN.h5 : -n 1 mpilb join ENDED.h5`: rank 1 of the launch is
+    refused before MPI starts (a run that has ended). It says so in one line naming its
+    rank; rank 0 joins, trains and stays until the run's end; the launch exits 2 with the
+    run and the run ends finished, exact. (Before: rank 0 waited in MPI_Init for rank 1,
+    which had exited, until it was killed; nothing was said.) The same refusal on every
+    rank (`mpiexec -n 2 mpilb join ENDED.h5`) is said once, exit 2."""
+    ended = tmp_path / "ended.h5"
+    assert mpirun.run(3, "train", "--data", data, "--model", "mlp", "--hidden", "64",
+                      "--epochs", "1", "--no-progress", "--log", ended).returncode == 0
+    both = mpirun.run(2, "join", ended, timeout=60)
+    assert both.returncode == 2, both.stderr
+    assert both.stderr.strip().splitlines() == [
+        f"mpilb: error: {ended}: the run has ended (status finished): it takes no more workers"], both.stderr
+    log = tmp_path / "run.h5"
+    proc = start(3, data, log, 40)
+    try:
+        mpirun.wait_training(str(log), proc)
+        cmd = [*mpirun.mpilb_cmd(1, "join", log), ":", *mpirun.mpilb_cmd(1, "join", ended)[1:]]
+        mixed = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=mpirun.env(), start_new_session=True)
+        jcode, _, jerr = finish(mixed, timeout=120)
+    finally:
+        code, out, err = finish(proc)
+    assert jcode == 2, jerr
+    lines = sorted(jerr.strip().splitlines())
+    assert lines == ["mpilb: error: rank 1 of this launch (on %s): %s: the run has ended "
+                     "(status finished): it takes no more workers" % (socket.gethostname(), ended),
+                     "mpilb: joined as worker 3"], jerr
+    assert code == 0, err
+    attrs, cols = check_finished_exactly(log, data)
+    assert list(cols["members"]["event"]) == ["join"]
+    up = cols["updates"]   # (it worked on until the run's last epoch)
+    assert up["epoch"][up["worker"] == 3].max() == up["epoch"].max(), up["epoch"]
+
+
 def test_join_refusals(data, tmp_path):  # noqa: F811
     """A run started with --no-join: `mpilb join` says so in one line, exit 2, and nothing is
     written beside the log. A run of another user: one line, exit 2 (needs root)."""
