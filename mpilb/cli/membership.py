@@ -182,6 +182,16 @@ def _join_launch(log: str, wait_s: float, phases) -> int:
         raise RankError(f"rank {rank} of this launch (on {socket.gethostname()}): {exc}", 2) from None
 
 
+def _withdraw(request: str, exc: BaseException) -> None:
+    """Tell rank 0 that this joiner will not connect to the port it was offered, and why
+    (server/admission.py, `.withdrawn`)."""
+    why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    try:
+        write_atomically(request + ".withdrawn", why + "\n")
+    except OSError:
+        pass   # (rank 0 then drops the offer after its timeout)
+
+
 class RankError(MpilbError):
     """What only this rank of a join launch met: said by this rank (the launch's other
     ranks go on), with its exit code."""
@@ -207,16 +217,19 @@ def _ask(log: str, attrs: dict, values: dict, ready, phases, wait_s: float, star
         ready_to_connect()   # while rank 0 takes the request
         phases.mark("mpi")
     port, offered = _offered(request, log, time.monotonic() + wait_s)
-    invitation = offered.get("bell")
-    if values.get("store") == "local":   # its node's shards, checked (run/worker_join.py)
-        from mpilb.run.worker_join import hold_node_copies
+    try:
+        if values.get("store") == "local":   # its node's shards, checked (run/worker_join.py)
+            from mpilb.run.worker_join import hold_node_copies
 
-        hold_node_copies(ready, json.loads(attrs.get("hostnames", "[]")),
-                         int(attrs.get("world_size", 1)), offered.get("files") or [])
-    phases.mark("offered")
-    from mpilb.mpi import doorbell
+            hold_node_copies(ready, json.loads(attrs.get("hostnames", "[]")),
+                             int(attrs.get("world_size", 1)), offered.get("files") or [])
+        phases.mark("offered")
+        from mpilb.mpi import doorbell
 
-    bell, ringback = doorbell.join_job(invitation)
+        bell, ringback = doorbell.join_job(offered.get("bell"))
+    except BaseException as exc:   # rank 0 drops the port it offered at once (not after 60 s)
+        _withdraw(request, exc)
+        raise
     write_atomically(request + ".connecting", json.dumps(ringback))
     if not os.path.exists(request + ".port"):   # the run ended meanwhile (Admissions.turn_away)
         bell.close()

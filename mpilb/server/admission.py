@@ -8,6 +8,7 @@ The handshake goes through files in the requests directory beside the run log
                                      how to ring rank 0's doorbell (mpi/doorbell.py); or
             join-PID.answer          "refused: ..."
     joiner: join-PID.connecting      "I am in MPI_Comm_connect now", and how to ring it
+            (or join-PID.withdrawn   "I gave up after the port: why", e.g. its node's copies)
     rank 0: accepts (~20 ms), then join-PID.answer "joined as worker N"
 
 Rank 0 looks for requests twice a second, and at every round of its chores while a port
@@ -62,6 +63,7 @@ from mpilb.server.round_entry import Entry, RoundEntry
 
 PORT_SUFFIX = ".port"
 CONNECTING_SUFFIX = ".connecting"
+WITHDRAWN_SUFFIX = ".withdrawn"
 END_TIMEOUT_S = 30.0
 ACCEPT_TIMEOUT_S = 5.0    # a joiner says it connects and calls MPI_Comm_connect at once
 OFFER_TIMEOUT_S = 60.0    # from a port offered to the joiner saying it connects
@@ -175,7 +177,9 @@ class Admissions:
         mono = time.monotonic()
         for path, offer in list(self.offers.items()):
             try:
-                if offer.gone():
+                if os.path.basename(path) + WITHDRAWN_SUFFIX in present:
+                    self.withdrawn(offer)
+                elif offer.gone():
                     self.drop(offer, "ended before it connected", tell=False)
                 elif os.path.basename(path) + CONNECTING_SUFFIX in present:
                     self.accept(offer)
@@ -233,6 +237,18 @@ class Admissions:
               file=sys.stderr, flush=True)
         if tell:
             write_atomically(offer.path + ".answer", f"refused: the joiner {why}\n")
+
+    def withdrawn(self, offer: Offer) -> None:
+        """The joiner of `offer` gave up after its port was offered (its node's copies
+        failed their check, an error or an interrupt before it connected): dropped at once
+        with its reason, not after OFFER_TIMEOUT_S (it does not connect: no accept waits)."""
+        try:
+            with open(offer.path + WITHDRAWN_SUFFIX) as fh:
+                why = fh.read().strip() or "no reason given"
+        except OSError:
+            why = "no reason given"
+        remove(offer.path + WITHDRAWN_SUFFIX)
+        self.drop(offer, f"withdrew ({why})", tell=False)
 
     def connected(self, offer: Offer):
         """The joiner of `offer` says it waits in MPI_Comm_connect: its communicator, or None

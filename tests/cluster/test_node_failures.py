@@ -186,3 +186,57 @@ def test_a_partitioned_nodes_workers_end_themselves(reference, tmp_path):
     mine = recomputed_coverage(str(tmp_path / "run.h5"), reference_sizes(reference))
     assert mine["applied"] == mine["expected"] and mine["duplicates"] == mine["missing"] == 0, mine
 
+
+
+def test_a_joiner_whose_nodes_copy_differs_withdraws_at_once(reference, tmp_path):
+    """A `--store local` run on n0 (rank 0) and n1 (workers 1, 2, which hold every shard);
+    then n1's copy of one shard is replaced by another seed's, and `mpilb join` on n1 checks
+    its node's copies against rank 0's checksums: one line naming the file, exit 2. It tells
+    rank 0 it withdraws, and rank 0 drops the port it offered within a few of its rounds
+    (before: only after 60 s, its offer's timeout, as it cannot see a process on another
+    host; the workers are paced, 6 ms a step, so that the run outlasts that window by far).
+    The run goes on and ends finished, exit 0, exact, with one line on the drop."""
+    from mpilb.runfiles.requests import requests_dir
+
+    other = prepare_synthetic(tmp_path / "other", samples=6000, features=16, classes=4, shards=8,
+                              seed=1)
+    name = other.shards[0].file
+    log = tmp_path / "run.h5"
+    with ClusterBox(nodes=2) as box:
+        stage(box, reference)
+        args = ["-hosts", "n0:1,n1:2", sys.executable, "-m", "mpilb", "train", "--data",
+                os.path.join(box.local_dir, "synth"), "--store", "local", "--hidden", "16",
+                "--epochs", 40, "--inject", "*:delay=0.006", "--no-progress", "--log", log]
+        proc = box.popen(0, box.mpiexec_cmd([str(a) for a in args]), env=mpirun.env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            _wait_training(log, proc)
+            copy = box.dir / "node1" / "local" / "synth" / name
+            shutil.copy(tmp_path / "other" / name, str(copy) + ".new")
+            os.replace(str(copy) + ".new", copy)   # (a new file: the job's ranks keep theirs)
+            joiner = box.run(1, [mpirun.mpiexec(), "-n", "1", sys.executable, "-m", "mpilb",
+                                 "join", str(log)], timeout=120, env=mpirun.env())
+            ended = time.monotonic()
+            offered = lambda: [n for n in os.listdir(requests_dir(str(log)))   # noqa: E731
+                               if n.endswith((".port", ".withdrawn"))]
+            while offered() and time.monotonic() < ended + 10:
+                time.sleep(0.05)
+            left = offered()
+            # (the run's end drops every offer: it must still be going on)
+            assert summarize_log(str(log))["status"] == "running", "the run ended first"
+            out, err = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=30)
+    assert joiner.returncode == 2, (joiner.returncode, joiner.stderr)
+    errors = [line for line in joiner.stderr.splitlines() if line.startswith("mpilb: error:")]
+    assert len(errors) == 1 and name in errors[0] and "checksum mismatch" in errors[0], joiner.stderr
+    assert not left, left   # dropped within 10 s of the joiner's end (its offer's timeout: 60 s)
+    assert proc.returncode == 0, err
+    assert [line for line in err.splitlines() if "was dropped: the joiner withdrew (" in line
+            and name in line], err
+    s = summarize_log(str(log))
+    cov = s["coverage"]
+    assert s["status"] == "finished" and cov["missing"] == 0 and cov["duplicates"] == 0
+    assert cov["applied"] == cov["expected"] > 0
