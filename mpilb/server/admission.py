@@ -18,11 +18,9 @@ costs the joiner one chores interval, not half a second.
 A joiner that dies on the way is dropped with one line (:meth:`Admissions.drop`) and the
 run goes on; nothing of it was counted: it gets an id and a place only once accepted.
 
-The joiner becomes a worker like the others: a :class:`~mpilb.server.peers.Peer` whose link
-addresses it on its own communicator (rank 1 there; rank 0 is rank 0), a place in the task
-ledger and the balancer, its receives among the ones tested; it is woken with work at once
-(a steal, or the queues the balancer gives it). Its id in the logs is above every rank of
-the job.
+The joiner becomes a worker like the others: a :class:`~mpilb.server.peers.Peer` on its own
+communicator, a place in the ledger and the balancer; it is woken with work at once. Its
+id in the logs is above every rank of the job.
 
 With --servers K > 1 every other store takes part in the accept (:meth:`accept_on_stores`,
 server/store_joins.py): the joiner's communicator then holds every store (store s its rank
@@ -31,16 +29,10 @@ ssp it starts at the slowest busy worker's step (it is woken as an idle worker i
 --mode sync one accepted while a round is open is admitted at that round's close
 (:meth:`defer_to_round`, server/round_entry.py).
 
-With `--store local` (relay.hold_node_copies) a joiner reads the shards its
-node holds (those of the job's workers on its host) and is one more holder of them in the
-ledger, one that sends no rows (the ledger's `readers`); rows of other shards reach it
-through rank 0 (relay.py). Its port file names rank 0's checksums of the shards, for the
-joiner to check its node's copies against (as a node's first rank does at start-up).
-
-A joiner let go (`mpilb leave`, SIGUSR2: roster.py) is told LEAVE like any worker; then
-(farewell.py) it tells rank 0 it is done on its communicator, rank 0 answers once the
-rows relayed to it are sent, and both disconnect; the joiner's launch finalises alone and
-exits 0 while the run goes on.
+With `--store local` a joiner reads its node's shards, checked against the checksums its
+port file names, and is one more holder of them, one that sends no rows; rows of other
+shards reach it through rank 0 (relay.py). A joiner let go (`mpilb leave`, SIGUSR2) is told
+LEAVE like any worker, then both disconnect (farewell.py) and the run goes on.
 """
 
 from __future__ import annotations
@@ -126,6 +118,17 @@ def ringback_of(path: str) -> dict:
     return {k: found[k] for k in ("local", "net") if found.get(k)} if isinstance(found, dict) else {}
 
 
+def withdrawal(request: str) -> str:
+    """Why the joiner of `request` gave up before it connected (its `.withdrawn`, removed)."""
+    try:
+        with open(request + WITHDRAWN_SUFFIX) as fh:
+            why = fh.read().strip()
+    except OSError:
+        why = ""
+    remove(request + WITHDRAWN_SUFFIX)
+    return why or "no reason given"
+
+
 def who_asks(path: str) -> tuple[str, int, dict]:
     """(host, pid, what it brings) of a request file: "HOST PID", then a JSON line of the
     joiner's shard sizes and model size (run/worker_join.py); ("", 0, {}) where it names none."""
@@ -177,8 +180,8 @@ class Admissions:
         mono = time.monotonic()
         for path, offer in list(self.offers.items()):
             try:
-                if os.path.basename(path) + WITHDRAWN_SUFFIX in present:
-                    self.withdrawn(offer)
+                if os.path.basename(path) + WITHDRAWN_SUFFIX in present:   # (not after 60 s)
+                    self.drop(offer, f"withdrew ({withdrawal(path)})", tell=False)
                 elif offer.gone():
                     self.drop(offer, "ended before it connected", tell=False)
                 elif os.path.basename(path) + CONNECTING_SUFFIX in present:
@@ -237,18 +240,6 @@ class Admissions:
               file=sys.stderr, flush=True)
         if tell:
             write_atomically(offer.path + ".answer", f"refused: the joiner {why}\n")
-
-    def withdrawn(self, offer: Offer) -> None:
-        """The joiner of `offer` gave up after its port was offered (its node's copies
-        failed their check, an error or an interrupt before it connected): dropped at once
-        with its reason, not after OFFER_TIMEOUT_S (it does not connect: no accept waits)."""
-        try:
-            with open(offer.path + WITHDRAWN_SUFFIX) as fh:
-                why = fh.read().strip() or "no reason given"
-        except OSError:
-            why = "no reason given"
-        remove(offer.path + WITHDRAWN_SUFFIX)
-        self.drop(offer, f"withdrew ({why})", tell=False)
 
     def connected(self, offer: Offer):
         """The joiner of `offer` says it waits in MPI_Comm_connect: its communicator, or None
