@@ -113,10 +113,9 @@ class RunLog:
                 data = carried[1][group][col] if carried is not None else np.zeros(0)
                 g.create_dataset(col, data=np.asarray(data).astype(dtype), maxshape=(None,),
                                  dtype=np.dtype(dtype), chunks=(4096,))
-        if carried is not None:
-            f.flush()
-            os.replace(target, self.path)
         self._start_swmr()
+        if carried is not None:   # (in SWMR mode first: a log killed in between, open for
+            os.replace(target, self.path)   # writing without it, opened for no SWMR reader)
 
     def _lock(self, path: str, what: Optional[str] = None, noun: str = "log") -> None:
         """Hold an exclusive lock on `path` (created if absent) until the summary is written
