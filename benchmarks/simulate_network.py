@@ -104,6 +104,10 @@ def main() -> int:
     ap.add_argument("--params", type=int, default=1_000_000)
     opts = ap.parse_args()
     from mpilb.clusterbox import ClusterBox, missing
+    from mpilb.clusterbox.system import burst_bytes, rate_bytes
+
+    # the box's links are token buckets (tc tbf): modelled as such, in ms of the link's rate
+    burst_ms = f"{burst_bytes(opts.link_rate) / rate_bytes(opts.link_rate) * 1e3:g}"
 
     why = missing()
     if why:
@@ -136,7 +140,7 @@ def main() -> int:
             sim_args = ["--nodes", "3", "--ranks-per-node", RANKS_PER_NODE, "--link-rate",
                         opts.link_rate, "--params", str(got["params"]), "--rates", "const:1e9",
                         "--batch", "1", "--samples", "600", "--shards", "60", "--epochs", "1",
-                        "--balancer", "load", *sim_opts]
+                        "--balancer", "load", "--link-burst", burst_ms, *sim_opts]
             pred = simulate(sim_args)[0]["updates_per_s"]
             measured[label], predicted[label] = rate, pred
             print(f"  ps {label}: measured {rate:.1f} updates/s, predicted {pred:.1f}", flush=True)
@@ -176,7 +180,7 @@ def main() -> int:
 
             run = load_run(log)
             meas = statistics.mean(run.measured_epoch_s)
-            sim_args = ["--from", log, "--link-rate", opts.link_rate]
+            sim_args = ["--from", log, "--link-rate", opts.link_rate, "--link-burst", burst_ms]
             pred = simulate(sim_args)[0]["epoch_s"]
             print(f"  train {label}: measured {meas:.2f} s, predicted {pred:.2f} s", flush=True)
             results.figure(g, f"train.{label}", f"{label}: measured {meas:.2f} s, predicted "

@@ -103,9 +103,16 @@ def rate_bytes(rate: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2)]
 
 
+def burst_bytes(rate: str) -> int:
+    """The token bucket of a link shaped to `rate`: 5 ms of it, at least 128 KB (so that a
+    64 KB GSO packet fits). A link idle (or below its rate) banks up to this many bytes and
+    then sends them at the veth's own speed (`mpilb simulate --link-burst` models it)."""
+    return max(int(rate_bytes(rate) * 0.005), 128 * 1024)
+
+
 def shape(ns: str, dev: str, rate: str) -> None:
-    """A token bucket on `dev`'s egress: `rate`, a burst of 5 ms of it (at least 128 KB, so
-    that a 64 KB GSO packet fits) and 50 ms of queue."""
-    burst = max(int(rate_bytes(rate) * 0.005), 128 * 1024)
+    """A token bucket on `dev`'s egress: `rate`, a burst of :func:`burst_bytes` and 50 ms of
+    queue."""
+    burst = burst_bytes(rate)
     sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
        "rate", rate.strip().lower(), "burst", str(burst), "latency", "50ms")

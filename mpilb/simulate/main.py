@@ -54,6 +54,9 @@ def add_arguments(p) -> None:
                           "1.5gbit, 125mbps (one, or one per node; default 10gbit)")
     net.add_argument("--shm-rate", metavar="RATE", help="within a node (default 40gbit)")
     net.add_argument("--latency", type=float, metavar="S", help="one way, per transfer (default 5e-5)")
+    net.add_argument("--link-burst", type=float, metavar="MS", help="a link's token bucket, in "
+                     "ms of its rate, spent at the shm rate (tc tbf's burst: the cluster in a "
+                     "box's links bank 5; default 0, a NIC's line rate)")
     net.add_argument("--pipeline", type=int, choices=(0, 1), help="1: a worker computes its "
                      "next batch while its push travels (default: 1, as train's async; --from: "
                      "the run's)")
@@ -280,7 +283,8 @@ def table_head(clusters, spec=None) -> list[str]:
         rates = sorted({f"{b * 8 / 1e9:g} Gbit/s" for b in spec.link_bps})
         lines.append(f"network: {spec.nodes} nodes, ranks per node {_ranks_text(spec)}, links "
                      f"{', '.join(rates)}, shared memory {spec.shm_bps * 8 / 1e9:g} Gbit/s, "
-                     f"latency {spec.latency_s * 1e6:g} us")
+                     f"latency {spec.latency_s * 1e6:g} us"
+                     + (f", links bank {spec.burst_s * 1e3:g} ms (--link-burst)" if spec.burst_s else ""))
     lines.append(f"{'workers':>7} {'balancer':<12} {'batch_policy':<12} {'mode':<5} {'servers':>7} "
                  + (f"{'wire':>5} " if spec is not None else "")
                  + " ".join(f"{c:>13}" for c in COLUMNS))
@@ -305,7 +309,8 @@ def table_row(r: dict) -> str:
 
 def _network_given(args) -> bool:
     return any(getattr(args, k) is not None for k in ("link_rate", "shm_rate", "latency",
-                                                      "ranks_per_node", "nodes", "wire"))
+                                                      "link_burst", "ranks_per_node", "nodes",
+                                                      "wire"))
 
 
 def _network(args, nodes: int, ranks_per_node: list[int] | None = None):
@@ -323,7 +328,8 @@ def _network(args, nodes: int, ranks_per_node: list[int] | None = None):
         ranks_per_node = counts * nodes if len(counts) == 1 else counts
     return NetSpec(nodes, ranks_per_node, parse_rates(args.link_rate or "10gbit", nodes),
                    parse_rate(args.shm_rate or SHM_RATE, "--shm-rate"),
-                   args.latency if args.latency is not None else LATENCY_S)
+                   args.latency if args.latency is not None else LATENCY_S,
+                   (args.link_burst or 0.0) / 1e3)
 
 
 def _net_cluster(args, spec):

@@ -83,7 +83,7 @@ class NetEngine(Engine):
         self.layout = layout
         self.k = layout.k
         topo = self.topo = Topology(layout)
-        self.fabric = Fabric(topo.rates, topo.caps, layout.spec.latency_s)
+        self.fabric = Fabric(topo.rates, topo.caps, layout.spec.latency_s, topo.bursts, topo.peaks)
         floats = layout.slice_floats(cfg.params)
         per_byte = 1.0 / (cfg.server_gbps * 1e9)
         wire = WIRE_BYTES[cfg.wire]

@@ -8,7 +8,11 @@ node, both ways. A transfer crossing several resources (a worker's slice to a st
 another node: the worker node's ``up`` and the store node's ``down``) is done when it is done
 on each; every resource is shared fairly among the flows crossing it at the time
 (processor sharing: n flows each get 1/n of its rate, a flow of weight w gets w/Σw).
-Each transfer then pays the one-way ``--latency`` once.
+Each transfer then pays the one-way ``--latency`` once. A link may be a token bucket
+(``--link-burst MS``, as tc's ``tbf`` shapes the cluster in a box's links): while it is idle
+or below its rate it banks up to MS milliseconds of its rate, and spends the bank at the
+node's shared-memory rate (the unshaped veth's); a NIC's line rate banks nothing (0, the
+default).
 
 Stores (:class:`Layout`): ``--servers K`` puts K stores on K different nodes (nodes 0..K-1),
 ``per-node`` one on every node; a store is the lowest rank of its node (rank 0 is the first
@@ -75,6 +79,7 @@ class NetSpec:
     link_bps: list[float]          # bytes/s per node, each direction
     shm_bps: float = 5e9
     latency_s: float = LATENCY_S
+    burst_s: float = 0.0           # a link's bank, in seconds of its rate (tc tbf's burst)
 
     def __post_init__(self):
         if self.nodes < 1:
@@ -83,6 +88,8 @@ class NetSpec:
             raise UsageError(f"--ranks-per-node must be at least 1 on each of the {self.nodes} nodes")
         if self.latency_s < 0 or not math.isfinite(self.latency_s):
             raise UsageError(f"--latency must be >= 0 s (got {self.latency_s})")
+        if not 0 <= self.burst_s < math.inf:
+            raise UsageError(f"--link-burst must be >= 0 ms (got {self.burst_s * 1e3:g})")
 
     def node_of(self) -> list[int]:
         """The node of every rank, ranks numbered node by node."""
@@ -168,11 +175,15 @@ class Topology:
         if group is None:
             group = layout.k > self.APART
         n = spec.nodes
-        rates, caps = [], []
+        rates, caps, bursts, peaks = [], [], [], []
 
-        def resource(rate: float, cap: float = math.inf) -> int:
+        def resource(rate: float, cap: float = math.inf, links: int = 0) -> int:
+            """A resource of ``rate``; ``links``: how many links it stands for (0: a node's
+            shared memory), each banking ``burst_s`` of its rate to spend at the shm rate."""
             rates.append(rate)
             caps.append(cap)
+            bursts.append(rate * spec.burst_s if links else 0.0)
+            peaks.append(max(rate, spec.shm_bps * links))
             return len(rates) - 1
 
         self.shm = [resource(spec.shm_bps) for _ in range(n)]
@@ -185,8 +196,8 @@ class Topology:
         self.group_up, self.group_down = [], []
         for g, stores in enumerate(self.groups):
             bps = spec.link_bps[layout.store_nodes[stores[0]]]
-            self.group_up.append(resource(bps * len(stores), bps))
-            self.group_down.append(resource(bps * len(stores), bps))
+            self.group_up.append(resource(bps * len(stores), bps, len(stores)))
+            self.group_down.append(resource(bps * len(stores), bps, len(stores)))
             for s in stores:
                 self.group_of_store[s] = g
                 node = layout.store_nodes[s]
@@ -194,10 +205,10 @@ class Topology:
         store_nodes = set(layout.store_nodes)
         for node in range(n):
             if node not in store_nodes:
-                self.up[node] = resource(spec.link_bps[node])
-                self.down[node] = resource(spec.link_bps[node])
+                self.up[node] = resource(spec.link_bps[node], links=1)
+                self.down[node] = resource(spec.link_bps[node], links=1)
         self.links = sorted(set(self.up) | set(self.down))
-        self.rates, self.caps = rates, caps
+        self.rates, self.caps, self.bursts, self.peaks = rates, caps, bursts, peaks
         self.store_nodes = list(layout.store_nodes)
 
 
@@ -206,18 +217,25 @@ class Fabric:
 
     A *flow* is bytes on one resource, with a weight (its share): the resource's rate is
     divided among its flows by weight, each flow getting at most ``cap`` per unit of weight.
+    A resource with a ``burst`` (bytes) is a token bucket: its bank fills at its rate less
+    what it serves, up to ``burst``, and while the bank holds tokens the resource serves at
+    its ``peak`` rate (caps scaled alike); the bank running dry is an event of its own.
     A *transfer* is done when every flow it waits on is done, plus the latency. Events are
     kept in one heap: a resource's next departure (rescheduled as flows come and go), a
     delayed send, a finished transfer.
     """
 
-    def __init__(self, rates: list[float], caps: list[float], latency: float):
+    def __init__(self, rates: list[float], caps: list[float], latency: float,
+                 bursts: list[float] | None = None, peaks: list[float] | None = None):
         if not all(0.0 < r < math.inf for r in rates):
             raise ValueError(f"every resource's rate must be finite and > 0 (got {rates})")
         self.rate = list(rates)
         self.cap = list(caps)
         self.latency = latency
         r = len(self.rate)
+        self.burst = list(bursts) if bursts else [0.0] * r
+        self.tokens = list(self.burst)      # banks start full
+        self.peak = [max(a, b) for a, b in zip(peaks, rates)] if peaks else list(rates)
         self.v = [0.0] * r          # service per unit weight so far
         self.load = [0.0] * r       # sum of the weights of the flows on it
         self.t = [0.0] * r
@@ -233,13 +251,26 @@ class Fabric:
     # -- flows and transfers ----------------------------------------------------------
     def _speed(self, res: int) -> float:
         """Bytes/s per unit of weight on ``res`` now."""
-        share = self.rate[res] / self.load[res]
+        rate = self.rate[res]
         cap = self.cap[res]
+        if self.tokens[res] > 0.0:       # spending its bank
+            cap *= self.peak[res] / rate
+            rate = self.peak[res]
+        share = rate / self.load[res]
         return cap if cap < share else share
 
     def _advance(self, res: int, t: float) -> None:
+        dt = t - self.t[res]
+        served = 0.0
         if self.load[res] > 0.0:
-            self.v[res] += (t - self.t[res]) * self._speed(res)
+            speed = self._speed(res)
+            self.v[res] += dt * speed
+            served = speed * self.load[res]
+        if self.burst[res] and dt > 0.0:
+            tokens = self.tokens[res] + (self.rate[res] - served) * dt
+            # dry within the float error of the bank (else its next event falls at once)
+            self.tokens[res] = (0.0 if tokens <= 1e-9 * self.burst[res]
+                                else min(self.burst[res], tokens))
         self.t[res] = t
 
     def _schedule(self, res: int) -> None:
@@ -247,7 +278,12 @@ class Fabric:
         self.due[res] = self.seq
         heap = self.flows[res]
         if heap:
-            dt = (heap[0][0] - self.v[res]) / self._speed(res)
+            speed = self._speed(res)
+            dt = (heap[0][0] - self.v[res]) / speed
+            drain = speed * self.load[res] - self.rate[res]
+            if self.tokens[res] > 0.0 and drain > 0.0:   # the bank runs dry first?
+                dry = self.tokens[res] / drain
+                dt = dry if dry < dt else dt
             heapq.heappush(self.events, (self.t[res] + (dt if dt > 0.0 else 0.0), self.seq, 0, res))
 
     def flow(self, t: float, res: int, nbytes: float, weight: float = 1.0) -> int:

@@ -72,6 +72,34 @@ def test_weights_and_caps():
     assert drain(fab) == {"both": pytest.approx(1.0)}
 
 
+def test_a_token_bucket_link_spends_its_bank_at_the_peak_then_its_rate():
+    # 1 MB/s, a bank of 0.25 MB spent at 11 MB/s: it drains at 10 MB/s, dry after 25 ms
+    # with 0.275 MB moved; the other 0.725 MB at 1 MB/s: done at 0.75 s, not 1 s
+    fab = Fabric([1e6], [float("inf")], latency=0.0, bursts=[0.25e6], peaks=[11e6])
+    fab.transfer(0.0, [fab.flow(0.0, 0, 1e6)], "a")
+    assert drain(fab) == {"a": pytest.approx(0.75)}
+    # idle, the bank fills at the rate, up to its size: after 0.1 s idle it holds 0.1 MB
+    # (dry after 10 ms with 0.11 MB moved), so a 1 MB flow then is done 0.9 s later
+    fab.later(0.85, "start b")
+    t, kind, token = fab.pop()
+    fab.transfer(t, [fab.flow(t, 0, 1e6)], "b")
+    assert drain(fab) == {"b": pytest.approx(0.85 + 0.01 + 0.89)}
+    # a message that fits in the bank passes at the peak
+    fab = Fabric([1e6], [float("inf")], latency=0.0, bursts=[0.25e6], peaks=[11e6])
+    fab.transfer(0.0, [fab.flow(0.0, 0, 0.11e6)], "small")
+    assert drain(fab) == {"small": pytest.approx(0.01)}
+
+
+def test_the_boxs_token_buckets_keep_a_link_busy_that_pushes_and_replies_take_turns():
+    # rank 0's link alternates directions (pushes in, replies out): banked, the idle
+    # direction's tokens carry a 537 KB reply (the mlp 256,256) at once
+    args = dict(params=134154, sizes=[100] * 60)
+    plain = engine(3, [1, 2, 2], 1, node_of=[0, 1, 1, 2, 2], **args).run()
+    banked = engine(3, [1, 2, 2], 1, node_of=[0, 1, 1, 2, 2], burst_s=5e-3, **args).run()
+    assert banked["updates_per_s"] > 1.15 * plain["updates_per_s"]
+    assert banked["network"]["busiest_link"] > 0.9
+
+
 def test_store_placement():
     spec = NetSpec(4, [3] * 4, [GBIT] * 4)
     two = Layout(spec, 2)
@@ -97,7 +125,7 @@ def test_store_placement():
 
 
 def engine(nodes, ranks, k, wire="fp32", params=1_000_000, rate=1e6, link=GBIT, **kw):
-    spec = NetSpec(nodes, ranks, [link] * nodes)
+    spec = NetSpec(nodes, ranks, [link] * nodes, burst_s=kw.pop("burst_s", 0.0))
     layout = Layout(spec, k, kw.pop("node_of", None))
     profiles = [constant(rate, 0.0, 1e12) for _ in range(sum(ranks))]
     sizes = kw.pop("sizes", [100] * 20)
@@ -175,6 +203,7 @@ def test_a_small_what_if(capsys):
     (["--nodes", "2", "--mode", "sync"], "not simulated yet"),
     (["--workers", "4", "--pipeline", "1"], "on a network only"),
     (["--nodes", "2", "--jitter", "-1"], "--jitter must be"),
+    (["--nodes", "2", "--link-burst", "-5"], "--link-burst must be"),
 ])
 def test_bad_network_input_is_one_line_and_exit_2(capsys, argv, words):
     code = main(["simulate", *argv, "--epochs", "1"])
