@@ -27,7 +27,7 @@ from mpilb.config.build import build_config
 from mpilb.core.topology import PER_NODE, on_other_nodes, store_ranks
 from mpilb.errors import UsageError
 from mpilb.mpi import comm as C
-from mpilb.mpi import cores, doorbell, wire, wire_format
+from mpilb.mpi import cores, wire, wire_format
 from mpilb.mpi.wire import Cmd
 from mpilb.run.components import config_model
 from mpilb.server.loop import ParameterServer
@@ -133,7 +133,6 @@ def _null_worker(comm, n: int, bounds: list, stores: list,
             else wire.HEADER_BYTES + fmt.itemsize * bounds[1])
     tasks: list[list[int]] = []   # [epoch, shard, pos, end]
     backoff = C.Backoff()
-    bell = doorbell.current()   # rung with each push, as a real worker's (its rings: unread)
     step = 0
     pulls = None
     pushes: list = []
@@ -178,7 +177,6 @@ def _null_worker(comm, n: int, bounds: list, stores: list,
         pushes = [comm.Isend(push.payload[bounds[s]:bounds[s + 1]], dest=r, tag=wire.TAG_GRAD)
                   for s, r in enumerate(stores) if s > 0]
         pushes.append(comm.Isend(push.buf[:head], dest=0, tag=wire.TAG_PUSH))
-        bell.ring(0)
         step += 1
 
 
@@ -257,7 +255,6 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
     if len(stores) > params:
         raise UsageError(f"bench ps: --servers {servers} exceeds --params {params}")
     cores.start_waits(comm, stores)   # the waits of `mpilb train` here, for both loops
-    doorbell.open_job(comm, rank, size)   # and its doorbells: a worker rings with its push
     lr = 1e-6
     # Use the server's actual parameter count (softmax: 10*(features+1)) for both loops.
     n = (max(1, params // 10 - 1)) * 10 + 10

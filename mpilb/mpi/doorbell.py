@@ -204,8 +204,7 @@ class Doorbell:
             if self.owed_polls:   # the message may be a progress call away: no sleep yet
                 self.owed_polls -= 1
                 return
-            if time.monotonic() < self.owed_until or any(
-                    self.via(r) == NETWORK for r in self.owed):
+            if time.monotonic() < self.owed_until:
                 Backoff.short()
                 return
             self.wait(min(longest, self.owed_nap))
