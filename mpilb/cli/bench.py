@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpilb.config.build import build_config
-from mpilb.core.topology import PER_NODE, on_other_nodes, store_ranks
+from mpilb.core.topology import PER_NODE, store_ranks
 from mpilb.errors import UsageError
 from mpilb.mpi import comm as C
 from mpilb.mpi import cores, wire, wire_format
@@ -119,13 +119,11 @@ def _bare_worker(comm, n: int, fmt: wire_format.WireFormat = wire_format.Float32
 
 
 def _null_worker(comm, n: int, bounds: list, stores: list,
-                 fmt: wire_format.WireFormat = wire_format.Float32(), far: bool = False) -> None:
+                 fmt: wire_format.WireFormat = wire_format.Float32()) -> None:
     """The worker protocol without computing: push zero-cost gradients of the tasks assigned,
     honouring their ends, cuts and drops (so coverage stays exact, as with real workers).
     Slices go to their stores (`bounds`, the store ranks `stores`) as real workers send them,
-    in the wire format `fmt` (encoded once: the same gradient every push). `far`: a store is
-    on another node, and the reply's slices are polled for as a real worker's
-    (Replies.finish_pulls)."""
+    in the wire format `fmt` (encoded once: the same gradient every push)."""
     push = wire_format.new_message(fmt, n)
     fmt.encode(np.full(n, 1e-3, np.float32), push.payload)
     recv = wire_format.new_message(fmt, n)
@@ -152,8 +150,8 @@ def _null_worker(comm, n: int, bounds: list, stores: list,
             return
         if reply.cmd == Cmd.PARAMS:
             backoff.reset()
-            while not C.Request.Testall(pulls):   # on their way (as Replies.finish_pulls)
-                backoff.short() if far else backoff.sleep()
+            while not C.Request.Testall(pulls):
+                backoff.sleep()
             pulls = None
         if reply.cmd == Cmd.ORDERS:   # rows for another rank: only with --store local
             continue
@@ -184,14 +182,13 @@ _NULL_SHARD = 1_000_000
 
 
 def _bench_config(n: int, seconds: float, optimizer: str, lr: float, stores: list, log: str,
-                  wire_name: str = "fp32", nodes: tuple = ()):
+                  wire_name: str = "fp32"):
     cfg = build_config({}, {"model": "softmax", "optimizer": optimizer, "lr": lr,
                             "epochs": 1, "max_seconds": seconds, "eval_interval": 1e9,
                             "rebalance_interval": 1.0, "progress": False,
                             "servers": len(stores), "log": log, "data": "<bench>",
                             "wire": wire_name})
     cfg.store_ranks = tuple(stores)
-    cfg.rank_nodes = tuple(nodes)
     return cfg
 
 
@@ -200,17 +197,16 @@ def _bench_dataset(n: int, workers: int) -> _BenchDataset:
 
 
 def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: list,
-              fmt: wire_format.WireFormat = wire_format.Float32(), nodes: tuple = ()) -> dict:
+              fmt: wire_format.WireFormat = wire_format.Float32()) -> dict:
     """One timed run of the real server (rank 0), its stores and null workers (every rank).
     Rank 0 returns {updates_per_s, server_cpu_s, train_s, updates, servers: [...]}."""
     rank, size = comm.Get_rank(), comm.Get_size()
     dataset = _bench_dataset(n, size - len(stores))
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _bench_config(n, seconds, optimizer, lr, stores, os.path.join(tmp, "bench.h5"),
-                            fmt.name, nodes)
+                            fmt.name)
         if rank not in stores:
-            far = bool(on_other_nodes(cfg, rank, stores))
-            _null_worker(comm, n, store_bounds(cfg, config_model(cfg, dataset)), stores, fmt, far)
+            _null_worker(comm, n, store_bounds(cfg, config_model(cfg, dataset)), stores, fmt)
             return {}
         if rank > 0:
             SliceRank(cfg, dataset, comm, rank).run()
@@ -266,7 +262,7 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
         else:
             _bare_worker(comm, n, fmt)
         C.wait(comm.Ibarrier())
-        run = _real_run(comm, n, seconds, optimizer, lr, stores, fmt, tuple(nodes))
+        run = _real_run(comm, n, seconds, optimizer, lr, stores, fmt)
         if rank == 0:
             runs.append(run)
             rates.append(run["updates_per_s"])

@@ -186,8 +186,6 @@ class Config:
     given: dict = field(default_factory=dict, compare=False, repr=False)
     # the parameter stores' ranks, placed by node at start-up (launch.py; topology.stores_of)
     store_ranks: tuple = field(default=(), compare=False, repr=False)
-    # the node of every rank of the job (a shared-memory split at start-up; empty: unknown)
-    rank_nodes: tuple = field(default=(), compare=False, repr=False)
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any], given: Optional[dict] = None) -> "Config":

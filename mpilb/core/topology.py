@@ -68,15 +68,6 @@ def stores_of(cfg) -> list[int]:
     return list(placed) if placed else default_stores(cfg.updates.servers)
 
 
-def on_other_nodes(cfg, rank: int, peers: Sequence[int]) -> set[int]:
-    """The ranks of `peers` that are not on `rank`'s node (cfg.rank_nodes): every one of
-    them where that is not known (a joiner's id, a rank past the job's)."""
-    nodes = getattr(cfg, "rank_nodes", ())
-    if not 0 <= rank < len(nodes):
-        return set(peers)
-    return {p for p in peers if not 0 <= p < len(nodes) or nodes[p] != nodes[rank]}
-
-
 def workers_of(cfg, size: int) -> list[int]:
     """The worker ranks of a job of `size` ranks: every rank that is not a store."""
     stores = set(stores_of(cfg))

@@ -1,21 +1,22 @@
 """Parameter stores beyond rank 0 (--servers K): the other store ranks, and rank 0's handle on them.
 
-The K store ranks (topology.store_ranks: one per node where there are K nodes, ranks 0..K-1
-on one node; store 0 is rank 0) each hold a slice [bounds[s], bounds[s+1]) of the flat
-parameters (wire.cut_slices: balanced by floats, cut at layer boundaries when that costs
-under 5 %), with its optimizer state and staleness correction. A worker sends each store its
-slice of every gradient (TAG_GRAD), the header to rank 0 alone, and pulls each slice of the
-reply from its store (TAG_PARAMS).
+The K store ranks (topology.store_ranks: one per node where there are K nodes, ranks
+0..K-1 on one node; store 0 is rank 0) each hold a contiguous slice [bounds[s], bounds[s+1]) of the flat parameter
+vector (wire.cut_slices: balanced by floats, cut at layer boundaries when that costs under
+5 %), with the optimizer state and the staleness correction of that slice. A worker sends
+each store its slice of every gradient (TAG_GRAD) and the header to rank 0 alone; it pulls
+each slice of the reply from its store (TAG_PARAMS).
 
-Rank 0 alone decides (coverage, strays, rejected gradients, holds and sync rounds, lost
-workers), and tells the other stores what to do with each push in the order it decided
-(TAG_CTRL, wire.Op: apply, add to the round, drop, close the round, send a worker its slice,
-forget a lost worker). Every store so applies the same gradients in the same order: with
-sync rounds the sliced parameters are one store's floats. A command is 64 bytes; the slices
-carry the bytes, so rank 0 moves 1/K of them.
+Rank 0 alone decides (coverage, strays, rejected gradients, the update rule's holds and sync
+rounds, lost workers). It tells the other stores what to do with each push in the order it
+decided (TAG_CTRL, wire.Op): apply it, add it to the round, drop it, close the round, send
+a worker its slice, forget a lost worker. Every store therefore applies the same gradients
+in the same order as rank 0: with sync rounds the sliced parameters are the same floats as
+one store's. A command is 64 bytes; the slices carry the bytes, so rank 0 moves 1/K of them.
 
     SliceRank(cfg, dataset, comm, rank).run()    # a store rank other than 0, until Op.END
-    RemoteSlices(comm, bounds, stores)             # on rank 0 (in its SliceGroup, group.py)"""
+    RemoteSlices(comm, bounds, stores)             # on rank 0 (in its SliceGroup, group.py)
+"""
 
 from __future__ import annotations
 
@@ -25,10 +26,11 @@ from typing import Optional
 
 import numpy as np
 
-from mpilb.mpi import comm as C, wire, wire_format
+from mpilb.mpi import comm as C
+from mpilb.mpi import wire, wire_format
 from mpilb.core.corrections import build_correction
 from mpilb.errors import MpilbError
-from mpilb.core.topology import on_other_nodes, stores_of, workers_of
+from mpilb.core.topology import stores_of, workers_of
 from mpilb.mpi.watchdog import Rank0Watch
 from mpilb.mpi.wire import Op
 from mpilb.server.modes import ParamRing
@@ -63,8 +65,8 @@ def slice_ring(cfg, params: np.ndarray, optimizer, new_buffer=None) -> ParamRing
     `new_buffer`: see ParamRing."""
     correction = build_correction(cfg.updates.correction, cfg.updates.dc_lambda)
     keep = (2 if cfg.updates.pipeline else 1) if correction.needs_old_params else 0
-    # (workers clip what is applied on arrival; sync with K > 1 is refused: validate.check_optimizer)
-    clip = cfg.optim.clip_norm if cfg.updates.mode == "sync" and cfg.updates.servers == 1 else None
+    clip = cfg.optim.clip_norm if cfg.updates.mode == "sync" and cfg.updates.servers == 1 else None   # (workers
+    # clip what is applied on arrival; sync with K > 1 is refused: config/validate.check_optimizer)
     return ParamRing(params, optimizer, correction, cfg.balancing.batch, keep_sent=keep,
                       new_buffer=new_buffer, finished=C.finished, clip_norm=clip)
 
@@ -99,25 +101,29 @@ class SliceRank:
         self.n = self.bounds[s + 1] - self.bounds[s]
         self.ring = slice_ring(cfg, np.zeros(self.n, np.float32), config_optimizer(cfg.optim, self.n))
         self.workers = workers_of(cfg, comm.Get_size())
-        self.near = set(self.workers) - on_other_nodes(cfg, rank, self.workers)
         self.joins = StoreJoins(comm, stores_of(cfg))   # workers that joined (store_joins.py)
-        # --wire: slices arrive in it, expanded into `grad` (fp32); replies go from `encoded`
+        # --wire: slices arrive in that format and are expanded into `grad` (float32);
+        # replies go from `encoded`, the slice converted once per version
         self.fmt = wire_format.wire_format(cfg.updates.wire)
         self.grads = {w: np.empty(self.n, self.fmt.wire_dtype) for w in self.workers}
         self.grad = None if self.fmt.is_fp32 else np.empty(self.n, np.float32)
         self.encoded = (None if self.fmt.is_fp32
                         else wire_format.EncodedParams(self.fmt, self.n, C.finished))
-        self.recvs, self.replies, self.lost = {}, {}, set()   # by worker rank; lost ones
+        self.recvs: dict = {}
         self.round = np.zeros(self.n, np.float32)
-        self.ctrl, self.ctrl_req = np.zeros(wire.CTRL_FIELDS, np.float64), None
+        self.ctrl = np.zeros(wire.CTRL_FIELDS, np.float64)
+        self.ctrl_req = None
         self.queue: deque = deque()
-        self.stats, self.stats_req = np.zeros(wire.STATS_FIELDS, np.float64), None
+        self.lost: set[int] = set()
+        self.replies: dict = {}
+        self.stats = np.zeros(wire.STATS_FIELDS, np.float64)
+        self.stats_req = None
         self.backoff = C.Backoff()
         self.rank0 = Rank0Watch(cfg.faults.worker_timeout, rank)
         self.cpu0 = time.process_time()
 
-    def abandon(self) -> None:   # set-up failed elsewhere: nothing to close here
-        pass
+    def abandon(self) -> None:
+        """Set-up failed elsewhere: nothing to close here."""
 
     # ----------------------------------------------------------------- messages
     def _post(self, w: int) -> None:
@@ -137,27 +143,22 @@ class SliceRank:
         return got
 
     def _next(self) -> wire.CtrlMsg:
-        """Rank 0's next command; polled finely while a reply to another node is still being
-        sent (over TCP a send moves only while this rank calls MPI, as rank 0's outbox)."""
         self.backoff.reset()
         while not self.queue:
             if not self._poll_ctrl():
-                self._nap(any(w not in self.near and not C.finished(r) for w, r in self.replies.items()))
+                self.backoff.sleep()
         return self.queue.popleft()
-
-    def _nap(self, fine: bool) -> None:
-        self.backoff.short() if fine else self.backoff.sleep()
 
     def _take(self, w: int) -> Optional[np.ndarray]:
         """Worker w's gradient slice (it is on its way: rank 0 has its header), or None if
         rank 0 declared w lost meanwhile (a LOSE further down the queue)."""
         self.backoff.reset()
         req = self.recvs[w]
-        while not req.Test():   # on its way: from another node, polled finely (see _next)
+        while not req.Test():
             self._poll_ctrl()
             if any(m.op == Op.LOSE and m.rank == w for m in self.queue):
                 return None
-            self._nap(w not in self.near)
+            self.backoff.sleep()
         self.ring.bytes_in += self.grads[w].nbytes
         if self.grad is None:
             return self.grads[w]
@@ -218,7 +219,6 @@ class SliceRank:
             self.replies[m.rank] = req
         elif m.op == Op.LOSE:
             self.lost.add(m.rank)
-            self.replies.pop(m.rank, None)   # (never completes: not polled for)
             req = self.recvs.pop(m.rank, None)
             if req is not None and not req.Test():
                 req.Cancel()

@@ -28,7 +28,7 @@ from mpilb.backend import select_backend
 from mpilb.core.batches import GradientStep, ShardFeed
 from mpilb.core.inject import Injector, parse_injects
 from mpilb.core.optimizers import clip_grad_norm
-from mpilb.core.topology import on_other_nodes, stores_of, workers_of
+from mpilb.core.topology import stores_of, workers_of
 from mpilb.data.shards import ShardReader
 from mpilb.mpi import comm as C
 from mpilb.mpi import doorbell, wire, wire_format
@@ -93,8 +93,7 @@ class Worker:
                              on_poll=self.rank0.check, fmt=self.wire)
         self.replies = Replies(comm, rank, self.messages, self.n, stores, bounds, self.bell,
                                self.backoff, self.rank0, self.rows,
-                               pipelined=bool(cfg.updates.pipeline), fmt=self.wire,
-                               far=bool(on_other_nodes(cfg, rank, stores)))
+                               pipelined=bool(cfg.updates.pipeline), fmt=self.wire)
         self.assignments = Assignments(self.feed, self.rows, held)
         self.times = TimeSincePush()
         # what the last reply said

@@ -35,7 +35,6 @@ class Replies:
         backoff: the worker's waits; rank0: the watch on rank 0's silence.
         rows: the row exchange (serves the send orders that come meanwhile).
         pipelined: --pipeline 1.
-        far: a store is on another node (its slices come over the network).
         fmt: the wire format (--wire). Other than fp32, a reply's values are expanded into
             `params` (float32, on the compute device) once its slices are in: the
             parameters in use are never the ones receiving, so one buffer of each suffices.
@@ -43,7 +42,7 @@ class Replies:
 
     def __init__(self, comm, rank: int, messages: DeviceMessages, floats: int, stores, bounds,
                  bell, backoff, rank0, rows, pipelined: bool,
-                 fmt: wire_format.WireFormat = wire_format.Float32(), far: bool = False):
+                 fmt: wire_format.WireFormat = wire_format.Float32()):
         self.comm = comm
         self.rank = rank
         self.messages = messages
@@ -54,7 +53,6 @@ class Replies:
         self.rank0 = rank0
         self.rows = rows
         self.pipelined = pipelined
-        self.far = far
         self.fmt = fmt
         self.staging = None   # the wire values on the device, before they are expanded
         self.spare = None
@@ -105,13 +103,7 @@ class Replies:
         """The slices follow a PARAMS header: wait for all of them (no spinning). Rank 0
         may have to progress the send (doorbell.py): it is poked, and poked again while the
         slices keep this rank waiting, since it progresses its sends only for a moment after
-        a poke and then sleeps until a push comes (with one worker: up to its nap).
-
-        With a store on another node (`far`) the polls come at the shortest sleep: a
-        transfer over TCP moves only while both ends call MPI, and at the backoff's sleeps
-        (growing to 1 ms) a 2.6 MB slice from another node took ~45 ms (the cluster in a
-        box, unshaped links). Through shared memory the backoff's sleeps leave the cores to
-        the ranks that compute (fine polls there cost a 5-rank run on 2 cores 18 %)."""
+        a poke and then sleeps until a push comes (with one worker: up to its nap)."""
         self.backoff.reset()
         poked = 0.0
         while not C.Request.Testall(self.pulls):
@@ -121,10 +113,7 @@ class Replies:
                 poked = now
             self.rows.progress()
             self.rank0.check()
-            if self.far:
-                self.backoff.short()
-            else:
-                self.backoff.sleep()
+            self.backoff.sleep()
         self.pulls = None
 
     def take_params(self) -> None:
