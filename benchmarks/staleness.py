@@ -19,6 +19,8 @@ Groups:
   against sync's, samples to 0.9 as a multiple of sync's; each also under the previous
   policy (`--correction momentum`), which trades with dynamic on these models
   (docs/benchmarks/staleness.md).
+Each case also runs async with `--weight-prediction off`, the default before weight
+prediction (core/prediction.py).
 - table: mean staleness of the applied gradients against workers (2, 4, 6: 7 ranks,
   oversubscribed) and --pipeline 0/1 (digits mlp, 2 epochs).
 
@@ -51,6 +53,7 @@ STRAGGLER = ["--inject", "3:compute=4"]
 DIGITS_MODELS = {"mlp": ["--model", "mlp", "--hidden", "64"], "cnn": ["--model", "cnn"],
                  "torch cnn": ["--model", os.path.join(HERE, "examples/torch_cnn.py:Net")]}
 DIGITS_TARGET = 0.9
+NO_PREDICTION = ["--weight-prediction", "off"]
 
 
 def train(data: str, log: str, ranks: int, args: list[str], timeout: float) -> dict:
@@ -125,18 +128,24 @@ def recipe(b: Bench, res) -> None:
             extra = STRAGGLER if slow else []
             sync = b.runs(data, workers + 1, MLP + RECIPE + stop + extra + ["--mode", "sync"])
             new = b.runs(data, workers + 1, MLP + RECIPE + stop + extra)
+            unpredicted = b.runs(data, workers + 1, MLP + RECIPE + stop + extra + NO_PREDICTION)
             res.figure(g, f"sync-{workers}{'s' if slow else ''}", "--mode sync: samples to target",
                        _samples(sync), digits=0, command=g["command"] + " --mode sync")
             res.figure(g, f"async-{workers}{'s' if slow else ''}",
-                       "async, default staleness policy (dynamic): samples to target / sync's",
+                       "async, the defaults (dynamic, weight prediction): samples to target / sync's",
                        _ratio(_samples(new), _samples(sync)), target="<= 1.3")
             res.figure(g, f"stale-{workers}{'s' if slow else ''}", "async: mean staleness",
                        [r["staleness"]["mean"] for r in new])
+            res.figure(g, f"nopred-{workers}{'s' if slow else ''}", "async --weight-prediction off "
+                       "(the previous default): samples to target / sync's",
+                       _ratio(_samples(unpredicted), _samples(sync)))
             if slow:
                 t_sync = [r["time_to_target_s"] for r in sync]
                 res.figure(g, f"time-{workers}s", "async: time to target / sync's "
                            "(wall clock, loaded machine)",
                            _ratio([r["time_to_target_s"] for r in new], t_sync), target="<= 0.5")
+                res.figure(g, f"nopred-time-{workers}s", "async --weight-prediction off: time to "
+                           "target / sync's", _ratio([r["time_to_target_s"] for r in unpredicted], t_sync))
             if workers == 4 and not slow:
                 old = b.runs(data, workers + 1, MLP + RECIPE + stop + ["--correction", "none"])
                 res.figure(g, "old-4", "async --correction none (the old default): samples to "
@@ -151,7 +160,9 @@ def recipe(b: Bench, res) -> None:
 
 def digits(b: Bench, res) -> None:
     data = _runs.digits_dataset(b.opts.dir)
-    common = RECIPE + ["--epochs", "10", "--eval-interval", "0.1"]   # (several an epoch)
+    # evaluations every 5 ms: 10 epochs of digits take well under a second, and at 0.1 s the
+    # samples to 0.9 were known to an epoch (1,438 samples, half of sync's count)
+    common = RECIPE + ["--epochs", "10", "--eval-interval", "0.005"]
     for name, model in DIGITS_MODELS.items():
         g = res.group(f"digits, {name}, 4 workers, momentum 0.9, lr 0.05, batch 32, 10 epochs",
                       f"mpiexec -n 5 mpilb train --data digits {' '.join(model)} "
@@ -161,15 +172,21 @@ def digits(b: Bench, res) -> None:
         first = [_first(r, DIGITS_TARGET) for r in sync]
         res.figure(g, f"{name}-sync", "--mode sync: final accuracy",
                    [r["final_test_accuracy"] for r in sync], digits=4)
-        res.figure(g, f"{name}-async", "async (default policy, dynamic): final accuracy",
+        res.figure(g, f"{name}-async", "async, the defaults (dynamic, weight prediction): final accuracy",
                    [r["final_test_accuracy"] for r in new], digits=4)
         sync_med = statistics.median(r["final_test_accuracy"] for r in sync)
         res.figure(g, f"{name}-gap", "async final accuracy - sync's median (points)",
                    [100 * (r["final_test_accuracy"] - sync_med) for r in new], target=">= -0.5")
         res.figure(g, f"{name}-samples", f"async: samples to {DIGITS_TARGET} / sync's",
                    _ratio([_first(r, DIGITS_TARGET) for r in new], first), target="<= 1.3")
+        unpredicted = b.runs(data, 5, model + common + NO_PREDICTION)
+        res.figure(g, f"{name}-nopred-gap", "async --weight-prediction off (the previous default): "
+                   "final accuracy - sync's median (points)",
+                   [100 * (r["final_test_accuracy"] - sync_med) for r in unpredicted])
+        res.figure(g, f"{name}-nopred-samples", f"async --weight-prediction off: samples to "
+                   f"{DIGITS_TARGET} / sync's", _ratio([_first(r, DIGITS_TARGET) for r in unpredicted], first))
         prev = b.runs(data, 5, model + common + ["--correction", "momentum"])
-        res.figure(g, f"{name}-prev-gap", "async --correction momentum (the previous default): "
+        res.figure(g, f"{name}-prev-gap", "async --correction momentum (the default before dynamic): "
                    "final accuracy - sync's median (points)",
                    [100 * (r["final_test_accuracy"] - sync_med) for r in prev])
         res.figure(g, f"{name}-prev-samples", f"async --correction momentum: samples to "

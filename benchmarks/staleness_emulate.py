@@ -2,7 +2,7 @@
 (samples to a target accuracy, final accuracy) without MPI, ranks or a machine's timing.
 
     python benchmarks/staleness_emulate.py CASE MODE WORKERS [--slow K] [--correction C]
-        [--seeds 2] [--dir DIR]
+        [--weight-prediction on|off] [--seeds 2] [--dir DIR]
 
 CASE: recipe (the torch MLP 256-256-256-10 of benchmarks/staleness.py on synthetic
 60000x256, batch 128, 6 epochs, target 0.808, stops there), mlp, cnn or tcnn (digits: the
@@ -26,6 +26,9 @@ lr=out multiplies a gradient's lr by min(1, (tau+1)/(tau_i+1)) (a gradient stale
 mean weighted down), lr=dyn by 1/(tau_i+1); clip=C clips each gradient to C times the moving
 mean of the norms. tau: the moving mean staleness (corrections.StalenessMeter).
 
+--weight-prediction on: each worker computes on the parameters it read extrapolated by the
+staleness its gradients met (core/prediction.py, as the engine's workers do).
+
 Its figures matched the engine's where both were measured (digits mlp and cnn, the recipe
 with a straggler: docs/benchmarks/staleness.md), at a fraction of the cost; the engine's
 figures are the ones to quote.
@@ -46,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # this tree's mpilb
 from mpilb.core.corrections import StalenessMeter, build_correction  # noqa: E402
 from mpilb.core.optimizers import build_optimizer  # noqa: E402
+from mpilb.core.prediction import WeightPrediction  # noqa: E402
 from mpilb.models import build_model  # noqa: E402
 from mpilb.server.modes import ParamRing  # noqa: E402
 
@@ -106,7 +110,8 @@ class Rule:
                 g *= limit / n
 
 
-def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: int, root: str):
+def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: int, root: str,
+        predict: bool = False):
     """One emulated run: (samples, accuracy) at each evaluation, and the mean staleness."""
     c = CASES[case]
     x, y, tx, ty = load(os.path.join(root, c["data"]), c.get("test_rows"))
@@ -154,9 +159,13 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
         if slow:
             speed[-1] = 1.0 / slow
         heap, reading = [], {}
+        predictions = [WeightPrediction(params.size) if predict else None for _ in range(workers)]
 
         def start(w, t):
-            reading[w] = (ring.params.copy(), ring.version, batch())
+            p = ring.params.copy()
+            if predictions[w] is not None:
+                p = predictions[w].params(p, ring.version).copy()
+            reading[w] = (p, ring.version, batch())
             heapq.heappush(heap, (t + rng.lognormal(0, 0.3) / speed[w], w))
 
         for w in range(workers):
@@ -167,6 +176,8 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
             g = np.asarray(model.loss_and_grad(p, x[idx], y[idx])[1], np.float32) / len(idx)
             s = ring.version - version
             stale.append(s)
+            if predictions[w] is not None:
+                predictions[w].observe(s)
             if rule is not None:
                 tau = meter.add(s)
                 opt.momentum = rule.momentum(tau, s)
@@ -193,6 +204,7 @@ def main(argv=None) -> int:
     ap.add_argument("workers", type=int)
     ap.add_argument("--slow", type=float, default=0.0)
     ap.add_argument("--correction", default="dynamic")
+    ap.add_argument("--weight-prediction", choices=("on", "off"), default="off")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "mpilb-staleness"),
                     help="where benchmarks/staleness.py made its datasets (made here if missing)")
@@ -209,9 +221,11 @@ def main(argv=None) -> int:
     except ImportError:
         pass
     target = CASES[o.case]["target"]
-    rows = [run(o.case, o.mode, o.workers, o.slow, o.correction, seed, o.dir) for seed in range(o.seeds)]
+    predict = o.weight_prediction == "on"
+    rows = [run(o.case, o.mode, o.workers, o.slow, o.correction, seed, o.dir, predict)
+            for seed in range(o.seeds)]
     print(f"{o.case} {o.mode} {o.workers} workers{f', one {o.slow:g}x straggler' if o.slow else ''}"
-          f" --correction {o.correction}: samples to {target} {[first(e, target) for e, _ in rows]}, "
+          f" --correction {o.correction} --weight-prediction {o.weight_prediction}: samples to {target} {[first(e, target) for e, _ in rows]}, "
           f"final {[round(e[-1][1], 4) for e, _ in rows]}, best "
           f"{[round(max(a for _, a in e), 4) for e, _ in rows]}, mean staleness "
           f"{[round(t, 2) for _, t in rows]}")

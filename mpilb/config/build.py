@@ -155,6 +155,12 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
         values["pipeline"] = int(values["mode"] == "async" and values["correction"] != "inverse"
                                  and not (values["correction"] in MOMENTUM_RULES
                                           and values["optimizer"] == "momentum"))
+    if values["weight_prediction"] is None:
+        # with a momentum recipe the parameters move steadily enough to extrapolate by the
+        # staleness; with plain SGD they do not, and it gained nothing there
+        # (docs/benchmarks/staleness.md)
+        values["weight_prediction"] = ("on" if values["mode"] in ("async", "ssp")
+                                       and values["optimizer"] == "momentum" else "off")
     given = {name: source or "the config file" for name in (file_values or {})}
     given.update({name: "" for name in (cli_values or {})})
     parse_hidden(values["hidden"])

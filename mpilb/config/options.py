@@ -94,6 +94,12 @@ OPTIONS: tuple[Option, ...] = (
            "flight (one more step of staleness, less waiting)", (0, 1), group="mode",
            default_text="1 with --mode async, 0 with ssp or sync, under --correction inverse, "
            "or under --correction dynamic or momentum with --optimizer momentum"),
+    Option("weight_prediction", str, None, "on: a worker computes its gradient on the "
+           "parameters it read extrapolated along their recent trajectory by the staleness "
+           "its pushes meet, the ones the server will likely hold when the gradient arrives "
+           "(SpecTrain's weight prediction); off: on the parameters as read", ("on", "off"),
+           group="mode", default_text="on with --mode async or ssp and --optimizer momentum, "
+           "else off"),
     # optimizer
     Option("optimizer", str, "sgd", "optimizer run by the parameter stores; adamw: decoupled "
            "weight decay, as torch.optim.AdamW; a torch.optim class by name needs torch "
@@ -225,6 +231,8 @@ NO_EFFECT: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
      "optimizer uses it; a torch.optim class takes --optimizer-arg nesterov=true"),
     ("staleness_bound", lambda c: c.mode == "ssp", "mode", "only --mode ssp bounds staleness"),
     ("dc_lambda", lambda c: c.correction == "dc", "correction", "only --correction dc uses it"),
+    ("weight_prediction", lambda c: c.mode != "sync" or c.weight_prediction == "off", "mode",
+     "a sync round's gradients are all computed on the parameters they are applied to"),
     ("min_batch", lambda c: c.batch_policy == "proportional", "batch_policy",
      "a fixed batch is --batch"),
     ("max_batch", lambda c: c.batch_policy == "proportional", "batch_policy",

@@ -77,6 +77,7 @@ class UpdateConfig:
     pipeline: int
     servers: Union[int, str]   # K, or "per-node"
     wire: str = "fp32"         # element type of pushes and replies (wire_format.py)
+    weight_prediction: str = "off"   # workers extrapolate the parameters (core/prediction.py)
 
 
 @dataclass(frozen=True)

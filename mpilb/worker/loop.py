@@ -28,6 +28,7 @@ from mpilb.backend import select_backend
 from mpilb.core.batches import GradientStep, ShardFeed
 from mpilb.core.inject import Injector, parse_injects
 from mpilb.core.optimizers import clip_grad_norm
+from mpilb.core.prediction import WeightPrediction
 from mpilb.core.topology import stores_of, workers_of
 from mpilb.data.shards import ShardReader
 from mpilb.mpi import comm as C
@@ -49,6 +50,9 @@ class StopWorker(Exception):
 
 
 class Worker:
+    prediction: Optional[WeightPrediction] = None   # --weight-prediction on
+    answering: Optional[int] = None   # the version the push in flight was computed on
+
     def __init__(self, cfg, dataset, comm, rank: int, hosts=None, joined: Optional[set] = None):
         """`joined`: for a worker that joined the run (run/worker_join.py), the shards it
         reads itself with `--store local` (its node's: row_exchange.node_shards); the rest
@@ -95,6 +99,10 @@ class Worker:
                                self.backoff, self.rank0, self.rows,
                                pipelined=bool(cfg.updates.pipeline), fmt=self.wire)
         self.assignments = Assignments(self.feed, self.rows, held)
+        # --weight-prediction on: gradients computed on the parameters extrapolated by the
+        # staleness this worker's pushes meet (core/prediction.py)
+        self.prediction = (WeightPrediction(self.n, self.backend.xp)
+                           if cfg.updates.weight_prediction == "on" else None)
         self.times = TimeSincePush()
         # what the last reply said
         self.version = 0
@@ -118,6 +126,13 @@ class Worker:
             self.pushes.settle()
             self.replies.take_params()
         self.times.waited(time.perf_counter() - t0, reply.held_s, counts_as_idle)
+        if (self.prediction is not None and self.answering is not None and reply.cmd == Cmd.PARAMS
+                and not (reply.retry or reply.drop or reply.held_s)):
+            # the staleness the push met: versions applied between the parameters it was
+            # computed on and its own application (a reply held back, as ssp holds a worker
+            # ahead, says nothing of it)
+            self.prediction.observe(reply.version - 1 - self.answering)
+        self.answering = None
         if reply.cmd in (Cmd.STOP, Cmd.LEAVE):
             self.left = reply.cmd == Cmd.LEAVE
             raise StopWorker
@@ -130,6 +145,7 @@ class Worker:
         # report() empties the counters it reports: the push's own seconds count towards the
         # next report (`self.times.comm_s += send(...)` would read comm_s before the report
         # reset it, and report every push's communication again and again)
+        self.answering = done.version
         timings = self.times.report(self.feed.io_s)
         pushed_s = self.pushes.send(msg, done, next_range, t=time.monotonic() - self.t0,
                                     timings=timings)
@@ -174,7 +190,10 @@ class Worker:
         device_payload = self.messages.device_payload
         wire32 = self.wire.is_fp32
         out = msg.payload[:self.n] if device_payload and wire32 else None
-        loss, grad, compute_s = self.step_fn(self.replies.params, batch, out=out)
+        params = self.replies.params
+        if self.prediction is not None:
+            params = self.prediction.params(params, self.version)
+        loss, grad, compute_s = self.step_fn(params, batch, out=out)
         self.rank0.waiting()   # this rank's own step is no silence of rank 0
         # Push the mean gradient: the division and the finiteness check happen here, in
         # parallel on every worker, instead of on the server's hot path. They are compute

@@ -1,0 +1,74 @@
+"""Weight prediction (`--weight-prediction`): a worker computes its gradient on the
+parameters it expects the server to hold when the gradient arrives, not on the ones it read.
+
+With staleness tau a gradient computed on w_t is applied to w_{t+tau}. Under momentum the
+parameters move steadily, so the recent trajectory foretells the next steps:
+
+    w_hat = w + k * (w - w_prev) / (v - v_prev)
+
+w_prev, v_prev: the parameters and version of this worker's previous read; k: the staleness
+its own pushes have met lately (an exponentially weighted mean of what the replies showed).
+The gradient is then nearly a fresh one's (SpecTrain: Chen et al. 2018, "Efficient and
+robust parallel DNN training through model parallelism on multi-GPU platform"; PipeMare,
+Yang et al. 2021, for pipelines). It costs the worker three passes over the parameters and
+one copy of them a step; the server does nothing more and the wire carries nothing more.
+
+Measured (docs/benchmarks/staleness.md): with a momentum recipe it brings the samples to a
+target closer to sync's; with plain SGD the trajectory is too noisy to extrapolate, and it
+gained nothing, so the default is on only for --optimizer momentum in async and ssp.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+
+class WeightPrediction:
+    """Extrapolates the parameters a worker reads by the staleness it expects.
+
+    Args:
+        floats: the parameters' length.
+        xp: the array module of the parameters (numpy, or cupy on a GPU).
+        alpha: the weight of each new staleness observation in the mean.
+    """
+
+    def __init__(self, floats: int, xp: Any = np, alpha: float = 0.2):
+        self.xp = xp
+        self.alpha = alpha
+        self.prev: Optional[Any] = None       # the parameters of the previous read (a copy)
+        self.prev_version = -1
+        self.out = xp.empty(floats, dtype=np.float32)
+        self.predicted = False                # whether `out` holds the last read's prediction
+        self.staleness: Optional[float] = None   # the mean staleness of this worker's pushes
+
+    def observe(self, staleness: int) -> None:
+        """A reply showed the staleness this worker's last push met (versions applied
+        between the parameters it was computed on and its own application)."""
+        if staleness < 0:
+            return
+        if self.staleness is None:
+            self.staleness = float(staleness)
+        else:
+            self.staleness += self.alpha * (staleness - self.staleness)
+
+    def params(self, params: Any, version: int) -> Any:
+        """The parameters to compute on, given the ones read at `version`: extrapolated
+        along the trajectory since the previous read, or `params` themselves where there is
+        nothing to extrapolate from (the first read, no staleness seen yet)."""
+        if version == self.prev_version:   # the same read again (a retried push)
+            return self.out if self.predicted else params
+        xp = self.xp
+        k = self.staleness or 0.0
+        self.predicted = self.prev is not None and version > self.prev_version and k > 0
+        if self.predicted:
+            out = self.out
+            xp.subtract(params, self.prev, out=out)
+            out *= np.float32(k / (version - self.prev_version))
+            out += params
+        if self.prev is None:
+            self.prev = xp.empty_like(self.out)
+        self.prev[...] = params
+        self.prev_version = version
+        return self.out if self.predicted else params
