@@ -36,7 +36,10 @@ def assert_exact_coverage(summary):
     ("--correction", "dc"),
     ("--pipeline", "0"),
     ("--optimizer", "momentum", "--lr", "0.05"),
-], ids=["async", "ssp", "sync", "inverse", "dc", "unpipelined", "momentum-recipe"])
+    ("--optimizer", "momentum", "--lr", "0.05", "--mode", "ssp", "--staleness-bound", "2",
+     "--pipeline", "1"),
+], ids=["async", "ssp", "sync", "inverse", "dc", "unpipelined", "momentum-recipe",
+        "momentum-ssp-pipelined"])
 def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     log = tmp_path / "run.h5"
     res = mpirun.run(4, "train", "--data", digits_dir, *DIGITS_RUN, "--log", log, *extra)
@@ -50,13 +53,18 @@ def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     # 0.969, two under 0.95) over 33 runs with no correction or dc, against 0.967-0.975
     # over 14 with --pipeline 0
     with h5py.File(log, "r") as f:
-        pipelined = bool(run_config(dict(f.attrs))["pipeline"])   # as the run resolved it
+        config = run_config(dict(f.attrs))   # as the run resolved it
+    pipelined = bool(config["pipeline"])
     assert s["final_test_accuracy"] >= (0.92 if pipelined else 0.95), s["final_test_accuracy"]
     assert_exact_coverage(s)
     assert {w["rank"] for w in s["per_worker"]} == {1, 2, 3}
     assert all(w["samples"] > 0 for w in s["per_worker"])
     if "momentum" in extra:   # a DDP recipe under the default staleness policy, unpipelined
-        assert s["correction"] == "dynamic" and not pipelined
+        # unless asked, with the workers computing on extrapolated parameters
+        assert s["correction"] == "dynamic" and pipelined == ("--pipeline" in extra)
+        assert config["weight_prediction"] == "on"
+    else:
+        assert config["weight_prediction"] == "off"
     if "ssp" in extra:
         # While a worker computes, each of the other two can push at most 2S+1 gradients
         # (from S behind it to S ahead, plus the push that gets held): staleness <= 2(2S+1).
