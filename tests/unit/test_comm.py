@@ -196,3 +196,24 @@ def test_a_transfer_that_completes_calls_no_poll(monkeypatch):
             return True
 
     C.complete(Done(), on_poll=lambda: pytest.fail("polled a finished request"))
+
+
+def test_ucx_tcp_fragment_is_set_before_mpi_starts_unless_the_user_set_it():
+    """UCX's TCP transport moves a large message a fragment of UCX_TCP_RX_SEG_SIZE per
+    progress call: mpilb raises it from 64 KB to 1 MB in each rank before MPI_Init (comm.py),
+    and leaves a value the user gave alone."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import os; import mpilb.mpi.comm as C; from mpi4py import MPI; "
+             "assert MPI.Is_initialized(); print(os.environ['UCX_TCP_RX_SEG_SIZE'])")
+    env = {k: v for k, v in os.environ.items() if k != "UCX_TCP_RX_SEG_SIZE"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1m"
+    out = subprocess.run([sys.executable, "-c", probe], env=dict(env, UCX_TCP_RX_SEG_SIZE="64k"),
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "64k"
