@@ -216,7 +216,10 @@ def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: l
         updates, train_s = server.version, server.train_s
         summary = server.finish("finished")
     return {"updates_per_s": updates / train_s, "updates": updates, "train_s": train_s,
-            "server_cpu_s": summary["server_cpu_s"], "servers": summary["servers"]}
+            "server_cpu_s": summary["server_cpu_s"], "servers": summary["servers"],
+            # each null worker's applied pushes: who a layout favours
+            "per_worker": {str(w["rank"]): round(w["samples"] / w["mean_batch"]) if w["mean_batch"]
+                           else 0 for w in summary["per_worker"]}}
 
 
 def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sgd",

@@ -173,6 +173,10 @@ def test_bench_ps_prints_design_keys():
     assert set(out) >= {"params", "workers", "optimizer", "updates_per_s", "gb_per_s",
                         "baseline_updates_per_s", "ratio"}
     assert out["workers"] == 2 and out["updates_per_s"] > 0 and out["baseline_updates_per_s"] > 0
+    # each null worker's applied samples (one a push): they add up to the run's updates
+    run = out["runs"][0]
+    assert set(run["per_worker"]) == {"1", "2"} and all(v > 0 for v in run["per_worker"].values())
+    assert sum(run["per_worker"].values()) == run["updates"]
 
 
 @pytest.mark.parametrize("where", ["1", "0"], ids=["process", "thread"])
