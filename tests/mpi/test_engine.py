@@ -36,10 +36,10 @@ def assert_exact_coverage(summary):
     ("--correction", "dc"),
     ("--pipeline", "0"),
     ("--optimizer", "momentum", "--lr", "0.05"),
-    ("--optimizer", "momentum", "--lr", "0.05", "--mode", "ssp", "--staleness-bound", "2",
-     "--pipeline", "1"),
+    ("--optimizer", "momentum", "--lr", "0.05", "--mode", "ssp", "--staleness-bound", "2"),
+    ("--optimizer", "momentum", "--lr", "0.05", "--pipeline", "1"),
 ], ids=["async", "ssp", "sync", "inverse", "dc", "unpipelined", "momentum-recipe",
-        "momentum-ssp-pipelined"])
+        "momentum-ssp", "momentum-pipelined"])
 def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     log = tmp_path / "run.h5"
     res = mpirun.run(4, "train", "--data", digits_dir, *DIGITS_RUN, "--log", log, *extra)
