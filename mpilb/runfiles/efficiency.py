@@ -166,6 +166,9 @@ def warnings(config: dict, up: dict, samples: np.ndarray, accuracy: np.ndarray) 
     policy = config.get("correction") in MOMENTUM_RULES
     fresher = ("--pipeline 0 (about half the staleness)" if config.get("pipeline")
                else "a lower --lr, or --mode sync")
+    if config.get("weight_prediction") == "off" and config.get("optimizer") == "momentum":
+        fresher = ("--weight-prediction on (gradients computed on where the parameters are "
+                   "heading), " + fresher)
     if total > HIGH_MOMENTUM and mu > 0 and not policy:
         out.append(f"staleness is high for the momentum used: mean staleness {tau:.1f} adds "
                    f"momentum ~{implicit_momentum(tau):.2f} to --momentum {mu:g} (total "
