@@ -2,7 +2,7 @@
 (samples to a target accuracy, final accuracy) without MPI, ranks or a machine's timing.
 
     python benchmarks/staleness_emulate.py CASE MODE WORKERS [--slow K] [--correction C]
-        [--weight-prediction on|off] [--seeds 2] [--dir DIR]
+        [--weight-prediction on|off] [--sync-scaling linear|none] [--seeds 2] [--dir DIR]
 
 CASE: recipe (the torch MLP 256-256-256-10 of benchmarks/staleness.py on synthetic
 60000x256, batch 128, 6 epochs, target 0.808, stops there), mlp, cnn or tcnn (digits: the
@@ -28,6 +28,9 @@ mean of the norms. tau: the moving mean staleness (corrections.StalenessMeter).
 
 --weight-prediction on: each worker computes on the parameters it read extrapolated by the
 staleness its gradients met (core/prediction.py, as the engine's workers do).
+--sync-scaling none: a sync round's mean gradient steps by lr, as PyTorch DDP's averaged
+gradient does, instead of the engine's lr x the round's samples / --batch (linear: the same
+step per sample as one worker).
 
 Its figures matched the engine's where both were measured (digits mlp and cnn, the recipe
 with a straggler: docs/benchmarks/staleness.md), at a fraction of the cost; the engine's
@@ -111,7 +114,7 @@ class Rule:
 
 
 def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: int, root: str,
-        predict: bool = False):
+        predict: bool = False, sync_scaling: str = "linear"):
     """One emulated run: (samples, accuracy) at each evaluation, and the mean staleness."""
     c = CASES[case]
     x, y, tx, ty = load(os.path.join(root, c["data"]), c.get("test_rows"))
@@ -122,7 +125,8 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
     params = np.asarray(model.init_params(0), np.float32).copy()
     opt = build_optimizer("momentum", params.size, lr=LR, momentum=MU0)
     rule = Rule(correction) if "=" in correction else None
-    ring = ParamRing(params, opt, build_correction("none" if rule else correction), c["batch"])
+    nominal = c["batch"] * (workers if mode == "sync" and sync_scaling == "none" else 1)
+    ring = ParamRing(params, opt, build_correction("none" if rule else correction), nominal)
     meter, rng = StalenessMeter(), np.random.default_rng(seed)
     order = np.concatenate([rng.permutation(len(x)) for _ in range(c["epochs"] + 1)])
     state = {"pos": 0, "done": 0, "next": c["every"]}
@@ -205,6 +209,7 @@ def main(argv=None) -> int:
     ap.add_argument("--slow", type=float, default=0.0)
     ap.add_argument("--correction", default="dynamic")
     ap.add_argument("--weight-prediction", choices=("on", "off"), default="off")
+    ap.add_argument("--sync-scaling", choices=("linear", "none"), default="linear")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "mpilb-staleness"),
                     help="where benchmarks/staleness.py made its datasets (made here if missing)")
@@ -222,8 +227,8 @@ def main(argv=None) -> int:
         pass
     target = CASES[o.case]["target"]
     predict = o.weight_prediction == "on"
-    rows = [run(o.case, o.mode, o.workers, o.slow, o.correction, seed, o.dir, predict)
-            for seed in range(o.seeds)]
+    rows = [run(o.case, o.mode, o.workers, o.slow, o.correction, seed, o.dir, predict,
+                o.sync_scaling) for seed in range(o.seeds)]
     print(f"{o.case} {o.mode} {o.workers} workers{f', one {o.slow:g}x straggler' if o.slow else ''}"
           f" --correction {o.correction} --weight-prediction {o.weight_prediction}: samples to {target} {[first(e, target) for e, _ in rows]}, "
           f"final {[round(e[-1][1], 4) for e, _ in rows]}, best "
