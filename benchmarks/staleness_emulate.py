@@ -168,7 +168,7 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
         def start(w, t):
             p = ring.params.copy()
             if predictions[w] is not None:
-                p = predictions[w].params(p, ring.version).copy()
+                p = predictions[w].params(p, ring.version)   # (a worker's own buffer)
             reading[w] = (p, ring.version, batch())
             heapq.heappush(heap, (t + rng.lognormal(0, 0.3) / speed[w], w))
 

@@ -7,7 +7,7 @@ parameters move steadily, so the recent trajectory foretells the next steps:
     w_hat = w + k * (w - w_prev) / (v - v_prev)
 
 w_prev, v_prev: the parameters and version of this worker's previous read; k: the staleness
-its own pushes have met lately (an exponentially weighted mean of what the replies showed).
+its own pushes have met lately (corrections.StalenessMeter over what the replies showed).
 The gradient is then nearly a fresh one's (SpecTrain: Chen et al. 2018, "Efficient and
 robust parallel DNN training through model parallelism on multi-GPU platform"; PipeMare,
 Yang et al. 2021, for pipelines). It costs the worker three passes over the parameters and
@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from mpilb.core.corrections import StalenessMeter
+
 
 class WeightPrediction:
     """Extrapolates the parameters a worker reads by the staleness it expects.
@@ -36,22 +38,22 @@ class WeightPrediction:
 
     def __init__(self, floats: int, xp: Any = np, alpha: float = 0.2):
         self.xp = xp
-        self.alpha = alpha
         self.prev: Optional[Any] = None       # the parameters of the previous read (a copy)
         self.prev_version = -1
         self.out = xp.empty(floats, dtype=np.float32)
         self.predicted = False                # whether `out` holds the last read's prediction
-        self.staleness: Optional[float] = None   # the mean staleness of this worker's pushes
+        self.meter = StalenessMeter(alpha)    # the staleness of this worker's pushes
+
+    @property
+    def staleness(self) -> Optional[float]:
+        """The mean staleness of this worker's pushes so far (None before the first)."""
+        return self.meter.mean if self.meter.count else None
 
     def observe(self, staleness: int) -> None:
         """A reply showed the staleness this worker's last push met (versions applied
         between the parameters it was computed on and its own application)."""
-        if staleness < 0:
-            return
-        if self.staleness is None:
-            self.staleness = float(staleness)
-        else:
-            self.staleness += self.alpha * (staleness - self.staleness)
+        if staleness >= 0:
+            self.meter.add(staleness)
 
     def params(self, params: Any, version: int) -> Any:
         """The parameters to compute on, given the ones read at `version`: extrapolated
