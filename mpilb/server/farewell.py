@@ -65,7 +65,7 @@ class Farewells:
 
         self.ends.pop(rank, None)
         link = self.server.peers[rank].link
-        for req in (link.recv_req, link.reply_req, link.params_req, link.orders_req):
+        for req in (link.recv_req, *link.pending(C.finished)):
             if req is not None and not req.Test():
                 if req is link.recv_req:
                     req.Cancel()

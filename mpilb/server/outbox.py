@@ -4,8 +4,10 @@ Each worker has preallocated reply headers (two when pipelined: it computes on t
 reply while the next is sent) and a header-only buffer for orders; wire.py encodes them.
 The parameters follow a PARAMS header as a message of their own, sent from the ParamRing's
 current buffer without a copy.
-Sends are nonblocking; the requests not known to be complete are kept so that the main loop
-can keep MPI progressing while they travel.
+Sends are nonblocking, and nothing here waits for one: a header buffer still in flight is
+not written again, another is taken (peers.Headers), so a worker that died with a send to it
+under way costs a buffer, not rank 0's loop. The requests not known to be complete are kept
+so that the main loop can keep MPI progressing while they travel.
 """
 
 from __future__ import annotations
@@ -40,9 +42,8 @@ class Outbox:
         owed, its batch size and the flags it must see (retry, drop); with PARAMS, the
         parameters follow from `ring` (a ParamRing) and every other store."""
         link = peer.link
-        if link.reply_req is not None:
-            link.reply_req.Wait()   # the previous reply was received before it pushed again
-        buf, hdr, _ = link.next_reply_slot()
+        slot = link.replies.take(C.finished)
+        buf, hdr, _ = link.replies.bufs[slot]
         version = ring.version
         if cmd != Cmd.PARAMS:
             wire.encode_reply(hdr, cmd, version=version, batch=peer.batch, held_s=held_s,
@@ -57,8 +58,8 @@ class Outbox:
         peer.retry = peer.drop = False
         peer.told_at = time.monotonic()
         comm, dest = link.address(self.comm, peer.rank)
-        link.reply_req = comm.Isend(buf, dest=dest, tag=wire.TAG_REPLY)
-        self.sending.append(link.reply_req)
+        link.reply_req = link.replies.reqs[slot] = comm.Isend(buf, dest=dest, tag=wire.TAG_REPLY)
+        self._track(link, link.reply_req)
         ring.bytes_out += buf.nbytes
         if cmd != Cmd.PARAMS:
             self.bell.ring(peer.rank)
@@ -72,7 +73,7 @@ class Outbox:
         else:
             self.slices.sending(link.params_req, peer.rank)
         ring.bytes_out += params.nbytes
-        self.sending.append(link.params_req)
+        self._track(link, link.params_req)
         # A worker that pushed a moment ago is still polling finely for this reply (see
         # TimeSincePush.reply_window): a ring would cost rank 0 a wake-up call (~60 µs on a
         # VM) and win nothing. One that has waited longer (a held reply, a sync round, idle)
@@ -84,15 +85,15 @@ class Outbox:
         """Orders to send rows, for a worker that waits (idle, or its reply is held)."""
         link = peer.link
         while True:
-            if link.orders_req is not None:
-                link.orders_req.Wait()
-            buf, hdr, _ = link.orders_msg
+            slot = link.orders_msg.take(C.finished)
+            buf, hdr, _ = link.orders_msg.bufs[slot]
             orders = self.ledger.take_orders(peer.rank)
             if self.relay is not None and orders:
                 self.relay.watch(peer.rank, orders)
             wire.encode_orders(hdr, orders)
-            link.orders_req = self.comm.Isend(buf, dest=peer.rank, tag=wire.TAG_REPLY)   # (no joiner holds rows)
-            self.sending.append(link.orders_req)
+            link.orders_req = link.orders_msg.reqs[slot] = self.comm.Isend(
+                buf, dest=peer.rank, tag=wire.TAG_REPLY)   # (no joiner holds rows)
+            self._track(link, link.orders_req)
             self.bell.ring(peer.rank)
             peer.told_at = time.monotonic()
             if not self.ledger.has_orders(peer.rank):
@@ -106,13 +107,20 @@ class Outbox:
         link = peer.link
         if link.orders_req is not None and not C.finished(link.orders_req):
             return
-        buf, hdr, _ = link.orders_msg
+        slot = link.orders_msg.take(C.finished)
+        buf, hdr, _ = link.orders_msg.bufs[slot]
         wire.encode_orders(hdr, [])
         comm, dest = link.address(self.comm, peer.rank)
-        link.orders_req = comm.Isend(buf, dest=dest, tag=wire.TAG_REPLY)
-        self.sending.append(link.orders_req)
+        link.orders_req = link.orders_msg.reqs[slot] = comm.Isend(buf, dest=dest, tag=wire.TAG_REPLY)
+        self._track(link, link.orders_req)
         self.bell.ring(peer.rank, wake=False)   # counted, so that later rings stay numbered
         peer.told_at = time.monotonic()
+
+    def _track(self, link, req) -> None:
+        self.sending.append(req)
+        if len(link.sends) >= 8:
+            link.pending(C.finished)
+        link.sent(req)
 
     def in_flight(self) -> bool:
         """True while some send is still under way (and MPI needs progress)."""

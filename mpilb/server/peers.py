@@ -14,18 +14,45 @@ from mpilb.mpi import wire, wire_format
 from mpilb.mpi.waiting import WaitEstimate
 
 
+class Headers:
+    """Header-only send buffers of one kind (replies, or orders) for one worker.
+
+    A buffer whose last send is not known to be finished is never written again: another
+    is made. A send to a worker waits for the worker to receive it (a message above MPI's
+    eager size does), and a worker that died after its push, not yet declared lost, never
+    does: waiting for it blocked rank 0 for good (a wake of that idle worker at an epoch's
+    start, or its STOP). Alive, a worker receives its messages in order, so the pool stays
+    at the two a pipelined worker needs."""
+
+    def __init__(self, n: int):
+        self.bufs = [wire.new_message(0) for _ in range(n)]
+        self.reqs: list = [None] * n
+
+    def take(self, finished) -> int:
+        """Index of a buffer free to write (`finished`: request -> done), made if none is."""
+        for i, req in enumerate(self.reqs):
+            if req is None or finished(req):
+                return i
+        self.bufs.append(wire.new_message(0))
+        self.reqs.append(None)
+        return len(self.bufs) - 1
+
+    def __len__(self) -> int:
+        return len(self.bufs)
+
+
 @dataclass
 class Link:
     """Message buffers and outstanding requests of one worker (MPI requests are opaque here)."""
 
     recv: wire.MessageBuffer        # the next push (its payload: this rank's slice)
-    replies: list                   # reply buffers [MessageBuffer] x1, x2 pipelined
-    orders_msg: wire.MessageBuffer  # header-only buffer for Cmd.ORDERS
-    reply_index: int = 0
-    reply_req: Optional[object] = None
+    replies: Headers                # reply headers: x1, x2 pipelined, more while sends hang
+    orders_msg: Headers             # headers for Cmd.ORDERS
+    reply_req: Optional[object] = None    # the latest of each kind
     params_req: Optional[object] = None
     recv_req: Optional[object] = None
     orders_req: Optional[object] = None
+    sends: list = field(default_factory=list)   # every send to it not known to be finished
     comm: Optional[object] = None   # a worker that joined: its own communicator (roster.py),
     dest: int = -1                  # and its rank there; None, -1: MPI_COMM_WORLD, its rank
 
@@ -43,14 +70,16 @@ class Link:
         push_floats = n if push_floats is None else push_floats
         recv = (wire.new_message(push_floats) if fmt is None or fmt.is_fp32
                 else wire_format.new_message(fmt, n, push_floats - n))
-        return cls(recv=recv,
-                   replies=[wire.new_message(0) for _ in range(2 if pipelined else 1)],
-                   orders_msg=wire.new_message(0))
+        return cls(recv=recv, replies=Headers(2 if pipelined else 1), orders_msg=Headers(1))
 
-    def next_reply_slot(self) -> tuple:
-        slot = self.replies[self.reply_index]
-        self.reply_index = (self.reply_index + 1) % len(self.replies)
-        return slot
+    def sent(self, req) -> None:
+        """Keep `req`, a send to this worker, until it is known to be finished."""
+        self.sends.append(req)
+
+    def pending(self, finished) -> list:
+        """The sends to this worker not finished yet (`finished`: request -> done)."""
+        self.sends = [r for r in self.sends if not finished(r)]
+        return self.sends
 
 
 @dataclass

@@ -152,10 +152,10 @@ class Receiver:
         in flight (``sends``) given a moment, the receives still posted cancelled."""
         order, reqs = self.order, self.reqs
         C.drain(self.comm)
-        # replies and parameters still in flight; a lost worker's last reply never completes
+        # replies and parameters still in flight; a lost worker's never complete
         # (a hung worker does not receive it): not waited for, else a degraded run ended 5 s
         # after its last epoch
-        gone = {id(r) for w in order if w.lost for r in (w.link.reply_req, w.link.params_req)}
+        gone = {id(r) for w in order if w.lost for r in w.link.pending(C.finished)}
         deadline = time.monotonic() + 5.0
         backoff = C.Backoff()
         for req in sends:

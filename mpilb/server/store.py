@@ -115,7 +115,6 @@ class SliceRank:
         self.ctrl_req = None
         self.queue: deque = deque()
         self.lost: set[int] = set()
-        self.replies: dict = {}
         self.stats = np.zeros(wire.STATS_FIELDS, np.float64)
         self.stats_req = None
         self.backoff = C.Backoff()
@@ -204,9 +203,8 @@ class SliceRank:
                 self.round = given
             self.round[:] = 0
         elif m.op == Op.REPLY:
-            prev = self.replies.get(m.rank)
-            if prev is not None:   # (a worker gone mid-transfer: rank 0's silence ends this)
-                C.wait(prev, on_poll=self.rank0.check)
+            # not waiting for the previous reply to this worker: one that died after its push
+            # never receives it (the ring keeps the buffer such a send reads from)
             params = s.params if self.encoded is None else self.encoded.of(s.params, s.version)
             comm, dest = self.joins.link(m.rank)
             req = comm.Isend(params, dest=dest, tag=wire.TAG_PARAMS)
@@ -216,7 +214,6 @@ class SliceRank:
                 self.encoded.sending(req)
                 s.sent_version(m.rank)
             s.bytes_out += params.nbytes
-            self.replies[m.rank] = req
         elif m.op == Op.LOSE:
             self.lost.add(m.rank)
             req = self.recvs.pop(m.rank, None)
