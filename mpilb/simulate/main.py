@@ -57,6 +57,11 @@ def add_arguments(p) -> None:
     net.add_argument("--link-burst", type=float, metavar="MS", help="a link's token bucket, in "
                      "ms of its rate, spent at the shm rate (tc tbf's burst: the cluster in a "
                      "box's links bank 5; default 0, a NIC's line rate)")
+    net.add_argument("--link-sharing", choices=("auto", "coupled", "per-link"),
+                     help="coupled: a transfer moves at one rate along its links, max-min fair "
+                          "(exact, costlier); per-link: each link shares its flows on its own "
+                          "(cheap, reads faster when both ends are loaded); auto (default): "
+                          "coupled up to 16 nodes")
     net.add_argument("--pipeline", type=int, choices=(0, 1), help="1: a worker computes its "
                      "next batch while its push travels (default: 1, as train's async; --from: "
                      "the run's)")
@@ -284,7 +289,9 @@ def table_head(clusters, spec=None) -> list[str]:
         lines.append(f"network: {spec.nodes} nodes, ranks per node {_ranks_text(spec)}, links "
                      f"{', '.join(rates)}, shared memory {spec.shm_bps * 8 / 1e9:g} Gbit/s, "
                      f"latency {spec.latency_s * 1e6:g} us"
-                     + (f", links bank {spec.burst_s * 1e3:g} ms (--link-burst)" if spec.burst_s else ""))
+                     + (f", links bank {spec.burst_s * 1e3:g} ms (--link-burst)" if spec.burst_s else "")
+                     + (", flows coupled along their links" if spec.coupled
+                        else ", each link shares on its own (--link-sharing per-link)"))
     lines.append(f"{'workers':>7} {'balancer':<12} {'batch_policy':<12} {'mode':<5} {'servers':>7} "
                  + (f"{'wire':>5} " if spec is not None else "")
                  + " ".join(f"{c:>13}" for c in COLUMNS))
@@ -310,7 +317,7 @@ def table_row(r: dict) -> str:
 def _network_given(args) -> bool:
     return any(getattr(args, k) is not None for k in ("link_rate", "shm_rate", "latency",
                                                       "link_burst", "ranks_per_node", "nodes",
-                                                      "wire"))
+                                                      "wire", "link_sharing"))
 
 
 def _network(args, nodes: int, ranks_per_node: list[int] | None = None):
@@ -329,7 +336,7 @@ def _network(args, nodes: int, ranks_per_node: list[int] | None = None):
     return NetSpec(nodes, ranks_per_node, parse_rates(args.link_rate or "10gbit", nodes),
                    parse_rate(args.shm_rate or SHM_RATE, "--shm-rate"),
                    args.latency if args.latency is not None else LATENCY_S,
-                   (args.link_burst or 0.0) / 1e3)
+                   (args.link_burst or 0.0) / 1e3, args.link_sharing or "auto")
 
 
 def _net_cluster(args, spec):

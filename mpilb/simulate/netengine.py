@@ -32,7 +32,7 @@ from mpilb.errors import UsageError
 from mpilb.core.decisions import CHORES_S
 from mpilb.simulate.engine import Engine, summarize
 from mpilb.simulate.workers import PUSH, REBALANCE, SimWorker
-from mpilb.simulate.network import WIRE_BYTES, Fabric, Layout, Topology
+from mpilb.simulate.network import WIRE_BYTES, Fabric, Layout, PerLinkFabric, Topology
 
 ARRIVE, STORE_SEND, REPLY = 0, 1, 2
 
@@ -83,7 +83,8 @@ class NetEngine(Engine):
         self.layout = layout
         self.k = layout.k
         topo = self.topo = Topology(layout)
-        self.fabric = Fabric(topo.rates, topo.caps, layout.spec.latency_s, topo.bursts, topo.peaks)
+        fabric = Fabric if layout.spec.coupled else PerLinkFabric
+        self.fabric = fabric(topo.rates, topo.caps, layout.spec.latency_s, topo.bursts, topo.peaks)
         floats = layout.slice_floats(cfg.params)
         per_byte = 1.0 / (cfg.server_gbps * 1e9)
         wire = WIRE_BYTES[cfg.wire]
@@ -224,6 +225,7 @@ class NetEngine(Engine):
         carried = [fab.moved[r] / (fab.rate[r] * total) for r in self.topo.links]
         res["network"] = {"nodes": spec.nodes, "stores": self.k, "wire": self.cfg.wire,
                           "per_node": self.k == spec.nodes,
+                          "link_sharing": "coupled" if spec.coupled else "per-link",
                           "busiest_link": min(1.0, max(carried)) if carried else 0.0,
                           "comm_share": self.comm_total / self.step_total
                           if self.step_total else 0.0}
@@ -254,10 +256,16 @@ class NetEngine(Engine):
         memory."""
         fab, topo, a = self.fabric, self.topo, self.node[w.rank]
         plan = self.plan[a]
-        far_bytes = sum(row[1] for row in plan)
-        up = fab.flow(t, topo.up[a], far_bytes) if far_bytes else None
+        if not fab.coupled:   # per link: one flow on the up link for every store's slice
+            far_bytes = sum(row[1] for row in plan)
+            up = fab.flow(t, topo.up[a], far_bytes) if far_bytes else None
         for g, (m, far, near) in enumerate(plan):
-            flows = [up, fab.flow(t, topo.group_down[g], far, m)] if m else []
+            if not m:
+                flows = []
+            elif fab.coupled:
+                flows = fab.path(t, (topo.up[a], topo.group_down[g]), far, m)
+            else:
+                flows = [up, fab.flow(t, topo.group_down[g], far, m)]
             if near:
                 flows.append(fab.flow(t, topo.shm[a], near))
             fab.transfer(t, flows, (ARRIVE, w.rank, g))
@@ -276,7 +284,12 @@ class NetEngine(Engine):
         elif what == STORE_SEND:
             fab, topo, a = self.fabric, self.topo, self.node[rank]
             m, far, near = self.plan[a][g]
-            flows = [fab.flow(t, topo.group_up[g], far, m), fab.flow(t, topo.down[a], far)] if m else []
+            if not m:
+                flows = []
+            elif fab.coupled:
+                flows = fab.path(t, (topo.group_up[g], topo.down[a]), far, m)
+            else:
+                flows = [fab.flow(t, topo.group_up[g], far, m), fab.flow(t, topo.down[a], far)]
             if near:
                 flows.append(fab.flow(t, topo.shm[a], near))
             fab.transfer(t, flows, (REPLY, rank, g))
