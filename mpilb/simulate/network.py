@@ -35,6 +35,7 @@ from mpilb.errors import UsageError
 WIRE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 SHM_RATE = "40gbit"     # 5 GB/s: a copy through shared memory between two ranks of a node
 LATENCY_S = 5e-5        # one way, per transfer
+MTU_MIN, MTU_MAX = 576, 65536
 SHARING = ("auto", "coupled", "per-link")
 # --link-sharing auto: flows coupled along their paths (exact max-min) up to this many nodes;
 # above, each link shares on its own (PerLinkFabric), which costs a fraction as much
@@ -85,6 +86,7 @@ class NetSpec:
     latency_s: float = LATENCY_S
     burst_s: float = 0.0           # a link's bank, in seconds of its rate (tc tbf's burst)
     sharing: str = "auto"          # --link-sharing: coupled, per-link, auto (COUPLED_NODES)
+    mtu: int = 1500                # --mtu: a link's packets, of which headers take HEADER_BYTES
 
     def __post_init__(self):
         if self.nodes < 1:
@@ -95,8 +97,21 @@ class NetSpec:
             raise UsageError(f"--latency must be >= 0 s (got {self.latency_s})")
         if not 0 <= self.burst_s < math.inf:
             raise UsageError(f"--link-burst must be >= 0 ms (got {self.burst_s * 1e3:g})")
+        if not MTU_MIN <= self.mtu <= MTU_MAX:
+            raise UsageError(f"--mtu must be {MTU_MIN}-{MTU_MAX} bytes (got {self.mtu})")
         if self.sharing not in SHARING:
             raise UsageError(f"--link-sharing {self.sharing!r}: valid: {', '.join(SHARING)}")
+
+    @property
+    def payload_share(self) -> float:
+        """The share of a link's bytes that carries data: a packet of ``mtu`` bytes holds
+        ``mtu`` - 52 of it (IPv4 20, TCP 20, its timestamps 12) and takes ``mtu`` + 14 on
+        the link (Ethernet's header: what tc's shaper counts; 1500: 0.956)."""
+        return (self.mtu - 52) / (self.mtu + 14)
+
+    def payload_bps(self, node: int) -> float:
+        """Bytes of data a second over ``node``'s link, each direction."""
+        return self.link_bps[node] * self.payload_share
 
     @property
     def coupled(self) -> bool:
@@ -202,13 +217,13 @@ class Topology:
         self.shm = [resource(spec.shm_bps) for _ in range(n)]
         by_rate: dict[float, list[int]] = {}
         for s, node in enumerate(layout.store_nodes):
-            by_rate.setdefault(spec.link_bps[node] if group else s, []).append(s)
+            by_rate.setdefault(spec.payload_bps(node) if group else s, []).append(s)
         self.groups = sorted(by_rate.values())          # store indices per group
         self.group_of_store = [0] * layout.k
         self.up, self.down = [0] * n, [0] * n
         self.group_up, self.group_down = [], []
         for g, stores in enumerate(self.groups):
-            bps = spec.link_bps[layout.store_nodes[stores[0]]]
+            bps = spec.payload_bps(layout.store_nodes[stores[0]])
             self.group_up.append(resource(bps * len(stores), bps, len(stores)))
             self.group_down.append(resource(bps * len(stores), bps, len(stores)))
             for s in stores:
@@ -218,8 +233,8 @@ class Topology:
         store_nodes = set(layout.store_nodes)
         for node in range(n):
             if node not in store_nodes:
-                self.up[node] = resource(spec.link_bps[node], links=1)
-                self.down[node] = resource(spec.link_bps[node], links=1)
+                self.up[node] = resource(spec.payload_bps(node), links=1)
+                self.down[node] = resource(spec.payload_bps(node), links=1)
         self.links = sorted(set(self.up) | set(self.down))
         self.rates, self.caps, self.bursts, self.peaks = rates, caps, bursts, peaks
         self.store_nodes = list(layout.store_nodes)

@@ -104,8 +104,8 @@ def test_a_group_link_caps_a_path_at_one_links_rate_per_unit_of_weight():
 def test_the_boxs_two_stores_read_slower_with_flows_coupled():
     """Every link of the box's two-store layout carries about the same load: per link, a
     push's bytes leave the worker's link at its share while the store's link is full, and
-    the model read 61.5 updates/s against 45.2 measured; coupled, 53.0. One store, whose
-    own link alone is full, reads the same either way."""
+    the model read 61.5 updates/s against 45.2 measured; coupled, 53.0 (with TCP's headers
+    too, 53.0 and 50.0). One store, whose own link alone is full, reads the same either way."""
     def ups(k, sharing):
         spec = NetSpec(3, [1, 2, 2], [GBIT] * 3, burst_s=5e-3, sharing=sharing)
         cfg = SimConfig(balancer="load", epochs=1, batch=1, params=1_000_000, apply_s=2e-4,
@@ -113,8 +113,17 @@ def test_the_boxs_two_stores_read_slower_with_flows_coupled():
         profiles = [constant(1e9, 0.0, 1e12) for _ in range(5)]
         return NetEngine(cfg, profiles, [10] * 60, layout=Layout(spec, k)).run()["updates_per_s"]
 
-    assert ups(2, "coupled") < 0.9 * ups(2, "per-link")
+    assert ups(2, "coupled") < 0.96 * ups(2, "per-link")
     assert ups(1, "coupled") == pytest.approx(ups(1, "per-link"), rel=0.03)
+
+
+def test_headers_take_their_share_of_a_link():
+    spec = NetSpec(2, [1, 1], [GBIT] * 2)
+    assert spec.payload_bps(0) == pytest.approx(GBIT * 1448 / 1514)
+    jumbo = NetSpec(2, [1, 1], [GBIT] * 2, mtu=9000)
+    assert jumbo.payload_bps(1) == pytest.approx(GBIT * 8948 / 9014)
+    topo = Topology(Layout(spec, 1))
+    assert topo.rates[topo.up[1]] == pytest.approx(GBIT * 1448 / 1514)
 
 
 def test_link_sharing_auto_couples_up_to_16_nodes():
@@ -257,6 +266,7 @@ def test_a_small_what_if(capsys):
     (["--nodes", "2", "--jitter", "-1"], "--jitter must be"),
     (["--nodes", "2", "--link-burst", "-5"], "--link-burst must be"),
     (["--nodes", "2", "--link-sharing", "both"], "--link-sharing"),
+    (["--nodes", "2", "--mtu", "40"], "--mtu must be"),
 ])
 def test_bad_network_input_is_one_line_and_exit_2(capsys, argv, words):
     code = main(["simulate", *argv, "--epochs", "1"])
