@@ -1,12 +1,14 @@
 """Does `mpilb simulate`'s network model predict the cluster in a box? (issue 33)
 
-    sudo python benchmarks/simulate_network.py [--quick] [--link-rate 1gbit] [--out FILE]
+    sudo python benchmarks/simulate_network.py [--quick] [--rounds 5] [--link-rate 1gbit] [--out FILE]
 
 On a cluster in a box (mpilb.clusterbox: 3 nodes joined by ``--link-rate`` links; needs
 root), with ``mpiexec -hosts n0:1,n1:2,n2:2`` (rank 0 on n0, two ranks on each of n1, n2):
 
   ps        ``mpilb bench ps --params 1000000``: one store on n0 serving 4 null workers on
-            the other nodes (updates/s, the median of the repeats); ``--servers 2`` (a
+            the other nodes (updates/s: the median of ``--rounds`` rounds, each a 2 s run of
+            every case in turn, so that a slow spell of the shared machine falls on all
+            of them; the range is in the label); ``--servers 2`` (a
             second store, rank 1 on n1: 3 workers); ``--servers per-node`` (stores 0, 1, 3:
             workers 2 on n1 and 4 on n2); each with ``--wire fp32`` and ``--wire bf16``
             (a case the engine lacks, read from its ``--help``, is skipped and listed)
@@ -102,6 +104,8 @@ def main() -> int:
     _runs.add_dataset_args(ap, os.path.join(tempfile.gettempdir(), "mpilb-simnet"))
     ap.add_argument("--link-rate", default="1gbit")
     ap.add_argument("--params", type=int, default=1_000_000)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="rounds of every bench ps case in turn (the median is the figure)")
     opts = ap.parse_args()
     from mpilb.clusterbox import ClusterBox, missing
     from mpilb.clusterbox.system import burst_bytes, rate_bytes
@@ -120,34 +124,50 @@ def main() -> int:
     wire = engine_has(["bench", "ps"], "--wire")
     bench = _runs.Bench(opts, TRAIN)
     bench.prepare()
-    seconds, repeats = ("0.5", "1") if opts.quick else ("2", "3")
+    seconds, rounds = ("0.5", 1) if opts.quick else ("2", opts.rounds)
     measured, predicted, skipped = {}, {}, []
     with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
         g = results.group(f"bench ps, {opts.params} parameters, -hosts {HOSTS}, "
                           f"{opts.link_rate} links: updates/s", "")
+        cases = []
         for label, ps_opts, sim_opts, skip in ps_cases(per_node, wire):
             if skip:
                 skipped.append(f"{label}: {skip}")
-                continue
-            argv = ["-hosts", HOSTS, sys.executable, "-m", "mpilb", "bench", "ps", "--params",
-                    str(opts.params), "--seconds", seconds, "--repeats", repeats, "--json",
-                    *ps_opts]
-            res = box.mpiexec(argv, timeout=900)
-            if res.returncode != 0:
-                sys.exit(f"bench ps {label} failed: {res.stderr[-2000:]}")
-            got = json.loads(res.stdout.strip().splitlines()[-1])
-            rate = statistics.median(r["updates_per_s"] for r in got["runs"])
+            else:
+                cases.append((label, ps_opts, sim_opts))
+        # rounds of every case in turn: a slow spell of the shared machine falls on all
+        # of them, not on the one that ran then
+        rates: dict = {label: [] for label, _, _ in cases}
+        argvs: dict = {}
+        for rnd in range(rounds):
+            for label, ps_opts, _ in cases:
+                argv = argvs[label] = ["-hosts", HOSTS, sys.executable, "-m", "mpilb", "bench",
+                                       "ps", "--params", str(opts.params), "--seconds", seconds,
+                                       "--repeats", "1", "--json", *ps_opts]
+                res = box.mpiexec(argv, timeout=900)
+                if res.returncode != 0:
+                    sys.exit(f"bench ps {label} failed: {res.stderr[-2000:]}")
+                got = json.loads(res.stdout.strip().splitlines()[-1])
+                rates[label].append(got["runs"][0]["updates_per_s"])
+                print(f"  round {rnd + 1}/{rounds} ps {label}: {rates[label][-1]:.1f} updates/s",
+                      flush=True)
+        for label, _, sim_opts in cases:
+            rate = statistics.median(rates[label])
             sim_args = ["--nodes", "3", "--ranks-per-node", RANKS_PER_NODE, "--link-rate",
-                        opts.link_rate, "--params", str(got["params"]), "--rates", "const:1e9",
+                        opts.link_rate, "--params", str(opts.params), "--rates", "const:1e9",
                         "--batch", "1", "--samples", "600", "--shards", "60", "--epochs", "1",
                         "--balancer", "load", "--link-burst", burst_ms, *sim_opts]
             pred = simulate(sim_args)[0]["updates_per_s"]
             measured[label], predicted[label] = rate, pred
-            print(f"  ps {label}: measured {rate:.1f} updates/s, predicted {pred:.1f}", flush=True)
-            results.figure(g, f"ps.{label}", f"{label}: measured {rate:.1f}, predicted "
-                           f"{pred:.1f} updates/s ({pred / rate - 1:+.0%})",
+            lo, hi = min(rates[label]), max(rates[label])
+            print(f"  ps {label}: measured {rate:.1f} ({lo:.1f}-{hi:.1f}) updates/s, "
+                  f"predicted {pred:.1f}", flush=True)
+            results.figure(g, f"ps.{label}", f"{label}: measured {rate:.1f} ({lo:.1f}-{hi:.1f} "
+                           f"over {len(rates[label])} rounds), predicted {pred:.1f} updates/s "
+                           f"({pred / rate - 1:+.0%})",
                            [abs(pred / rate - 1)], digits=2, target=f"<= {TOL:g}",
-                           command=f"mpiexec {shown(argv)}; mpilb simulate {shlex.join(sim_args)}")
+                           command=f"mpiexec {shown(argvs[label])}; mpilb simulate "
+                                   f"{shlex.join(sim_args)}")
         order_m = sorted(measured, key=measured.get)
         order_p = sorted(predicted, key=predicted.get)
         swapped = ranked_alike(measured, predicted)
