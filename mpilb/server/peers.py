@@ -18,10 +18,12 @@ class Headers:
     """Header-only send buffers of one kind (replies, or orders) for one worker.
 
     A buffer whose last send is not known to be finished is never written again: another
-    is made. A send to a worker waits for the worker to receive it (a message above MPI's
-    eager size does), and a worker that died after its push, not yet declared lost, never
-    does: waiting for it blocked rank 0 for good (a wake of that idle worker at an epoch's
-    start, or its STOP). Alive, a worker receives its messages in order, so the pool stays
+    is made. A send need not finish before its receiver takes it (a message above MPI's
+    eager size, or any once the transport's buffers toward that rank are full: under Open
+    MPI's shared memory even a 384-byte reply header to a dead worker never finished), and
+    a worker that died after its push, not yet declared lost, takes nothing: waiting for
+    such a send blocked rank 0 for good (a wake of that idle worker at an epoch's start, or
+    its STOP). Alive, a worker receives its messages in order, so the pool stays
     at the two a pipelined worker needs."""
 
     def __init__(self, n: int):
