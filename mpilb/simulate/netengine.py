@@ -32,7 +32,8 @@ from mpilb.errors import UsageError
 from mpilb.core.decisions import CHORES_S
 from mpilb.simulate.engine import Engine, summarize
 from mpilb.simulate.workers import PUSH, REBALANCE, SimWorker
-from mpilb.simulate.network import WIRE_BYTES, Fabric, Layout, PerLinkFabric, Topology
+from mpilb.simulate.fabric import Fabric, PerLinkFabric
+from mpilb.simulate.network import WIRE_BYTES, Layout, Topology
 
 ARRIVE, STORE_SEND, REPLY = 0, 1, 2
 

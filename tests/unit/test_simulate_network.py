@@ -9,8 +9,9 @@ from mpilb.errors import UsageError
 from mpilb.simulate.cluster import constant
 from mpilb.simulate.workers import SimConfig
 from mpilb.simulate.netengine import NetEngine
-from mpilb.simulate.network import (Fabric, Layout, NetSpec, PerLinkFabric, Topology,
-                                    parse_rate, parse_rates, servers_count)
+from mpilb.simulate.fabric import Fabric, PerLinkFabric
+from mpilb.simulate.network import (Layout, NetSpec, Topology, parse_rate, parse_rates,
+                                    servers_count)
 
 GBIT = 125e6   # bytes/s
 

@@ -9,7 +9,8 @@ from mpilb.cli.main import main
 from mpilb.errors import UsageError
 from mpilb.simulate.cluster import Profile, constant
 from mpilb.simulate.netengine import NetEngine
-from mpilb.simulate.network import Fabric, Layout, NetSpec, parse_rate
+from mpilb.simulate.fabric import Fabric, PerLinkFabric
+from mpilb.simulate.network import Layout, NetSpec, parse_rate
 from mpilb.simulate.workers import SimConfig
 
 GBIT = 125e6
@@ -41,11 +42,12 @@ def drain(fab: Fabric) -> dict:
 @pytest.mark.parametrize("t0, nbytes, rate", [(945.3254248583684, 4000.0, 5e9),
                                               (939.227851929638, 4.0, 1.25e9),
                                               (686.7973703249007, 4e5, 1e12)])
-def test_a_small_flow_late_in_a_run_is_done(t0, nbytes, rate):
+@pytest.mark.parametrize("kind", [Fabric, PerLinkFabric])
+def test_a_small_flow_late_in_a_run_is_done(t0, nbytes, rate, kind):
     """A flow's last bytes took less than the clock's resolution at t0 (an ulp of t0 at the
     rate is more than the 1e-9 tolerance): its departure fell at t0 again and again, v not
     advancing, for ever (a one-node replay with --params 1000 hung)."""
-    fab = bounded(Fabric([rate], [math.inf], 0.0), 100)
+    fab = bounded(kind([rate], [math.inf], 0.0), 100)
     fab.transfer(t0, [fab.flow(t0, 0, nbytes)], "x")
     assert drain(fab)["x"] == pytest.approx(t0 + nbytes / rate, abs=1e-9)
 
@@ -95,8 +97,9 @@ def test_an_unbounded_rate_is_refused():
     for text in ("1" + "0" * 400 + "gbit", "1" + "0" * 400 + "bps"):
         with pytest.raises(UsageError, match="too large"):
             parse_rate(text)
-    with pytest.raises(ValueError):
-        Fabric([math.inf], [math.inf], 0.0)
+    for kind in (Fabric, PerLinkFabric):
+        with pytest.raises(ValueError):
+            kind([math.inf], [math.inf], 0.0)
 
 
 def test_a_single_worker():
