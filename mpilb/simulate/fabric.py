@@ -14,7 +14,59 @@ import heapq
 import math
 
 
-class Fabric:
+class Transfers:
+    """What both fabrics share: the resources (rates, caps, token banks), transfers waiting
+    on flows, delayed sends, and the heap of events they come out of (:meth:`pop`, in each
+    fabric)."""
+
+    def __init__(self, rates: list[float], caps: list[float], latency: float,
+                 bursts: list[float] | None = None, peaks: list[float] | None = None):
+        if not all(0.0 < r < math.inf for r in rates):
+            raise ValueError(f"every resource's rate must be finite and > 0 (got {rates})")
+        self.rate = list(rates)
+        self.cap = list(caps)
+        r = len(self.rate)
+        self.burst = list(bursts) if bursts else [0.0] * r
+        self.tokens = list(self.burst)      # banks start full
+        self.peak = [max(a, b) for a, b in zip(peaks, rates)] if peaks else list(rates)
+        self.moved = [0.0] * r      # bytes each resource carried
+        self.latency = latency
+        self.waiting: dict[int, list] = {}   # flow id -> transfers waiting on it
+        self.left: dict[int, list] = {}      # transfer id -> [flows left, token]
+        self.events: list = []
+        self.seq = 0
+
+    def transfer(self, t: float, flows: list[int], token) -> None:
+        """``token`` comes out of :meth:`pop` when every flow in ``flows`` is done, plus the
+        latency (at once plus the latency when ``flows`` is empty)."""
+        self.seq += 1
+        tid = self.seq
+        live = [f for f in flows if f in self.waiting]
+        if not live:
+            heapq.heappush(self.events, (t + self.latency, tid, 2, token))
+            return
+        self.left[tid] = [len(live), token]
+        for f in live:
+            self.waiting[f].append(tid)
+
+    def later(self, t: float, token) -> None:
+        """``token`` comes out of :meth:`pop` at ``t`` (a send that starts then)."""
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, 1, token))
+
+    def _flow_done(self, fid: int, t: float) -> None:
+        """Flow ``fid`` is through at ``t``: a transfer it was the last of is done a latency
+        later."""
+        for tid in self.waiting.pop(fid):
+            entry = self.left[tid]
+            entry[0] -= 1
+            if entry[0] == 0:
+                del self.left[tid]
+                self.seq += 1
+                heapq.heappush(self.events, (t + self.latency, self.seq, 2, entry[1]))
+
+
+class Fabric(Transfers):
     """Transfers over shared resources, in event time: max-min fair rates along paths.
 
     A *flow* is bytes along a *path* of resources (a push from a worker to a store on
@@ -45,15 +97,8 @@ class Fabric:
 
     def __init__(self, rates: list[float], caps: list[float], latency: float,
                  bursts: list[float] | None = None, peaks: list[float] | None = None):
-        if not all(0.0 < r < math.inf for r in rates):
-            raise ValueError(f"every resource's rate must be finite and > 0 (got {rates})")
-        self.rate = list(rates)
-        self.cap = list(caps)
-        self.latency = latency
+        super().__init__(rates, caps, latency, bursts, peaks)
         r = len(self.rate)
-        self.burst = list(bursts) if bursts else [0.0] * r
-        self.tokens = list(self.burst)      # banks start full
-        self.peak = [max(a, b) for a, b in zip(peaks, rates)] if peaks else list(rates)
         self.banked = [i for i in range(r) if self.burst[i] > 0.0]
         self.served = [0.0] * r     # bytes/s each resource carries now
         # classes: (path, weight) -> [finish tags heap, served per unit weight, total weight,
@@ -63,14 +108,9 @@ class Fabric:
         self.wsum = [0.0] * r       # resource -> total weight of its flows
         self.busy: set = set()      # resources with flows
         self.capped: set = set()    # keys of classes with a finite cap on their path
-        self.waiting: dict[int, list] = {}   # flow id -> transfers waiting on it
-        self.left: dict[int, list] = {}      # transfer id -> [flows left, token]
-        self.events: list = []
-        self.seq = 0
         self.now = 0.0              # the classes' clock: their service is as of this time
         self.due = 0                # seq of the valid network event
         self.dirty = False          # flows came since rates were set
-        self.moved = [0.0] * r      # bytes each resource carried
 
     # -- flows and transfers ----------------------------------------------------------
     def path(self, t: float, resources, nbytes: float, weight: float = 1.0) -> list[int]:
@@ -101,24 +141,6 @@ class Fabric:
     def flow(self, t: float, res: int, nbytes: float, weight: float = 1.0) -> int:
         """A flow on one resource (:meth:`path` of one); its id."""
         return self.path(t, (res,), nbytes, weight)[0]
-
-    def transfer(self, t: float, flows: list[int], token) -> None:
-        """``token`` comes out of :meth:`pop` when every flow in ``flows`` is done, plus the
-        latency (at once plus the latency when ``flows`` is empty)."""
-        self.seq += 1
-        tid = self.seq
-        live = [f for f in flows if f in self.waiting]
-        if not live:
-            heapq.heappush(self.events, (t + self.latency, tid, 2, token))
-            return
-        self.left[tid] = [len(live), token]
-        for f in live:
-            self.waiting[f].append(tid)
-
-    def later(self, t: float, token) -> None:
-        """``token`` comes out of :meth:`pop` at ``t`` (a send that starts then)."""
-        self.seq += 1
-        heapq.heappush(self.events, (t, self.seq, 1, token))
 
     # -- rates --------------------------------------------------------------------------
     def _advance(self, t: float) -> None:
@@ -248,13 +270,7 @@ class Fabric:
                 cls[2] -= key[1]
                 for r in key[0]:
                     self.wsum[r] -= key[1]
-                for tid in self.waiting.pop(fid):
-                    entry = self.left[tid]
-                    entry[0] -= 1
-                    if entry[0] == 0:
-                        del self.left[tid]
-                        self.seq += 1
-                        heapq.heappush(self.events, (t + self.latency, self.seq, 2, entry[1]))
+                self._flow_done(fid, t)
             if not heap:
                 del self.classes[key]
                 self.capped.discard(key)
@@ -267,7 +283,7 @@ class Fabric:
         return t, 0, None
 
 
-class PerLinkFabric:
+class PerLinkFabric(Transfers):
     """Transfers over shared resources, each resource sharing its flows on its own
     (processor sharing), in event time: the cheap model for large clusters.
 
@@ -288,26 +304,14 @@ class PerLinkFabric:
 
     def __init__(self, rates: list[float], caps: list[float], latency: float,
                  bursts: list[float] | None = None, peaks: list[float] | None = None):
-        if not all(0.0 < r < math.inf for r in rates):
-            raise ValueError(f"every resource's rate must be finite and > 0 (got {rates})")
-        self.rate = list(rates)
-        self.cap = list(caps)
-        self.latency = latency
+        super().__init__(rates, caps, latency, bursts, peaks)
         r = len(self.rate)
-        self.burst = list(bursts) if bursts else [0.0] * r
-        self.tokens = list(self.burst)      # banks start full
-        self.peak = [max(a, b) for a, b in zip(peaks, rates)] if peaks else list(rates)
         self.v = [0.0] * r          # service per unit weight so far
         self.load = [0.0] * r       # sum of the weights of the flows on it
         self.t = [0.0] * r
         self.flows: list[list] = [[] for _ in range(r)]   # heaps of [finish tag, id]
         self.due = [0] * r          # seq of the resource's valid departure event
         self.weight: dict[int, float] = {}
-        self.waiting: dict[int, list] = {}   # flow id -> transfers waiting on it
-        self.left: dict[int, list] = {}      # transfer id -> [flows left, token]
-        self.events: list = []
-        self.seq = 0
-        self.moved = [0.0] * r      # bytes each resource carried
 
     # -- flows and transfers ----------------------------------------------------------
     def _speed(self, res: int) -> float:
@@ -362,24 +366,6 @@ class PerLinkFabric:
         self._schedule(res)
         return fid
 
-    def transfer(self, t: float, flows: list[int], token) -> None:
-        """``token`` comes out of :meth:`pop` when every flow in ``flows`` is done, plus the
-        latency (at once plus the latency when ``flows`` is empty)."""
-        self.seq += 1
-        tid = self.seq
-        live = [f for f in flows if f in self.waiting]
-        if not live:
-            heapq.heappush(self.events, (t + self.latency, tid, 2, token))
-            return
-        self.left[tid] = [len(live), token]
-        for f in live:
-            self.waiting[f].append(tid)
-
-    def later(self, t: float, token) -> None:
-        """``token`` comes out of :meth:`pop` at ``t`` (a send that starts then)."""
-        self.seq += 1
-        heapq.heappush(self.events, (t, self.seq, 1, token))
-
     # -- events -----------------------------------------------------------------------
     def next_time(self) -> float:
         ev = self.events
@@ -405,13 +391,7 @@ class PerLinkFabric:
         while heap and heap[0][0] <= done:
             _, fid = heapq.heappop(heap)
             self.load[res] -= self.weight.pop(fid)
-            for tid in self.waiting.pop(fid):
-                entry = self.left[tid]
-                entry[0] -= 1
-                if entry[0] == 0:
-                    del self.left[tid]
-                    self.seq += 1
-                    heapq.heappush(self.events, (t + self.latency, self.seq, 2, entry[1]))
+            self._flow_done(fid, t)
         if not heap:
             self.load[res], self.v[res] = 0.0, 0.0
         self._schedule(res)
