@@ -290,7 +290,8 @@ class PerLinkFabric(Transfers):
     A transfer across two links (a push to a store on another node) is a flow on each,
     moving at each one's own share: the bytes may cross one link early and wait at the
     switch, so while the links on both ends are loaded this reads faster than the coupled
-    :class:`Fabric` (the box's two stores: 61.5 updates/s against 53.0; measured 45).
+    :class:`Fabric` (the box's two stores: 53.0 updates/s against 50.0; measured
+    40-45).
 
     A *flow* is bytes on one resource, with a weight (its share): the resource's rate is
     divided among its flows by weight, each flow getting at most ``cap`` per unit of weight.
