@@ -67,13 +67,13 @@ class Outbox:
         # Straight from the parameters: the ring steps into another buffer while this reads
         # (--wire bf16/fp16: from their copy in that format, made once per version).
         params = ring.params if self.slices is None else self.slices.reply_params()
-        link.params_req = comm.Isend(params, dest=dest, tag=wire.TAG_PARAMS)
+        sent = comm.Isend(params, dest=dest, tag=wire.TAG_PARAMS)
         if self.slices is None:
-            ring.sending(link.params_req, peer.rank)
+            ring.sending(sent, peer.rank)
         else:
-            self.slices.sending(link.params_req, peer.rank)
+            self.slices.sending(sent, peer.rank)
         ring.bytes_out += params.nbytes
-        self._track(link, link.params_req)
+        self._track(link, sent)
         # A worker that pushed a moment ago is still polling finely for this reply (see
         # TimeSincePush.reply_window): a ring would cost rank 0 a wake-up call (~60 µs on a
         # VM) and win nothing. One that has waited longer (a held reply, a sync round, idle)

@@ -50,10 +50,9 @@ class Link:
     recv: wire.MessageBuffer        # the next push (its payload: this rank's slice)
     replies: Headers                # reply headers: x1, x2 pipelined, more while sends hang
     orders_msg: Headers             # headers for Cmd.ORDERS
-    reply_req: Optional[object] = None    # the latest of each kind
-    params_req: Optional[object] = None
+    reply_req: Optional[object] = None    # the latest reply header's send
     recv_req: Optional[object] = None
-    orders_req: Optional[object] = None
+    orders_req: Optional[object] = None   # the latest orders' send
     sends: list = field(default_factory=list)   # every send to it not known to be finished
     comm: Optional[object] = None   # a worker that joined: its own communicator (roster.py),
     dest: int = -1                  # and its rank there; None, -1: MPI_COMM_WORLD, its rank

@@ -132,9 +132,8 @@ class Fabric(Transfers):
         cls[2] += weight
         for r in key[0]:
             self.wsum[r] += weight
-        self.waiting[fid] = []
-        for r in key[0]:
             self.moved[r] += nbytes
+        self.waiting[fid] = []
         self.dirty = True
         return [fid]
 

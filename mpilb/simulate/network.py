@@ -84,7 +84,7 @@ class NetSpec:
     latency_s: float = LATENCY_S
     burst_s: float = 0.0           # a link's bank, in seconds of its rate (tc tbf's burst)
     sharing: str = "auto"          # --link-sharing: coupled, per-link, auto (COUPLED_NODES)
-    mtu: int = 1500                # --mtu: a link's packets, of which headers take HEADER_BYTES
+    mtu: int = 1500                # --mtu: a link's packet size (payload_share)
 
     def __post_init__(self):
         if self.nodes < 1:
