@@ -1,14 +1,17 @@
 """Does `mpilb simulate`'s network model predict the cluster in a box? (issue 33)
 
-    sudo python benchmarks/simulate_network.py [--quick] [--rounds 5] [--link-rate 1gbit] [--out FILE]
+    sudo python benchmarks/simulate_network.py [--quick] [--rounds 5] [--ps-seconds 8]
+                                               [--link-rate 1gbit] [--out FILE]
 
 On a cluster in a box (mpilb.clusterbox: 3 nodes joined by ``--link-rate`` links; needs
 root), with ``mpiexec -hosts n0:1,n1:2,n2:2`` (rank 0 on n0, two ranks on each of n1, n2):
 
   ps        ``mpilb bench ps --params 1000000``: one store on n0 serving 4 null workers on
-            the other nodes (updates/s: the median of ``--rounds`` rounds, each a 2 s run of
-            every case in turn, so that a slow spell of the shared machine falls on all
-            of them; the range is in the label); ``--servers 2`` (a
+            the other nodes (updates/s: the median of ``--rounds`` rounds, each a run of
+            ``--ps-seconds`` of every case in turn, so that a slow spell of the shared
+            machine falls on all of them; the range is in the label. 2 s runs read the two
+            stores' case 5-10% low: its two far workers make ~20 updates in 2 s, and the
+            start weighs on them); ``--servers 2`` (a
             second store, rank 1 on n1: 3 workers); ``--servers per-node`` (stores 0, 1, 3:
             workers 2 on n1 and 4 on n2); each with ``--wire fp32`` and ``--wire bf16``
             (a case the engine lacks, read from its ``--help``, is skipped and listed)
@@ -106,6 +109,8 @@ def main() -> int:
     ap.add_argument("--params", type=int, default=1_000_000)
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds of every bench ps case in turn (the median is the figure)")
+    ap.add_argument("--ps-seconds", type=float, default=8.0,
+                    help="each bench ps run's --seconds")
     opts = ap.parse_args()
     from mpilb.clusterbox import ClusterBox, missing
     from mpilb.clusterbox.system import burst_bytes, rate_bytes
@@ -124,7 +129,7 @@ def main() -> int:
     wire = engine_has(["bench", "ps"], "--wire")
     bench = _runs.Bench(opts, TRAIN)
     bench.prepare()
-    seconds, rounds = ("0.5", 1) if opts.quick else ("2", opts.rounds)
+    seconds, rounds = ("0.5", 1) if opts.quick else (f"{opts.ps_seconds:g}", opts.rounds)
     measured, predicted, skipped = {}, {}, []
     with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
         g = results.group(f"bench ps, {opts.params} parameters, -hosts {HOSTS}, "
