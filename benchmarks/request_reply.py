@@ -30,6 +30,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -142,7 +143,7 @@ def mpi_loop(floats: int, seconds: float) -> None:
 
 def run_tcp(box, nbytes: int, seconds: float) -> float:
     server = box.popen(0, [sys.executable, __file__, "_tcp_server", str(PORT), str(len(CLIENT_NODES)),
-                           str(nbytes), str(seconds)], stdout=__import__("subprocess").PIPE, text=True)
+                           str(nbytes), str(seconds)], stdout=subprocess.PIPE, text=True)
     try:
         if server.stdout.readline().strip() != "ready":
             sys.exit("the TCP server did not start")
@@ -155,6 +156,8 @@ def run_tcp(box, nbytes: int, seconds: float) -> float:
     finally:
         if server.poll() is None:
             server.kill()
+    if not line.strip():
+        sys.exit(f"the TCP server gave no figure (exit {server.returncode})")
     return json.loads(line)["exchanges_per_s"]
 
 
@@ -192,7 +195,12 @@ def main() -> int:
     why = missing()
     if why:
         sys.exit(f"cannot build a cluster in a box here: {why}")
-    sizes = [int(p) for p in opts.params.split(",")]
+    try:
+        sizes = [int(p) for p in opts.params.split(",")]
+    except ValueError:
+        ap.error(f"--params {opts.params!r}: expected a comma list of integers")
+    if min(sizes) < 10:
+        ap.error("--params: each must be >= 10")
     res = _results.Results(NAME, "One store's request/reply pattern on the cluster in a box: "
                            "raw TCP, plain MPI, mpilb", opts)
     rates: dict = {(p, w): [] for p in sizes for w in WAYS}

@@ -10,8 +10,8 @@ root), with ``mpiexec -hosts n0:1,n1:2,n2:2`` (rank 0 on n0, two ranks on each o
             the other nodes (updates/s: the median of ``--rounds`` rounds, each a run of
             ``--ps-seconds`` of every case in turn, so that a slow spell of the shared
             machine falls on all of them; the range is in the label. 2 s runs read the two
-            stores' case 5-10% low: its two far workers make ~20 updates in 2 s, and the
-            start weighs on them); ``--servers 2`` (a
+            stores' case lower, by 6% at the medians of three pairs against 10 s runs: its
+            two far workers make ~20 updates in 2 s, and the start weighs on them); ``--servers 2`` (a
             second store, rank 1 on n1: 3 workers); ``--servers per-node`` (stores 0, 1, 3:
             workers 2 on n1 and 4 on n2); each with ``--wire fp32`` and ``--wire bf16``
             (a case the engine lacks, read from its ``--help``, is skipped and listed)
