@@ -1,26 +1,36 @@
-"""Where the cluster in a box's link time goes: one store's request/reply pattern over raw
-TCP, over plain MPI, and through mpilb (issues 27 and 33).
+"""Where the cluster in a box's link time goes: the parameter store's request/reply
+pattern over raw TCP, over plain MPI, and through mpilb (issues 27 and 33).
 
     sudo python benchmarks/request_reply.py [--rounds 5] [--seconds 4] [--params 1000000,250000]
                                             [--link-rate 1gbit] [--out FILE]
 
-On a cluster in a box (3 nodes, ``--link-rate`` links; needs root), one server on n0 and 4
-clients, two on n1 and two on n2 (``-hosts n0:1,n1:2,n2:2``). Each exchange: a client
-sends 4 x P bytes (P: each of ``--params``, a group each), the server answers with as many, and the client sends again
-when the answer is in; every exchange crosses n0's link both ways, so the wire bound is the
-link's rate over 4 x P bytes. Four ways, in turn in each of ``--rounds`` rounds:
+On a cluster in a box (3 nodes, ``--link-rate`` links; needs root). A client sends a
+message of 4 x P bytes (P: each of ``--params``), the servers answer with as many, and the
+client sends again when every answer is in. Two layouts, as ``benchmarks/cluster.py``'s (a)
+and (b), each against its wire bound (each link's rate over the bytes an exchange puts on
+it, the busiest link's; clients at an even pace):
 
-  tcp       Python sockets: a thread per client at the server, ``sendall`` and ``recv_into``
-            (the kernel's TCP alone: what the links and the machine allow this pattern)
-  mpi       mpi4py: blocking ``Send``/``Recv`` at the clients (MPI polls while it waits),
-            ``Waitany`` and ``Isend`` at the server, UCX's TCP fragment at mpilb's 1 MB
-  bare      ``mpilb bench ps``'s bare loop (as ``mpi``, the clients' waits sleeping between
-            polls as mpilb's do)
-  mpilb     ``mpilb bench ps``'s parameter server and null workers (the same run as bare)
+  one store         one server on n0, 4 clients on n1, n2 (``-hosts n0:1,n1:2,n2:2``)
+  a store per node  a server and a client on each node (``-hosts n0:2,n1:2,n2:2
+                    --servers per-node``); a client's message is split evenly over the 3
+                    servers, and the slice for its own node's server stays off the links
 
-Exchanges per second, each way's median over the rounds with its range, against the wire
-bound and against ``tcp`` of the same round. Writes benchmarks/results/request_reply.json
-(or ``--out``); ``python benchmarks/gendocs.py`` renders it into docs/benchmarks.md.
+The ways, in turn in each of ``--rounds`` rounds:
+
+  tcp       Python sockets: a thread per connection at each server, the client's slices
+            sent at once and every answer awaited (the kernel's TCP alone: what the links and
+            the machine allow the pattern)
+  mpi       (one store) mpi4py: blocking ``Send``/``Recv`` at the clients (MPI polls while
+            it waits), ``Waitany`` and ``Isend`` at the server, UCX's TCP fragment at mpilb's
+            1 MB
+  bare      (one store) ``mpilb bench ps``'s bare loop (as ``mpi``, the clients' waits
+            sleeping between polls as mpilb's do)
+  mpilb     ``mpilb bench ps``'s parameter server and null workers
+
+Exchanges per second (all clients together), each way's median over the rounds with its
+range, against the wire bound and against ``tcp`` of the same round. Writes
+benchmarks/results/request_reply.json (or ``--out``); ``python benchmarks/gendocs.py``
+renders it into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -39,8 +49,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _results  # noqa: E402
 
 NAME = "request_reply"
-HOSTS = "n0:1,n1:2,n2:2"
-CLIENT_NODES = (1, 1, 2, 2)
+LAYOUTS = {   # name -> (the servers' nodes, the clients' nodes)
+    "one store": ((0,), (1, 1, 2, 2)),
+    "a store per node": ((0, 1, 2), (0, 1, 2)),
+}
+HOSTS = {"one store": "n0:1,n1:2,n2:2", "a store per node": "n0:2,n1:2,n2:2"}
+STORES = {"one store": [0], "a store per node": [0, 2, 4]}   # their ranks under HOSTS
 PORT = 5107
 WAYS = ("tcp", "mpi", "bare", "mpilb")
 
@@ -55,49 +69,63 @@ def _recv_all(conn, buf) -> bool:
     return True
 
 
-def tcp_server(port: int, clients: int, nbytes: int, seconds: float) -> None:
-    """Answer every client's message with as many bytes; print exchanges/s over `seconds`
-    from the first exchange on, as JSON."""
-    count, lock = [0], threading.Lock()
+def tcp_server(port: int, nbytes: int) -> None:
+    """Answer every client's message of `nbytes` with as many bytes, until killed."""
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("0.0.0.0", port))
-    srv.listen(clients)
+    srv.listen(16)
 
     def serve(conn) -> None:
         buf, out = bytearray(nbytes), bytes(nbytes)
         try:
             while _recv_all(conn, buf):
-                with lock:
-                    count[0] += 1
                 conn.sendall(out)
         except OSError:
             pass
 
     print("ready", flush=True)
-    for _ in range(clients):
+    while True:
         conn, _ = srv.accept()
         threading.Thread(target=serve, args=(conn,), daemon=True).start()
-    while count[0] == 0:
-        time.sleep(0.001)
-    c0, t0 = count[0], time.perf_counter()
-    time.sleep(seconds)
-    c1, t1 = count[0], time.perf_counter()
-    print(json.dumps({"exchanges_per_s": (c1 - c0) / (t1 - t0)}), flush=True)
-    os._exit(0)   # the serving threads are blocked in recv
 
 
-def tcp_client(host: str, port: int, nbytes: int, seconds: float) -> None:
-    buf, out = bytearray(nbytes), bytes(nbytes)
-    end = time.monotonic() + seconds
-    try:
-        conn = socket.create_connection((host, port))
-        while time.monotonic() < end:
-            conn.sendall(out)
-            if not _recv_all(conn, buf):
-                break
-    except OSError:
-        pass   # the server has its figure and left
+def tcp_client(hosts: str, port: int, nbytes: int, warmup: float, seconds: float) -> None:
+    """Send `nbytes` to each server of `hosts` at once, wait for every answer, again; print
+    the exchanges per second counted over `seconds` after `warmup`, as JSON."""
+    conns = [socket.create_connection((h, port)) for h in hosts.split(",")]
+    start, done = threading.Barrier(len(conns) + 1), threading.Barrier(len(conns) + 1)
+    failed = []
+
+    def leg(conn) -> None:
+        buf, out = bytearray(nbytes), bytes(nbytes)
+        while True:
+            start.wait()
+            try:
+                conn.sendall(out)
+                if not _recv_all(conn, buf):
+                    raise OSError("the server closed")
+            except OSError as e:
+                failed.append(e)
+            done.wait()
+
+    for c in conns:
+        threading.Thread(target=leg, args=(c,), daemon=True).start()
+    t_count = time.perf_counter() + warmup
+    t_end = t_count + seconds
+    n = 0
+    while True:
+        start.wait()
+        done.wait()
+        if failed:
+            sys.exit(f"client: {failed[0]}")
+        now = time.perf_counter()
+        if now >= t_end:
+            break
+        if now >= t_count:
+            n += 1
+    print(json.dumps({"exchanges_per_s": n / (now - t_count)}), flush=True)
+    os._exit(0)   # the legs wait at their barrier
 
 
 def mpi_loop(floats: int, seconds: float) -> None:
@@ -141,38 +169,53 @@ def mpi_loop(floats: int, seconds: float) -> None:
     print(json.dumps({"exchanges_per_s": n / elapsed}), flush=True)
 
 
-def run_tcp(box, nbytes: int, seconds: float) -> float:
-    server = box.popen(0, [sys.executable, __file__, "_tcp_server", str(PORT), str(len(CLIENT_NODES)),
-                           str(nbytes), str(seconds)], stdout=subprocess.PIPE, text=True)
+def run_tcp(box, layout: str, nbytes: int, seconds: float) -> float:
+    """Aggregate exchanges/s of raw TCP clients in `layout` (LAYOUTS): a client on node k
+    sends its message, split evenly over every server, to the servers on other nodes (the
+    slice to its own node's server would not cross a link)."""
+    server_nodes, client_nodes = LAYOUTS[layout]
+    part = nbytes // len(server_nodes)
+    servers = [box.popen(k, [sys.executable, __file__, "_tcp_server", str(PORT), str(part)],
+                         stdout=subprocess.PIPE, text=True) for k in server_nodes]
+    clients = []
     try:
-        if server.stdout.readline().strip() != "ready":
-            sys.exit("the TCP server did not start")
-        clients = [box.popen(k, [sys.executable, __file__, "_tcp_client", box.address(0), str(PORT),
-                                 str(nbytes), str(seconds + 3)]) for k in CLIENT_NODES]
-        line = server.stdout.readline()
-        server.wait(timeout=30)
+        for srv in servers:
+            if srv.stdout.readline().strip() != "ready":
+                sys.exit("a TCP server did not start")
+        for k in client_nodes:
+            far = ",".join(box.address(j) for j in server_nodes if j != k)
+            clients.append(box.popen(k, [sys.executable, __file__, "_tcp_client", far, str(PORT),
+                                         str(part), "1", str(seconds)], stdout=subprocess.PIPE,
+                                     text=True))
+        total = 0.0
         for c in clients:
-            c.wait(timeout=30)
+            out, _ = c.communicate(timeout=seconds + 60)
+            if c.returncode != 0 or not out.strip():
+                sys.exit(f"a TCP client failed (exit {c.returncode})")
+            total += json.loads(out.strip().splitlines()[-1])["exchanges_per_s"]
+        return total
     finally:
-        if server.poll() is None:
-            server.kill()
-    if not line.strip():
-        sys.exit(f"the TCP server gave no figure (exit {server.returncode})")
-    return json.loads(line)["exchanges_per_s"]
+        for p in servers + clients:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
 
 def run_mpi(box, floats: int, seconds: float) -> float:
-    res = box.mpiexec(["-hosts", HOSTS, sys.executable, __file__, "_mpi", str(floats), str(seconds)],
+    res = box.mpiexec(["-hosts", HOSTS["one store"], sys.executable, __file__, "_mpi", str(floats),
+                       str(seconds)],
                       timeout=120, env={"UCX_TCP_RX_SEG_SIZE": "1m"})
     if res.returncode != 0:
         sys.exit(f"the MPI loop failed (exit {res.returncode}): {res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])["exchanges_per_s"]
 
 
-def run_bench_ps(box, params: int, seconds: float) -> tuple[float, float]:
-    res = box.mpiexec(["-hosts", HOSTS, sys.executable, "-m", "mpilb", "bench", "ps", "--json",
-                       "--repeats", "1", "--params", str(params), "--seconds", f"{seconds:g}"],
-                      timeout=300)
+def run_bench_ps(box, layout: str, params: int, seconds: float) -> tuple[float, float]:
+    """(the bare loop's, mpilb's) updates/s of one `mpilb bench ps` run in `layout`."""
+    extra = ["--servers", "per-node"] if layout == "a store per node" else []
+    res = box.mpiexec(["-hosts", HOSTS[layout], sys.executable, "-m", "mpilb", "bench", "ps",
+                       "--json", "--repeats", "1", "--params", str(params), "--seconds",
+                       f"{seconds:g}", *extra], timeout=300)
     if res.returncode != 0:
         sys.exit(f"bench ps failed (exit {res.returncode}): {res.stderr[-2000:]}")
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -190,62 +233,74 @@ def main() -> int:
     opts = ap.parse_args()
     if opts.quick:
         opts.rounds, opts.seconds, opts.params = 1, 1.0, "100000"
-    from mpilb.clusterbox import ClusterBox, missing
-    from mpilb.clusterbox.system import rate_bytes
-    why = missing()
-    if why:
-        sys.exit(f"cannot build a cluster in a box here: {why}")
     try:
         sizes = [int(p) for p in opts.params.split(",")]
     except ValueError:
         ap.error(f"--params {opts.params!r}: expected a comma list of integers")
     if min(sizes) < 10:
         ap.error("--params: each must be >= 10")
-    res = _results.Results(NAME, "One store's request/reply pattern on the cluster in a box: "
-                           "raw TCP, plain MPI, mpilb", opts)
-    rates: dict = {(p, w): [] for p in sizes for w in WAYS}
+    from cluster import wire_bound
+    from mpilb.clusterbox import ClusterBox, missing
+    from mpilb.clusterbox.system import rate_bytes
+    why = missing()
+    if why:
+        sys.exit(f"cannot build a cluster in a box here: {why}")
+    res = _results.Results(NAME, "Request/reply on the cluster in a box: raw TCP, plain MPI, "
+                           "mpilb", opts)
+    # bench ps's softmax server holds p // 10 * 10 floats: the same count everywhere
+    floats = {p: (max(1, p // 10 - 1)) * 10 + 10 for p in sizes}
+    cases = [(layout, p) for p in sizes for layout in LAYOUTS]
+    rates: dict = {(c, w): [] for c in cases for w in WAYS}
     with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
         for rnd in range(opts.rounds):
-            for p in sizes:
-                # bench ps's softmax server holds p // 10 * 10 floats: the same count everywhere
-                floats = (max(1, p // 10 - 1)) * 10 + 10
-                rates[p, "tcp"].append(run_tcp(box, 4 * floats, opts.seconds))
-                rates[p, "mpi"].append(run_mpi(box, floats, opts.seconds))
-                bare, real = run_bench_ps(box, p, opts.seconds)
-                rates[p, "bare"].append(bare)
-                rates[p, "mpilb"].append(real)
-                print(f"round {rnd + 1}/{opts.rounds}, {floats} floats: " + ", ".join(
-                    f"{w} {rates[p, w][-1]:.1f}" for w in WAYS) + " exchanges/s", flush=True)
+            for layout, p in cases:
+                c, n = (layout, p), floats[p]
+                rates[c, "tcp"].append(run_tcp(box, layout, 4 * n, opts.seconds))
+                if layout == "one store":
+                    rates[c, "mpi"].append(run_mpi(box, n, opts.seconds))
+                bare, real = run_bench_ps(box, layout, p, opts.seconds)
+                if layout == "one store":   # the bare loop has one server whatever the layout
+                    rates[c, "bare"].append(bare)
+                rates[c, "mpilb"].append(real)
+                print(f"round {rnd + 1}/{opts.rounds}, {layout}, {n} floats: " + ", ".join(
+                    f"{w} {rates[c, w][-1]:.1f}" for w in WAYS if rates[c, w]) + " exchanges/s",
+                    flush=True)
     labels = {"tcp": "raw TCP (Python sockets)", "mpi": "plain MPI (mpi4py, blocking waits)",
               "bare": "`mpilb bench ps`: its bare loop", "mpilb": "`mpilb bench ps`: mpilb's server"}
-    for p in sizes:
-        floats = (max(1, p // 10 - 1)) * 10 + 10
-        bound = rate_bytes(opts.link_rate) / (4 * floats)
-        g = res.group(f"1 server on n0, 4 clients on n1, n2 (-hosts {HOSTS}), {floats} floats "
-                      f"({4 * floats / 1e6:.1f} MB) each way, {opts.link_rate} links: exchanges/s "
-                      f"(wire bound {bound:.1f})",
+    for layout, p in cases:
+        c, n = (layout, p), floats[p]
+        bound = wire_bound(HOSTS[layout], STORES[layout], rate_bytes(opts.link_rate), n)
+        who = ("1 server on n0, 4 clients on n1, n2" if layout == "one store" else
+               "a server and a client on each node, a client's message split over the 3 servers")
+        g = res.group(f"{layout} ({who}; -hosts {HOSTS[layout]}), {n} floats ({4 * n / 1e6:.1f} MB) "
+                      f"a message each way, {opts.link_rate} links: exchanges/s (wire bound "
+                      f"{bound:.1f})",
                       f"sudo python benchmarks/request_reply.py --rounds {opts.rounds} "
                       f"--seconds {opts.seconds:g} --params {opts.params}")
         for w in WAYS:
-            got = rates[p, w]
-            res.figure(g, f"{p}.{w}", f"{labels[w]}: exchanges/s", got, unit="/s", digits=1)
-            res.figure(g, f"{p}.{w}_bound", f"{labels[w]} ÷ the wire bound",
+            got = rates[c, w]
+            if not got:
+                continue
+            fid = f"{'one' if layout == 'one store' else 'per_node'}.{p}.{w}"
+            res.figure(g, fid, f"{labels[w]}: exchanges/s", got, unit="/s", digits=1)
+            res.figure(g, f"{fid}_bound", f"{labels[w]} ÷ the wire bound",
                        [r / bound for r in got], unit="x")
             if w != "tcp":
-                res.figure(g, f"{p}.{w}_tcp", f"{labels[w]} ÷ raw TCP (same round)",
-                           [r / t for r, t in zip(got, rates[p, "tcp"])], unit="x")
-            print(f"{floats} floats, {labels[w]}: {statistics.median(got):.1f} ({min(got):.1f}-"
-                  f"{max(got):.1f}) exchanges/s = {statistics.median(got) / bound:.2f} of the "
-                  f"wire bound")
+                res.figure(g, f"{fid}_tcp", f"{labels[w]} ÷ raw TCP (same round)",
+                           [r / t for r, t in zip(got, rates[c, "tcp"])], unit="x")
+            print(f"{layout}, {n} floats, {labels[w]}: {statistics.median(got):.1f} "
+                  f"({min(got):.1f}-{max(got):.1f}) exchanges/s = "
+                  f"{statistics.median(got) / bound:.2f} of the wire bound")
     res.write(_results.out_path(opts, NAME))
     return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_tcp_server":
-        tcp_server(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+        tcp_server(int(sys.argv[2]), int(sys.argv[3]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_tcp_client":
-        tcp_client(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]))
+        tcp_client(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
+                   float(sys.argv[6]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_mpi":
         mpi_loop(int(sys.argv[2]), float(sys.argv[3]))
     else:
