@@ -27,6 +27,9 @@ The ways, in turn in each of ``--rounds`` rounds:
             sleeping between polls as mpilb's do)
   mpilb     ``mpilb bench ps``'s parameter server and null workers
 
+and ``mpilb simulate``'s prediction for the ``mpilb`` way (null workers on the same layout,
+links and token buckets, as benchmarks/simulate_network.py predicts ``bench ps``).
+
 Exchanges per second (all clients together), each way's median over the rounds with its
 range, against the wire bound and against ``tcp`` of the same round. Writes
 benchmarks/results/request_reply.json (or ``--out``); ``python benchmarks/gendocs.py``
@@ -222,6 +225,24 @@ def run_bench_ps(box, layout: str, params: int, seconds: float) -> tuple[float, 
     return out["baseline_updates_per_s"], out["updates_per_s"]
 
 
+def predict(layout: str, params: int, link_rate: str) -> float:
+    """`mpilb simulate`'s updates/s for `layout`: null workers (batch 1, compute at 10^9
+    samples/s) on the box's layout, links and token buckets."""
+    from mpilb.clusterbox.system import burst_bytes, rate_bytes
+    burst_ms = f"{burst_bytes(link_rate) / rate_bytes(link_rate) * 1e3:g}"
+    per_node = ",".join(h.split(":")[1] for h in HOSTS[layout].split(","))
+    servers = "per-node" if layout == "a store per node" else "1"
+    args = ["--nodes", "3", "--ranks-per-node", per_node, "--link-rate", link_rate, "--params",
+            str(params), "--rates", "const:1e9", "--batch", "1", "--samples", "2000",
+            "--shards", "60", "--epochs", "1", "--balancer", "load", "--link-burst", burst_ms,
+            "--servers", servers, "--json"]
+    res = subprocess.run([sys.executable, "-m", "mpilb", "simulate", *args], capture_output=True,
+                         text=True, timeout=600)
+    if res.returncode != 0:
+        sys.exit(f"mpilb simulate {' '.join(args)} failed: {res.stderr.strip()}")
+    return json.loads(res.stdout)[0]["updates_per_s"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     _results.add_output_args(ap, NAME)
@@ -291,6 +312,14 @@ def main() -> int:
             print(f"{layout}, {n} floats, {labels[w]}: {statistics.median(got):.1f} "
                   f"({min(got):.1f}-{max(got):.1f}) exchanges/s = "
                   f"{statistics.median(got) / bound:.2f} of the wire bound")
+        pred = predict(layout, p, opts.link_rate)
+        fid = f"{'one' if layout == 'one store' else 'per_node'}.{p}.simulate"
+        res.figure(g, fid, f"`mpilb simulate`'s prediction for mpilb ({pred:.1f}/s) ÷ the wire bound",
+                   [pred / bound], unit="x")
+        res.figure(g, f"{fid}_mpilb", "`mpilb simulate`'s prediction ÷ mpilb's server measured "
+                   "(each round)", [pred / r for r in rates[c, "mpilb"]], unit="x")
+        print(f"{layout}, {n} floats, mpilb simulate: {pred:.1f} exchanges/s = "
+              f"{pred / bound:.2f} of the wire bound")
     res.write(_results.out_path(opts, NAME))
     return 0
 
