@@ -142,7 +142,7 @@ def recipe(b: Bench, res) -> None:
             if slow:
                 t_sync = [r["time_to_target_s"] for r in sync]
                 res.figure(g, f"time-{workers}s", "async: time to target / sync's "
-                           "(wall clock, loaded machine)",
+                           "(wall clock, on this machine)",
                            _ratio([r["time_to_target_s"] for r in new], t_sync), target="<= 0.5")
                 res.figure(g, f"nopred-time-{workers}s", "async --weight-prediction off: time to "
                            "target / sync's", _ratio([r["time_to_target_s"] for r in unpredicted], t_sync))
