@@ -79,9 +79,11 @@ def wire_bound(hosts: str, stores: list[int], rate_bytes: float, params: int) ->
     return rate_bytes / out.max()
 
 
-def bench_ps(box, hosts: str, *extra) -> dict:
+def bench_ps(box, hosts: str, *extra, params: int = PARAMS, seconds: float = 3) -> dict:
+    """One `mpilb bench ps --json --repeats 1` run on the box's `hosts`; its JSON."""
     res = box.mpiexec(["-hosts", hosts, PY, "-m", "mpilb", "bench", "ps", "--json", "--repeats", "1",
-                       "--params", str(PARAMS), "--seconds", "3", *extra], timeout=300, cwd=REPO)
+                       "--params", str(params), "--seconds", f"{seconds:g}", *extra], timeout=300,
+                      cwd=REPO)
     if res.returncode != 0:
         sys.exit(f"bench ps {hosts} {extra}: exit {res.returncode}\n{res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])

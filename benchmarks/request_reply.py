@@ -215,32 +215,23 @@ def run_mpi(box, floats: int, seconds: float) -> float:
 
 def run_bench_ps(box, layout: str, params: int, seconds: float) -> tuple[float, float]:
     """(the bare loop's, mpilb's) updates/s of one `mpilb bench ps` run in `layout`."""
+    from cluster import bench_ps
     extra = ["--servers", "per-node"] if layout == "a store per node" else []
-    res = box.mpiexec(["-hosts", HOSTS[layout], sys.executable, "-m", "mpilb", "bench", "ps",
-                       "--json", "--repeats", "1", "--params", str(params), "--seconds",
-                       f"{seconds:g}", *extra], timeout=300)
-    if res.returncode != 0:
-        sys.exit(f"bench ps failed (exit {res.returncode}): {res.stderr[-2000:]}")
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = bench_ps(box, HOSTS[layout], *extra, params=params, seconds=seconds)
     return out["baseline_updates_per_s"], out["updates_per_s"]
 
 
 def predict(layout: str, params: int, link_rate: str) -> float:
     """`mpilb simulate`'s updates/s for `layout`: null workers (batch 1, compute at 10^9
     samples/s) on the box's layout, links and token buckets."""
-    from mpilb.clusterbox.system import burst_bytes, rate_bytes
-    burst_ms = f"{burst_bytes(link_rate) / rate_bytes(link_rate) * 1e3:g}"
+    from simulate_network import box_burst_ms, simulate
     per_node = ",".join(h.split(":")[1] for h in HOSTS[layout].split(","))
     servers = "per-node" if layout == "a store per node" else "1"
-    args = ["--nodes", "3", "--ranks-per-node", per_node, "--link-rate", link_rate, "--params",
-            str(params), "--rates", "const:1e9", "--batch", "1", "--samples", "2000",
-            "--shards", "60", "--epochs", "1", "--balancer", "load", "--link-burst", burst_ms,
-            "--servers", servers, "--json"]
-    res = subprocess.run([sys.executable, "-m", "mpilb", "simulate", *args], capture_output=True,
-                         text=True, timeout=600)
-    if res.returncode != 0:
-        sys.exit(f"mpilb simulate {' '.join(args)} failed: {res.stderr.strip()}")
-    return json.loads(res.stdout)[0]["updates_per_s"]
+    return simulate(["--nodes", "3", "--ranks-per-node", per_node, "--link-rate", link_rate,
+                     "--params", str(params), "--rates", "const:1e9", "--batch", "1",
+                     "--samples", "2000", "--shards", "60", "--epochs", "1", "--balancer",
+                     "load", "--link-burst", box_burst_ms(link_rate), "--servers",
+                     servers])[0]["updates_per_s"]
 
 
 def main() -> int:
@@ -261,6 +252,7 @@ def main() -> int:
     if min(sizes) < 10:
         ap.error("--params: each must be >= 10")
     from cluster import wire_bound
+    from mpilb.cli.bench import bench_floats
     from mpilb.clusterbox import ClusterBox, missing
     from mpilb.clusterbox.system import rate_bytes
     why = missing()
@@ -268,8 +260,7 @@ def main() -> int:
         sys.exit(f"cannot build a cluster in a box here: {why}")
     res = _results.Results(NAME, "Request/reply on the cluster in a box: raw TCP, plain MPI, "
                            "mpilb", opts)
-    # bench ps's softmax server holds p // 10 * 10 floats: the same count everywhere
-    floats = {p: (max(1, p // 10 - 1)) * 10 + 10 for p in sizes}
+    floats = {p: bench_floats(p) for p in sizes}   # what bench ps moves: the same everywhere
     cases = [(layout, p) for p in sizes for layout in LAYOUTS]
     rates: dict = {(c, w): [] for c in cases for w in WAYS}
     with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:

@@ -64,6 +64,12 @@ def engine_has(command: list[str], option: str, value: str = "") -> bool:
     return option in res.stdout and value in res.stdout
 
 
+def box_burst_ms(link_rate: str) -> str:
+    """The cluster in a box's token bucket (tc tbf) in ms of `link_rate`, for --link-burst."""
+    from mpilb.clusterbox.system import burst_bytes, rate_bytes
+    return f"{burst_bytes(link_rate) / rate_bytes(link_rate) * 1e3:g}"
+
+
 def simulate(args: list[str]) -> list[dict]:
     res = subprocess.run([sys.executable, "-m", "mpilb", "simulate", *args, "--json"],
                          capture_output=True, text=True, timeout=1800)
@@ -113,10 +119,9 @@ def main() -> int:
                     help="each bench ps run's --seconds")
     opts = ap.parse_args()
     from mpilb.clusterbox import ClusterBox, missing
-    from mpilb.clusterbox.system import burst_bytes, rate_bytes
 
     # the box's links are token buckets (tc tbf): modelled as such, in ms of the link's rate
-    burst_ms = f"{burst_bytes(opts.link_rate) / rate_bytes(opts.link_rate) * 1e3:g}"
+    burst_ms = box_burst_ms(opts.link_rate)
 
     why = missing()
     if why:

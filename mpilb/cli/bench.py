@@ -192,6 +192,12 @@ def _bench_config(n: int, seconds: float, optimizer: str, lr: float, stores: lis
     return cfg
 
 
+def bench_floats(params: int) -> int:
+    """The parameters `bench ps --params P` moves: its softmax server's 10 * (features + 1),
+    the nearest such count to P."""
+    return (max(1, params // 10 - 1)) * 10 + 10
+
+
 def _bench_dataset(n: int, workers: int) -> _BenchDataset:
     return _BenchDataset(max(1, n // 10 - 1), [_NULL_SHARD] * (2 * workers + 2))
 
@@ -256,7 +262,7 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
     cores.start_waits(comm, stores)   # the waits of `mpilb train` here, for both loops
     lr = 1e-6
     # Use the server's actual parameter count (softmax: 10*(features+1)) for both loops.
-    n = (max(1, params // 10 - 1)) * 10 + 10
+    n = bench_floats(params)
     baselines, rates, runs = [], [], []
     for _ in range(repeats):   # alternate, so both loops see the same machine load
         C.wait(comm.Ibarrier())
