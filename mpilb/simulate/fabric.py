@@ -54,6 +54,17 @@ class Transfers:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, 1, token))
 
+    def _bank(self, r: int, tokens: float, t: float) -> float:
+        """Resource ``r``'s bank holding ``tokens`` at ``t``, up to its size; empty within
+        the float error of the bank, or when what it holds would be spent in less than the
+        clock can tell from ``t`` (4 ulps of t, draining at the most it can: peak less
+        rate): left on, its running dry would fall at t again, for ever (a 3-node run
+        with ``--link-burst 0.2`` hung 64 s into it)."""
+        spend = (self.peak[r] - self.rate[r]) * 4.0 * math.ulp(t)
+        if tokens <= 1e-9 * self.burst[r] or tokens <= spend:
+            return 0.0
+        return min(self.burst[r], tokens)
+
     def _flow_done(self, fid: int, t: float) -> None:
         """Flow ``fid`` is through at ``t``: a transfer it was the last of is done a latency
         later."""
@@ -150,10 +161,7 @@ class Fabric(Transfers):
         for cls in self.classes.values():
             cls[1] += cls[3] * dt
         for r in self.banked:
-            tokens = self.tokens[r] + (self.rate[r] - self.served[r]) * dt
-            # dry within the float error of the bank (else its next event falls at once)
-            self.tokens[r] = (0.0 if tokens <= 1e-9 * self.burst[r]
-                              else min(self.burst[r], tokens))
+            self.tokens[r] = self._bank(r, self.tokens[r] + (self.rate[r] - self.served[r]) * dt, t)
         self.now = t
 
     def _allocate(self) -> None:
@@ -332,10 +340,7 @@ class PerLinkFabric(Transfers):
             self.v[res] += dt * speed
             served = speed * self.load[res]
         if self.burst[res] and dt > 0.0:
-            tokens = self.tokens[res] + (self.rate[res] - served) * dt
-            # dry within the float error of the bank (else its next event falls at once)
-            self.tokens[res] = (0.0 if tokens <= 1e-9 * self.burst[res]
-                                else min(self.burst[res], tokens))
+            self.tokens[res] = self._bank(res, self.tokens[res] + (self.rate[res] - served) * dt, t)
         self.t[res] = t
 
     def _schedule(self, res: int) -> None:
