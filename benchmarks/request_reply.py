@@ -28,7 +28,13 @@ The ways, in turn in each of ``--rounds`` rounds:
   mpilb     ``mpilb bench ps``'s parameter server and null workers
 
 and ``mpilb simulate``'s prediction for the ``mpilb`` way (null workers on the same layout,
-links and token buckets, as benchmarks/simulate_network.py predicts ``bench ps``).
+links and token buckets, as benchmarks/simulate_network.py predicts ``bench ps``), and the
+same without the token buckets (``--link-burst 0``).
+
+Beside them, bulk transfers over raw TCP: clients sending messages of the larger size back
+to back, each answered with 64 bytes, one flow on a link, two out of one node, both ways
+on a link, and every node to every other; the busiest link's bytes over its rate (what the
+links give when no client waits for a reply).
 
 Exchanges per second (all clients together), each way's median over the rounds with its
 range, against the wire bound and against ``tcp`` of the same round. Writes
@@ -59,6 +65,15 @@ LAYOUTS = {   # name -> (the servers' nodes, the clients' nodes)
 HOSTS = {"one store": "n0:1,n1:2,n2:2", "a store per node": "n0:2,n1:2,n2:2"}
 STORES = {"one store": [0], "a store per node": [0, 2, 4]}   # their ranks under HOSTS
 PORT = 5107
+ACK_BYTES = 64
+# bulk transfers sharing the links: (node, to node) for each client
+BULK = {
+    "one flow (n2 to n0)": [(2, 0)],
+    "two flows out of n2 (to n0 and to n1)": [(2, 0), (2, 1)],
+    "both ways (n2 to n0, n0 to n2)": [(2, 0), (0, 2)],
+    "every node to every other (6 flows, 2 on each link)": [(a, b) for a in range(3)
+                                                            for b in range(3) if a != b],
+}
 WAYS = ("tcp", "mpi", "bare", "mpilb")
 
 
@@ -72,15 +87,16 @@ def _recv_all(conn, buf) -> bool:
     return True
 
 
-def tcp_server(port: int, nbytes: int) -> None:
-    """Answer every client's message of `nbytes` with as many bytes, until killed."""
+def tcp_server(port: int, nbytes: int, answer: int | None = None) -> None:
+    """Answer every client's message of `nbytes` with `answer` bytes (as many by default),
+    until killed."""
     srv = socket.socket()
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("0.0.0.0", port))
     srv.listen(16)
 
     def serve(conn) -> None:
-        buf, out = bytearray(nbytes), bytes(nbytes)
+        buf, out = bytearray(nbytes), bytes(nbytes if answer is None else answer)
         try:
             while _recv_all(conn, buf):
                 conn.sendall(out)
@@ -93,15 +109,17 @@ def tcp_server(port: int, nbytes: int) -> None:
         threading.Thread(target=serve, args=(conn,), daemon=True).start()
 
 
-def tcp_client(hosts: str, port: int, nbytes: int, warmup: float, seconds: float) -> None:
-    """Send `nbytes` to each server of `hosts` at once, wait for every answer, again; print
-    the exchanges per second counted over `seconds` after `warmup`, as JSON."""
+def tcp_client(hosts: str, port: int, nbytes: int, warmup: float, seconds: float,
+               answer: int | None = None) -> None:
+    """Send `nbytes` to each server of `hosts` at once, wait for every answer (`answer`
+    bytes, as many by default), again; print the exchanges per second counted over `seconds`
+    after `warmup`, as JSON."""
     conns = [socket.create_connection((h, port)) for h in hosts.split(",")]
     start, done = threading.Barrier(len(conns) + 1), threading.Barrier(len(conns) + 1)
     failed = []
 
     def leg(conn) -> None:
-        buf, out = bytearray(nbytes), bytes(nbytes)
+        buf, out = bytearray(nbytes if answer is None else answer), bytes(nbytes)
         while True:
             start.wait()
             try:
@@ -204,6 +222,39 @@ def run_tcp(box, layout: str, nbytes: int, seconds: float) -> float:
                 p.wait()
 
 
+def run_bulk(box, flows: list[tuple[int, int]], nbytes: int, seconds: float,
+             rate: float) -> float:
+    """The busiest link's bytes/s over its `rate`, with a raw TCP client per (node, to node)
+    of `flows` sending `nbytes` messages back to back, each answered with ACK_BYTES."""
+    servers = [box.popen(k, [sys.executable, __file__, "_tcp_server", str(PORT), str(nbytes),
+                             str(ACK_BYTES)], stdout=subprocess.PIPE, text=True)
+               for k in sorted({dst for _, dst in flows})]
+    clients = []
+    try:
+        for srv in servers:
+            if srv.stdout.readline().strip() != "ready":
+                sys.exit("a TCP server did not start")
+        for src, dst in flows:
+            clients.append(box.popen(src, [sys.executable, __file__, "_tcp_client",
+                                           box.address(dst), str(PORT), str(nbytes), "1",
+                                           str(seconds), str(ACK_BYTES)],
+                                     stdout=subprocess.PIPE, text=True))
+        load: dict = {}   # ("up"|"down", node) -> bytes/s
+        for (src, dst), c in zip(flows, clients):
+            out, _ = c.communicate(timeout=seconds + 60)
+            if c.returncode != 0 or not out.strip():
+                sys.exit(f"a TCP client failed (exit {c.returncode})")
+            bps = json.loads(out.strip().splitlines()[-1])["exchanges_per_s"] * nbytes
+            for link in (("up", src), ("down", dst)):
+                load[link] = load.get(link, 0.0) + bps
+        return max(load.values()) / rate
+    finally:
+        for p in servers + clients:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def run_mpi(box, floats: int, seconds: float) -> float:
     res = box.mpiexec(["-hosts", HOSTS["one store"], sys.executable, __file__, "_mpi", str(floats),
                        str(seconds)],
@@ -221,16 +272,17 @@ def run_bench_ps(box, layout: str, params: int, seconds: float) -> tuple[float, 
     return out["baseline_updates_per_s"], out["updates_per_s"]
 
 
-def predict(layout: str, params: int, link_rate: str) -> float:
+def predict(layout: str, params: int, link_rate: str, burst_ms: str | None = None) -> float:
     """`mpilb simulate`'s updates/s for `layout`: null workers (batch 1, compute at 10^9
-    samples/s) on the box's layout, links and token buckets."""
+    samples/s) on the box's layout, links and token buckets (or buckets of `burst_ms`)."""
     from simulate_network import box_burst_ms, simulate
     per_node = ",".join(h.split(":")[1] for h in HOSTS[layout].split(","))
     servers = "per-node" if layout == "a store per node" else "1"
     return simulate(["--nodes", "3", "--ranks-per-node", per_node, "--link-rate", link_rate,
                      "--params", str(params), "--rates", "const:1e9", "--batch", "1",
                      "--samples", "2000", "--shards", "60", "--epochs", "1", "--balancer",
-                     "load", "--link-burst", box_burst_ms(link_rate), "--servers",
+                     "load", "--link-burst",
+                     box_burst_ms(link_rate) if burst_ms is None else burst_ms, "--servers",
                      servers])[0]["updates_per_s"]
 
 
@@ -263,8 +315,15 @@ def main() -> int:
     floats = {p: bench_floats(p) for p in sizes}   # what bench ps moves: the same everywhere
     cases = [(layout, p) for p in sizes for layout in LAYOUTS]
     rates: dict = {(c, w): [] for c in cases for w in WAYS}
+    bulk: dict = {name: [] for name in BULK}
+    bulk_bytes = 4 * floats[max(sizes)]
     with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
         for rnd in range(opts.rounds):
+            for name, flows in BULK.items():
+                bulk[name].append(run_bulk(box, flows, bulk_bytes, opts.seconds,
+                                           rate_bytes(opts.link_rate)))
+                print(f"round {rnd + 1}/{opts.rounds}, bulk, {name}: the busiest link at "
+                      f"{bulk[name][-1]:.3f} of its rate", flush=True)
             for layout, p in cases:
                 c, n = (layout, p), floats[p]
                 rates[c, "tcp"].append(run_tcp(box, layout, 4 * n, opts.seconds))
@@ -277,6 +336,15 @@ def main() -> int:
                 print(f"round {rnd + 1}/{opts.rounds}, {layout}, {n} floats: " + ", ".join(
                     f"{w} {rates[c, w][-1]:.1f}" for w in WAYS if rates[c, w]) + " exchanges/s",
                     flush=True)
+    g = res.group(f"Bulk transfers sharing the links: raw TCP clients sending {bulk_bytes / 1e6:.1f} MB "
+                  f"messages back to back, each answered with {ACK_BYTES} bytes, "
+                  f"{opts.link_rate} links: the busiest link's bytes ÷ its rate",
+                  f"sudo python benchmarks/request_reply.py --rounds {opts.rounds} "
+                  f"--seconds {opts.seconds:g} --params {opts.params}")
+    for i, (name, got) in enumerate(bulk.items()):
+        res.figure(g, f"bulk.{i}", name, got, unit="x", digits=3)
+        print(f"bulk, {name}: {statistics.median(got):.3f} ({min(got):.3f}-{max(got):.3f}) "
+              f"of the busiest link's rate")
     labels = {"tcp": "raw TCP (Python sockets)", "mpi": "plain MPI (mpi4py, blocking waits)",
               "bare": "`mpilb bench ps`: its bare loop", "mpilb": "`mpilb bench ps`: mpilb's server"}
     for layout, p in cases:
@@ -311,16 +379,21 @@ def main() -> int:
                    "(each round)", [pred / r for r in rates[c, "mpilb"]], unit="x")
         print(f"{layout}, {n} floats, mpilb simulate: {pred:.1f} exchanges/s = "
               f"{pred / bound:.2f} of the wire bound")
+        flat = predict(layout, p, opts.link_rate, burst_ms="0")
+        res.figure(g, f"{fid}_flat", f"`mpilb simulate` without the token buckets "
+                   f"(`--link-burst 0`, {flat:.1f}/s) ÷ the wire bound", [flat / bound], unit="x")
+        print(f"{layout}, {n} floats, mpilb simulate --link-burst 0: {flat:.1f} exchanges/s = "
+              f"{flat / bound:.2f} of the wire bound")
     res.write(_results.out_path(opts, NAME))
     return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_tcp_server":
-        tcp_server(int(sys.argv[2]), int(sys.argv[3]))
+        tcp_server(int(sys.argv[2]), int(sys.argv[3]), *map(int, sys.argv[4:5]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_tcp_client":
         tcp_client(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
-                   float(sys.argv[6]))
+                   float(sys.argv[6]), *map(int, sys.argv[7:8]))
     elif len(sys.argv) > 1 and sys.argv[1] == "_mpi":
         mpi_loop(int(sys.argv[2]), float(sys.argv[3]))
     else:
