@@ -125,8 +125,9 @@ class Fabric(Transfers):
 
     # -- flows and transfers ----------------------------------------------------------
     def path(self, t: float, resources, nbytes: float, weight: float = 1.0) -> list[int]:
-        """Start ``nbytes`` along ``resources`` at ``t`` (the current event time); its id
-        (in a list, as :meth:`PerLinkFabric.path` gives one per resource)."""
+        """Start ``nbytes`` along ``resources`` at ``t`` (the current event time); its id,
+        in a list (the transfers' list of flows, where :class:`PerLinkFabric` takes a
+        :meth:`~PerLinkFabric.flow` per resource)."""
         self._advance(t)
         self.seq += 1
         fid = self.seq
