@@ -94,6 +94,15 @@ class OptimizerConfig:
     lr_schedule: str
     warmup: str
 
+    def divergence_hint(self) -> str:
+        """What to try when a gradient is not finite: the options that set the step."""
+        tries = [f"a lower --lr (now {self.lr:g})"]
+        if self.weight_decay:
+            tries.append(f"--weight-decay (now {self.weight_decay:g})")
+        if self.clip_norm is None:
+            tries.append("--clip-norm")
+        return "try " + ", ".join(tries[:-1]) + (" or " if len(tries) > 1 else "") + tries[-1]
+
 
 @dataclass(frozen=True)
 class BalancingConfig:

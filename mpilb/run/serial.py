@@ -148,7 +148,7 @@ class SerialTrainer:
             # recomputing on the same parameters would give the same result: nothing to retry
             self.rejected += 1
             raise MpilbError(f"non-finite gradient for shard {batch.shard} [{batch.lo}, {batch.hi}) "
-                             f"at update {self.version + 1}; lower --lr?")
+                             f"at update {self.version + 1}; {self.cfg.optim.divergence_hint()}")
         grad /= b
         clip_grad_norm(grad, self.cfg.optim.clip_norm, self.backend.xp)
         lr_scale = b / self.cfg.balancing.batch * self.schedule(self.version, self.now())

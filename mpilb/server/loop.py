@@ -272,7 +272,7 @@ class ParameterServer:
         if w.retried:  # the retry failed too: give up on this run
             hint = " (--wire fp16 ends at 65504: or --wire bf16)" if self.cfg.updates.wire == "fp16" else ""
             raise RuntimeError(f"rank {w.rank}: non-finite gradient for {where} twice "
-                               f"(also after a retry); lower --lr?{hint}")
+                               f"(also after a retry); {self.cfg.optim.divergence_hint()}{hint}")
         w.retry = w.retried = True
         self.reply(w)
 

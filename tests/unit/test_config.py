@@ -243,3 +243,13 @@ def test_validation_lives_in_config_validate_and_reference_reads_the_table_only(
     assert "mpilb.config.build" not in imported("config/reference.py")
     assert "mpilb.config.build" not in imported("config/validate.py")
     assert "mpilb.config.build" not in imported("config/sections.py")
+
+
+def test_a_non_finite_gradient_names_the_options_that_set_the_step():
+    """A diverged run's error says what to try: a weight decay of 1e20 answered `lower --lr?`."""
+    plain = build_config({}, {"lr": 1e30}).optim.divergence_hint()
+    assert plain == "try a lower --lr (now 1e+30) or --clip-norm"
+    decayed = build_config({}, {"lr": 0.05, "weight_decay": 1e20, "clip_norm": 1.0}).optim
+    assert decayed.divergence_hint() == "try a lower --lr (now 0.05) or --weight-decay (now 1e+20)"
+    both = build_config({}, {"weight_decay": 0.1}).optim.divergence_hint()
+    assert both.startswith("try a lower --lr") and both.endswith(", --weight-decay (now 0.1) or --clip-norm")
