@@ -65,14 +65,14 @@ def exchanges(rate: float, sharing: str, burst_ms: float, peak_x: float,
     waiting = [0] * NODES
     done = 0
     for k, t0 in enumerate(STARTS):
-        fab.later(t0, ("go", k))
+        fab.later(t0, ("go", k, None))
     while True:
         t, kind_, token = fab.pop()
         if t > seconds:
             break
         if kind_ == 0:
             continue
-        what, k, j = token + (None,) * (3 - len(token))
+        what, k, j = token
         if what == "go":
             waiting[k] = NODES - 1
             for far in range(NODES):
@@ -85,7 +85,7 @@ def exchanges(rate: float, sharing: str, burst_ms: float, peak_x: float,
             if waiting[k] == 0:
                 if t >= seconds / 2:
                     done += 1
-                fab.later(t, ("go", k))
+                fab.later(t, ("go", k, None))
     return done / (seconds / 2)
 
 

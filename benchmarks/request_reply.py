@@ -190,69 +190,59 @@ def mpi_loop(floats: int, seconds: float) -> None:
     print(json.dumps({"exchanges_per_s": n / elapsed}), flush=True)
 
 
+def _tcp_rates(box, servers: list[int], clients: list[tuple[int, str]], nbytes: int,
+               seconds: float, answer: int | None = None) -> list[float]:
+    """Each raw TCP client's exchanges/s: a server on each node of `servers` answering
+    `nbytes` messages with `answer` bytes (as many by default), and a client per (node,
+    its servers' addresses) of `clients`."""
+    extra = [] if answer is None else [str(answer)]
+    procs = [box.popen(k, [sys.executable, __file__, "_tcp_server", str(PORT), str(nbytes),
+                           *extra], stdout=subprocess.PIPE, text=True) for k in servers]
+    try:
+        for srv in procs:
+            if srv.stdout.readline().strip() != "ready":
+                sys.exit("a TCP server did not start")
+        started = []
+        for k, far in clients:   # (each kept as it starts: killed below if a later one fails)
+            started.append(box.popen(k, [sys.executable, __file__, "_tcp_client", far, str(PORT),
+                                         str(nbytes), "1", str(seconds), *extra],
+                                     stdout=subprocess.PIPE, text=True))
+            procs.append(started[-1])
+        rates = []
+        for c in started:
+            out, _ = c.communicate(timeout=seconds + 60)
+            if c.returncode != 0 or not out.strip():
+                sys.exit(f"a TCP client failed (exit {c.returncode})")
+            rates.append(json.loads(out.strip().splitlines()[-1])["exchanges_per_s"])
+        return rates
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def run_tcp(box, layout: str, nbytes: int, seconds: float) -> float:
     """Aggregate exchanges/s of raw TCP clients in `layout` (LAYOUTS): a client on node k
     sends its message, split evenly over every server, to the servers on other nodes (the
     slice to its own node's server would not cross a link)."""
     server_nodes, client_nodes = LAYOUTS[layout]
-    part = nbytes // len(server_nodes)
-    servers = [box.popen(k, [sys.executable, __file__, "_tcp_server", str(PORT), str(part)],
-                         stdout=subprocess.PIPE, text=True) for k in server_nodes]
-    clients = []
-    try:
-        for srv in servers:
-            if srv.stdout.readline().strip() != "ready":
-                sys.exit("a TCP server did not start")
-        for k in client_nodes:
-            far = ",".join(box.address(j) for j in server_nodes if j != k)
-            clients.append(box.popen(k, [sys.executable, __file__, "_tcp_client", far, str(PORT),
-                                         str(part), "1", str(seconds)], stdout=subprocess.PIPE,
-                                     text=True))
-        total = 0.0
-        for c in clients:
-            out, _ = c.communicate(timeout=seconds + 60)
-            if c.returncode != 0 or not out.strip():
-                sys.exit(f"a TCP client failed (exit {c.returncode})")
-            total += json.loads(out.strip().splitlines()[-1])["exchanges_per_s"]
-        return total
-    finally:
-        for p in servers + clients:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    clients = [(k, ",".join(box.address(j) for j in server_nodes if j != k)) for k in client_nodes]
+    return sum(_tcp_rates(box, list(server_nodes), clients, nbytes // len(server_nodes), seconds))
 
 
 def run_bulk(box, flows: list[tuple[int, int]], nbytes: int, seconds: float,
              rate: float) -> float:
     """The busiest link's bytes/s over its `rate`, with a raw TCP client per (node, to node)
     of `flows` sending `nbytes` messages back to back, each answered with ACK_BYTES."""
-    servers = [box.popen(k, [sys.executable, __file__, "_tcp_server", str(PORT), str(nbytes),
-                             str(ACK_BYTES)], stdout=subprocess.PIPE, text=True)
-               for k in sorted({dst for _, dst in flows})]
-    clients = []
-    try:
-        for srv in servers:
-            if srv.stdout.readline().strip() != "ready":
-                sys.exit("a TCP server did not start")
-        for src, dst in flows:
-            clients.append(box.popen(src, [sys.executable, __file__, "_tcp_client",
-                                           box.address(dst), str(PORT), str(nbytes), "1",
-                                           str(seconds), str(ACK_BYTES)],
-                                     stdout=subprocess.PIPE, text=True))
-        load: dict = {}   # ("up"|"down", node) -> bytes/s
-        for (src, dst), c in zip(flows, clients):
-            out, _ = c.communicate(timeout=seconds + 60)
-            if c.returncode != 0 or not out.strip():
-                sys.exit(f"a TCP client failed (exit {c.returncode})")
-            bps = json.loads(out.strip().splitlines()[-1])["exchanges_per_s"] * nbytes
-            for link in (("up", src), ("down", dst)):
-                load[link] = load.get(link, 0.0) + bps
-        return max(load.values()) / rate
-    finally:
-        for p in servers + clients:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    rates = _tcp_rates(box, sorted({dst for _, dst in flows}),
+                       [(src, box.address(dst)) for src, dst in flows], nbytes, seconds,
+                       answer=ACK_BYTES)
+    load: dict = {}   # ("up"|"down", node) -> bytes/s
+    for (src, dst), x in zip(flows, rates):
+        for link in (("up", src), ("down", dst)):
+            load[link] = load.get(link, 0.0) + x * nbytes
+    return max(load.values()) / rate
 
 
 def run_mpi(box, floats: int, seconds: float) -> float:

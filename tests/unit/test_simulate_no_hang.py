@@ -17,16 +17,22 @@ GBIT = 125e6
 MAX_POPS = 200_000    # far above what any test here needs; past it the loop is stuck
 
 
-def bounded(fab: Fabric, limit: int = MAX_POPS) -> Fabric:
-    """``fab`` with a pop that raises past ``limit`` calls (a stuck loop fails fast)."""
-    pop, count = fab.pop, [0]
+def counted(pop, limit: int = MAX_POPS):
+    """``pop`` (a fabric's bound method, or the class's function) raising past ``limit``
+    calls: a stuck loop fails fast."""
+    count = [0]
 
-    def counted():
+    def counting(*self):
         count[0] += 1
         if count[0] > limit:
             raise AssertionError(f"the fabric popped {limit} events: stuck")
-        return pop()
-    fab.pop = counted
+        return pop(*self)
+    return counting
+
+
+def bounded(fab: Fabric, limit: int = MAX_POPS) -> Fabric:
+    """``fab`` with a pop that raises past ``limit`` calls."""
+    fab.pop = counted(fab.pop, limit)
     return fab
 
 
@@ -155,14 +161,7 @@ def test_a_small_token_bucket_runs_dry_in_time(servers, burst, monkeypatch, caps
     running dry was scheduled a rounding short, the bank kept a few hundred-thousandths of
     a byte (more than its float error), and its next running dry fell at the same time
     again, for ever. A bank that would be spent in less than the clock can tell is dry."""
-    pop, count = Fabric.pop, [0]
-
-    def counted(self):
-        count[0] += 1
-        if count[0] > MAX_POPS:
-            raise AssertionError(f"the fabric popped {MAX_POPS} events: stuck at t={self.now}")
-        return pop(self)
-    monkeypatch.setattr(Fabric, "pop", counted)
+    monkeypatch.setattr(Fabric, "pop", counted(Fabric.pop))   # the fabric is made inside
     assert main(["simulate", "--nodes", "3", "--ranks-per-node", "1,2,2", "--link-rate", "1gbit",
                  "--params", "1000000", "--rates", "const:1e9", "--batch", "1", "--samples",
                  "2000", "--shards", "60", "--epochs", "1", "--balancer", "load", "--link-burst",
