@@ -31,6 +31,12 @@ and ``mpilb simulate``'s prediction for the ``mpilb`` way (null workers on the s
 links and token buckets, as benchmarks/simulate_network.py predicts ``bench ps``), and the
 same without the token buckets (``--link-burst 0``).
 
+Two clients on one node (n2), where the fluid model and the box part ways: raw TCP against
+``mpilb simulate``'s prediction for the same exchanges, by message size (``--pair-mb``), with
+one server on n0; and the layout of benchmarks/simulate_network.py's `2 stores` case with its
+worker on n1 left out (``-hosts n0:1,n1:1,n2:2 --servers 2``: two servers on n0 and n1, each
+client's message split over both), raw TCP and ``mpilb bench ps`` side by side.
+
 Beside them, bulk transfers over raw TCP: clients sending messages of the larger size back
 to back, each answered with 64 bytes, one flow on a link, two out of one node, both ways
 on a link, and every node to every other; the busiest link's bytes over its rate (what the
@@ -75,6 +81,7 @@ BULK = {
                                                             for b in range(3) if a != b],
 }
 WAYS = ("tcp", "mpi", "bare", "mpilb")
+PAIR_HOSTS = "n0:1,n1:1,n2:2"   # two stores (n0, n1), both workers on n2
 
 
 def _recv_all(conn, buf) -> bool:
@@ -276,6 +283,71 @@ def predict(layout: str, params: int, link_rate: str, burst_ms: str | None = Non
                      servers])[0]["updates_per_s"]
 
 
+def predict_pair(nbytes: int, link_rate: str, servers: int) -> float:
+    """`mpilb simulate`'s exchanges/s for two null workers on one node sending `nbytes`
+    messages: to one store on another node (`servers` 1: 2 nodes, ranks 1,2) or split over
+    two stores on two other nodes (`servers` 2: PAIR_HOSTS)."""
+    from simulate_network import box_burst_ms, simulate
+    layout = (["--nodes", "2", "--ranks-per-node", "1,2"] if servers == 1 else
+              ["--nodes", "3", "--ranks-per-node", "1,1,2"])
+    return simulate([*layout, "--link-rate", link_rate, "--params", str(nbytes // 4),
+                     "--rates", "const:1e9", "--batch", "1", "--samples", "2000", "--shards",
+                     "60", "--epochs", "1", "--balancer", "load", "--link-burst",
+                     box_burst_ms(link_rate), "--servers", str(servers)])[0]["updates_per_s"]
+
+
+def run_pairs(box, opts, sizes: list[int], floats: int) -> tuple[dict, dict]:
+    """Two clients on n2, in rounds: raw TCP exchanges/s by message size (`sizes`, bytes;
+    one server on n0), and the two-store layout's through raw TCP and mpilb."""
+    from cluster import bench_ps
+    tcp: dict = {n: [] for n in sizes}
+    two: dict = {"tcp": [], "mpilb": []}
+    for rnd in range(opts.rounds):
+        for n in sizes:
+            tcp[n].append(sum(_tcp_rates(box, [0], [(2, box.address(0))] * 2, n, opts.seconds)))
+            print(f"round {rnd + 1}/{opts.rounds}, two clients on n2, {n / 1e6:g} MB: raw TCP "
+                  f"{tcp[n][-1]:.1f} exchanges/s", flush=True)
+        far = ",".join(box.address(j) for j in (0, 1))
+        two["tcp"].append(sum(_tcp_rates(box, [0, 1], [(2, far)] * 2, 2 * floats, opts.seconds)))
+        two["mpilb"].append(bench_ps(box, PAIR_HOSTS, "--servers", "2", params=floats,
+                                     seconds=opts.seconds)["updates_per_s"])
+        print(f"round {rnd + 1}/{opts.rounds}, two stores, clients on n2: raw TCP "
+              f"{two['tcp'][-1]:.1f}, mpilb {two['mpilb'][-1]:.1f} exchanges/s", flush=True)
+    return tcp, two
+
+
+def report_pairs(res, opts, tcp: dict, two: dict, floats: int, rate: float) -> None:
+    """run_pairs' figures, against the model's predictions (a group each in `res`)."""
+    command = (f"sudo python benchmarks/request_reply.py --rounds {opts.rounds} --seconds "
+               f"{opts.seconds:g} --pair-mb {opts.pair_mb}")
+    g = res.group(f"Two clients on one node (n2), one server on n0, {opts.link_rate} links: "
+                  f"exchanges/s ÷ the wire bound (n2's link: its rate ÷ a message), raw TCP "
+                  f"and `mpilb simulate`'s prediction, by message size", command)
+    for n in tcp:
+        bound = rate / n
+        pred = predict_pair(n, opts.link_rate, 1)
+        mb = f"{n / 1e6:g} MB"
+        res.figure(g, f"pair.{n}.tcp", f"{mb}: raw TCP", [r / bound for r in tcp[n]], unit="x")
+        res.figure(g, f"pair.{n}.simulate", f"{mb}: `mpilb simulate` ({pred:.1f}/s)",
+                   [pred / bound], unit="x")
+        print(f"two clients, {mb}: raw TCP {statistics.median(tcp[n]) / bound:.2f} of the bound "
+              f"({min(tcp[n]) / bound:.2f}-{max(tcp[n]) / bound:.2f}), model {pred / bound:.2f}")
+    bound = rate / (4 * floats)   # n2's link carries both clients' whole messages
+    g = res.group(f"Two stores on n0 and n1, two clients on n2 (-hosts {PAIR_HOSTS} --servers "
+                  f"2), {floats} floats ({4 * floats / 1e6:.1f} MB) a message each way, split "
+                  f"over both, {opts.link_rate} links: exchanges/s (wire bound {bound:.1f})",
+                  command)
+    pred = predict_pair(4 * floats, opts.link_rate, 2)
+    res.figure(g, "pair2.tcp", "raw TCP (Python sockets): exchanges/s", two["tcp"], unit="/s", digits=1)
+    res.figure(g, "pair2.mpilb", "`mpilb bench ps`: exchanges/s", two["mpilb"], unit="/s", digits=1)
+    res.figure(g, "pair2.mpilb_tcp", "`mpilb bench ps` ÷ raw TCP (same round)",
+               [m / t for m, t in zip(two["mpilb"], two["tcp"])], unit="x")
+    res.figure(g, "pair2.simulate", f"`mpilb simulate`'s prediction ({pred:.1f}/s) ÷ mpilb "
+               "measured (each round)", [pred / m for m in two["mpilb"]], unit="x")
+    print(f"two stores, clients on n2: raw TCP {statistics.median(two['tcp']):.1f}, mpilb "
+          f"{statistics.median(two['mpilb']):.1f}, model {pred:.1f} exchanges/s (bound {bound:.1f})")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     _results.add_output_args(ap, NAME)
@@ -284,15 +356,23 @@ def main() -> int:
     ap.add_argument("--params", default="1000000,250000",
                     help="floats each way (a comma list: a group each)")
     ap.add_argument("--link-rate", default="1gbit")
+    ap.add_argument("--pair-mb", default="1,2,4,8",
+                    help="message sizes of the two clients on one node, MB (a comma list)")
     opts = ap.parse_args()
     if opts.quick:
-        opts.rounds, opts.seconds, opts.params = 1, 1.0, "100000"
+        opts.rounds, opts.seconds, opts.params, opts.pair_mb = 1, 1.0, "100000", "1"
     try:
         sizes = [int(p) for p in opts.params.split(",")]
     except ValueError:
         ap.error(f"--params {opts.params!r}: expected a comma list of integers")
     if min(sizes) < 10:
         ap.error("--params: each must be >= 10")
+    try:
+        pair_mb = [float(mb) for mb in opts.pair_mb.split(",")]
+    except ValueError:
+        ap.error(f"--pair-mb {opts.pair_mb!r}: expected a comma list of numbers")
+    if min(pair_mb) <= 0:
+        ap.error("--pair-mb: each must be > 0")
     from cluster import wire_bound
     from mpilb.cli.bench import bench_floats
     from mpilb.clusterbox import ClusterBox, missing
@@ -326,6 +406,7 @@ def main() -> int:
                 print(f"round {rnd + 1}/{opts.rounds}, {layout}, {n} floats: " + ", ".join(
                     f"{w} {rates[c, w][-1]:.1f}" for w in WAYS if rates[c, w]) + " exchanges/s",
                     flush=True)
+        pairs = run_pairs(box, opts, [int(mb * 1e6) for mb in pair_mb], floats[max(sizes)])
     g = res.group(f"Bulk transfers sharing the links: raw TCP clients sending {bulk_bytes / 1e6:.1f} MB "
                   f"messages back to back, each answered with {ACK_BYTES} bytes, "
                   f"{opts.link_rate} links: the busiest link's bytes ÷ its rate",
@@ -374,6 +455,7 @@ def main() -> int:
                    f"(`--link-burst 0`, {flat:.1f}/s) ÷ the wire bound", [flat / bound], unit="x")
         print(f"{layout}, {n} floats, mpilb simulate --link-burst 0: {flat:.1f} exchanges/s = "
               f"{flat / bound:.2f} of the wire bound")
+    report_pairs(res, opts, *pairs, floats[max(sizes)], rate_bytes(opts.link_rate))
     res.write(_results.out_path(opts, NAME))
     return 0
 

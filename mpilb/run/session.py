@@ -161,6 +161,11 @@ class Session:
             job = self._eval_pool.submit(self._timed, np.array(params, copy=True))
         self._pending = (job, t, version, epoch, then, kept)
 
+    @property
+    def evaluating(self) -> bool:
+        """Whether a background evaluation (:meth:`evaluate_later`) is not logged yet."""
+        return self._pending is not None
+
     def _timed(self, params: np.ndarray):
         before = self.evaluator.seconds
         ev = self.evaluator.evaluate(params)

@@ -164,9 +164,7 @@ class Chores:
         if self.rebalance_timer.due(mono, self.roster.present(), self.balancer.rate_known):
             self.rebalance(mono)
         if self.eval_timer.due(mono):
-            self.epochs.evaluate()
-            if self.stop.check(self.tracker.epoch, self.clock.now(), self.session.evaluation):
-                self.begin_stop()
+            self.epochs.evaluate_interval()
         if (self.cfg.stopping.max_seconds is not None and self.clock.now() >= self.cfg.stopping.max_seconds
                 and not self.stop.reason):
             self.stop.check(self.tracker.epoch, self.clock.now(), self.session.evaluation)

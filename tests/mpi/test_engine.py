@@ -196,3 +196,28 @@ def test_the_next_epoch_starts_before_the_last_one_is_evaluated(synth_dir, tmp_p
     # the next epoch began at the end of the last, not after its evaluation
     assert np.all(ep["t_start"][1:] - ep["t_end"][:-1] < 0.05), (ep["t_start"], ep["t_end"])
     assert_exact_coverage(summarize_log(str(log)))
+
+
+@pytest.mark.parametrize("where", ["1", "0"], ids=["process", "thread"])
+def test_interval_evaluations_go_on_in_the_background_and_a_target_stops_the_run(
+        digits_dir, tmp_path, where):
+    """--eval-interval evaluations run while rank 0 serves (in the evaluation process, or on
+    a thread): their rows come in order, stamped when each was asked for, and the one that
+    meets --target-accuracy stops the run, every gradient applied once."""
+    log = tmp_path / "run.h5"
+    res = mpirun.run(3, "train", "--data", digits_dir, "--model", "softmax", "--epochs", 50,
+                     "--target-accuracy", 0.9, "--eval-interval", 0.02, "--no-progress",
+                     "--inject", "*:delay=0.003",   # epochs of ~0.1 s, not 0.02
+                     "--log", log, MPILB_EVAL_PROCESS=where)
+    assert res.returncode == 0, res.stderr
+    attrs, cols = read_columns(str(log))
+    s = summarize_log(str(log))
+    assert attrs["stop_reason"] == "target_accuracy"
+    assert s["epochs_completed"] < 50 and s["best_test_accuracy"] >= 0.9
+    ev = cols["eval"]
+    assert len(ev["t"]) > s["epochs_completed"] + 1   # evaluations between epoch ends too
+    assert np.all(np.diff(ev["t"]) >= 0) and np.all(np.diff(ev["version"]) >= 0)
+    hit = int(np.nonzero(ev["test_accuracy"] >= 0.9)[0][0])
+    assert s["time_to_target_s"] == pytest.approx(float(ev["t"][hit]))
+    cov = s["coverage"]
+    assert cov["duplicates"] == 0 and cov["applied"] <= cov["expected"], cov
