@@ -21,9 +21,13 @@ pytestmark = pytest.mark.mpi
 ROOT = str(Path(__file__).resolve().parents[2])   # this tree's mpilb, for the script
 TORCH_MLP = "examples/torch_mlp.py:MLP"
 # Asynchronous runs differ from run to run (arrival order), whatever the wire: the bound
-# leaves room for that noise (measured: docs/cluster.md, "Fewer bytes on the wire"; one
-# torch MLP pair of a full-suite run differed by 2.2 points, its next two runs passed at 2).
+# leaves room for that noise (measured: docs/cluster.md, "Fewer bytes on the wire"). The
+# accuracy compared is the mean of the last LAST evaluations (one an epoch here), not the
+# last alone, which swings from epoch to epoch on 360 test samples: one torch MLP pair of a
+# full-suite run ended 3.06 points apart (bf16 0.933, fp32 0.964); 8 pairs of it run two
+# at a time by hand ended 0.3-1.1 points apart, and their last five 0-0.9.
 ACCURACY_BOUND = 0.03
+LAST = 5
 
 
 def train(n, digits_dir, tmp_path, name, *args, timeout=240):
@@ -43,6 +47,14 @@ def finished(res, log, wire):
     return s
 
 
+def ending_accuracy(log) -> float:
+    """The mean test accuracy of the run's last LAST evaluations."""
+    with h5py.File(log, "r") as f:
+        acc = f["eval/test_accuracy"][:]
+    assert len(acc) >= LAST, acc
+    return float(np.mean(acc[-LAST:]))
+
+
 def bytes_in_per_update(s) -> float:
     return s["servers"][0]["bytes_in"] / s["servers"][0]["updates"]
 
@@ -55,13 +67,13 @@ def bytes_in_per_update(s) -> float:
 def test_16_bit_wires_reach_fp32s_accuracy_with_half_the_bytes(digits_dir, tmp_path, n, servers,
                                                                model, wires):
     common = ["--model", model, "--epochs", "30", "--servers", str(servers)]
-    res, log = train(n, digits_dir, tmp_path, "fp32", *common)
-    ref = finished(res, log, "fp32")
+    res, ref_log = train(n, digits_dir, tmp_path, "fp32", *common)
+    ref = finished(res, ref_log, "fp32")
     for wire in wires:
         res, log = train(n, digits_dir, tmp_path, wire, *common, "--wire", wire)
         s = finished(res, log, wire)
-        diff = s["final_test_accuracy"] - ref["final_test_accuracy"]
-        assert abs(diff) <= ACCURACY_BOUND, (wire, s["final_test_accuracy"], ref["final_test_accuracy"])
+        ends = ending_accuracy(log), ending_accuracy(ref_log)
+        assert abs(ends[0] - ends[1]) <= ACCURACY_BOUND, (wire, ends)
         # rank 0 receives [header | its slice] per push: half the payload bytes
         header = 384
         ratio = (bytes_in_per_update(s) - header) / (bytes_in_per_update(ref) - header)
