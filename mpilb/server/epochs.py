@@ -179,10 +179,10 @@ class Epochs:
         """An --eval-interval evaluation. The run goes on meanwhile: it runs in the
         background (Session.evaluate_later) and a --target-* stop it fires comes with its
         result; one that falls due while the last still runs is skipped, so that
-        evaluations never queue up. Rank 0 evaluated these on its own thread before,
-        and a run that evaluated every 0.1 s spent 45 % of its time with every worker
-        waiting for the evaluation. Models whose state the pushes update (BatchNorm
-        statistics) are evaluated at once, as before."""
+        evaluations never queue up. Rank 0 used to evaluate these in its own loop, every
+        worker waiting: a run that evaluated every 0.1 s spent 45% of its time so
+        (docs/architecture.md, Evaluation). Models whose state the pushes update
+        (BatchNorm statistics) are evaluated at once, as before."""
         if self.model.num_state:
             self.evaluate()
             self._after_interval()
