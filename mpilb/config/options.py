@@ -153,7 +153,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("target_accuracy", float, None, "stop once test accuracy reaches this",
            check=_FRACTION, group="stopping", metavar="A"),
     Option("eval_interval", float, 5.0, "seconds between evaluations on test.h5 (also at "
-           "each epoch end)", check=_POSITIVE, group="stopping", metavar="SECONDS"),
+           "each epoch end); with several ranks they run while training goes on, and one "
+           "due while the last still runs is skipped", check=_POSITIVE, group="stopping",
+           metavar="SECONDS"),
     # experiments
     Option("inject", list, [], "simulated heterogeneity RANKS:KIND[=VALUE][@START[-END]]"
            "[,p=PROB] (repeatable)", group="experiments", metavar="SPEC"),
