@@ -270,30 +270,24 @@ def run_bench_ps(box, layout: str, params: int, seconds: float) -> tuple[float, 
 
 
 def predict(layout: str, params: int, link_rate: str, burst_ms: str | None = None) -> float:
-    """`mpilb simulate`'s updates/s for `layout`: null workers (batch 1, compute at 10^9
-    samples/s) on the box's layout, links and token buckets (or buckets of `burst_ms`)."""
-    from simulate_network import box_burst_ms, simulate
-    per_node = ",".join(h.split(":")[1] for h in HOSTS[layout].split(","))
+    """`mpilb simulate`'s updates/s for `layout` (LAYOUTS), as :func:`predict_hosts`."""
     servers = "per-node" if layout == "a store per node" else "1"
-    return simulate(["--nodes", "3", "--ranks-per-node", per_node, "--link-rate", link_rate,
-                     "--params", str(params), "--rates", "const:1e9", "--batch", "1",
-                     "--samples", "2000", "--shards", "60", "--epochs", "1", "--balancer",
-                     "load", "--link-burst",
+    return predict_hosts(HOSTS[layout], servers, params, link_rate, burst_ms)
+
+
+def predict_hosts(hosts: str, servers: str, params: int, link_rate: str,
+                  burst_ms: str | None = None) -> float:
+    """`mpilb simulate`'s updates/s for null workers (batch 1, compute at 10^9 samples/s)
+    with `params` floats, laid out as `mpiexec -hosts HOSTS --servers SERVERS` on the box's
+    links and token buckets (or buckets of `burst_ms`)."""
+    from simulate_network import box_burst_ms, simulate
+    per_node = [h.split(":")[1] for h in hosts.split(",")]
+    return simulate(["--nodes", str(len(per_node)), "--ranks-per-node", ",".join(per_node),
+                     "--link-rate", link_rate, "--params", str(params), "--rates", "const:1e9",
+                     "--batch", "1", "--samples", "2000", "--shards", "60", "--epochs", "1",
+                     "--balancer", "load", "--link-burst",
                      box_burst_ms(link_rate) if burst_ms is None else burst_ms, "--servers",
                      servers])[0]["updates_per_s"]
-
-
-def predict_pair(nbytes: int, link_rate: str, servers: int) -> float:
-    """`mpilb simulate`'s exchanges/s for two null workers on one node sending `nbytes`
-    messages: to one store on another node (`servers` 1: 2 nodes, ranks 1,2) or split over
-    two stores on two other nodes (`servers` 2: PAIR_HOSTS)."""
-    from simulate_network import box_burst_ms, simulate
-    layout = (["--nodes", "2", "--ranks-per-node", "1,2"] if servers == 1 else
-              ["--nodes", "3", "--ranks-per-node", "1,1,2"])
-    return simulate([*layout, "--link-rate", link_rate, "--params", str(nbytes // 4),
-                     "--rates", "const:1e9", "--batch", "1", "--samples", "2000", "--shards",
-                     "60", "--epochs", "1", "--balancer", "load", "--link-burst",
-                     box_burst_ms(link_rate), "--servers", str(servers)])[0]["updates_per_s"]
 
 
 def run_pairs(box, opts, sizes: list[int], floats: int) -> tuple[dict, dict]:
@@ -325,7 +319,7 @@ def report_pairs(res, opts, tcp: dict, two: dict, floats: int, rate: float) -> N
                   f"and `mpilb simulate`'s prediction, by message size", command)
     for n in tcp:
         bound = rate / n
-        pred = predict_pair(n, opts.link_rate, 1)
+        pred = predict_hosts("n0:1,n1:2", "1", n // 4, opts.link_rate)   # (2 nodes)
         mb = f"{n / 1e6:g} MB"
         res.figure(g, f"pair.{n}.tcp", f"{mb}: raw TCP", [r / bound for r in tcp[n]], unit="x")
         res.figure(g, f"pair.{n}.simulate", f"{mb}: `mpilb simulate` ({pred:.1f}/s)",
@@ -337,7 +331,7 @@ def report_pairs(res, opts, tcp: dict, two: dict, floats: int, rate: float) -> N
                   f"2), {floats} floats ({4 * floats / 1e6:.1f} MB) a message each way, split "
                   f"over both, {opts.link_rate} links: exchanges/s (wire bound {bound:.1f})",
                   command)
-    pred = predict_pair(4 * floats, opts.link_rate, 2)
+    pred = predict_hosts(PAIR_HOSTS, "2", floats, opts.link_rate)
     res.figure(g, "pair2.tcp", "raw TCP (Python sockets): exchanges/s", two["tcp"], unit="/s", digits=1)
     res.figure(g, "pair2.mpilb", "`mpilb bench ps`: exchanges/s", two["mpilb"], unit="/s", digits=1)
     res.figure(g, "pair2.mpilb_tcp", "`mpilb bench ps` ÷ raw TCP (same round)",
