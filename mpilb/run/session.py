@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -30,6 +31,11 @@ from mpilb.core.epochs import EpochTracker
 from mpilb.core.stop import build_stop_rule
 from mpilb.run.evaluation import Evaluation, build_evaluator
 from mpilb.run.components import config_model, config_optimizer
+
+# background evaluations waiting their turn behind the one running (Session.evaluate_later):
+# at most this many, and this many bytes of parameter copies unless there is just one
+QUEUED_MAX = 8
+QUEUED_BYTES = 512 * 2**20
 
 
 def balancer_config(cfg: Config) -> BalancerConfig:
@@ -111,6 +117,7 @@ class Session:
         self._eval_pool: Optional[ThreadPoolExecutor] = None
         self._eval_proc: Optional[EvalProcess] = None
         self._pending = None     # an evaluation running in the background (evaluate_later)
+        self._queued: deque = deque()   # the next ones, waiting their turn: (params copy, t, version, epoch, then)
         self.best = BestCheckpoint(out) if out.save_best else None
 
     def start_background_evaluation(self, ranks_here: int) -> None:
@@ -142,8 +149,27 @@ class Session:
         """Evaluate `params` in the background while rank 0 goes on serving pushes: in the
         evaluation process (:meth:`start_background_evaluation`), else a copy on a thread;
         :meth:`collect` logs the row and calls `then`. Only for models without state the
-        server updates (BatchNorm statistics)."""
-        self.collect(wait=True)
+        server updates (BatchNorm statistics).
+
+        One evaluation runs at a time. While one runs, the next ones wait their turn as
+        copies (at most QUEUED_MAX of them, and QUEUED_BYTES of copies unless there is just
+        one), each started when :meth:`collect` logs the one before (rows stay in order);
+        only when the queue is full does rank 0 wait here, until it is empty. Rank 0 used
+        to wait here for the one running: a run's first evaluations also wait for the
+        evaluation process to start (its imports, the model and the test set; with torch,
+        1-2 s on the 2-core VM with the ranks running), and the epochs' ends held every
+        worker's reply that long (685 ms once in a 4-second run)."""
+        self.collect()
+        if self._pending is not None:
+            waiting = sum(q[0].nbytes for q in self._queued)
+            if len(self._queued) < QUEUED_MAX and (not self._queued or waiting + params.nbytes <= QUEUED_BYTES):
+                self._queued.append((np.array(params, copy=True), t, version, epoch, then))
+                return
+            self.collect(wait=True)
+        self._submit(params, t, version, epoch, then)
+
+    def _submit(self, params: np.ndarray, t: float, version: int, epoch: int,
+                then: Optional[Callable[[], None]]) -> None:
         kept = None if self.best is None else np.array(params, copy=True)   # (to save)
         job = None
         if self._eval_proc is not None:
@@ -172,10 +198,17 @@ class Session:
         return ev, self.evaluator.seconds - before
 
     def collect(self, wait: bool = False) -> bool:
-        """Log a background evaluation that has finished (`wait`: wait for it); its error,
-        if it failed, is raised here."""
-        if self._pending is None or not (wait or self._pending[0].done()):
-            return False
+        """Log the background evaluations that have finished, starting each one waiting
+        its turn (`wait`: wait for all of them); an evaluation's error is raised here."""
+        logged = False
+        while self._pending is not None and (wait or self._pending[0].done()):
+            self._collect_one()
+            logged = True
+            if self._queued:
+                self._submit(*self._queued.popleft())
+        return logged
+
+    def _collect_one(self) -> None:
         job, t, version, epoch, then, kept = self._pending
         self._pending = None
         try:
@@ -191,7 +224,6 @@ class Session:
         self._record(ev, t, version, epoch, kept)
         if then is not None:
             then()
-        return True
 
     def _record(self, ev: Evaluation, t: float, version: int, epoch: int, params=None) -> None:
         self.evaluation, self.accuracy = ev, ev.decides[1]

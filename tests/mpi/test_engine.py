@@ -198,6 +198,41 @@ def test_the_next_epoch_starts_before_the_last_one_is_evaluated(synth_dir, tmp_p
     assert_exact_coverage(summarize_log(str(log)))
 
 
+SLOW_START = """
+import os, sys, time
+sys.path.insert(0, {examples!r})
+if not any(k.startswith(("PMI_", "OMPI_")) for k in os.environ):
+    time.sleep(2.5)   # the evaluation process (no launcher variables) starts slowly
+from mymodels import Linear
+"""
+
+
+def test_epoch_evaluations_wait_their_turn_behind_a_slow_evaluation_process(digits_dir, tmp_path):
+    """The evaluation process takes 2.5 s to start (the model's module is slow to import
+    there, as torch is on a busy node): the epochs' evaluations wait their turn behind the
+    first, in order, while rank 0 serves. Rank 0 used to wait for the one running at the
+    third epoch's end, every worker's reply held that long."""
+    import os
+
+    model = tmp_path / "slowstart.py"
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "examples")
+    model.write_text(SLOW_START.format(examples=examples))
+    log = tmp_path / "run.h5"
+    res = mpirun.run(3, "train", "--data", digits_dir, "--model", f"{model}:Linear",
+                     "--epochs", 6, "--no-progress", "--inject", "*:delay=0.003",
+                     "--log", log, MPILB_EVAL_PROCESS="1")
+    assert res.returncode == 0, res.stderr
+    attrs, cols = read_columns(str(log))
+    ev, ep = cols["eval"], cols["epochs"]
+    assert float(ep["t_end"][-1]) < 2.0, ep["t_end"]   # (the run ends before the process starts)
+    assert list(ev["epoch"][:6]) == [0, 1, 2, 3, 4, 5], ev["epoch"]
+    assert np.all(np.diff(ev["t"]) >= 0) and np.all(np.diff(ev["version"]) >= 0)
+    gaps = np.diff(np.sort(np.asarray(cols["updates"]["t"])))
+    assert gaps.max() < 1.0, gaps.max()   # no push waited for an evaluation
+    assert_exact_coverage(summarize_log(str(log)))
+
+
 @pytest.mark.parametrize("where", ["1", "0"], ids=["process", "thread"])
 def test_interval_evaluations_go_on_in_the_background_and_a_target_stops_the_run(
         digits_dir, tmp_path, where):

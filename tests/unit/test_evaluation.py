@@ -1,6 +1,7 @@
 """Evaluation (mpilb.run.evaluation), stop rules (mpilb.core.stop) and validation hold-out (mpilb.run.components): pure, no MPI."""
 
 import math
+from collections import deque
 
 import os
 
@@ -79,7 +80,7 @@ def test_an_evaluation_in_the_background_is_logged_in_order_by_collect():
             self.rows.append((group, row))
 
     s = Session.__new__(Session)
-    s.evaluator, s.log, s._eval_pool, s._pending = SlowEvaluator(), Log(), None, None
+    s.evaluator, s.log, s._eval_pool, s._pending, s._queued = SlowEvaluator(), Log(), None, None, deque()
     s._eval_proc = None   # (the thread: where the evaluation process could not start)
     s.accuracy, s.evaluation, s.eval_version, s.best = None, None, -1, None
     params = np.array([0.5, 0.0], dtype=np.float32)
@@ -162,6 +163,85 @@ def test_evaluations_get_a_process_where_rank_0_has_a_core_to_spare(
     assert s._eval_proc is None
 
 
+def test_an_evaluation_asked_for_while_one_runs_waits_its_turn_without_holding_rank_0(monkeypatch):
+    """The next epochs' evaluations, asked for while the last still runs (the evaluation
+    process still starting, or a slow test set), are kept as copies and started in turn as
+    each is logged: rank 0 goes on serving. Only when the queue is full does it wait."""
+    import threading
+    import time
+
+    from mpilb.run import session as S
+    from mpilb.run.session import Session
+
+    gates = {v: threading.Event() for v in (1, 2, 3, 4, 5)}
+    started = []
+
+    class GatedEvaluator:
+        seconds = 0.0
+
+        def evaluate(self, params):
+            v = int(params[0])
+            started.append(v)
+            assert gates[v].wait(10.0)
+            return Evaluation(loss=1.0, accuracy=v / 10, metric=v / 10, metric_name="accuracy")
+
+    class Log:
+        rows = []
+
+        def append(self, group, **row):
+            self.rows.append(row["version"])
+
+    s = Session.__new__(Session)
+    s.evaluator, s.log, s._eval_pool, s._pending, s._queued = GatedEvaluator(), Log(), None, None, deque()
+    s._eval_proc = None
+    s.accuracy, s.evaluation, s.eval_version, s.best = None, None, -1, None
+    params = np.array([1.0], dtype=np.float32)
+    done = []
+    s.evaluate_later(params, t=1.0, version=1, epoch=0, then=lambda: done.append(1))
+    params[0] = 2.0
+    t0 = time.monotonic()
+    s.evaluate_later(params, t=2.0, version=2, epoch=1, then=lambda: done.append(2))
+    assert time.monotonic() - t0 < 1.0 and s.evaluating   # no wait for the first
+    params[0] = 9.0                          # the server steps on: the second has its copy
+    gates[1].set()
+    deadline = time.monotonic() + 10.0
+    while not s.collect() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert Log.rows == [1] and done == [1] and s.evaluating   # the second started
+    gates[2].set()
+    assert s.collect(wait=True) and Log.rows == [1, 2] and done == [1, 2]
+    assert started == [1, 2] and not s.evaluating and not s.collect()
+    # a full queue (here 1 waiting): the next waits for the running one and the queue
+    monkeypatch.setattr(S, "QUEUED_MAX", 1)
+    params[0] = 3.0
+    s.evaluate_later(params, t=3.0, version=3, epoch=2)
+    params[0] = 4.0
+    s.evaluate_later(params, t=4.0, version=4, epoch=3)
+    threading.Timer(0.2, lambda: (gates[3].set(), gates[4].set())).start()
+    params[0] = 5.0
+    s.evaluate_later(params, t=5.0, version=5, epoch=4)
+    assert Log.rows == [1, 2, 3, 4] and s.evaluating
+    gates[5].set()
+    assert s.collect(wait=True) and Log.rows == [1, 2, 3, 4, 5] and started == [1, 2, 3, 4, 5]
+    # and by bytes: a copy that would pass QUEUED_BYTES waits too, unless it is the only one
+    monkeypatch.setattr(S, "QUEUED_MAX", 8)
+    monkeypatch.setattr(S, "QUEUED_BYTES", 4)   # one float32
+    for v in (6, 7, 8):
+        gates[v] = threading.Event()
+    params[0] = 6.0
+    s.evaluate_later(params, t=6.0, version=6, epoch=5)
+    params[0] = 7.0
+    s.evaluate_later(params, t=7.0, version=7, epoch=6)   # the only one waiting: kept
+    assert len(s._queued) == 1
+    threading.Timer(0.2, lambda: (gates[6].set(), gates[7].set())).start()
+    params[0] = 8.0
+    s.evaluate_later(params, t=8.0, version=8, epoch=7)   # 8 bytes waiting: waits
+    assert Log.rows[-2:] == [6, 7] and not s._queued
+    gates[8].set()
+    assert s.collect(wait=True) and Log.rows == [1, 2, 3, 4, 5, 6, 7, 8]
+    s._eval_pool.shutdown()
+
+
 def test_an_evaluation_process_that_dies_leaves_rank_0_evaluating(digits_dir, capsys):
     """Killed (out of memory, a stray signal): the evaluation it had is done on rank 0, with
     a warning, and so are the ones after it."""
@@ -185,7 +265,7 @@ def test_an_evaluation_process_that_dies_leaves_rank_0_evaluating(digits_dir, ca
             self.rows.append(row)
 
     s = Session.__new__(Session)
-    s.evaluator, s.log, s._eval_pool, s._pending = build_evaluator(model, ds), Log(), None, None
+    s.evaluator, s.log, s._eval_pool, s._pending, s._queued = build_evaluator(model, ds), Log(), None, None, deque()
     s.accuracy, s.evaluation, s.eval_version, s.best = None, None, -1, None
     s._eval_proc = EvalProcess(cfg, ds, model.num_params)
     proc = s._eval_proc.proc
