@@ -154,8 +154,8 @@ OPTIONS: tuple[Option, ...] = (
            check=_FRACTION, group="stopping", metavar="A"),
     Option("eval_interval", float, 5.0, "seconds between evaluations on test.h5 (also at "
            "each epoch end); with several ranks they run while training goes on, and one "
-           "due while the last still runs is skipped (an epoch end's waits its turn)", check=_POSITIVE, group="stopping",
-           metavar="SECONDS"),
+           "due while the last still runs is skipped (an epoch end's waits its turn)",
+           check=_POSITIVE, group="stopping", metavar="SECONDS"),
     # experiments
     Option("inject", list, [], "simulated heterogeneity RANKS:KIND[=VALUE][@START[-END]]"
            "[,p=PROB] (repeatable)", group="experiments", metavar="SPEC"),

@@ -117,7 +117,8 @@ class Session:
         self._eval_pool: Optional[ThreadPoolExecutor] = None
         self._eval_proc: Optional[EvalProcess] = None
         self._pending = None     # an evaluation running in the background (evaluate_later)
-        self._queued: deque = deque()   # the next ones, waiting their turn: (params copy, t, version, epoch, then)
+        # the next ones, waiting their turn: (a copy of the parameters, t, version, epoch, then)
+        self._queued: deque = deque()
         self.best = BestCheckpoint(out) if out.save_best else None
 
     def start_background_evaluation(self, ranks_here: int) -> None:
@@ -162,15 +163,18 @@ class Session:
         self.collect()
         if self._pending is not None:
             waiting = sum(q[0].nbytes for q in self._queued)
-            if len(self._queued) < QUEUED_MAX and (not self._queued or waiting + params.nbytes <= QUEUED_BYTES):
+            fits = not self._queued or waiting + params.nbytes <= QUEUED_BYTES
+            if len(self._queued) < QUEUED_MAX and fits:
                 self._queued.append((np.array(params, copy=True), t, version, epoch, then))
                 return
             self.collect(wait=True)
         self._submit(params, t, version, epoch, then)
 
     def _submit(self, params: np.ndarray, t: float, version: int, epoch: int,
-                then: Optional[Callable[[], None]]) -> None:
-        kept = None if self.best is None else np.array(params, copy=True)   # (to save)
+                then: Optional[Callable[[], None]], own: bool = False) -> None:
+        """Start the evaluation of `params` (`own`: a copy of this session's, nobody else
+        writes it)."""
+        kept = None if self.best is None else (params if own else np.array(params, copy=True))
         job = None
         if self._eval_proc is not None:
             try:
@@ -184,7 +188,7 @@ class Session:
         if job is None:
             if self._eval_pool is None:
                 self._eval_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpilb-eval")
-            job = self._eval_pool.submit(self._timed, np.array(params, copy=True))
+            job = self._eval_pool.submit(self._timed, params if own else np.array(params, copy=True))
         self._pending = (job, t, version, epoch, then, kept)
 
     @property
@@ -205,7 +209,7 @@ class Session:
             self._collect_one()
             logged = True
             if self._queued:
-                self._submit(*self._queued.popleft())
+                self._submit(*self._queued.popleft(), own=True)
         return logged
 
     def _collect_one(self) -> None:
