@@ -12,7 +12,7 @@ import numpy as np
 
 from mpilb.errors import UsageError
 from mpilb.runfiles import efficiency as eff
-from mpilb.runfiles.logattrs import format_layout
+from mpilb.runfiles.logattrs import format_layout, json_attr, node_layout, store_ranks
 from mpilb.runfiles.plots import counts_text, resume_times, worker_counts, write_plots
 from mpilb.runfiles.runlog import write_csv
 from mpilb.runfiles.summary import LOSS_WINDOW, differing_settings, open_log, run_config, setting_text, summarize
@@ -76,6 +76,61 @@ def format_summary(s: dict, path: str = "") -> str:
                          f"{w['io_s']:5.2f}  {w['comm_s']:6.2f}  {w['idle_s']:6.2f}  "
                          f"{w['mean_batch']:10.1f}  {_num(w['train_loss']):>10}")
     return "\n".join(lines)
+
+
+def format_network(s: dict, attrs: dict) -> list[str]:
+    """What the workers that reach a parameter store over the network spent communicating
+    (the share of their time, and an exchange's bytes and seconds at the median), after the
+    layout; none on one node or when every worker sits beside every store."""
+    nodes = node_layout(attrs)
+    if len(set(nodes)) < 2:
+        return []
+    stores = [r for r in store_ranks(attrs) if r < len(nodes)]
+    ranks, shares, per_exchange = [], [], []
+    for w in s.get("per_worker") or []:
+        r = int(w["rank"])
+        total = w["compute_s"] + w["io_s"] + w["comm_s"] + w["idle_s"]
+        if r >= len(nodes) or total <= 0 or all(nodes[st] == nodes[r] for st in stores):
+            continue
+        ranks.append(r)
+        shares.append(w["comm_s"] / total)
+        pushes = w["samples"] / w["mean_batch"] if w.get("mean_batch") else 0
+        if pushes >= 1:
+            per_exchange.append(w["comm_s"] / pushes)
+    if not ranks:
+        return []
+    params = sum(int(v.get("params", 0)) for v in json_attr(attrs, "servers", []) or [])
+    wire = str(run_config(attrs).get("wire") or "fp32")
+    size = params * (4 if wire == "fp32" else 2)
+    line = (f"  network: rank(s) {_spans(ranks)} reach a store over the network and spent "
+            f"{min(shares):.0%}-{max(shares):.0%} of their time communicating "
+            f"(median {float(np.median(shares)):.0%})")
+    if per_exchange and size:
+        line += (f"; a push and its reply carry {_bytes(size)} each ({wire}), and an "
+                 f"exchange took {1e3 * float(np.median(per_exchange)):.1f} ms of "
+                 f"communication at the median")
+    return [line]
+
+
+def _spans(ranks: list[int]) -> str:
+    """1, 2, 3, 5 -> "1-3, 5"."""
+    out, start = [], None
+    for i, r in enumerate(ranks := sorted(ranks)):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else
+                       f"{start}, {r}" if r == start + 1 else f"{start}-{r}")
+            start = None
+    return ", ".join(out)
+
+
+def _bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
+    return f"{n:.0f} B"
 
 
 _MEMBER_WORDS = {"join": "joined", "leave": "left", "lost": "was lost",
@@ -208,5 +263,5 @@ def run_report(paths: list[str], as_json: bool = False, plots: Optional[str] = N
         print(json.dumps(summaries[0], indent=2))
     else:
         print("\n".join([format_summary(summaries[0], paths[0]), *format_members(logs[0][1], logs[0][0]),
-                         *format_layout(logs[0][0])]))
+                         *format_layout(logs[0][0]), *format_network(summaries[0], logs[0][0])]))
     return 0

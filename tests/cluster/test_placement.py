@@ -75,6 +75,9 @@ def test_stores_are_placed_by_node_on_three_nodes(digits_dir, tmp_path):
     assert "node 1 (n1): rank(s) 2 store, 3" in report.stdout
     assert "store 2 <-> workers: shared memory 3; network 1, 4, 5" in report.stdout
     assert "warning" not in report.stdout
+    # every worker reaches one of the stores across a link: what that cost them
+    assert "  network: rank(s) 1, 3-5 reach a store over the network and spent" in report.stdout
+    assert "a push and its reply carry" in report.stdout
     # doctor shows the job's layout, and where --servers would put the stores
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert "  6 rank(s) on 3 node(s); parameter store(s) on rank(s) 0\n" in doctor.stdout

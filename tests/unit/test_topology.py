@@ -136,3 +136,33 @@ def test_the_report_shows_the_layout_from_the_log_attributes():
            "config": json.dumps({"servers": 2})}
     assert "warning: stores on ranks 0, 1 share node 0" in "\n".join(format_layout(old))
     assert format_layout({"world_size": 1, "config": "{}"}) == []
+
+
+def _worker(rank, comm_s, compute_s=1.0, samples=3200, mean_batch=32.0):
+    return {"rank": rank, "compute_s": compute_s, "io_s": 0.0, "comm_s": comm_s, "idle_s": 0.0,
+            "samples": samples, "mean_batch": mean_batch}
+
+
+def test_the_report_says_what_the_workers_on_the_network_spent_communicating():
+    from mpilb.runfiles.report import format_network
+
+    # rank 0 (the store) on node 0, workers 1-4 on nodes 1 and 2: every exchange crosses
+    attrs = {"world_size": 5, "nodes": json.dumps([0, 1, 1, 2, 2]), "stores": json.dumps([0]),
+             "servers": json.dumps([{"rank": 0, "params": 335114}]),
+             "config": json.dumps({"servers": 1, "wire": "fp32"})}
+    s = {"per_worker": [_worker(r, c) for r, c in ((1, 1.5), (2, 1.2), (3, 1.0), (4, 0.8))]}
+    (line,) = format_network(s, attrs)
+    assert line.startswith("  network: rank(s) 1-4 reach a store over the network and spent "
+                           "44%-60% of their time communicating (median 52%)"), line
+    # 100 exchanges each: 11.0 ms at the median of 15, 12, 10, 8 ms
+    assert "a push and its reply carry 1.34 MB each (fp32), and an exchange took 11.0 ms" in line
+    bf16 = dict(attrs, config=json.dumps({"servers": 1, "wire": "bf16"}))
+    assert "670 KB each (bf16)" in format_network(s, bf16)[0]
+    # workers beside every store (shared memory) are not counted
+    near = dict(attrs, nodes=json.dumps([0, 0, 0, 1, 1]))
+    assert format_network(s, near)[0].startswith("  network: rank(s) 3, 4 reach")
+    # one node, or no worker across: no line
+    assert format_network(s, dict(attrs, nodes=json.dumps([0] * 5))) == []
+    per_node = dict(attrs, nodes=json.dumps([0, 0, 1, 1]), stores=json.dumps([0, 2]))
+    assert format_network({"per_worker": [_worker(1, 1.0), _worker(3, 1.0)]}, per_node)[0].startswith(
+        "  network: rank(s) 1, 3 reach")
