@@ -10,6 +10,7 @@ from typing import Optional
 
 import numpy as np
 
+from mpilb.core.topology import span
 from mpilb.errors import UsageError
 from mpilb.runfiles import efficiency as eff
 from mpilb.runfiles.logattrs import format_layout, json_attr, node_layout, store_ranks
@@ -102,7 +103,7 @@ def format_network(s: dict, attrs: dict) -> list[str]:
     params = sum(int(v.get("params", 0)) for v in json_attr(attrs, "servers", []) or [])
     wire = str(run_config(attrs).get("wire") or "fp32")
     size = params * (4 if wire == "fp32" else 2)
-    line = (f"  network: rank(s) {_spans(ranks)} reach a store over the network and spent "
+    line = (f"  network: rank(s) {span(ranks)} reach a store over the network and spent "
             f"{min(shares):.0%}-{max(shares):.0%} of their time communicating "
             f"(median {float(np.median(shares)):.0%})")
     if per_exchange and size:
@@ -110,19 +111,6 @@ def format_network(s: dict, attrs: dict) -> list[str]:
                  f"exchange took {1e3 * float(np.median(per_exchange)):.1f} ms of "
                  f"communication at the median")
     return [line]
-
-
-def _spans(ranks: list[int]) -> str:
-    """1, 2, 3, 5 -> "1-3, 5"."""
-    out, start = [], None
-    for i, r in enumerate(ranks := sorted(ranks)):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(str(start) if start == r else
-                       f"{start}, {r}" if r == start + 1 else f"{start}-{r}")
-            start = None
-    return ", ".join(out)
 
 
 def _bytes(n: float) -> str:
