@@ -12,6 +12,7 @@ import numpy as np
 
 from mpilb.core.topology import span
 from mpilb.errors import UsageError
+from mpilb.mpi.wire_format import wire_format
 from mpilb.runfiles import efficiency as eff
 from mpilb.runfiles.logattrs import format_layout, json_attr, node_layout, store_ranks
 from mpilb.runfiles.plots import counts_text, resume_times, worker_counts, write_plots
@@ -102,7 +103,7 @@ def format_network(s: dict, attrs: dict) -> list[str]:
         return []
     params = sum(int(v.get("params", 0)) for v in json_attr(attrs, "servers", []) or [])
     wire = str(run_config(attrs).get("wire") or "fp32")
-    size = params * (4 if wire == "fp32" else 2)
+    size = params * wire_format(wire).itemsize
     line = (f"  network: rank(s) {span(ranks)} reach a store over the network and spent "
             f"{min(shares):.0%}-{max(shares):.0%} of their time communicating "
             f"(median {float(np.median(shares)):.0%})")
