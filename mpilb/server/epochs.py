@@ -62,6 +62,7 @@ class Epochs:
         self.balancer, self.tracker, self.stop = session.balancer, session.tracker, session.stop
         self.log, self.progress, self.model = session.log, session.progress, session.model
         self.decisions = Decisions(self.balancer, ledger, sitout, cfg.balancing.batch, self)
+        self.stopped_at: Optional[tuple[int, float]] = None   # (epoch, t) of an end that stopped the run
 
     # ----------------------------------------------------------------- the Driver of decisions
     def present(self) -> list[Peer]:
@@ -149,7 +150,16 @@ class Epochs:
         imbalance = (max(finishes) - min(finishes)) if finishes else 0.0
         self.log.append("epochs", epoch=stats.epoch, t_start=stats.t_start, t_end=stats.t_end,
                         samples=stats.samples, utilization=util, imbalance_s=imbalance)
-        if not self.stop.waits_on_evaluations and not self.stop.check(stats.epoch + 1, t):
+        if self.stop.check(stats.epoch + 1, t):
+            # The run ends whatever this evaluation says (--epochs, --max-seconds): stop the
+            # workers first; the final evaluation follows once they have stopped
+            # (final_evaluation). Evaluating first held every worker's STOP behind it and
+            # behind the epochs' evaluations still queued: on the cluster in a box, 0.8-1.2 s
+            # at the end of a 2-4 s run, counted in its training time.
+            self.stopped_at = (stats.epoch, stats.t_end)
+            self.replies.begin_stop()
+            return
+        if not self.stop.waits_on_evaluations:
             # The run goes on whatever this evaluation says: hand out the next epoch first,
             # and evaluate while serving the workers (on the straggler benchmark every
             # worker used to wait 0.12 s for it at each epoch's end).
@@ -170,10 +180,22 @@ class Epochs:
         else:
             self.begin(stats.epoch + 1)
 
-    def evaluate(self, epoch: Optional[int] = None) -> None:
-        self.session.evaluate(self.slices.full_params(), self.clock.now(), self.slices.local.version,
-                              self.ledger.epoch if epoch is None else epoch)
+    def evaluate(self, epoch: Optional[int] = None, t: Optional[float] = None) -> None:
+        self.session.evaluate(self.slices.full_params(), self.clock.now() if t is None else t,
+                              self.slices.local.version, self.ledger.epoch if epoch is None else epoch)
         self.eval_timer.reset(time.monotonic())
+
+    def final_evaluation(self) -> None:
+        """Serving ended: the evaluations still running or queued are logged, then the final
+        parameters are evaluated unless the last evaluation read them. After an epoch whose
+        end stopped the run, its row has the epoch's end for its time (the parameters have
+        not changed since: every sample of the epoch was applied) and its progress line
+        follows."""
+        self.session.collect(wait=True)
+        if self.session.eval_version != self.slices.local.version:   # every stop ends with the final metric
+            self.evaluate(t=None if self.stopped_at is None else self.stopped_at[1])
+        if self.stopped_at is not None:
+            self.progress.epoch_done(self.stopped_at[0], self.session.accuracy)
 
     def evaluate_interval(self) -> None:
         """An --eval-interval evaluation. The run goes on meanwhile: it runs in the

@@ -101,9 +101,7 @@ class Lifecycle:
     def wind_down(self) -> None:
         """Serving ended: the last evaluation and `workers/` rows."""
         self.train_s = self.now()
-        self.session.collect(wait=True)
-        if self.session.eval_version != self.server.version:   # every stop ends with the final metric
-            self.epochs.evaluate()
+        self.epochs.final_evaluation()
         self.chores.log_worker_rows()
 
     def status(self) -> str:

@@ -211,7 +211,8 @@ def test_epoch_evaluations_wait_their_turn_behind_a_slow_evaluation_process(digi
     """The evaluation process takes 2.5 s to start (the model's module is slow to import
     there, as torch is on a busy node): the epochs' evaluations wait their turn behind the
     first, in order, while rank 0 serves. Rank 0 used to wait for the one running at the
-    third epoch's end, every worker's reply held that long."""
+    third epoch's end, every worker's reply held that long; and at the last epoch's end
+    for all of them and the final one, every worker's STOP held (and counted in `train_s`)."""
     import os
 
     model = tmp_path / "slowstart.py"
@@ -226,7 +227,10 @@ def test_epoch_evaluations_wait_their_turn_behind_a_slow_evaluation_process(digi
     attrs, cols = read_columns(str(log))
     ev, ep = cols["eval"], cols["epochs"]
     assert float(ep["t_end"][-1]) < 2.0, ep["t_end"]   # (the run ends before the process starts)
+    # the workers were stopped at the last epoch's end, not after the evaluations (>= 2.5 s)
+    assert float(attrs["train_s"]) - float(ep["t_end"][-1]) < 0.5, (attrs["train_s"], ep["t_end"])
     assert list(ev["epoch"][:6]) == [0, 1, 2, 3, 4, 5], ev["epoch"]
+    assert float(ev["t"][5]) == pytest.approx(float(ep["t_end"][5]), abs=1e-6)   # stamped at the end
     assert np.all(np.diff(ev["t"]) >= 0) and np.all(np.diff(ev["version"]) >= 0)
     gaps = np.diff(np.sort(np.asarray(cols["updates"]["t"])))
     assert gaps.max() < 1.0, gaps.max()   # no push waited for an evaluation
