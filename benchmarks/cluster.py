@@ -198,7 +198,8 @@ def _cases(title: str) -> str:
 
 
 ALL_CASES = "abcdefg"
-D_RUNS = (("async", ()), ("tuned", ("--wire", "bf16", "--pipeline", "1")), ("sync", ("--mode", "sync")))
+D_RUNS = (("async", ()), ("bf16", ("--wire", "bf16")), ("tuned", ("--wire", "bf16", "--pipeline", "1")),
+          ("sync", ("--mode", "sync")))
 
 
 def main(argv=None) -> int:
@@ -228,7 +229,7 @@ def main(argv=None) -> int:
     res = _results.Results(NAME, f"mpilb on 3 nodes of the cluster in a box, links {opts.link_rate}", opts)
     rows = {k: [] for k in ("a", "a_bound", "b", "b_bound", "b_over_a", "c_nodes", "c", "c_one",
                             "ddp", *(f"{k}{x}" for k, _ in D_RUNS for x in ("", "_run", "_ddp")),
-                            "async_comm", "tuned_comm",
+                            *(f"{k}_{x}" for k in ("async", "bf16", "tuned") for x in ("comm", "staleness")),
                             "cpu_remote", "cpu_local", "slow", "without", "slow_ratio",
                             "g_fp32", "g_bf16", "g_ratio", "g_mlp", "g_torch", "g_mlp_noise",
                             "g_torch_noise")}
@@ -276,10 +277,12 @@ def main(argv=None) -> int:
                     rows[key].append(steady_rate(r))
                     rows[f"{key}_run"].append(r["summary"]["samples_per_s"])
                     rows[f"{key}_ddp"].append(rows[key][-1] / dd["samples_per_s"])
-                for key in ("async", "tuned"):
+                for key in ("async", "bf16", "tuned"):
                     rows[f"{key}_comm"].append(comm_share(runs[key], range(1, 5)))
+                    rows[f"{key}_staleness"].append(runs[key]["summary"]["staleness"]["mean"])
                 print(f"  (d) DDP {dd['samples_per_s']:.0f} samples/s; async {rows['async'][-1]:.0f} "
-                      f"(comm {rows['async_comm'][-1]:.2f}), --wire bf16 --pipeline 1 "
+                      f"(comm {rows['async_comm'][-1]:.2f}), --wire bf16 {rows['bf16'][-1]:.0f} "
+                      f"(comm {rows['bf16_comm'][-1]:.2f}), --wire bf16 --pipeline 1 "
                       f"{rows['tuned'][-1]:.0f} (comm {rows['tuned_comm'][-1]:.2f}), sync "
                       f"{rows['sync'][-1]:.0f}", flush=True)
             if "e" in opts.only:
@@ -326,6 +329,7 @@ def main(argv=None) -> int:
         for key, what, target in (
                 ("tuned", "mpilb async `--wire bf16 --pipeline 1` (docs/cluster.md's advice where "
                           "bytes bound the exchange)", True),
+                ("bf16", "mpilb async `--wire bf16` (not computing ahead)", False),
                 ("async", "mpilb async, the defaults (fp32, not computing ahead)", False),
                 ("sync", "mpilb `--mode sync`", False)):
             res.figure(g, key, f"{what}: samples/s", rows[key], unit="samples/s", digits=0)
@@ -336,6 +340,8 @@ def main(argv=None) -> int:
             if key != "sync":
                 res.figure(g, f"{key}_comm", f"{what}: a fast worker's share of time communicating",
                            rows[f"{key}_comm"], unit="x", target="<= 0.25" if target else None)
+                res.figure(g, f"{key}_staleness", f"{what}: mean staleness", rows[f"{key}_staleness"],
+                           unit="versions", digits=1)
     if rows["cpu_remote"]:
         g = res.group("(e) slow workers: `--model softmax --batch 32 --epochs 3 --inject '*:delay=0.05'` on digits", "")
         res.figure(g, "cpu_remote", "rank 0 CPU ÷ wall, workers on n1, n2", rows["cpu_remote"], unit="x",
