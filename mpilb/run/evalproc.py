@@ -143,6 +143,11 @@ def main() -> int:
     """The child: build the evaluator, then answer requests until stdin closes."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)   # the job's signals are rank 0's to act on
+    if os.environ.get("MPILB_EVAL_NICE", "10") != "0":
+        try:
+            os.nice(int(os.environ.get("MPILB_EVAL_NICE", "10")))
+        except (OSError, ValueError):
+            pass
     src, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # anything a user's module prints must not corrupt the replies
     data = _read(src)

@@ -129,6 +129,8 @@ def test_the_evaluation_process_matches_rank_0_and_reports_its_errors(digits_dir
                 proc.result()
             proc.submit(params * 0)    # and the process serves on
             assert proc.result()[0].loss == pytest.approx(np.log(10), rel=1e-3)
+            # it yields the cores to the ranks (their training first) where they contend
+            assert os.getpriority(os.PRIO_PROCESS, proc.proc.pid) == min(19, os.nice(0) + 10)
         finally:
             proc.close()
         assert proc.proc.returncode == 0
