@@ -139,15 +139,30 @@ class EvalProcess:
             self.proc.wait()
 
 
+NICE = 10
+"""The evaluation process's niceness increment (MPILB_EVAL_NICE): where the job's ranks need
+the node's cores after all (the cluster in a box shares the machine's), training comes first."""
+
+
+def _lower_priority(increment: str) -> None:
+    try:
+        n = int(increment)
+    except ValueError:
+        print(f"mpilb: warning: MPILB_EVAL_NICE={increment!r} is not an integer; the evaluation "
+              f"process runs at nice {NICE}", file=sys.stderr, flush=True)
+        n = NICE
+    if n:
+        try:
+            os.nice(n)
+        except OSError:   # a negative increment without the privilege: as it is
+            pass
+
+
 def main() -> int:
     """The child: build the evaluator, then answer requests until stdin closes."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)   # the job's signals are rank 0's to act on
-    if os.environ.get("MPILB_EVAL_NICE", "10") != "0":
-        try:
-            os.nice(int(os.environ.get("MPILB_EVAL_NICE", "10")))
-        except (OSError, ValueError):
-            pass
+    _lower_priority(os.environ.get("MPILB_EVAL_NICE", str(NICE)))
     src, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # anything a user's module prints must not corrupt the replies
     data = _read(src)

@@ -154,7 +154,7 @@ class Epochs:
             # The run ends whatever this evaluation says (--epochs, --max-seconds): stop the
             # workers first; the final evaluation follows once they have stopped
             # (final_evaluation). Evaluating first held every worker's STOP behind it and
-            # behind the epochs' evaluations still queued: on the cluster in a box, 0.8-1.2 s
+            # behind the epochs' evaluations still queued: on the cluster in a box, 0.7-1.2 s
             # at the end of a 2-4 s run, counted in its training time.
             self.stopped_at = (stats.epoch, stats.t_end)
             self.replies.begin_stop()
