@@ -2,7 +2,8 @@
 (samples to a target accuracy, final accuracy) without MPI, ranks or a machine's timing.
 
     python benchmarks/staleness_emulate.py CASE MODE WORKERS [--slow K] [--correction C]
-        [--weight-prediction on|off] [--sync-scaling linear|none] [--seeds 2] [--dir DIR]
+        [--weight-prediction on|off] [--sync-scaling linear|none] [--noise 0.3] [--seeds 2]
+        [--dir DIR]
 
 CASE: recipe (the torch MLP 256-256-256-10 of benchmarks/staleness.py on synthetic
 60000x256, batch 128, 6 epochs, target 0.808, stops there), mlp, cnn or tcnn (digits: the
@@ -12,8 +13,8 @@ target 0.9). MODE: sync or async. All with --optimizer momentum (0.9), lr 0.05.
 The server's own ParamRing, optimizer and correction apply the gradients; what is emulated
 is the arrival order. Each of W workers reads the current parameters, computes a gradient
 on its next batch (the batches of one shuffled stream), and delivers it after a
-compute time drawn from a lognormal (sigma 0.3, the scheduling noise of shared cores) times
-K for the last worker (--slow K: a K-times straggler). Its staleness is the versions
+compute time drawn from a lognormal (sigma --noise, 0.3 by default: the scheduling noise of
+shared cores) times K for the last worker (--slow K: a K-times straggler). Its staleness is the versions
 applied meanwhile, as in the engine with --pipeline 0. Sync sums the W gradients of a round
 computed on the same parameters (ParamRing.apply_sum). The test set is read in part (4000
 rows of the synthetic set, all 360 of digits) every 4096 (recipe) or 256 samples.
@@ -114,7 +115,7 @@ class Rule:
 
 
 def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: int, root: str,
-        predict: bool = False, sync_scaling: str = "linear"):
+        predict: bool = False, sync_scaling: str = "linear", noise: float = 0.3):
     """One emulated run: (samples, accuracy) at each evaluation, and the mean staleness."""
     c = CASES[case]
     x, y, tx, ty = load(os.path.join(root, c["data"]), c.get("test_rows"))
@@ -170,7 +171,7 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
             if predictions[w] is not None:
                 p = predictions[w].params(p, ring.version)   # (a worker's own buffer)
             reading[w] = (p, ring.version, batch())
-            heapq.heappush(heap, (t + rng.lognormal(0, 0.3) / speed[w], w))
+            heapq.heappush(heap, (t + rng.lognormal(0, noise) / speed[w], w))
 
         for w in range(workers):
             start(w, rng.uniform(0, 1) / speed[w])
@@ -210,6 +211,8 @@ def main(argv=None) -> int:
     ap.add_argument("--correction", default="dynamic")
     ap.add_argument("--weight-prediction", choices=("on", "off"), default="off")
     ap.add_argument("--sync-scaling", choices=("linear", "none"), default="linear")
+    ap.add_argument("--noise", type=float, default=0.3,
+                    help="sigma of the lognormal compute times (the arrival order's noise)")
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "mpilb-staleness"),
                     help="where benchmarks/staleness.py made its datasets (made here if missing)")
@@ -228,7 +231,7 @@ def main(argv=None) -> int:
     target = CASES[o.case]["target"]
     predict = o.weight_prediction == "on"
     rows = [run(o.case, o.mode, o.workers, o.slow, o.correction, seed, o.dir, predict,
-                o.sync_scaling) for seed in range(o.seeds)]
+                o.sync_scaling, o.noise) for seed in range(o.seeds)]
     print(f"{o.case} {o.mode} {o.workers} workers{f', one {o.slow:g}x straggler' if o.slow else ''}"
           f" --correction {o.correction} --weight-prediction {o.weight_prediction}: samples to {target} {[first(e, target) for e, _ in rows]}, "
           f"final {[round(e[-1][1], 4) for e, _ in rows]}, best "
