@@ -106,10 +106,12 @@ def train(box, d: str, hosts: str, log: str, *args) -> dict:
 
 
 def steady_rate(run: dict) -> float:
-    """Samples/s over the epochs after the first, as _ddp.py times DDP's."""
+    """Samples/s over the epochs after the first, as _ddp.py times DDP's (all of them in a
+    run of one epoch)."""
     ep = run["cols"]["epochs"]
-    span = ep["t_end"][1:] - ep["t_start"][1:]
-    return float(ep["samples"][1:].sum() / span.sum())
+    first = 1 if len(ep["t_end"]) > 1 else 0
+    span = ep["t_end"][first:] - ep["t_start"][first:]
+    return float(ep["samples"][first:].sum() / span.sum())
 
 
 def comm_share(run: dict, ranks) -> float:
