@@ -184,6 +184,39 @@ def test_a_silent_worker_is_probed_at_every_rebalance_despite_clock_jitter():
             if m.reason == "probe"] == [2]
 
 
+def _probe_times(bal, until, report, interval=2.0):
+    """Rebalance every `interval` s from 1 s until `until`; rank 2 does each probe as
+    `report` (samples, busy_s, comm_s) says, still too slow for a shard. When it was probed."""
+    probed, t = [], 1.0
+    while t < until:
+        if [m for m in bal.rebalance(t, {1: 1600, 2: 0, 3: 1600}) if m.reason == "probe"]:
+            probed.append(t)
+            bal.next_shard(2)
+            samples, busy_s, comm_s = report
+            bal.observe(2, t + 0.4, samples, busy_s, comm_s=comm_s)
+            assert not bal.queued(2)
+        t += interval
+    return probed
+
+
+def test_a_worker_behind_a_slow_link_is_probed_every_few_intervals():
+    """Cluster case (f): rank 2's time goes to its link (a 1,600-sample shard: 12 ms of
+    compute, 3.7 s of transfers), and each probe shard held an epoch's end up; it is probed
+    once per COMM_PROBE_SPACING intervals. A slow reader (issue 17) still is at every one."""
+    from mpilb.core.balancer.policies import COMM_PROBE_SPACING
+
+    bal = build_balancer("load", [1, 2, 3], [1600] * 48, BalancerConfig(batch=128, rebalance_interval=2.0))
+    for k in range(5):
+        t = 0.1 * (k + 1)
+        for w in (1, 3):
+            bal.observe(w, t, 12800, 0.064, comm_s=0.03)
+        bal.observe(2, t, 128, 0.001, comm_s=0.3)
+    bal.plan_epoch(1, list(range(48)))
+    assert bal.queued(2) == [] and COMM_PROBE_SPACING == 4
+    assert _probe_times(bal, 20.0, (1600, 0.0125, 3.7)) == [1.0, 9.0, 17.0]
+    assert _probe_times(_slow_reader(), 8.0, (1600, 0.36, 0.001)) == [1.0, 3.0, 5.0, 7.0]
+
+
 def test_a_probe_that_found_every_queue_empty_is_made_at_the_next_epoch_start():
     bal = _slow_reader()
     for w in (1, 3):                                             # the epoch's end: all handed out

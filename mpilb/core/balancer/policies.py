@@ -9,6 +9,10 @@ from mpilb.core.balancer.estimates import _EPS, _NONLINEAR
 
 # A silent worker is probed again once (1 - PROBE_SLACK) rebalance intervals have passed.
 PROBE_SLACK = 0.1
+# A silent worker whose time goes mostly to communication (behind a slow link) is probed
+# once per this many intervals: its probe shard outlasts the others' queues and holds an
+# epoch's end up, while a slow reader's (issue 17) mostly does not.
+COMM_PROBE_SPACING = 4
 
 
 @register("static")
@@ -251,6 +255,12 @@ class LoadBalancer(Balancer):
         old estimate is then replaced by what the probe measures (see ``observe``). A
         worker idle for any other reason would have stolen that shard already.
 
+        A worker that spends more of a sample's time communicating than computing and
+        reading (behind a slow link) is probed once per COMM_PROBE_SPACING intervals: its
+        probe shard, a few transfers over that link, outlasts what is left of the epoch and
+        holds the epoch's end up (the cluster in a box's case (f): a 0.5 s epoch took 0.7
+        s), where a slow reader's probe is mostly one read.
+
         A rebalance that finds every queue empty (the epoch's end) owes the probe to the
         next epoch's start (``owed``: worker -> the rebalance's time, which then counts as
         the probe's). The interval is counted with PROBE_SLACK: rebalances come one
@@ -264,7 +274,8 @@ class LoadBalancer(Balancer):
                 continue
             when = t if owed is None else owed[w]
             last = self._probed.get(w)
-            if (last is not None and when - last < wait) or not self.rate_known(w):
+            spacing = COMM_PROBE_SPACING if self.overhead(w) * self._planning_rate(w) > 1.0 else 1
+            if (last is not None and when - last < wait * spacing) or not self.rate_known(w):
                 continue
             donors = [v for v in self.workers if v != w and self._queues[v]]
             if not donors:
