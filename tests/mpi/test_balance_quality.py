@@ -130,17 +130,18 @@ def test_a_silent_worker_gets_a_probe_shard_once_per_interval():
     assert bal.rate(2) == pytest.approx(2000.0)
 
 
-def _slow_reader(interval=2.0):
+def _slow_reader(interval=2.0, busy_s=0.34, comm_s=0.001):
     """Ranks 1 and 3 at 200,000 samples/s; rank 2 a slow reader whose every report carries
     a whole 1,600-sample shard's read (0.33 s at 5 MB/s) in its first batch: too slow for
-    even one shard of the next plan."""
+    even one shard of the next plan. (`busy_s`, `comm_s`: rank 2's reports of 128 samples
+    otherwise.)"""
     bal = build_balancer("load", [1, 2, 3], [1600] * 48,
                          BalancerConfig(batch=128, rebalance_interval=interval))
     for k in range(5):
         t = 0.1 * (k + 1)
         for w in (1, 3):
             bal.observe(w, t, 12800, 0.064, comm_s=0.03)
-        bal.observe(2, t, 128, 0.34, comm_s=0.001)
+        bal.observe(2, t, 128, busy_s, comm_s=comm_s)
     bal.plan_epoch(1, list(range(48)))
     assert bal.queued(2) == []
     return bal
@@ -205,14 +206,8 @@ def test_a_worker_behind_a_slow_link_is_probed_every_few_intervals():
     once per COMM_PROBE_SPACING intervals. A slow reader (issue 17) still is at every one."""
     from mpilb.core.balancer.policies import COMM_PROBE_SPACING
 
-    bal = build_balancer("load", [1, 2, 3], [1600] * 48, BalancerConfig(batch=128, rebalance_interval=2.0))
-    for k in range(5):
-        t = 0.1 * (k + 1)
-        for w in (1, 3):
-            bal.observe(w, t, 12800, 0.064, comm_s=0.03)
-        bal.observe(2, t, 128, 0.001, comm_s=0.3)
-    bal.plan_epoch(1, list(range(48)))
-    assert bal.queued(2) == [] and COMM_PROBE_SPACING == 4
+    bal = _slow_reader(busy_s=0.001, comm_s=0.3)   # behind a slow link instead
+    assert COMM_PROBE_SPACING == 4
     assert _probe_times(bal, 20.0, (1600, 0.0125, 3.7)) == [1.0, 9.0, 17.0]
     assert _probe_times(_slow_reader(), 8.0, (1600, 0.36, 0.001)) == [1.0, 3.0, 5.0, 7.0]
 
