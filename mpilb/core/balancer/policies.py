@@ -256,10 +256,11 @@ class LoadBalancer(Balancer):
         worker idle for any other reason would have stolen that shard already.
 
         A worker that spends more of a sample's time communicating than computing and
-        reading (behind a slow link) is probed once per COMM_PROBE_SPACING intervals: its
-        probe shard, a few transfers over that link, outlasts what is left of the epoch and
-        holds the epoch's end up (the cluster in a box's case (f): a 0.5 s epoch took 0.7
-        s), where a slow reader's probe is mostly one read.
+        reading (behind a slow link) is probed once per COMM_PROBE_SPACING intervals,
+        counted before its first probe from its last report: its probe shard, a few
+        transfers over that link, outlasts what is left of the epoch and holds the epoch's
+        end up (the cluster in a box's case (f): a 0.5 s epoch took 0.7 s), where a slow
+        reader's probe is mostly one read.
 
         A rebalance that finds every queue empty (the epoch's end) owes the probe to the
         next epoch's start (``owed``: worker -> the rebalance's time, which then counts as
@@ -274,7 +275,11 @@ class LoadBalancer(Balancer):
                 continue
             when = t if owed is None else owed[w]
             last = self._probed.get(w)
-            spacing = COMM_PROBE_SPACING if self.overhead(w) * self._planning_rate(w) > 1.0 else 1
+            spacing = 1
+            if self.overhead(w) * self._planning_rate(w) > 1.0:   # behind a slow link
+                spacing = COMM_PROBE_SPACING
+                if last is None:   # its estimate is as old as its last report
+                    last = self._heard.get(w)
             if (last is not None and when - last < wait * spacing) or not self.rate_known(w):
                 continue
             donors = [v for v in self.workers if v != w and self._queues[v]]
