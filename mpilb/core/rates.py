@@ -217,6 +217,11 @@ class TrendRate:
         """Number of reports taken in."""
         return self.ewma.count
 
+    @property
+    def last_t(self) -> float | None:
+        """When the last report arrived (``update``'s ``t``), None before any."""
+        return self._last_t
+
     def update(self, t: float, samples: float, busy_s: float,
                comm_s: float | None = None) -> float | None:
         """Add one report observed at time ``t``; returns the EWMA estimate.

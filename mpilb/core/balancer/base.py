@@ -140,7 +140,6 @@ class Balancer(RateEstimates):
         self.benched: set[int] = set()      # sitting sync rounds out: no shards, no batch
         self._probed: dict[int, float] = {}        # when each silent worker was last probed
         self._probe_owed: dict[int, float] = {}    # probes a rebalance could not make (load)
-        self._heard: dict[int, float] = {}         # when each worker last reported (load)
         self.round_step: float | None = None   # step time the last proportional sizes aim at
         # Caches that keep a decision at 10^3 workers cheap (docs/simulate.md, "cost"):
         # each worker's projected seconds per sample (dropped when its estimate changes),

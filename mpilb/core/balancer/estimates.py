@@ -46,7 +46,6 @@ class RateEstimates:
         from when it was handed its work to this report, less the busy seconds.
         """
         self.now = max(self.now, t)
-        self._heard[worker] = t
         handed = self._handed.pop(worker, None)
         if handed is not None and comm_s is not None and not self._overhead_known(worker):
             comm_s = max(comm_s, t - handed - busy_s)

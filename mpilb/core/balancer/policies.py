@@ -279,7 +279,7 @@ class LoadBalancer(Balancer):
             if self.overhead(w) * self._planning_rate(w) > 1.0:   # behind a slow link
                 spacing = COMM_PROBE_SPACING
                 if last is None:   # its estimate is as old as its last report
-                    last = self._heard.get(w)
+                    last = self._rates[w].last_t
             if (last is not None and when - last < wait * spacing) or not self.rate_known(w):
                 continue
             donors = [v for v in self.workers if v != w and self._queues[v]]
