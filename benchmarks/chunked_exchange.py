@@ -17,6 +17,9 @@ receive posted first). Two ways of answering:
 
   each      a server answers a chunk (with as many floats) as soon as it has it, so the
             answer to the first chunk travels while the last ones still arrive
+  serial    as each, but a server takes one client's message at a time: once its first
+            chunk is in, it waits for the others in turn, answering each, before it looks
+            at another client's (what a store that handles one push at a time could do)
   whole     a server answers a client's chunks once all of them are in (what a store does
             today: a slice is applied and sent back whole); C chunks on the wire, nothing
             else changed
@@ -48,7 +51,7 @@ SERVERS = {"one store": [0], "a store per node": [0, 2, 4]}   # their ranks unde
 TAG_DONE = 30000   # client -> each server: no more messages (chunk tags are below it)
 
 
-def exchange_loop(floats: int, chunks: int, seconds: float, servers: list[int], each: bool) -> None:
+def exchange_loop(floats: int, chunks: int, seconds: float, servers: list[int], way: str) -> None:
     """One rank of the loop (started by mpiexec): a server of `servers`, or a client."""
     import numpy as np
     from mpi4py import MPI
@@ -90,6 +93,13 @@ def exchange_loop(floats: int, chunks: int, seconds: float, servers: list[int], 
         done_bufs = [np.empty(1, np.float32) for _ in clients]
         dones = [comm.Irecv(b, source=c, tag=TAG_DONE) for b, c in zip(done_bufs, clients)]
         answering: dict = {}    # (client, tag) -> its answer in flight
+
+        def answer(c: int, lo: int, hi: int, tag: int) -> None:
+            old = answering.pop((c, tag), None)
+            if old is not None:
+                old.Wait()
+            answering[c, tag] = comm.Isend(params[lo:hi], dest=c, tag=tag)
+
         arrived = {c: 0 for c in clients}   # chunks of the current message in
         left = len(clients)
         while left:
@@ -104,16 +114,22 @@ def exchange_loop(floats: int, chunks: int, seconds: float, servers: list[int], 
                         reqs[j] = MPI.REQUEST_NULL
                 continue
             c, lo, hi, tag = where[k]
-            float(bufs[c, tag].sum())   # a pass over the chunk, as an update would take
+            if way == "serial":   # this client's chunks in turn (one is in), answering each
+                for lo, hi, tag in mine:
+                    kk = where.index((c, lo, hi, tag))
+                    if kk != k:
+                        reqs[kk].Wait()
+                    float(bufs[c, tag].sum())   # a pass over the chunk, as an update would take
+                    answer(c, lo, hi, tag)
+                    reqs[kk] = comm.Irecv(bufs[c, tag], source=c, tag=tag)
+                continue
+            float(bufs[c, tag].sum())
             arrived[c] += 1
-            ready = [(lo, hi, tag)] if each else (mine if arrived[c] == len(mine) else [])
+            ready = [(lo, hi, tag)] if way == "each" else (mine if arrived[c] == len(mine) else [])
             if arrived[c] == len(mine):
                 arrived[c] = 0
             for a_lo, a_hi, a_tag in ready:
-                old = answering.pop((c, a_tag), None)
-                if old is not None:
-                    old.Wait()
-                answering[c, a_tag] = comm.Isend(params[a_lo:a_hi], dest=c, tag=a_tag)
+                answer(c, a_lo, a_hi, a_tag)
             reqs[k] = comm.Irecv(bufs[c, tag], source=c, tag=tag)
         MPI.Request.Waitall(list(answering.values()))
         rate = None
@@ -122,10 +138,10 @@ def exchange_loop(floats: int, chunks: int, seconds: float, servers: list[int], 
         print(json.dumps({"exchanges_per_s": sum(r for r in rates if r is not None)}), flush=True)
 
 
-def run(box, layout: str, floats: int, chunks: int, each: bool, seconds: float) -> float:
+def run(box, layout: str, floats: int, chunks: int, way: str, seconds: float) -> float:
     servers = ",".join(map(str, SERVERS[layout]))
     res = box.mpiexec(["-hosts", HOSTS[layout], sys.executable, os.path.abspath(__file__), "_loop",
-                       str(floats), str(chunks), f"{seconds:g}", servers, "each" if each else "whole"],
+                       str(floats), str(chunks), f"{seconds:g}", servers, way],
                       timeout=seconds + 120, env={"UCX_TCP_RX_SEG_SIZE": "1m"})
     if res.returncode != 0:
         sys.exit(f"the exchange loop ({layout}, {chunks} chunks) failed (exit {res.returncode}): "
@@ -158,19 +174,24 @@ def main() -> int:
     why = missing()
     if why:
         sys.exit(f"cannot build a cluster in a box here: {why}")
-    # the control: the larger chunk counts answered whole (the transport chunked, nothing else)
-    configs = [(c, True) for c in counts] + [(c, False) for c in counts if c > 1][-2:]
-    rates: dict = {(layout, c, each): [] for layout in HOSTS for c, each in configs}
+    # beside answering each chunk: one client's message at a time, and (the control) the
+    # chunks answered whole, the two larger counts
+    big = [c for c in counts if c > 1][-2:]
+    configs = ([(1, "each")] + [(c, "each") for c in counts if c > 1]
+               + [(c, "serial") for c in big] + [(c, "whole") for c in big])
+    rates: dict = {(layout, c, way): [] for layout in HOSTS for c, way in configs}
     res = _results.Results(NAME, "Request/reply in chunks on the cluster in a box (plain MPI)", opts)
     with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
         for rnd in range(opts.rounds):
             for layout in HOSTS:
-                for c, each in configs:
-                    rates[layout, c, each].append(run(box, layout, opts.params, c, each, opts.seconds))
+                for c, way in configs:
+                    rates[layout, c, way].append(run(box, layout, opts.params, c, way, opts.seconds))
                 print(f"round {rnd + 1}/{opts.rounds}, {layout}: " + ", ".join(
-                    f"{c}{'' if each else ' whole'} {rates[layout, c, each][-1]:.1f}"
-                    for c, each in configs) + " exchanges/s", flush=True)
+                    f"{c}{'' if way == 'each' else ' ' + way} {rates[layout, c, way][-1]:.1f}"
+                    for c, way in configs) + " exchanges/s", flush=True)
     mb = 4 * opts.params / 1e6
+    ways = {"each": "answered each", "serial": "answered each, one message at a time",
+            "whole": "answered whole"}
     for layout in HOSTS:
         servers = SERVERS[layout]
         bound = wire_bound(HOSTS[layout], servers, rate_bytes(opts.link_rate), opts.params)
@@ -178,13 +199,13 @@ def main() -> int:
                       f"{opts.link_rate} links: exchanges/s (wire bound {bound:.1f})",
                       f"sudo python benchmarks/chunked_exchange.py --rounds {opts.rounds} "
                       f"--seconds {opts.seconds:g} --params {opts.params} --chunks {opts.chunks}")
-        ref = rates[layout, 1, True]
-        for c, each in configs:
-            got = rates[layout, c, each]
+        ref = rates[layout, 1, "each"]
+        for c, way in configs:
+            got = rates[layout, c, way]
             kb = 4 * opts.params / len(servers) / c / 1e3
-            what = (f"{c} chunks of {kb:,.0f} KB a slice, answered "
-                    + ("each" if each else "whole") if c > 1 else f"1 message of {kb:,.0f} KB a slice")
-            fid = f"{'one' if layout == 'one store' else 'per_node'}.{c}.{'each' if each else 'whole'}"
+            what = (f"{c} chunks of {kb:,.0f} KB a slice, {ways[way]}" if c > 1
+                    else f"1 message of {kb:,.0f} KB a slice")
+            fid = f"{'one' if layout == 'one store' else 'per_node'}.{c}.{way}"
             if c == 1:
                 res.figure(g, fid, f"{what}: exchanges/s", got, unit="/s", digits=1)
             res.figure(g, f"{fid}_bound", f"{what}: ÷ the wire bound", [r / bound for r in got], unit="x")
@@ -200,6 +221,6 @@ def main() -> int:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_loop":
         exchange_loop(int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]),
-                      [int(s) for s in sys.argv[5].split(",")], sys.argv[6] == "each")
+                      [int(s) for s in sys.argv[5].split(",")], sys.argv[6])
     else:
         sys.exit(main())

@@ -18,6 +18,8 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "chunked_exchange.
     (5, "0", 4, "each"),
     (6, "0,2,4", 3, "each"),
     (6, "0,2,4", 3, "whole"),
+    (5, "0", 3, "serial"),
+    (6, "0,2,4", 3, "serial"),
 ])
 def test_exchange_loop_counts_and_ends(ranks, servers, chunks, way):
     out = subprocess.run([mpiexec(), "-n", str(ranks), sys.executable, str(SCRIPT), "_loop",
