@@ -19,8 +19,9 @@ Groups:
   against sync's, samples to 0.9 as a multiple of sync's; each also under the previous
   policy (`--correction momentum`), which trades with dynamic on these models
   (docs/benchmarks/staleness.md).
-Each case also runs async with `--weight-prediction off`, the default before weight
-prediction (core/prediction.py).
+Each case also runs async with `--correction dynamic` (the default before `lookahead`: weight
+prediction with dynamic's momentum, no warm-up) and with `--weight-prediction off` (dynamic
+alone, the default before weight prediction, core/prediction.py).
 - table: mean staleness of the applied gradients against workers (2, 4, 6: 7 ranks,
   oversubscribed) and --pipeline 0/1 (digits mlp, 2 epochs).
 
@@ -54,6 +55,7 @@ DIGITS_MODELS = {"mlp": ["--model", "mlp", "--hidden", "64"], "cnn": ["--model",
                  "torch cnn": ["--model", os.path.join(HERE, "examples/torch_cnn.py:Net")]}
 DIGITS_TARGET = 0.9
 NO_PREDICTION = ["--weight-prediction", "off"]
+DYNAMIC = ["--correction", "dynamic"]
 
 
 def train(data: str, log: str, ranks: int, args: list[str], timeout: float) -> dict:
@@ -128,22 +130,28 @@ def recipe(b: Bench, res) -> None:
             extra = STRAGGLER if slow else []
             sync = b.runs(data, workers + 1, MLP + RECIPE + stop + extra + ["--mode", "sync"])
             new = b.runs(data, workers + 1, MLP + RECIPE + stop + extra)
+            dynamic = b.runs(data, workers + 1, MLP + RECIPE + stop + extra + DYNAMIC)
             unpredicted = b.runs(data, workers + 1, MLP + RECIPE + stop + extra + NO_PREDICTION)
             res.figure(g, f"sync-{workers}{'s' if slow else ''}", "--mode sync: samples to target",
                        _samples(sync), digits=0, command=g["command"] + " --mode sync")
             res.figure(g, f"async-{workers}{'s' if slow else ''}",
-                       "async, the defaults (dynamic, weight prediction): samples to target / sync's",
+                       "async, the defaults (lookahead, weight prediction): samples to target / sync's",
                        _ratio(_samples(new), _samples(sync)), target="<= 1.3")
             res.figure(g, f"stale-{workers}{'s' if slow else ''}", "async: mean staleness",
                        [r["staleness"]["mean"] for r in new])
-            res.figure(g, f"nopred-{workers}{'s' if slow else ''}", "async --weight-prediction off "
+            res.figure(g, f"dynamic-{workers}{'s' if slow else ''}", "async --correction dynamic "
                        "(the previous default): samples to target / sync's",
+                       _ratio(_samples(dynamic), _samples(sync)))
+            res.figure(g, f"nopred-{workers}{'s' if slow else ''}", "async --weight-prediction off "
+                       "(dynamic alone, the default before it): samples to target / sync's",
                        _ratio(_samples(unpredicted), _samples(sync)))
             if slow:
                 t_sync = [r["time_to_target_s"] for r in sync]
                 res.figure(g, f"time-{workers}s", "async: time to target / sync's "
                            "(wall clock, on this machine)",
                            _ratio([r["time_to_target_s"] for r in new], t_sync), target="<= 0.5")
+                res.figure(g, f"dynamic-time-{workers}s", "async --correction dynamic: time to "
+                           "target / sync's", _ratio([r["time_to_target_s"] for r in dynamic], t_sync))
                 res.figure(g, f"nopred-time-{workers}s", "async --weight-prediction off: time to "
                            "target / sync's", _ratio([r["time_to_target_s"] for r in unpredicted], t_sync))
             if workers == 4 and not slow:
@@ -154,7 +162,7 @@ def recipe(b: Bench, res) -> None:
                            [r["best_test_accuracy"] for r in old], digits=4)
             if workers == 8 and not slow:
                 prev = b.runs(data, workers + 1, MLP + RECIPE + stop + ["--correction", "momentum"])
-                res.figure(g, "prev-8", "async --correction momentum (the previous default): "
+                res.figure(g, "prev-8", "async --correction momentum (the default before dynamic): "
                            "samples to target / sync's", _ratio(_samples(prev), _samples(sync)))
 
 
@@ -172,25 +180,26 @@ def digits(b: Bench, res) -> None:
         first = [_first(r, DIGITS_TARGET) for r in sync]
         res.figure(g, f"{name}-sync", "--mode sync: final accuracy",
                    [r["final_test_accuracy"] for r in sync], digits=4)
-        res.figure(g, f"{name}-async", "async, the defaults (dynamic, weight prediction): final accuracy",
+        res.figure(g, f"{name}-async", "async, the defaults (lookahead, weight prediction): final accuracy",
                    [r["final_test_accuracy"] for r in new], digits=4)
         sync_med = statistics.median(r["final_test_accuracy"] for r in sync)
         res.figure(g, f"{name}-gap", "async final accuracy - sync's median (points)",
                    [100 * (r["final_test_accuracy"] - sync_med) for r in new], target=">= -0.5")
         res.figure(g, f"{name}-samples", f"async: samples to {DIGITS_TARGET} / sync's",
                    _ratio([_first(r, DIGITS_TARGET) for r in new], first), target="<= 1.3")
-        unpredicted = b.runs(data, 5, model + common + NO_PREDICTION)
-        res.figure(g, f"{name}-nopred-gap", "async --weight-prediction off (the previous default): "
-                   "final accuracy - sync's median (points)",
-                   [100 * (r["final_test_accuracy"] - sync_med) for r in unpredicted])
-        res.figure(g, f"{name}-nopred-samples", f"async --weight-prediction off: samples to "
-                   f"{DIGITS_TARGET} / sync's", _ratio([_first(r, DIGITS_TARGET) for r in unpredicted], first))
-        prev = b.runs(data, 5, model + common + ["--correction", "momentum"])
-        res.figure(g, f"{name}-prev-gap", "async --correction momentum (the default before dynamic): "
-                   "final accuracy - sync's median (points)",
-                   [100 * (r["final_test_accuracy"] - sync_med) for r in prev])
-        res.figure(g, f"{name}-prev-samples", f"async --correction momentum: samples to "
-                   f"{DIGITS_TARGET} / sync's", _ratio([_first(r, DIGITS_TARGET) for r in prev], first))
+        beside = (("dynamic", DYNAMIC, "async --correction dynamic (the previous default)",
+                   "async --correction dynamic"),
+                  ("nopred", NO_PREDICTION, "async --weight-prediction off (dynamic alone)",
+                   "async --weight-prediction off"),
+                  ("prev", ["--correction", "momentum"],
+                   "async --correction momentum (the default before dynamic)",
+                   "async --correction momentum"))
+        for key, extra, label, short in beside:
+            runs = b.runs(data, 5, model + common + extra)
+            res.figure(g, f"{name}-{key}-gap", f"{label}: final accuracy - sync's median (points)",
+                       [100 * (r["final_test_accuracy"] - sync_med) for r in runs])
+            res.figure(g, f"{name}-{key}-samples", f"{short}: samples to {DIGITS_TARGET} / sync's",
+                       _ratio([_first(r, DIGITS_TARGET) for r in runs], first))
 
 
 def _first(s: dict, target: float):

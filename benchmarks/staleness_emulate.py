@@ -22,10 +22,13 @@ rows of the synthetic set, all 360 of digits) every 4096 (recipe) or 256 samples
 --correction: a registered correction (none, momentum, dynamic, inverse, dc), or a rule
 tried while choosing one (docs/benchmarks/staleness.md): ``mu=RULE[,lr=out|dyn][,clip=C]``
 with RULE ``sub`` (mu0 - tau/(tau+1), as momentum), ``kK`` (1 - (1-mu0)(tau+1)/K: k1 is
-dynamic), ``fixedM`` (momentum M) or ``persub`` (sub of each gradient's own staleness);
-lr=out multiplies a gradient's lr by min(1, (tau+1)/(tau_i+1)) (a gradient staler than the
-mean weighted down), lr=dyn by 1/(tau_i+1); clip=C clips each gradient to C times the moving
-mean of the norms. tau: the moving mean staleness (corrections.StalenessMeter).
+dynamic), ``cC`` (1 - (1-mu0)(1 + C tau): c0.7 is lookahead's momentum), ``fixedM``
+(momentum M) or ``persub`` (sub of each gradient's own staleness); lr=out multiplies a
+gradient's lr by min(1, (tau+1)/(tau_i+1)) (a gradient staler than the mean weighted down),
+lr=dyn by 1/(tau_i+1); warm=N ramps the lr up over the first N gradients (n/N: with c0.7
+and N = 40, lookahead); clip=C clips each gradient to C times the moving mean of the
+norms; prior=X starts the staleness mean at X (as if 10 gradients had shown it). tau: the
+moving mean staleness (corrections.StalenessMeter).
 
 --weight-prediction on: each worker computes on the parameters it read extrapolated by the
 staleness its gradients met (core/prediction.py, as the engine's workers do).
@@ -97,6 +100,8 @@ class Rule:
             return max(0.0, MU0 - staleness / (staleness + 1))
         if r.startswith("k"):
             return max(0.0, 1 - (1 - MU0) * (tau + 1) / float(r[1:]))
+        if r.startswith("c"):
+            return max(0.0, 1 - (1 - MU0) * (1 + float(r[1:]) * tau))
         return float(r[len("fixed"):])
 
     def scale(self, g: np.ndarray, tau: float, staleness: int) -> None:
@@ -105,6 +110,9 @@ class Rule:
             g *= min(1.0, (tau + 1) / (staleness + 1))
         elif lr == "dyn":
             g *= 1.0 / (staleness + 1)
+        if "warm" in self.opts:
+            self.applied = getattr(self, "applied", 0) + 1
+            g *= min(1.0, self.applied / float(self.opts["warm"]))
         if "clip" in self.opts:
             n = float(np.linalg.norm(g))
             self.count += 1
@@ -129,6 +137,8 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
     nominal = c["batch"] * (workers if mode == "sync" and sync_scaling == "none" else 1)
     ring = ParamRing(params, opt, build_correction("none" if rule else correction), nominal)
     meter, rng = StalenessMeter(), np.random.default_rng(seed)
+    if rule is not None and "prior" in rule.opts:
+        meter.mean, meter.count = float(rule.opts["prior"]), 10
     order = np.concatenate([rng.permutation(len(x)) for _ in range(c["epochs"] + 1)])
     state = {"pos": 0, "done": 0, "next": c["every"]}
     evals, stale = [], []

@@ -22,7 +22,7 @@ except ModuleNotFoundError:  # pragma: no cover - older Pythons get tomli from s
 from mpilb.config.options import OPTION_BY_NAME, OPTIONS, Option, closest, is_torch_optimizer
 from mpilb.config.reference import reference_markdown
 from mpilb.config.sections import Config, parse_hidden
-from mpilb.core.corrections import ASYNC_DEFAULT, MOMENTUM_RULES
+from mpilb.core.corrections import ASYNC_DEFAULT, MOMENTUM_RULES, PREDICTED_DEFAULT
 from mpilb.config.validate import check_combinations, check_no_effect, check_value, warn
 from mpilb.errors import UsageError
 
@@ -143,14 +143,18 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
     if values["weight_decay"] is None and not is_torch_optimizer(values["optimizer"]):
         values["weight_decay"] = 0.01 if values["optimizer"] == "adamw" else 0.0
     if values["correction"] is None:
-        values["correction"] = "none" if values["mode"] == "sync" else ASYNC_DEFAULT
+        predicts = values["weight_prediction"] == "on" or (
+            values["weight_prediction"] is None and values["optimizer"] == "momentum")
+        values["correction"] = ("none" if values["mode"] == "sync" else
+                                PREDICTED_DEFAULT if predicts and values["optimizer"] == "momentum"
+                                else ASYNC_DEFAULT)
     if values["pipeline"] is None:
         # async computes ahead by default: 1.03-1.21x the samples/s where measured, at the
         # same accuracy (docs/balancing.md). Not with ssp (its bound stays what it says) or
         # sync (it cannot), nor under --correction inverse: computing ahead about doubles a
         # gradient's staleness, which that correction divides the learning rate by (digits,
         # 20 epochs: 0.94-0.95 final accuracy instead of 0.96-0.97). Nor with a momentum
-        # recipe under a momentum policy (dynamic, the default, or momentum): twice the
+        # recipe under a momentum policy (lookahead or dynamic, the defaults, or momentum): twice the
         # staleness cost 1.5x the samples to target (docs/benchmarks/staleness.md)
         values["pipeline"] = int(values["mode"] == "async" and values["correction"] != "inverse"
                                  and not (values["correction"] in MOMENTUM_RULES

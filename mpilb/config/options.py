@@ -84,16 +84,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("correction", str, None, "staleness correction: dynamic = the optimizer's "
            "momentum set to 1 - (1-mu)(tau+1), tau the measured mean staleness: each "
            "gradient's long-run step lr/(1-mu) divided by tau+1 (DynSGD through the "
-           "momentum); momentum = mu - tau/(tau+1), what asynchrony adds taken off (the "
-           "previous default); none = as given (the first default); inverse = lr/max(1,tau); dc = delay-compensated ASGD",
-           ("none", "dynamic", "momentum", "inverse", "dc"),
-           group="mode", default_text="dynamic with --mode async or ssp, none with sync"),
+           "momentum); lookahead = for workers that predict the parameters "
+           "(--weight-prediction on): 1 - (1-mu)(1+0.7 tau), the lr ramped up over the first "
+           "40 gradients; momentum = mu - tau/(tau+1), what asynchrony adds taken off; "
+           "none = as given (the first default); inverse = lr/max(1,tau); dc = delay-compensated ASGD",
+           ("none", "dynamic", "lookahead", "momentum", "inverse", "dc"),
+           group="mode", default_text="lookahead with --mode async or ssp and weight prediction "
+           "(--optimizer momentum), dynamic without it, none with sync"),
     Option("dc_lambda", float, 0.04, "dc: the compensation strength lambda", check=_NON_NEGATIVE,
            group="mode"),
     Option("pipeline", int, None, "1: compute the next gradient while the previous push is in "
            "flight (one more step of staleness, less waiting)", (0, 1), group="mode",
            default_text="1 with --mode async, 0 with ssp or sync, under --correction inverse, "
-           "or under --correction dynamic or momentum with --optimizer momentum"),
+           "or under --correction dynamic, lookahead or momentum with --optimizer momentum"),
     Option("weight_prediction", str, None, "on: a worker computes its gradient on the "
            "parameters it read extrapolated along their recent trajectory by the staleness "
            "its pushes meet, the ones the server will likely hold when the gradient arrives "

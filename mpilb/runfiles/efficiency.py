@@ -177,9 +177,10 @@ def warnings(config: dict, up: dict, samples: np.ndarray, accuracy: np.ndarray) 
                    f"{MOMENTUM_RULES[ASYNC_DEFAULT](mu, tau):.2f}")
     dropped = fell(accuracy)
     hint = f"try --correction {ASYNC_DEFAULT}" if not policy and mu > 0 else f"try {fresher}"
-    if config.get("correction") == "dynamic" and mu > 0:   # the swings of more momentum
-        hint = (f"try --correction momentum (momentum "
-                f"{MOMENTUM_RULES['momentum'](float(config.get('momentum') or 0.0), tau):.2f} "
+    less = {"lookahead": "dynamic", "dynamic": "momentum"}.get(config.get("correction"))
+    if less and mu > 0:   # the swings of more momentum: the policy that keeps less
+        hint = (f"try --correction {less} (momentum "
+                f"{MOMENTUM_RULES[less](float(config.get('momentum') or 0.0), tau):.2f} "
                 f"instead of {mu:.2f} at this staleness), or {fresher}")
     if dropped is not None:
         out.append(f"accuracy fell from {dropped[0]:.4f} to {dropped[1]:.4f} (mean staleness "

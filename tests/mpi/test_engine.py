@@ -61,7 +61,7 @@ def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     assert all(w["samples"] > 0 for w in s["per_worker"])
     if "momentum" in extra:   # a DDP recipe under the default staleness policy, unpipelined
         # unless asked, with the workers computing on extrapolated parameters
-        assert s["correction"] == "dynamic" and pipelined == ("--pipeline" in extra)
+        assert s["correction"] == "lookahead" and pipelined == ("--pipeline" in extra)
         assert config["weight_prediction"] == "on"
     else:
         assert config["weight_prediction"] == "off"

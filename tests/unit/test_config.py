@@ -38,6 +38,21 @@ def test_the_correction_default_follows_the_mode(mode, correction):
     assert build_config({}, {"mode": mode, "correction": "dc"}).updates.correction == "dc"
 
 
+@pytest.mark.parametrize("values,correction", [
+    ({"optimizer": "momentum"}, "lookahead"), ({"optimizer": "momentum", "mode": "ssp"}, "lookahead"),
+    # without prediction dynamic, as before it
+    ({"optimizer": "momentum", "weight_prediction": "off"}, "dynamic"),
+    ({"optimizer": "sgd"}, "dynamic"), ({"optimizer": "sgd", "weight_prediction": "on"}, "dynamic"),
+    ({"optimizer": "momentum", "mode": "sync"}, "none"),
+    ({"optimizer": "momentum", "correction": "dynamic"}, "dynamic"),   # as given
+])
+def test_a_momentum_recipe_with_prediction_defaults_to_lookahead(values, correction):
+    cfg = build_config({}, values)
+    assert cfg.updates.correction == correction
+    if values.get("mode") != "sync":
+        assert cfg.updates.pipeline == 0 or values["optimizer"] == "sgd"
+
+
 def test_toml_with_dashes_or_underscores_and_cli_override(tmp_path):
     f = tmp_path / "c.toml"
     f.write_text('model = "softmax"\nstaleness-bound = 3\nbatch_policy = "proportional"\n'

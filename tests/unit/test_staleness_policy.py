@@ -4,8 +4,9 @@ the momentum it leaves the optimizer, and the old behaviour under `--correction 
 import numpy as np
 import pytest
 
-from mpilb.core.corrections import (MOMENTUM_RULES, StalenessMeter, build_correction,
-                                    dynamic_momentum, explicit_momentum, implicit_momentum)
+from mpilb.core.corrections import (LOOKAHEAD_WARMUP, MOMENTUM_RULES, StalenessMeter,
+                                    build_correction, dynamic_momentum, explicit_momentum,
+                                    implicit_momentum, lookahead_momentum)
 from mpilb.core.optimizers import build_optimizer
 from mpilb.server.modes import ParamRing, Update, build_rule
 from mpilb.server.peers import Peer
@@ -41,7 +42,31 @@ def test_dynamic_momentum_divides_the_long_run_step_by_tau_plus_one():
         assert 1 / (1 - dynamic_momentum(0.9, tau)) == pytest.approx(10 / (tau + 1))
     # it keeps more momentum than `momentum` at every staleness short of 9, where both reach 0
     assert all(dynamic_momentum(0.9, t) >= explicit_momentum(0.9, t) for t in np.linspace(0, 9, 37))
-    assert MOMENTUM_RULES == {"momentum": explicit_momentum, "dynamic": dynamic_momentum}
+    assert MOMENTUM_RULES == {"momentum": explicit_momentum, "dynamic": dynamic_momentum,
+                              "lookahead": lookahead_momentum}
+
+
+def test_lookahead_keeps_more_momentum_than_dynamic():
+    assert lookahead_momentum(0.9, 0) == pytest.approx(0.9)
+    assert lookahead_momentum(0.9, 3) == pytest.approx(0.69)     # 1 - 0.1 * (1 + 2.1)
+    assert lookahead_momentum(0.9, 7) == pytest.approx(0.41)
+    assert lookahead_momentum(0.9, 20) == 0.0                    # never below 0
+    for tau in (1, 3, 7):   # the long-run step divided by 1 + 0.7 tau, not tau + 1
+        assert 1 / (1 - lookahead_momentum(0.9, tau)) == pytest.approx(10 / (1 + 0.7 * tau))
+        assert lookahead_momentum(0.9, tau) > dynamic_momentum(0.9, tau)
+
+
+def test_lookahead_ramps_the_learning_rate_up_over_its_first_gradients():
+    rule = build_rule("async", store(correction="lookahead"), lambda r: True)
+    scales = [rule.push(Peer(1), Update(1, 0, 0, 0, 32, 32, 1.0, 3), np.ones(4, np.float32))[1]
+              for _ in range(LOOKAHEAD_WARMUP + 5)]
+    assert scales[0] == pytest.approx(1 / LOOKAHEAD_WARMUP)
+    assert scales[9] == pytest.approx(10 / LOOKAHEAD_WARMUP)
+    assert scales[LOOKAHEAD_WARMUP - 1:] == [1.0] * 6
+    # a checkpoint's count goes on: a resumed run does not warm up again
+    fresh = build_correction("lookahead")
+    assert fresh.load_state_dict(rule.ring.correction.state_dict())
+    assert fresh.apply(np.ones(4, np.float32), 3, None, None) == 1.0
 
 
 def store(optimizer="momentum", correction="momentum", n=4):
@@ -55,7 +80,7 @@ def push_all(rule, staleness, count=50):
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])
-@pytest.mark.parametrize("policy", ["momentum", "dynamic"])
+@pytest.mark.parametrize("policy", ["momentum", "dynamic", "lookahead"])
 def test_the_policy_sets_the_momentum_from_the_measured_staleness(mode, policy):
     rule = build_rule(mode, store(correction=policy), lambda r: True, staleness_bound=100)
     push_all(rule, staleness=3)
