@@ -143,19 +143,18 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
     if values["weight_decay"] is None and not is_torch_optimizer(values["optimizer"]):
         values["weight_decay"] = 0.01 if values["optimizer"] == "adamw" else 0.0
     if values["correction"] is None:
-        predicts = values["weight_prediction"] == "on" or (
-            values["weight_prediction"] is None and values["optimizer"] == "momentum")
+        # a momentum recipe's workers predict the parameters unless told not to (below)
+        predicts = values["optimizer"] == "momentum" and values["weight_prediction"] != "off"
         values["correction"] = ("none" if values["mode"] == "sync" else
-                                PREDICTED_DEFAULT if predicts and values["optimizer"] == "momentum"
-                                else ASYNC_DEFAULT)
+                                PREDICTED_DEFAULT if predicts else ASYNC_DEFAULT)
     if values["pipeline"] is None:
         # async computes ahead by default: 1.03-1.21x the samples/s where measured, at the
         # same accuracy (docs/balancing.md). Not with ssp (its bound stays what it says) or
         # sync (it cannot), nor under --correction inverse: computing ahead about doubles a
         # gradient's staleness, which that correction divides the learning rate by (digits,
         # 20 epochs: 0.94-0.95 final accuracy instead of 0.96-0.97). Nor with a momentum
-        # recipe under a momentum policy (lookahead or dynamic, the defaults, or momentum): twice the
-        # staleness cost 1.5x the samples to target (docs/benchmarks/staleness.md)
+        # recipe under a momentum policy (lookahead or dynamic, the defaults, or momentum):
+        # twice the staleness cost 1.5x the samples to target (docs/benchmarks/staleness.md)
         values["pipeline"] = int(values["mode"] == "async" and values["correction"] != "inverse"
                                  and not (values["correction"] in MOMENTUM_RULES
                                           and values["optimizer"] == "momentum"))

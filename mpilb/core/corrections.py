@@ -226,6 +226,8 @@ ASYNC_DEFAULT = "dynamic"
 the workers predict the parameters: PREDICTED_DEFAULT)."""
 
 PREDICTED_DEFAULT = "lookahead"
+"""The correction of async and ssp when --correction is not given and the workers predict
+the parameters (--optimizer momentum, --weight-prediction not off)."""
 
 MOMENTUM_RULES = {name: cls.rule for name, cls in CORRECTIONS.items() if hasattr(cls, "rule")}
 """Correction name -> (the recipe's momentum, mean staleness) -> the momentum applied, for
