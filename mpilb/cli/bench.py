@@ -27,11 +27,12 @@ from mpilb.config.build import build_config
 from mpilb.core.topology import PER_NODE, store_ranks
 from mpilb.errors import UsageError
 from mpilb.mpi import comm as C
-from mpilb.mpi import cores, wire, wire_format
+from mpilb.mpi import chunks, cores, wire, wire_format
 from mpilb.mpi.wire import Cmd
 from mpilb.run.components import config_model
 from mpilb.server.loop import ParameterServer
 from mpilb.server.store import SliceRank, store_bounds
+from mpilb.worker.pushes import send_slices
 
 TAG_BARE = 21
 TAG_BARE_STOP = 22
@@ -119,16 +120,21 @@ def _bare_worker(comm, n: int, fmt: wire_format.WireFormat = wire_format.Float32
 
 
 def _null_worker(comm, n: int, bounds: list, stores: list,
-                 fmt: wire_format.WireFormat = wire_format.Float32()) -> None:
+                 fmt: wire_format.WireFormat = wire_format.Float32(), plans=None) -> None:
     """The worker protocol without computing: push zero-cost gradients of the tasks assigned,
     honouring their ends, cuts and drops (so coverage stays exact, as with real workers).
     Slices go to their stores (`bounds`, the store ranks `stores`) as real workers send them,
-    in the wire format `fmt` (encoded once: the same gradient every push)."""
+    in the chunks of `plans` (mpi/chunks.py; None: one message each), in the wire format
+    `fmt` (encoded once: the same gradient every push)."""
+    plans = plans or [None] * len(stores)
     push = wire_format.new_message(fmt, n)
     fmt.encode(np.full(n, 1e-3, np.float32), push.payload)
     recv = wire_format.new_message(fmt, n)
-    head = (wire_format.message_bytes(fmt, n) if len(stores) == 1
-            else wire.HEADER_BYTES + fmt.itemsize * bounds[1])
+    if plans[0] is not None:
+        head = wire.HEADER_BYTES + fmt.itemsize * plans[0][0][1]
+    else:
+        head = (wire_format.message_bytes(fmt, n) if len(stores) == 1
+                else wire.HEADER_BYTES + fmt.itemsize * bounds[1])
     tasks: list[list[int]] = []   # [epoch, shard, pos, end]
     backoff = C.Backoff()
     step = 0
@@ -136,14 +142,19 @@ def _null_worker(comm, n: int, bounds: list, stores: list,
     pushes: list = []
     while True:
         if pulls is None:
-            pulls = [comm.Irecv(recv.payload[bounds[s]:bounds[s + 1]], source=r, tag=wire.TAG_PARAMS)
-                     for s, r in enumerate(stores)]
+            pulls = [comm.Irecv(recv.payload[bounds[s] + lo:bounds[s] + hi], source=r,
+                                tag=wire.TAG_PARAMS)
+                     for s, r in enumerate(stores)
+                     for lo, hi in plans[s] or chunks.whole(bounds[s + 1] - bounds[s])]
         C.recv_when_ready(comm, recv.buf[:wire.HEADER_BYTES], 0, wire.TAG_REPLY, backoff)
         reply = wire.decode_reply(recv.header)
         for req in pushes:   # done: the server replied (as a real worker, it did not wait)
             C.complete(req)
         pushes = []
         if reply.cmd == Cmd.STOP:
+            if reply.streamed:   # the parameters of the last step come all the same
+                for req in pulls:
+                    C.wait(req, timeout=5.0)
             for req in pulls:
                 req.Cancel()
                 C.wait(req, timeout=1.0)
@@ -172,9 +183,7 @@ def _null_worker(comm, n: int, bounds: list, stores: list,
         wire.encode_push(push.header, step=step, version=reply.version, epoch=epoch, shard=shard,
                          lo=lo, hi=hi, batch=hi - lo, loss=0.0, compute_s=0.0, io_s=0.0,
                          comm_s=0.0, idle_s=0.0, nonfinite=False, t=0.0)
-        pushes = [comm.Isend(push.payload[bounds[s]:bounds[s + 1]], dest=r, tag=wire.TAG_GRAD)
-                  for s, r in enumerate(stores) if s > 0]
-        pushes.append(comm.Isend(push.buf[:head], dest=0, tag=wire.TAG_PUSH))
+        pushes = send_slices(comm, push, stores, bounds, plans, head)
         step += 1
 
 
@@ -182,13 +191,14 @@ _NULL_SHARD = 1_000_000
 
 
 def _bench_config(n: int, seconds: float, optimizer: str, lr: float, stores: list, log: str,
-                  wire_name: str = "fp32"):
+                  wire_name: str = "fp32", nodes=(), chunk_kb: int = chunks.DEFAULT_KB):
     cfg = build_config({}, {"model": "softmax", "optimizer": optimizer, "lr": lr,
                             "epochs": 1, "max_seconds": seconds, "eval_interval": 1e9,
                             "rebalance_interval": 1.0, "progress": False,
                             "servers": len(stores), "log": log, "data": "<bench>",
-                            "wire": wire_name})
+                            "wire": wire_name, "chunk_kb": chunk_kb})
     cfg.store_ranks = tuple(stores)
+    cfg.rank_nodes = tuple(nodes)
     return cfg
 
 
@@ -203,16 +213,19 @@ def _bench_dataset(n: int, workers: int) -> _BenchDataset:
 
 
 def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: list,
-              fmt: wire_format.WireFormat = wire_format.Float32()) -> dict:
+              fmt: wire_format.WireFormat = wire_format.Float32(), nodes=(),
+              chunk_kb: int = chunks.DEFAULT_KB) -> dict:
     """One timed run of the real server (rank 0), its stores and null workers (every rank).
     Rank 0 returns {updates_per_s, server_cpu_s, train_s, updates, servers: [...]}."""
     rank, size = comm.Get_rank(), comm.Get_size()
     dataset = _bench_dataset(n, size - len(stores))
     with tempfile.TemporaryDirectory() as tmp:
         cfg = _bench_config(n, seconds, optimizer, lr, stores, os.path.join(tmp, "bench.h5"),
-                            fmt.name)
+                            fmt.name, nodes, chunk_kb)
         if rank not in stores:
-            _null_worker(comm, n, store_bounds(cfg, config_model(cfg, dataset)), stores, fmt)
+            bounds = store_bounds(cfg, config_model(cfg, dataset))
+            _null_worker(comm, n, bounds, stores, fmt,
+                         chunks.store_plans(cfg, rank, stores, bounds, fmt.itemsize))
             return {}
         if rank > 0:
             SliceRank(cfg, dataset, comm, rank).run()
@@ -229,12 +242,14 @@ def _real_run(comm, n: int, seconds: float, optimizer: str, lr: float, stores: l
 
 
 def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sgd",
-             as_json: bool = False, repeats: int = 3, servers=1, wire: str = "fp32") -> int:
+             as_json: bool = False, repeats: int = 3, servers=1, wire: str = "fp32",
+             chunk_kb: int = chunks.DEFAULT_KB) -> int:
     """Run both loops on every rank, alternating `repeats` times; rank 0 prints medians
     (the ratio is the median of the per-pair ratios). With `servers` K > 1 (or "per-node")
     the real server has that many parameter stores, placed by node as `mpilb train` places
     them (topology.store_ranks); the bare loop stays one server, P-1 workers. `wire`: the
-    element type of pushes and replies (--wire), in both loops."""
+    element type of pushes and replies (--wire), in both loops; `chunk_kb`: the real
+    server's chunks between nodes (--chunk-kb; the bare loop sends one message)."""
     fmt = wire_format.wire_format(wire)   # an unknown one: UsageError, before any MPI
     comm, rank, size = C.world()
     nodes = C.nodes(comm)
@@ -242,8 +257,9 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
         if rank == 0:
             raise UsageError("bench ps needs at least 2 ranks: mpiexec -n 4 mpilb bench ps")
         return 2
-    if params < 10 or seconds <= 0 or repeats < 1:
-        raise UsageError("bench ps: --params must be >= 10, --seconds > 0 and --repeats >= 1")
+    if params < 10 or seconds <= 0 or repeats < 1 or chunk_kb < 0:
+        raise UsageError("bench ps: --params must be >= 10, --seconds > 0, --repeats >= 1 "
+                         "and --chunk-kb >= 0")
     if servers != PER_NODE:
         try:
             servers = int(servers)
@@ -271,7 +287,7 @@ def bench_ps(params: int = 1_000_000, seconds: float = 2.0, optimizer: str = "sg
         else:
             _bare_worker(comm, n, fmt)
         C.wait(comm.Ibarrier())
-        run = _real_run(comm, n, seconds, optimizer, lr, stores, fmt)
+        run = _real_run(comm, n, seconds, optimizer, lr, stores, fmt, nodes, chunk_kb)
         if rank == 0:
             runs.append(run)
             rates.append(run["updates_per_s"])

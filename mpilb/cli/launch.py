@@ -140,6 +140,7 @@ def _start(comm, rank: int, size: int, config_file, cli_values: dict):
     cfg = Config.from_values(values)   # (validated on rank 0)
     # the same list on every rank: computed from the same node split and option
     cfg.store_ranks = tuple(store_ranks(nodes, cfg.updates.servers))
+    cfg.rank_nodes = tuple(nodes)   # which pairs talk across a network (mpi/chunks.py)
     hosts = C.hostnames(comm)
     if cfg.inputs.store == "local":   # each other node's first rank checks the copies placed there
         from mpilb.worker.node_copies import shards_to_verify, verify_node_copies

@@ -173,6 +173,8 @@ def build_parser() -> Parser:
                     help="parameter stores, placed by node as `mpilb train --servers` does")
     ps.add_argument("--wire", default="fp32", metavar="fp32|bf16|fp16",
                     help="element type of pushes and replies, as `mpilb train --wire`")
+    ps.add_argument("--chunk-kb", type=int, default=128, metavar="KB",
+                    help="chunks between nodes, as `mpilb train --chunk-kb` (0: one message)")
     ps.add_argument("--json", action="store_true")
 
     exp = sub.add_parser("export", help="trained weights out of a checkpoint")
@@ -272,7 +274,7 @@ def _dispatch(args) -> int:
 
         return bench_ps(params=args.params, seconds=args.seconds, optimizer=args.optimizer,
                         as_json=args.json, repeats=args.repeats, servers=args.servers,
-                        wire=args.wire)
+                        wire=args.wire, chunk_kb=args.chunk_kb)
     if args.command == "export":
         from mpilb.runfiles.export import export
 

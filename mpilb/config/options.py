@@ -223,6 +223,11 @@ OPTIONS: tuple[Option, ...] = (
            "between workers and stores: bf16 and fp16 halve the bytes; the stores keep fp32 "
            "parameters and optimizer state, the workers convert (docs/cluster.md)",
            ("fp32", "bf16", "fp16"), group="mode"),
+    Option("chunk_kb", int, 128, "between a worker and a store on different nodes, pushes "
+           "and replies go in chunks of about KB kilobytes, and an async store applies and "
+           "answers each chunk as it arrives (the two directions of a link overlap); 0: one "
+           "message (docs/cluster.md)", check=(lambda v: v >= 0, "an integer >= 0"),
+           group="mode", metavar="KB"),
 )
 
 # Options that do nothing given another option's value: (option, applies(cfg), the option

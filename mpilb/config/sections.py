@@ -78,6 +78,7 @@ class UpdateConfig:
     servers: Union[int, str]   # K, or "per-node"
     wire: str = "fp32"         # element type of pushes and replies (wire_format.py)
     weight_prediction: str = "off"   # workers extrapolate the parameters (core/prediction.py)
+    chunk_kb: int = 128        # pushes and replies between nodes in chunks (mpi/chunks.py)
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,8 @@ class Config:
     given: dict = field(default_factory=dict, compare=False, repr=False)
     # the parameter stores' ranks, placed by node at start-up (launch.py; topology.stores_of)
     store_ranks: tuple = field(default=(), compare=False, repr=False)
+    # the node index of every rank of the job, from the same split (launch.py; mpi/chunks.py)
+    rank_nodes: tuple = field(default=(), compare=False, repr=False)
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any], given: Optional[dict] = None) -> "Config":

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -167,6 +167,22 @@ class Optimizer:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(lr={self.lr}, weight_decay={self.weight_decay})"
 
+    ranged = True   # step_range steps a part of the vector (False: whole steps only)
+    _only: Optional[tuple[int, int]] = None   # the part step_range steps now
+
+    def _walk(self):
+        """The blocks ``(lo, hi, views)`` a step visits: every one, or during
+        :meth:`step_range` the parts of those that overlap its range."""
+        if self._only is None:
+            yield from self._spans
+            return
+        a, b = self._only
+        for lo, hi, views in self._spans:
+            if hi <= a or lo >= b:
+                continue
+            x, y = max(lo, a), min(hi, b)
+            yield x, y, tuple(v[x - lo:y - lo] for v in views)
+
     def _blocks(self, params, grad, out):
         """For each block: ``(params, decayed grad, out, *state, *scratch)`` blocks.
 
@@ -174,7 +190,7 @@ class Optimizer:
         block, or the ``grad`` block itself without weight decay.
         """
         wd = self.weight_decay
-        for lo, hi, views in self._spans:
+        for lo, hi, views in self._walk():
             p, g = params[lo:hi], grad[lo:hi]
             if wd:
                 s = views[len(self._buffers)]
@@ -189,6 +205,19 @@ class Optimizer:
         is then consumed) written there, ``params`` left as it was."""
         self.steps += 1
         self._update(params, grad, self.lr * lr_scale, params if out is None else out)
+
+    def step_range(self, params, grad, lr_scale: float, out, lo: int, hi: int,
+                   first: bool) -> None:
+        """The part [lo, hi) of one :meth:`step` (``out`` given; `first`: the step's first
+        part, which counts it). The optimizers are elementwise, so a step taken in parts
+        that cover the vector once gives the same floats as the whole step."""
+        if first:
+            self.steps += 1
+        self._only = (lo, hi)
+        try:
+            self._update(params, grad, self.lr * lr_scale, out)
+        finally:
+            self._only = None
 
     def _update(self, params, grad, lr: float, out) -> None:
         raise NotImplementedError
@@ -243,7 +272,7 @@ class SGD(Optimizer):
         xp = self.xp
         shrink = 1.0 - lr * self.weight_decay
         in_place = out is params
-        for lo, hi, (s,) in self._spans:
+        for lo, hi, (s,) in self._walk():
             p, o = params[lo:hi], out[lo:hi]
             if self.weight_decay:
                 # p - lr*(g + wd*p) == p*(1 - lr*wd) - lr*g: one ufunc fewer than g + wd*p
@@ -322,6 +351,7 @@ class Adam(Optimizer):
         assert self.steps == 0
         self._fused = None if kernel is None else kernel(self.exp_avg, self.exp_avg_sq)
         self.into_grad = kernel is None   # the fused kernel steps in place only
+        self.ranged = kernel is None      # ... and the whole vector at once
 
     @property
     def kernel(self) -> str:
@@ -408,32 +438,13 @@ def _fused_adam():
     between releases); None without torch, with ``MPILB_FUSED_ADAM=0``, or when the check
     fails."""
     if not _FUSED:
-        _FUSED.append(_check_fused_adam())
+        kernel = None
+        if os.environ.get("MPILB_FUSED_ADAM", "1") != "0":
+            try:
+                from mpilb.models.torch_adapter import checked_fused_adam
+            except ImportError:
+                pass
+            else:
+                kernel = checked_fused_adam(Adam)
+        _FUSED.append(kernel)
     return _FUSED[0]
-
-
-def _check_fused_adam():
-    if os.environ.get("MPILB_FUSED_ADAM", "1") == "0":
-        return None
-    try:
-        from mpilb.models.torch_adapter import FusedAdam
-    except ImportError:
-        return None
-    try:
-        rng = np.random.default_rng(0)
-        p0 = rng.standard_normal(64).astype(np.float32)
-        grads = [rng.standard_normal(64).astype(np.float32) for _ in range(3)]
-        results = []
-        for kernel in (None, FusedAdam):
-            opt = Adam(64, lr=0.01, weight_decay=0.1)
-            opt.use_fused(kernel)
-            p = p0.copy()
-            for g in grads:
-                opt.step(p, g, 0.5)
-            results.append((p, opt.state_dict()))
-        (pa, sa), (pb, sb) = results
-        ok = np.allclose(pa, pb, rtol=1e-5, atol=1e-6) and all(
-            np.allclose(sa[b], sb[b], rtol=1e-5, atol=1e-6) for b in Adam._buffers)
-    except Exception:  # noqa: BLE001 - any failure: the numpy kernel steps
-        return None
-    return FusedAdam if ok else None

@@ -47,6 +47,29 @@ class FusedAdam:
                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
 
 
+def checked_fused_adam(adam_class):
+    """:class:`FusedAdam` when it steps like `adam_class`'s numpy blocks (mpilb's Adam),
+    checked on a few floats (a private kernel may change between releases); else None."""
+    try:
+        rng = np.random.default_rng(0)
+        p0 = rng.standard_normal(64).astype(np.float32)
+        grads = [rng.standard_normal(64).astype(np.float32) for _ in range(3)]
+        results = []
+        for kernel in (None, FusedAdam):
+            opt = adam_class(64, lr=0.01, weight_decay=0.1)
+            opt.use_fused(kernel)
+            p = p0.copy()
+            for g in grads:
+                opt.step(p, g, 0.5)
+            results.append((p, opt.state_dict()))
+        (pa, sa), (pb, sb) = results
+        ok = np.allclose(pa, pb, rtol=1e-5, atol=1e-6) and all(
+            np.allclose(sa[b], sb[b], rtol=1e-5, atol=1e-6) for b in adam_class._buffers)
+    except Exception:  # noqa: BLE001 - any failure: the numpy kernel steps
+        return None
+    return FusedAdam if ok else None
+
+
 def is_module(obj) -> bool:
     """True for a torch.nn.Module instance."""
     return isinstance(obj, torch.nn.Module)

@@ -67,6 +67,7 @@ class TorchOptimizer:
     """
 
     into_grad = False    # steps in place: out starts as a copy of params
+    ranged = False       # steps the whole vector (one torch step)
     _buffers: tuple[str, ...] = ()   # the state is not sliced over stores (--servers 1)
     kernel = "torch"
 

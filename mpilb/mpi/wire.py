@@ -102,6 +102,8 @@ class Reply(IntEnum):
     CUT_END = 33
     DROP = 34         # 1: forget every task held (the server took them back: sit rounds out)
     HAS_CUT = 35      # 1: CUT_* hold a cut (a cut at position 0 of shard 0 is all zeros)
+    STREAMED = 36     # 1: the parameters were sent as the gradient was applied (Op.STREAM):
+                      # they come even after a STOP or LEAVE header
 
 
 class Cmd(IntEnum):
@@ -130,6 +132,8 @@ class Op(IntEnum):
     END = 9           # the run is over: send the counters and finish
     LOAD = 10         # receive the slice and the optimizer state from rank 0 (resume)
     ACCEPT = 11       # take part in rank 0's accept of joiner RANK (BATCH: the timeout, s)
+    STREAM = 12       # apply RANK's gradient slice as APPLY, answering it as it goes: each
+                      # chunk of the new slice sent to RANK once stepped (mpi/chunks.py)
 
 
 class Ctrl(IntEnum):
@@ -271,6 +275,7 @@ class ReplyMsg(NamedTuple):
     assigns: list
     orders: list
     cut: Optional[Cut]
+    streamed: bool = False   # the parameters were sent with the step (Reply.STREAMED)
 
 
 class MessageBuffer(NamedTuple):
@@ -380,7 +385,8 @@ def _get_rows(hdr: np.ndarray, count_slot: int, first_slot: int, kind) -> list:
 
 def encode_reply(hdr: np.ndarray, cmd: Cmd, *, version: int, batch: int, held_s: float = 0.0,
                  retry: bool = False, drop: bool = False, assigns: Sequence = (),
-                 orders: Sequence = (), cut: Optional[Sequence[int]] = None) -> None:
+                 orders: Sequence = (), cut: Optional[Sequence[int]] = None,
+                 streamed: bool = False) -> None:
     """Write a reply header (Cmd.PARAMS with parameters to follow, or Cmd.STOP).
 
     `assigns`: at most MAX_ASSIGN (epoch, shard, start, end, src, tag); `orders`: at most
@@ -394,6 +400,7 @@ def encode_reply(hdr: np.ndarray, cmd: Cmd, *, version: int, batch: int, held_s:
     hdr[Reply.HELD_S] = held_s
     hdr[Reply.RETRY] = 1 if retry else 0
     hdr[Reply.DROP] = 1 if drop else 0
+    hdr[Reply.STREAMED] = 1 if streamed else 0
     if cmd in (Cmd.STOP, Cmd.LEAVE):
         return
     _put_rows(hdr, Reply.N_ASSIGN, Reply.ASSIGN, assigns, MAX_ASSIGN)
@@ -428,4 +435,4 @@ def decode_reply(hdr: np.ndarray) -> ReplyMsg:
                     held_s=float(hdr[Reply.HELD_S]), retry=bool(hdr[Reply.RETRY]),
                     drop=bool(hdr[Reply.DROP]),
                     assigns=_get_rows(hdr, Reply.N_ASSIGN, Reply.ASSIGN, TaskMsg),
-                    orders=decode_orders(hdr), cut=cut)
+                    orders=decode_orders(hdr), cut=cut, streamed=bool(hdr[Reply.STREAMED]))

@@ -286,6 +286,31 @@ class EncodedParams:
         self.versions[free], self.cur = version, free
         return self.bufs[free]
 
+    def begin(self, version: int) -> np.ndarray:
+        """A free copy for `version`, to be filled chunk by chunk (:meth:`encode_range`) as
+        the store steps it (mpi/chunks.py); it becomes the current copy."""
+        free = None
+        for i in range(len(self.bufs)):
+            self.sends[i] = [r for r in self.sends[i] if not self.finished(r)]
+            if not self.sends[i]:
+                free = i
+                break
+        if free is None:
+            self.bufs.append(np.empty(self.n, self.fmt.wire_dtype))
+            self.versions.append(-1)
+            self.sends.append([])
+            free = len(self.bufs) - 1
+        self.versions[free], self.cur = version, free
+        self.encodes += 1
+        return self.bufs[free]
+
+    def encode_range(self, params: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """Values [lo, hi) of `params` into the copy :meth:`begin` gave; returns them."""
+        dst = self.bufs[self.cur][lo:hi]
+        scratch = None if self.scratch is None else self.scratch[:hi - lo]
+        self.fmt.encode(params[lo:hi], dst, np, scratch)
+        return dst
+
     def sending(self, req) -> None:
         """`req` (a send of the copy :meth:`of` returned last) reads it until it completes."""
         self.sends[self.cur].append(req)

@@ -13,7 +13,7 @@ from mpilb.run.session import files_line, format_final
 from mpilb.run.signals import PREEMPTED
 from mpilb.server.liveness import WorkerFailed
 from mpilb.server.loop import ParameterServer
-from mpilb.server.store import StoreLost
+from mpilb.server.remote import StoreLost
 
 
 def serve(server: ParameterServer) -> int:

@@ -4,14 +4,16 @@ its handle on the others (store.py), with the whole vector and the `servers/` lo
 from __future__ import annotations
 
 import time
+from typing import Optional
 
 import numpy as np
 
 from mpilb.mpi import comm as C
-from mpilb.mpi import wire, wire_format
+from mpilb.mpi import chunks, wire, wire_format
 from mpilb.core.topology import stores_of
 from mpilb.server.peers import Link
-from mpilb.server.store import RemoteSlices, slice_ring, store_bounds
+from mpilb.server.remote import RemoteSlices
+from mpilb.server.store import slice_ring, store_bounds
 
 
 class SliceGroup:
@@ -30,6 +32,8 @@ class SliceGroup:
         from mpilb.run.components import config_optimizer
 
         self.session = session
+        self.cfg = cfg
+        self.timeout = cfg.faults.worker_timeout   # (a chunk that does not come: lost)
         self.ranks = stores_of(cfg)   # the store ranks, in slice order (rank 0 first)
         self.bounds = store_bounds(cfg, session.model)
         from mpilb.run.signals import PREEMPTED
@@ -70,17 +74,121 @@ class SliceGroup:
         return self.bounds[1]
 
     # ----------------------------------------------------------------- pushes, replies
-    def new_link(self, pipelined: bool) -> Link:
-        """A worker's link, its receive buffer sized for a push to rank 0."""
-        return Link.allocate(self.n0, pipelined, push_floats=self.push_floats, fmt=self.fmt)
+    def new_link(self, pipelined: bool, rank: Optional[int] = None) -> Link:
+        """A worker's link, its receive buffer sized for a push to rank 0; `rank`: a worker
+        of the job's layout, whose pairs with stores on other nodes go in chunks
+        (mpi/chunks.py; a joiner's do not)."""
+        link = Link.allocate(self.n0, pipelined, push_floats=self.push_floats, fmt=self.fmt)
+        if rank is not None:
+            link.plans = chunks.store_plans(self.cfg, rank, self.ranks, self.bounds,
+                                            self.fmt.itemsize, self.num_state)
+        return link
+
+    def spans(self, link: Link) -> chunks.Spans:
+        """The chunks of rank 0's slice between it and `link`'s worker."""
+        return (link.plans[0] if link.plans else None) or chunks.whole(self.n0)
+
+    def post_rest(self, link: Link, comm, source: int) -> None:
+        """With the receive of a push (its header and first chunk): those of rank 0's other
+        chunks, into the same buffer."""
+        payload = link.recv.payload
+        link.rest = [comm.Irecv(payload[lo:hi], source=source, tag=wire.TAG_GRAD)
+                     for lo, hi in self.spans(link)[1:]]
+
+    def _arrived(self, link: Link, i: int) -> bool:
+        """Chunk i of rank 0's slice of `link`'s push is in (chunk 0 came with the header);
+        False (and `link.broken` says why) when MPI failed it or it did not come within
+        --worker-timeout: the worker is gone."""
+        if i == 0 or link.broken:
+            return not link.broken
+        req = link.rest[i - 1]
+        backoff = C.Backoff()
+        deadline = time.monotonic() + self.timeout
+        try:
+            while not req.Test():
+                if time.monotonic() > deadline:
+                    link.broken = f"sent part of a push and not the rest for {self.timeout:g} s"
+                    return False
+                backoff.sleep()
+        except C.MPIError as exc:
+            link.broken = f"ended mid-push (MPI: {exc.Get_error_string().strip()})"
+            return False
+        return True
+
+    def finish_rest(self, link: Link, lost: bool) -> None:
+        """After a push was handled: its chunks still to come are taken (or, for a worker
+        lost, their receives cancelled) before the next push's are posted."""
+        for i in range(1, len(link.rest) + 1):
+            if lost or not self._arrived(link, i):
+                req = link.rest[i - 1]
+                if not C.finished(req):
+                    req.Cancel()
+                    C.wait(req, timeout=1.0)
+        link.rest = []
 
     def gradient(self, link: Link) -> np.ndarray:
         """Rank 0's slice of the gradient in `link`'s push, as float32 (expanded from the
-        wire format into `grad`, in place: no allocation per push)."""
+        wire format into `grad`, in place: no allocation per push). Chunks that did not come
+        (the worker is gone: `link.broken`) read as zeros."""
+        payload = link.recv.payload[:self.n0]
+        for i, (lo, hi) in enumerate(self.spans(link)):
+            if not self._arrived(link, i):
+                payload[lo:hi] = 0
         if self.fmt.is_fp32:
-            return link.recv.payload[:self.n0]
-        self.fmt.decode(link.recv.payload[:self.n0], self.grad)
+            return payload
+        self.fmt.decode(payload, self.grad)
         return self.grad
+
+    def streams(self, peer, rule, stopping: bool) -> bool:
+        """Whether `peer`'s push, about to be applied, is answered as it is applied
+        (Op.STREAM): where some store exchanges chunks with it (mpi/chunks.py) and the rule
+        replies at once (async), unless the run is `stopping` or the worker leaving (its
+        reply is then no PARAMS)."""
+        return (peer.link.chunked and not rule.rounds and not rule.holds_replies
+                and not stopping and not peer.leaving and not self.num_state)
+
+    def push(self, peer, update, then, rule, outbox=None):
+        """Hand `peer`'s push to the update rule with rank 0's slice of its gradient
+        (expanded from --wire into float32); with `outbox` (it streams: :meth:`streams`),
+        applied here chunk by chunk instead, each chunk of the reply sent once stepped.
+        Returns what the rule's push returns."""
+        if outbox is None:
+            return rule.push(peer, update, self.gradient(peer.link), then, consume=True)
+        lr_scale = self.stream(peer.link, update.batch, update.staleness, then,
+                               outbox.stream_send(peer))
+        peer.link.streamed = True
+        return [update], lr_scale
+
+    def stream(self, link: Link, batch: int, staleness: int, then, send) -> float:
+        """Apply rank 0's slice of `link`'s push chunk by chunk as the chunks arrive,
+        sending each chunk of the new slice with ``send(array)`` (which returns its
+        request) once stepped (Op.STREAM; ParamRing.apply_chunks). Returns the lr scale."""
+        ring, spans = self.local, self.spans(link)
+        wire_grad = link.recv.payload[:self.n0]
+        grad = wire_grad if self.fmt.is_fp32 else self.grad
+
+        def arrive(i: int) -> None:
+            lo, hi = spans[i]
+            if not self._arrived(link, i):
+                grad[lo:hi] = 0
+            elif not self.fmt.is_fp32:
+                self.fmt.decode(wire_grad[lo:hi], grad[lo:hi])
+
+        def answer(i: int, new: np.ndarray) -> list:
+            if link.broken:
+                return []
+            lo, hi = spans[i]
+            if self.encoded is None:
+                return [send(new[lo:hi])]
+            if i == 0:
+                self.encoded.begin(ring.version + 1)
+            self.encoded.sending(send(self.encoded.encode_range(new, lo, hi)))
+            return []
+
+        lr_scale = ring.apply_chunks(grad, batch, staleness, spans, arrive, answer, then,
+                                     consume=True)
+        ring.bytes_out += wire_grad.nbytes
+        return lr_scale
 
     def state(self, link: Link) -> np.ndarray:
         """The model's state floats after the gradient in `link`'s push (float32)."""
@@ -103,13 +211,12 @@ class SliceGroup:
             return ring.params
         return self.encoded.of(ring.params, ring.version)
 
-    def sending(self, req, rank: int) -> None:
-        """`req` sends `rank` the array reply_params gave (it reads it until done)."""
+    def sending(self, req) -> None:
+        """`req` sends (part of) the array reply_params gave: it reads it until done."""
         if self.encoded is None:
-            self.local.sending(req, rank)
+            self.local.sending(req)
         else:
             self.encoded.sending(req)
-            self.local.sent_version(rank)
 
     def pending(self) -> list:
         """Sends still reading the parameters (or their wire copies)."""

@@ -81,7 +81,7 @@ class ParameterServer:
         # a push carries the gradient (rank 0's slice), then the model's state (e.g. BatchNorm
         # statistics; only with one store, see server/store.py check_servers)
         self.roster = Roster({r: Peer(rank=r, batch=cfg.balancing.batch,
-                                      link=self.slices.new_link(bool(cfg.updates.pipeline)))
+                                      link=self.slices.new_link(bool(cfg.updates.pipeline), r))
                               for r in self.ranks})
         self.peers = self.roster.peers
         bell = doorbell.current()
@@ -96,7 +96,7 @@ class ParameterServer:
                                  self.outbox, self.tracker, self.stop, signals,
                                  self.epochs.log_shards, self.after_loss, self.members)
         self.receiver = Receiver(comm, self.roster, bell, self.outbox, self.remote,
-                                 self.liveness.declare_lost)
+                                 self.liveness.declare_lost, self.slices)
         self.checkpoints = Checkpoints(cfg, s, self)
         self.chores = Chores(cfg, comm, s, self.clock, self.roster, self.slices, self.epochs,
                              self.liveness, signals, self.checkpoints, eval_timer, self.begin_stop)
@@ -241,10 +241,10 @@ class ParameterServer:
         then = self.ring.params_of(push.version) if self.rule.needs_old_params else None
         if self.model.num_state:   # the server keeps the latest state pushed
             self.model.set_state(self.slices.state(w.link))
+        stream = self.slices.streams(w, self.rule, bool(self.stop.reason))
         self.remote.gradient(w.rank, update.batch, update.staleness, push.version, self.rule.rounds,
-                             self.ring.factor())
-        # rank 0's slice of the gradient (expanded from --wire into a float32 buffer)
-        applied = self.rule.push(w, update, self.slices.gradient(w.link), then, consume=True)
+                             self.ring.factor(), stream)
+        applied = self.slices.push(w, update, then, self.rule, self.outbox if stream else None)
         given = self.ring.exchange()
         if given is not None:   # the gradient's buffer holds the parameters now: this replaces it
             self.slices.took(w.link, given)

@@ -180,6 +180,54 @@ class ParamRing:
         self._step(grad, lr_scale, consume)
         return lr_scale
 
+    def apply_chunks(self, grad: np.ndarray, batch: int, staleness: int, spans,
+                     arrive: Callable[[int], None], answer: Callable[[int, np.ndarray], list],
+                     then: Optional[np.ndarray] = None, consume: bool = False) -> float:
+        """:meth:`apply` chunk by chunk (mpi/chunks.py): ``arrive(i)`` makes
+        ``grad[spans[i]]`` ready (it may wait for it), the chunk is stepped, and
+        ``answer(i, new)`` sends that chunk of the new parameters `new` (returning the
+        requests that read them) before the next chunk is waited for. The floats are those
+        of :meth:`apply` (the optimizers are elementwise); an optimizer that steps only
+        whole vectors (``ranged`` False) takes every chunk first, then answers each."""
+        lr_scale = batch / self.nominal_batch * self._scheduled()
+        self.correction.tune(self.optimizer, staleness)
+        piecewise = self.optimizer.ranged
+        if not piecewise:
+            for i in range(len(spans)):
+                arrive(i)
+        t0 = time.perf_counter()
+        waited = 0.0
+        t = self._target()
+        version = self.version + 1
+        if t != self.cur and consume and self.optimizer.into_grad:   # as _step
+            self._exchanged, self.ring[t] = self.ring[t], grad
+        params, out = self.params, self.ring[t]
+        if not piecewise:
+            lr_scale *= self.correction.apply(grad, staleness, params, then)
+            self.optimizer.step(params, grad, lr_scale, out=out)
+        sends: list = []
+        for i, (lo, hi) in enumerate(spans):
+            if piecewise:
+                w0 = time.perf_counter()
+                arrive(i)
+                waited += time.perf_counter() - w0
+                if i == 0 or self.correction.needs_old_params:   # (only dc reads the gradient)
+                    scale = self.correction.apply(
+                        grad[lo:hi], staleness, params[lo:hi],
+                        None if then is None else then[lo:hi])
+                    if i == 0:
+                        lr_scale *= scale
+                self.optimizer.step_range(params, grad, lr_scale, out, lo, hi, first=i == 0)
+            w0 = time.perf_counter()
+            sends += answer(i, out)
+            waited += time.perf_counter() - w0
+        self.cur = t
+        self.version = version
+        self.sends[t].extend(sends)
+        self.updates += 1
+        self.apply_s += time.perf_counter() - t0 - waited
+        return lr_scale
+
     def apply_sum(self, grad_sum: np.ndarray, batch: int, consume: bool = False) -> float:
         """Apply a sum of gradients over `batch` samples as one mean (a sync round)."""
         grad_sum /= max(1, batch)

@@ -45,16 +45,17 @@ class Outbox:
         slot = link.replies.take(C.finished)
         buf, hdr, _ = link.replies.bufs[slot]
         version = ring.version
+        streamed, link.streamed = link.streamed, False   # the parameters went with the step
         if cmd != Cmd.PARAMS:
             wire.encode_reply(hdr, cmd, version=version, batch=peer.batch, held_s=held_s,
-                              retry=peer.retry, drop=peer.drop)
+                              retry=peer.retry, drop=peer.drop, streamed=streamed)
         else:
             assigns, orders, cut = self.ledger.take_reply(peer.rank, peer.batch)
             if self.relay is not None and orders:
                 self.relay.watch(peer.rank, orders)
             wire.encode_reply(hdr, cmd, version=version, batch=peer.batch, held_s=held_s,
                               retry=peer.retry, drop=peer.drop, assigns=assigns, orders=orders,
-                              cut=cut)
+                              cut=cut, streamed=streamed)
         peer.retry = peer.drop = False
         peer.told_at = time.monotonic()
         comm, dest = link.address(self.comm, peer.rank)
@@ -64,22 +65,45 @@ class Outbox:
         if cmd != Cmd.PARAMS:
             self.bell.ring(peer.rank)
             return
-        # Straight from the parameters: the ring steps into another buffer while this reads
-        # (--wire bf16/fp16: from their copy in that format, made once per version).
-        params = ring.params if self.slices is None else self.slices.reply_params()
-        sent = comm.Isend(params, dest=dest, tag=wire.TAG_PARAMS)
-        if self.slices is None:
-            ring.sending(sent, peer.rank)
-        else:
-            self.slices.sending(sent, peer.rank)
-        ring.bytes_out += params.nbytes
-        self._track(link, sent)
+        if not streamed:
+            self._params(peer, ring, comm, dest)
         # A worker that pushed a moment ago is still polling finely for this reply (see
         # TimeSincePush.reply_window): a ring would cost rank 0 a wake-up call (~60 µs on a
         # VM) and win nothing. One that has waited longer (a held reply, a sync round, idle)
         # sleeps longer between polls and is rung.
         self.bell.ring(peer.rank, wake=time.monotonic() - peer.pushed_at > self.QUIET_S)
-        self.remote.reply(peer.rank)   # the other stores send their slices (none with K = 1)
+        if not streamed:
+            self.remote.reply(peer.rank)   # the other stores send their slices (none with K = 1)
+
+    def _params(self, peer, ring, comm, dest) -> None:
+        """Rank 0's slice of the parameters to `peer`, after its PARAMS header: straight
+        from the parameters, the ring stepping into another buffer while this reads
+        (--wire bf16/fp16: from their copy in that format, made once per version); in the
+        chunks of its plan (mpi/chunks.py) where it is on another node."""
+        link = peer.link
+        params = ring.params if self.slices is None else self.slices.reply_params()
+        spans = [(0, params.size)] if self.slices is None else self.slices.spans(link)
+        for lo, hi in spans:
+            sent = comm.Isend(params[lo:hi], dest=dest, tag=wire.TAG_PARAMS)
+            if self.slices is None:
+                ring.sending(sent)
+            else:
+                self.slices.sending(sent)
+            self._track(link, sent)
+        ring.sent_version(peer.rank)
+        ring.bytes_out += params.nbytes
+
+    def stream_send(self, peer):
+        """A function sending `peer` an array of parameters (one chunk of its reply, as the
+        step makes it: Op.STREAM), returning the request; the send is tracked as a reply's."""
+        link = peer.link
+        comm, dest = link.address(self.comm, peer.rank)
+
+        def send(values):
+            req = comm.Isend(values, dest=dest, tag=wire.TAG_PARAMS)
+            self._track(link, req)
+            return req
+        return send
 
     def orders(self, peer) -> None:
         """Orders to send rows, for a worker that waits (idle, or its reply is held)."""

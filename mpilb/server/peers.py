@@ -56,6 +56,16 @@ class Link:
     sends: list = field(default_factory=list)   # every send to it not known to be finished
     comm: Optional[object] = None   # a worker that joined: its own communicator (roster.py),
     dest: int = -1                  # and its rank there; None, -1: MPI_COMM_WORLD, its rank
+    # --chunk-kb (mpi/chunks.py): per store, the chunks of the worker's slice, or None
+    plans: list = field(default_factory=list)
+    rest: list = field(default_factory=list)   # receives of rank 0's chunks after the first
+    streamed: bool = False   # its reply's parameters went with the step (Op.STREAM)
+    broken: Optional[str] = None   # a chunk of its push failed to come: it is lost
+
+    @property
+    def chunked(self) -> bool:
+        """Some store exchanges chunks with this worker (its applied pushes stream)."""
+        return any(p is not None for p in self.plans)
 
     def address(self, world, rank: int) -> tuple:
         """(communicator, rank) to reach this worker at: `world`, `rank` unless it joined."""

@@ -31,8 +31,9 @@ class Receiver:
     # replies in flight are progressed this long after a send or a poke
     PROGRESS_S = doorbell.POKE_PROGRESS_S
 
-    def __init__(self, comm, roster, bell, outbox, remote, lose: Callable):
+    def __init__(self, comm, roster, bell, outbox, remote, lose: Callable, slices=None):
         self.comm = comm
+        self.slices = slices   # rank 0's stores (SliceGroup): chunked pushes (mpi/chunks.py)
         self.roster = roster
         self.bell = bell
         self.outbox = outbox
@@ -47,6 +48,8 @@ class Receiver:
         wire.clear_push(w.link.recv.header)   # the buffer may hold an old push (see failed)
         comm, source = w.link.address(self.comm, w.rank)
         w.link.recv_req = comm.Irecv(w.link.recv.buf, source=source, tag=wire.TAG_PUSH)
+        if self.slices is not None:   # the rest of rank 0's slice, in chunks (mpi/chunks.py)
+            self.slices.post_rest(w.link, comm, source)
 
     def add(self, w) -> None:
         """A worker joined while serving: its receive goes into the ones tested, and how
@@ -83,6 +86,10 @@ class Receiver:
                     self.bell.took(w.rank)
                     on_push(w)
                     self.remote.settle(w.rank)   # a gradient not taken is dropped everywhere
+                    if w.link.rest:   # its chunks not taken (a push dropped): taken now
+                        self.slices.finish_rest(w.link, w.lost)
+                    if w.link.broken and not w.lost:   # it ended part-way through a push
+                        self.lose(w, w.link.broken)
                     if w.present:   # (not stopped, lost or left)
                         self.post(w)
                         reqs[i] = w.link.recv_req
@@ -170,3 +177,8 @@ class Receiver:
             if reqs[i] is not None and not C.finished(reqs[i]):
                 reqs[i].Cancel()   # the receive preposted for a push that never came
                 C.wait(reqs[i], timeout=1.0)
+            for req in w.link.rest:   # (and its chunks)
+                if not C.finished(req):
+                    req.Cancel()
+                    C.wait(req, timeout=1.0)
+            w.link.rest = []

@@ -32,7 +32,7 @@ from mpilb.core.prediction import WeightPrediction
 from mpilb.core.topology import stores_of, workers_of
 from mpilb.data.shards import ShardReader
 from mpilb.mpi import comm as C
-from mpilb.mpi import doorbell, wire, wire_format
+from mpilb.mpi import chunks, doorbell, wire, wire_format
 from mpilb.mpi.watchdog import Rank0Watch
 from mpilb.mpi.wire import Cmd
 from mpilb.run import signals
@@ -92,12 +92,17 @@ class Worker:
         stores = stores_of(cfg)
         bounds = wire.cut_slices(self.n, len(stores), wire.layer_sizes(self.model))
         self.rank0 = Rank0Watch(cfg.faults.worker_timeout, rank)   # ends this rank if rank 0 is gone
+        # --chunk-kb: each store's slice in chunks where the store is on another node (a
+        # joiner, outside the job's layout, sends whole messages)
+        plans = (None if joined is not None else
+                 chunks.store_plans(cfg, rank, stores, bounds, self.wire.itemsize,
+                                    self.model.num_state))
         self.pushes = Pushes(comm, self.messages, self.n, self.model.num_state, stores, bounds,
                              self.bell, pipelined=bool(cfg.updates.pipeline),
-                             on_poll=self.rank0.check, fmt=self.wire)
+                             on_poll=self.rank0.check, fmt=self.wire, plans=plans)
         self.replies = Replies(comm, rank, self.messages, self.n, stores, bounds, self.bell,
                                self.backoff, self.rank0, self.rows,
-                               pipelined=bool(cfg.updates.pipeline), fmt=self.wire)
+                               pipelined=bool(cfg.updates.pipeline), fmt=self.wire, plans=plans)
         self.assignments = Assignments(self.feed, self.rows, held)
         # --weight-prediction on: gradients computed on the parameters extrapolated by the
         # staleness this worker's pushes meet (core/prediction.py)
@@ -125,6 +130,8 @@ class Worker:
             self.replies.finish_pulls()
             self.pushes.settle()
             self.replies.take_params()
+        elif reply.streamed:   # a STOP or LEAVE after a step that sent the parameters
+            self.replies.finish_pulls()
         self.times.waited(time.perf_counter() - t0, reply.held_s, counts_as_idle)
         if (self.prediction is not None and self.answering is not None and reply.cmd == Cmd.PARAMS
                 and not (reply.retry or reply.drop or reply.held_s)):
@@ -146,6 +153,9 @@ class Worker:
         # next report (`self.times.comm_s += send(...)` would read comm_s before the report
         # reset it, and report every push's communication again and again)
         self.answering = done.version
+        # the reply's receives first: across a network a store may send its first chunks
+        # while this rank computes ahead (a message no receive matches waits in MPI)
+        self.replies.post_pulls()
         timings = self.times.report(self.feed.io_s)
         pushed_s = self.pushes.send(msg, done, next_range, t=time.monotonic() - self.t0,
                                     timings=timings)

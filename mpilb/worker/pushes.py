@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from mpilb.mpi import comm as C
-from mpilb.mpi import wire, wire_format
+from mpilb.mpi import chunks, wire, wire_format
 from mpilb.mpi.waiting import WaitEstimate
 from mpilb.worker.messages import DeviceMessages
 
@@ -60,6 +60,24 @@ class TimeSincePush:
         return fields
 
 
+def send_slices(comm, msg: wire.MessageBuffer, stores, bounds, plans, head_bytes: int) -> list:
+    """Send every store its slice of the push in `msg` at once, each in the chunks of its
+    plan (mpi/chunks.py) or as one message; rank 0 gets the header with its slice (or its
+    first chunk; with one store, followed by the model's state: the server keeps the
+    latest). Returns the requests."""
+    reqs = []
+    payload, b = msg.payload, bounds
+    for s, r in enumerate(stores):
+        if s == 0:
+            continue
+        for lo, hi in plans[s] or chunks.whole(b[s + 1] - b[s]):
+            reqs.append(comm.Isend(payload[b[s] + lo:b[s] + hi], dest=r, tag=wire.TAG_GRAD))
+    reqs.append(comm.Isend(msg.buf[:head_bytes], dest=0, tag=wire.TAG_PUSH))
+    for lo, hi in (plans[0] or [])[1:]:   # rank 0's other chunks
+        reqs.append(comm.Isend(payload[lo:hi], dest=0, tag=wire.TAG_GRAD))
+    return reqs
+
+
 class Pushes:
     """A worker's pushes: [header | gradient slice 0 (| model state)] to rank 0 and each
     other store's slice to it (--servers K), from one of the push buffers (two with
@@ -81,8 +99,10 @@ class Pushes:
 
     def __init__(self, comm, messages: DeviceMessages, floats: int, num_state: int, stores,
                  bounds, bell, pipelined: bool, on_poll=None,
-                 fmt: wire_format.WireFormat = wire_format.Float32()):
+                 fmt: wire_format.WireFormat = wire_format.Float32(), plans=None):
         self.comm = comm
+        # per store: its slice's chunks (mpi/chunks.py), or None: one message
+        self.plans = list(plans) if plans is not None else [None] * len(stores)
         self.on_poll = on_poll
         self.messages = messages
         self.num_state = num_state
@@ -104,7 +124,9 @@ class Pushes:
             # each push's rounding goes with the next (error feedback): one float32 vector
             self.residual = wire_format.Residual(fmt, floats, messages.backend.xp)
         # rank 0 takes the header with slice 0 (with one store, followed by the state)
-        if len(bounds) == 2:
+        if self.plans[0] is not None:   # the header with rank 0's first chunk
+            self.head_bytes = wire.HEADER_BYTES + fmt.itemsize * self.plans[0][0][1]
+        elif len(bounds) == 2:
             self.head_bytes = wire_format.message_bytes(fmt, floats, num_state)
         else:
             self.head_bytes = wire.HEADER_BYTES + fmt.itemsize * bounds[1]
@@ -139,12 +161,8 @@ class Pushes:
         t0 = time.perf_counter()
         self.settle()
         self.messages.header_to_buffer(msg)
-        b = self.bounds
-        # every store's slice at once; rank 0 gets the header with slice 0
-        self.reqs = [self.comm.Isend(msg.payload[b[s]:b[s + 1]], dest=r, tag=wire.TAG_GRAD)
-                     for s, r in enumerate(self.stores) if s]
-        # (with one store, followed by the model's state: the server keeps the latest)
-        self.reqs.append(self.comm.Isend(msg.buf[:self.head_bytes], dest=0, tag=wire.TAG_PUSH))
+        self.reqs = send_slices(self.comm, msg, self.stores, self.bounds, self.plans,
+                                self.head_bytes)
         self.bell.ring(0)
         self.step += 1
         # Not waited for here: the receivers have receives posted and, with MPICH's

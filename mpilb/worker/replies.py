@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from mpilb.mpi import comm as C
-from mpilb.mpi import doorbell, wire, wire_format
+from mpilb.mpi import chunks, doorbell, wire, wire_format
 from mpilb.mpi.wire import Cmd, ReplyMsg
 from mpilb.worker.messages import DeviceMessages
 
@@ -42,8 +42,10 @@ class Replies:
 
     def __init__(self, comm, rank: int, messages: DeviceMessages, floats: int, stores, bounds,
                  bell, backoff, rank0, rows, pipelined: bool,
-                 fmt: wire_format.WireFormat = wire_format.Float32()):
+                 fmt: wire_format.WireFormat = wire_format.Float32(), plans=None):
         self.comm = comm
+        # per store: the chunks its slice comes in (mpi/chunks.py), or None: one message
+        self.plans = list(plans) if plans is not None else [None] * len(stores)
         self.rank = rank
         self.messages = messages
         self.stores = stores
@@ -76,8 +78,9 @@ class Replies:
         """Post the receives of every store's slice of the next reply's parameters."""
         if self.pulls is None:
             payload, b = self.recv.payload, self.bounds
-            self.pulls = [self.comm.Irecv(payload[b[s]:b[s + 1]], source=r, tag=wire.TAG_PARAMS)
-                          for s, r in enumerate(self.stores)]
+            self.pulls = [self.comm.Irecv(payload[b[s] + lo:b[s] + hi], source=r, tag=wire.TAG_PARAMS)
+                          for s, r in enumerate(self.stores)
+                          for lo, hi in self.plans[s] or chunks.whole(b[s + 1] - b[s])]
 
     def receive(self, due, grace: float, on_poll) -> ReplyMsg:
         """Wait (no spinning) for the server's next reply or STOP, serving the send orders

@@ -23,13 +23,13 @@ def test_slots_tags_and_sizes_are_pinned():
     assert {r.name: int(r) for r in Reply} == {
         "CMD": 0, "VERSION": 1, "BATCH": 2, "HELD_S": 3, "RETRY": 4, "N_ASSIGN": 5, "ASSIGN": 6,
         "N_ORDER": 18, "ORDER": 19, "CUT_EPOCH": 31, "CUT_SHARD": 32, "CUT_END": 33, "DROP": 34,
-        "HAS_CUT": 35}
+        "HAS_CUT": 35, "STREAMED": 36}
     assert (int(Cmd.PARAMS), int(Cmd.STOP), int(Cmd.ORDERS)) == (1, 2, 3)
     assert (wire.TASK_FIELDS, wire.MAX_ASSIGN, wire.MAX_ORDER) == (6, 2, 2)
     # the task and order rows fit between their count and the next field
     assert Reply.ASSIGN + wire.TASK_FIELDS * wire.MAX_ASSIGN <= Reply.N_ORDER
     assert Reply.ORDER + wire.TASK_FIELDS * wire.MAX_ORDER <= Reply.CUT_EPOCH
-    assert Reply.HAS_CUT < wire.HEADER_FIELDS
+    assert Reply.STREAMED < wire.HEADER_FIELDS
 
 
 def test_message_views_share_one_buffer():
@@ -176,7 +176,7 @@ def test_store_messages_are_pinned():
     assert (wire.TAG_PARAMS, wire.TAG_GRAD, wire.TAG_CTRL, wire.TAG_GATHER, wire.TAG_STATS) == (14, 16, 17, 18, 19)
     assert {o.name: int(o) for o in wire.Op} == {
         "APPLY": 1, "ADD": 2, "DISCARD": 3, "ROUND": 4, "REPLY": 5, "LOSE": 6, "GATHER": 7,
-        "STATS": 8, "END": 9, "LOAD": 10, "ACCEPT": 11}
+        "STATS": 8, "END": 9, "LOAD": 10, "ACCEPT": 11, "STREAM": 12}
     assert [int(c) for c in wire.Ctrl] == [0, 1, 2, 3, 4, 5]
     assert (wire.CTRL_FIELDS, wire.STATS_FIELDS) == (8, 6)
     buf = np.zeros(wire.CTRL_FIELDS)
