@@ -83,11 +83,14 @@ def wire_bound(hosts: str, stores: list[int], rate_bytes: float, params: int) ->
     return rate_bytes / out.max()
 
 
-def bench_ps(box, hosts: str, *extra, params: int = PARAMS, seconds: float = 3) -> dict:
-    """One `mpilb bench ps --json --repeats 1` run on the box's `hosts`; its JSON."""
-    res = box.mpiexec(["-hosts", hosts, PY, "-m", "mpilb", "bench", "ps", "--json", "--repeats", "1",
-                       "--params", str(params), "--seconds", f"{seconds:g}", *extra], timeout=300,
-                      cwd=REPO)
+def bench_ps(box, hosts: str, *extra, params: int = PARAMS, seconds: float = 3,
+             spin: bool = False) -> dict:
+    """One `mpilb bench ps --json --repeats 1` run on the box's `hosts`; its JSON. `spin`:
+    every rank polls before it sleeps (MPILB_SPIN=1), as ranks with a CPU each do."""
+    env = ["env", "MPILB_SPIN=1"] if spin else []
+    res = box.mpiexec(["-hosts", hosts, *env, PY, "-m", "mpilb", "bench", "ps", "--json", "--repeats",
+                       "1", "--params", str(params), "--seconds", f"{seconds:g}", *extra],
+                      timeout=300, cwd=REPO)
     if res.returncode != 0:
         sys.exit(f"bench ps {hosts} {extra}: exit {res.returncode}\n{res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -230,6 +233,8 @@ def main(argv=None) -> int:
     bps = rate_bytes(opts.link_rate)
     res = _results.Results(NAME, f"mpilb on 3 nodes of the cluster in a box, links {opts.link_rate}", opts)
     rows = {k: [] for k in ("a", "a_bound", "b", "b_bound", "b_over_a", "c_nodes", "c", "c_one",
+                            "a_chunks", "b_chunks", "b_whole_bound", "b_spin", "b_spin_whole",
+                            "b_spin_chunks",
                             "ddp", *(f"{k}{x}" for k, _ in D_RUNS for x in ("", "_run", "_ddp")),
                             *(f"{k}_{x}" for k in ("async", "bf16", "tuned") for x in ("comm", "staleness")),
                             "cpu_remote", "cpu_local", "slow", "without", "slow_ratio",
@@ -256,6 +261,20 @@ def main(argv=None) -> int:
                 b = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "per-node")
                 one = bench_ps(box, "n0:2,n1:2,n2:2")
                 c = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "2")
+                # the same, each slice in one message (--chunk-kb 0), and (b) with every rank
+                # polling (MPILB_SPIN=1: a CPU each, as on a cluster's nodes) both ways
+                whole = "--chunk-kb", "0"
+                a0 = bench_ps(box, "n0:1,n1:2,n2:2", *whole)
+                b0 = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "per-node", *whole)
+                bs = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "per-node", spin=True)
+                bs0 = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "per-node", *whole, spin=True)
+                for key, num, den in (("a_chunks", a, a0), ("b_chunks", b, b0),
+                                      ("b_spin_chunks", bs, bs0)):
+                    rows[key].append(num["updates_per_s"] / den["updates_per_s"])
+                rows["b_whole_bound"].append(b0["updates_per_s"] / wire_bound(
+                    "n0:2,n1:2,n2:2", list(b0.get("stores", [0, 2, 4])), bps, PARAMS))
+                rows["b_spin"].append(bs["updates_per_s"])
+                rows["b_spin_whole"].append(bs0["updates_per_s"])
                 ab = wire_bound("n0:1,n1:2,n2:2", [0], bps, PARAMS)
                 bb = wire_bound("n0:2,n1:2,n2:2", list(b.get("stores", [0, 2, 4])), bps, PARAMS)
                 rows["a"].append(a["updates_per_s"]); rows["a_bound"].append(a["updates_per_s"] / ab)
@@ -267,7 +286,9 @@ def main(argv=None) -> int:
                 print(f"  (a) {a['updates_per_s']:.1f} updates/s = {rows['a_bound'][-1]:.2f} of {ab:.1f}; "
                       f"(b) {b['updates_per_s']:.1f} = {rows['b_bound'][-1]:.2f} of {bb:.1f}, "
                       f"{rows['b_over_a'][-1]:.2f}x (a); (c) stores {c.get('stores')} on "
-                      f"{rows['c_nodes'][-1]} nodes, {rows['c_one'][-1]:.2f}x one store", flush=True)
+                      f"{rows['c_nodes'][-1]} nodes, {rows['c_one'][-1]:.2f}x one store; chunks ÷ "
+                      f"one message: (a) {rows['a_chunks'][-1]:.2f}x, (b) {rows['b_chunks'][-1]:.2f}x, "
+                      f"(b) polling {rows['b_spin_chunks'][-1]:.2f}x", flush=True)
             if has_torch and "d" in opts.only:
                 args = ["--data", data, *TORCH_MODEL, "--batch", "512", "--epochs", str(opts.epochs),
                         "--lr", "0.05", "--optimizer", "momentum"]
@@ -369,6 +390,19 @@ def _abc_figures(res, rows: dict) -> None:
     res.figure(g, "c_nodes", "(c) `--servers 2`, block layout: nodes its stores are on", rows["c_nodes"],
                digits=0, target=">= 2", decide="all")
     res.figure(g, "c_one", "(c) ÷ one store, same layout", rows["c_one"], unit="x")
+    if rows["a_chunks"]:   # (result files from before --chunk-kb have none)
+        res.figure(g, "a_chunks", "(a) in chunks (the default) ÷ (a) `--chunk-kb 0` (one message), "
+                   "same repeat", rows["a_chunks"], unit="x")
+        res.figure(g, "b_chunks", "(b) in chunks ÷ (b) `--chunk-kb 0`, same repeat",
+                   rows["b_chunks"], unit="x")
+        res.figure(g, "b_whole_bound", "(b) `--chunk-kb 0` ÷ its wire bound", rows["b_whole_bound"],
+                   unit="x")
+        res.figure(g, "b_spin", "(b) with every rank polling first (`MPILB_SPIN=1`): updates/s",
+                   rows["b_spin"], unit="updates/s", digits=1)
+        res.figure(g, "b_spin_whole", "(b) polling, `--chunk-kb 0`: updates/s", rows["b_spin_whole"],
+                   unit="updates/s", digits=1)
+        res.figure(g, "b_spin_chunks", "(b) polling: in chunks ÷ one message, same repeat",
+                   rows["b_spin_chunks"], unit="x")
 
 
 if __name__ == "__main__":

@@ -130,8 +130,8 @@ def _null_worker(comm, n: int, bounds: list, stores: list,
     push = wire_format.new_message(fmt, n)
     fmt.encode(np.full(n, 1e-3, np.float32), push.payload)
     recv = wire_format.new_message(fmt, n)
-    if plans[0] is not None:
-        head = wire.HEADER_BYTES + fmt.itemsize * plans[0][0][1]
+    if plans[0] is not None:   # the header alone, then the chunks (as Pushes sends them)
+        head = wire.HEADER_BYTES
     else:
         head = (wire_format.message_bytes(fmt, n) if len(stores) == 1
                 else wire.HEADER_BYTES + fmt.itemsize * bounds[1])

@@ -89,19 +89,20 @@ class SliceGroup:
         return (link.plans[0] if link.plans else None) or chunks.whole(self.n0)
 
     def post_rest(self, link: Link, comm, source: int) -> None:
-        """With the receive of a push (its header and first chunk): those of rank 0's other
-        chunks, into the same buffer."""
+        """With the receive of a push's header: where rank 0's slice comes in chunks (the
+        header then comes alone, first, so that the push is decided on before its bytes are
+        in), the receives of the chunks, into the same buffer."""
         payload = link.recv.payload
-        link.rest = [comm.Irecv(payload[lo:hi], source=source, tag=wire.TAG_GRAD)
-                     for lo, hi in self.spans(link)[1:]]
+        link.rest = ([comm.Irecv(payload[lo:hi], source=source, tag=wire.TAG_GRAD)
+                      for lo, hi in link.plans[0]] if link.plans and link.plans[0] else [])
 
     def _arrived(self, link: Link, i: int) -> bool:
-        """Chunk i of rank 0's slice of `link`'s push is in (chunk 0 came with the header);
-        False (and `link.broken` says why) when MPI failed it or it did not come within
-        --worker-timeout: the worker is gone."""
-        if i == 0 or link.broken:
+        """Chunk i of rank 0's slice of `link`'s push is in (a slice in one message came
+        with the header); False (and `link.broken` says why) when MPI failed it or it did
+        not come within --worker-timeout: the worker is gone."""
+        if not link.rest or link.broken:
             return not link.broken
-        req = link.rest[i - 1]
+        req = link.rest[i]
         backoff = C.Backoff()
         deadline = time.monotonic() + self.timeout
         try:
@@ -118,9 +119,9 @@ class SliceGroup:
     def finish_rest(self, link: Link, lost: bool) -> None:
         """After a push was handled: its chunks still to come are taken (or, for a worker
         lost, their receives cancelled) before the next push's are posted."""
-        for i in range(1, len(link.rest) + 1):
+        for i in range(len(link.rest)):
             if lost or not self._arrived(link, i):
-                req = link.rest[i - 1]
+                req = link.rest[i]
                 if not C.finished(req):
                     req.Cancel()
                     C.wait(req, timeout=1.0)

@@ -62,19 +62,22 @@ class TimeSincePush:
 
 def send_slices(comm, msg: wire.MessageBuffer, stores, bounds, plans, head_bytes: int) -> list:
     """Send every store its slice of the push in `msg` at once, each in the chunks of its
-    plan (mpi/chunks.py) or as one message; rank 0 gets the header with its slice (or its
-    first chunk; with one store, followed by the model's state: the server keeps the
-    latest). Returns the requests."""
-    reqs = []
+    plan (mpi/chunks.py) or as one message; rank 0 gets the header with its slice (with one
+    store, followed by the model's state: the server keeps the latest), or the header
+    alone, before its chunks. Returns the requests."""
     payload, b = msg.payload, bounds
+    if plans[0] is not None:   # the header alone first: rank 0 decides while the bytes come
+        reqs = [comm.Isend(msg.buf[:head_bytes], dest=0, tag=wire.TAG_PUSH)]
+        reqs += [comm.Isend(payload[lo:hi], dest=0, tag=wire.TAG_GRAD) for lo, hi in plans[0]]
+    else:
+        reqs = []
     for s, r in enumerate(stores):
         if s == 0:
             continue
         for lo, hi in plans[s] or chunks.whole(b[s + 1] - b[s]):
             reqs.append(comm.Isend(payload[b[s] + lo:b[s] + hi], dest=r, tag=wire.TAG_GRAD))
-    reqs.append(comm.Isend(msg.buf[:head_bytes], dest=0, tag=wire.TAG_PUSH))
-    for lo, hi in (plans[0] or [])[1:]:   # rank 0's other chunks
-        reqs.append(comm.Isend(payload[lo:hi], dest=0, tag=wire.TAG_GRAD))
+    if plans[0] is None:
+        reqs.append(comm.Isend(msg.buf[:head_bytes], dest=0, tag=wire.TAG_PUSH))
     return reqs
 
 
@@ -124,8 +127,8 @@ class Pushes:
             # each push's rounding goes with the next (error feedback): one float32 vector
             self.residual = wire_format.Residual(fmt, floats, messages.backend.xp)
         # rank 0 takes the header with slice 0 (with one store, followed by the state)
-        if self.plans[0] is not None:   # the header with rank 0's first chunk
-            self.head_bytes = wire.HEADER_BYTES + fmt.itemsize * self.plans[0][0][1]
+        if self.plans[0] is not None:   # the header alone, then rank 0's chunks
+            self.head_bytes = wire.HEADER_BYTES
         elif len(bounds) == 2:
             self.head_bytes = wire_format.message_bytes(fmt, floats, num_state)
         else:
