@@ -270,25 +270,14 @@ class EncodedParams:
         """The wire copy of `params` at `version` (encoded now unless it already is)."""
         if self.cur >= 0 and self.versions[self.cur] == version:
             return self.bufs[self.cur]
-        free = None
-        for i in range(len(self.bufs)):
-            self.sends[i] = [r for r in self.sends[i] if not self.finished(r)]
-            if not self.sends[i]:
-                free = i
-                break
-        if free is None:
-            self.bufs.append(np.empty(self.n, self.fmt.wire_dtype))
-            self.versions.append(-1)
-            self.sends.append([])
-            free = len(self.bufs) - 1
-        self.fmt.encode(params, self.bufs[free], np, self.scratch)
-        self.encodes += 1
-        self.versions[free], self.cur = version, free
-        return self.bufs[free]
+        buf = self.begin(version)
+        self.fmt.encode(params, buf, np, self.scratch)
+        return buf
 
     def begin(self, version: int) -> np.ndarray:
-        """A free copy for `version`, to be filled chunk by chunk (:meth:`encode_range`) as
-        the store steps it (mpi/chunks.py); it becomes the current copy."""
+        """A free copy for `version` (no send reads it), which becomes the current copy:
+        :meth:`of` encodes into it whole, a store that answers chunk by chunk
+        (mpi/chunks.py) fills it with :meth:`encode_range` as it steps."""
         free = None
         for i in range(len(self.bufs)):
             self.sends[i] = [r for r in self.sends[i] if not self.finished(r)]
