@@ -280,6 +280,12 @@ def test_bad_input_under_the_flag_still_exits_2(digits_dir, tmp_path):
     """That flag makes mpirun drop the ranks' exit codes (it exited 0 where every rank
     returned 2): rank 0 ends such a job with MPI_Abort(2), whose code comes through."""
     code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--batch", -3), flags=SURVIVE), tmp_path)
+    if code < 0 and "ORTE_ERROR_LOG" in job.stderr:
+        # Open MPI's mpirun itself crashed while it took the abort apart (SIGSEGV, "Data
+        # unpack would read past end of buffer": one CI run of 2026-12-06 in many; the
+        # test alone passed 3 of 3 after it): its bug, not the job's exit code. Once more.
+        code, job = run(mpirun(4, *train(digits_dir, tmp_path, "--batch", -3), flags=SURVIVE),
+                        tmp_path)
     assert code == 2, (code, job.stderr)
     assert job.stderr.count("mpilb: error:") == 1 and "--batch" in job.stderr, job.stderr
 
