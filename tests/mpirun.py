@@ -90,3 +90,26 @@ def config_stub(**options):
     for name, value in options.items():
         parts[SECTION_OF[name]][name] = value
     return SimpleNamespace(**{attr: SimpleNamespace(**v) for attr, v in parts.items()})
+
+
+def checkpoint_floats(path) -> dict:
+    """Every float dataset of an HDF5 file (a checkpoint: parameters, optimizer state), by
+    path: two runs that must have stepped the same floats compare these."""
+    import h5py
+
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda k, v: out.__setitem__(k, v[()])
+                     if isinstance(v, h5py.Dataset) and v.dtype.kind == "f" else None)
+    return out
+
+
+def finished_exact(log) -> dict:
+    """The run's summary, after asserting it finished with every sample applied once."""
+    from mpilb.runfiles.summary import summarize_log
+
+    s = summarize_log(str(log))
+    cov = s["coverage"]
+    assert s["status"] == "finished", s["status"]
+    assert cov["applied"] == cov["expected"] and cov["duplicates"] == cov["missing"] == 0, cov
+    return s

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import sys
 
-import h5py
 import numpy as np
 import pytest
 
 from mpilb.clusterbox import ClusterBox, missing
-from mpilb.runfiles.summary import summarize_log
 
 import mpirun
 
@@ -23,22 +21,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.mpi]
 needs_box = pytest.mark.skipif(WHY is not None, reason=f"no cluster box here: {WHY}")
 
 MPILB = [sys.executable, "-m", "mpilb"]
-
-
-def floats(path) -> dict:
-    out = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda k, v: out.__setitem__(k, v[()])
-                     if isinstance(v, h5py.Dataset) and v.dtype.kind == "f" else None)
-    return out
-
-
-def exact(log):
-    s = summarize_log(str(log))
-    cov = s["coverage"]
-    assert s["status"] == "finished", s["status"]
-    assert cov["applied"] == cov["expected"] and cov["duplicates"] == cov["missing"] == 0, cov
-    return s
 
 
 @needs_box
@@ -54,8 +36,8 @@ def test_chunks_cross_the_network_and_step_the_same_floats(digits_dir, tmp_path)
                                "--checkpoint", str(tmp_path / f"one-{kb}.ckpt.h5")],
                               timeout=180, env=mpirun.env())
             assert res.returncode == 0, (kb, res.stderr)
-            exact(log)
-            one[kb] = floats(tmp_path / f"one-{kb}.ckpt.h5")
+            mpirun.finished_exact(log)
+            one[kb] = mpirun.checkpoint_floats(tmp_path / f"one-{kb}.ckpt.h5")
         log = tmp_path / "per-node.h5"
         res = box.mpiexec(["-hosts", "n0:2,n1:2,n2:2", *train, "--epochs", "8", "--servers",
                            "per-node", "--wire", "bf16", "--chunk-kb", "1", "--log", str(log)],
@@ -68,6 +50,6 @@ def test_chunks_cross_the_network_and_step_the_same_floats(digits_dir, tmp_path)
     for key, value in one[0].items():
         assert np.array_equal(value, one[1][key]), key
     assert res.returncode == 0, res.stderr
-    s = exact(log)
+    s = mpirun.finished_exact(log)
     assert s["final_test_accuracy"] >= 0.85, s["final_test_accuracy"]
     assert bench.returncode == 0, bench.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 
-import h5py
 import numpy as np
 import pytest
 
@@ -27,22 +26,6 @@ def train(n, data, log, *args, env=CHUNKED, timeout=180):
                       timeout=timeout, **env)
 
 
-def checkpoint_floats(path) -> dict:
-    out = {}
-    with h5py.File(path, "r") as f:
-        f.visititems(lambda k, v: out.__setitem__(k, v[()])
-                     if isinstance(v, h5py.Dataset) and v.dtype.kind == "f" else None)
-    return out
-
-
-def exact(log):
-    s = summarize_log(str(log))
-    cov = s["coverage"]
-    assert s["status"] == "finished", s["status"]
-    assert cov["applied"] == cov["expected"] and cov["duplicates"] == cov["missing"] == 0, cov
-    return s
-
-
 @pytest.mark.parametrize("n, args", [
     (2, ["--optimizer", "sgd"]),
     (3, ["--servers", "2", "--optimizer", "momentum", "--wire", "bf16"]),
@@ -58,8 +41,8 @@ def test_one_worker_streamed_in_chunks_steps_the_same_floats(digits_dir, tmp_pat
         res = train(n, digits_dir, log, "--epochs", "2", "--pipeline", "0", "--chunk-kb", str(kb),
                     "--checkpoint", str(tmp_path / f"kb{kb}.ckpt.h5"), *args)
         assert res.returncode == 0, res.stderr
-        exact(log)
-        floats[kb] = checkpoint_floats(tmp_path / f"kb{kb}.ckpt.h5")
+        mpirun.finished_exact(log)
+        floats[kb] = mpirun.checkpoint_floats(tmp_path / f"kb{kb}.ckpt.h5")
     assert floats[0].keys() == floats[16].keys() and floats[0]
     for key, value in floats[0].items():
         assert np.array_equal(value, floats[16][key]), key
@@ -74,7 +57,7 @@ def test_chunked_runs_cover_every_sample_and_learn(digits_dir, tmp_path, args):
     log = tmp_path / "run.h5"
     res = train(5, digits_dir, log, "--epochs", "12", "--chunk-kb", "16", *args)
     assert res.returncode == 0, res.stderr
-    s = exact(log)
+    s = mpirun.finished_exact(log)
     assert s["final_test_accuracy"] >= 0.85, s["final_test_accuracy"]
 
 
