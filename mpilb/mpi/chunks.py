@@ -31,6 +31,12 @@ MAX_CHUNKS = 64
 """At most this many chunks a slice (larger chunks beyond): a message costs its own
 matching and a step of its own."""
 
+STALL_S = 2.0
+"""How long rank 0 waits for a push's next chunk before it goes on without the rest (they
+count as zeros in that step, and the worker's next push waits until they are in): a worker
+that stops part-way (SIGSTOP, a frozen node) does not hold the other workers' replies until
+--worker-timeout. A --worker-timeout at most this long declares it lost instead."""
+
 LOCAL_ENV = "MPILB_CHUNK_LOCAL"
 """Set to 1, pairs on one node are chunked too: a test hook (the protocol is then exercised
 without a network); it gains nothing over shared memory."""

@@ -33,7 +33,7 @@ class SliceGroup:
 
         self.session = session
         self.cfg = cfg
-        self.timeout = cfg.faults.worker_timeout   # (a chunk that does not come: lost)
+        self.waits = ChunkWaits(cfg.faults.worker_timeout)   # chunks of pushes to rank 0
         self.ranks = stores_of(cfg)   # the store ranks, in slice order (rank 0 first)
         self.bounds = store_bounds(cfg, session.model)
         from mpilb.run.signals import PREEMPTED
@@ -62,6 +62,8 @@ class SliceGroup:
                                      new_buffer)
         session.keep_correction(self.local.correction)   # checkpointed, restored on --resume
         self.grad = None if self.fmt.is_fp32 else new_buffer()
+        self.work = None         # fp32: where a chunked push's gradient is gathered (_work)
+        self.gave_work = False   # the gradient handed out last was `work` (took)
         self.encoded = (None if self.fmt.is_fp32
                         else wire_format.EncodedParams(self.fmt, n0, C.finished))
         self.cpu0 = time.process_time()
@@ -88,57 +90,33 @@ class SliceGroup:
         """The chunks of rank 0's slice between it and `link`'s worker."""
         return (link.plans[0] if link.plans else None) or chunks.whole(self.n0)
 
-    def post_rest(self, link: Link, comm, source: int) -> None:
-        """With the receive of a push's header: where rank 0's slice comes in chunks (the
-        header then comes alone, first, so that the push is decided on before its bytes are
-        in), the receives of the chunks, into the same buffer."""
-        payload = link.recv.payload
-        link.rest = ([comm.Irecv(payload[lo:hi], source=source, tag=wire.TAG_GRAD)
-                      for lo, hi in link.plans[0]] if link.plans and link.plans[0] else [])
-
-    def _arrived(self, link: Link, i: int) -> bool:
-        """Chunk i of rank 0's slice of `link`'s push is in (a slice in one message came
-        with the header); False (and `link.broken` says why) when MPI failed it or it did
-        not come within --worker-timeout: the worker is gone."""
-        if not link.rest or link.broken:
-            return not link.broken
-        req = link.rest[i]
-        backoff = C.Backoff()
-        deadline = time.monotonic() + self.timeout
-        try:
-            while not req.Test():
-                if time.monotonic() > deadline:
-                    link.broken = f"sent part of a push and not the rest for {self.timeout:g} s"
-                    return False
-                backoff.sleep()
-        except C.MPIError as exc:
-            link.broken = f"ended mid-push (MPI: {exc.Get_error_string().strip()})"
-            return False
-        return True
-
-    def finish_rest(self, link: Link, lost: bool) -> None:
-        """After a push was handled: its chunks still to come are taken (or, for a worker
-        lost, their receives cancelled) before the next push's are posted."""
-        for i in range(len(link.rest)):
-            if lost or not self._arrived(link, i):
-                req = link.rest[i]
-                if not C.finished(req):
-                    req.Cancel()
-                    C.wait(req, timeout=1.0)
-        link.rest = []
+    def _work(self) -> np.ndarray:
+        """The float32 vector a chunked push's gradient is gathered into (fp32: a ring-able
+        message payload, made once; other wires: `grad`), never one MPI still writes."""
+        if not self.fmt.is_fp32:
+            return self.grad
+        if self.work is None:
+            self.work = wire.new_message(self.push_floats).payload[:self.n0]
+        return self.work
 
     def gradient(self, link: Link) -> np.ndarray:
         """Rank 0's slice of the gradient in `link`'s push, as float32 (expanded from the
         wire format into `grad`, in place: no allocation per push). Chunks that did not come
         (the worker is gone: `link.broken`) read as zeros."""
+        self.gave_work = False
         payload = link.recv.payload[:self.n0]
-        for i, (lo, hi) in enumerate(self.spans(link)):
-            if not self._arrived(link, i):
+        spans = self.spans(link)
+        missing = [(lo, hi) for i, (lo, hi) in enumerate(spans) if not self.waits.arrived(link, i)]
+        if self.fmt.is_fp32 and not link.late:
+            for lo, hi in missing:   # (the worker is gone: MPI writes no more there)
                 payload[lo:hi] = 0
-        if self.fmt.is_fp32:
             return payload
-        self.fmt.decode(payload, self.grad)
-        return self.grad
+        grad = self._work()   # late chunks still land in the payload: the gradient is a copy
+        self.fmt.decode(payload, grad)
+        for lo, hi in missing:
+            grad[lo:hi] = 0
+        self.gave_work = self.fmt.is_fp32
+        return grad
 
     def streams(self, peer, rule, stopping: bool) -> bool:
         """Whether `peer`'s push, about to be applied, is answered as it is applied
@@ -164,15 +142,18 @@ class SliceGroup:
         """Apply rank 0's slice of `link`'s push chunk by chunk as the chunks arrive,
         sending each chunk of the new slice with ``send(array)`` (which returns its
         request) once stepped (Op.STREAM; ParamRing.apply_chunks). Returns the lr scale."""
+        self.gave_work = False
         ring, spans = self.local, self.spans(link)
         wire_grad = link.recv.payload[:self.n0]
-        grad = wire_grad if self.fmt.is_fp32 else self.grad
+        # gathered chunk by chunk into a vector of rank 0's own (a chunk that comes late
+        # still lands in the receive buffer, never in the parameters)
+        grad = self._work()
 
         def arrive(i: int) -> None:
             lo, hi = spans[i]
-            if not self._arrived(link, i):
+            if not self.waits.arrived(link, i):
                 grad[lo:hi] = 0
-            elif not self.fmt.is_fp32:
+            else:
                 self.fmt.decode(wire_grad[lo:hi], grad[lo:hi])
 
         def answer(i: int, new: np.ndarray) -> list:
@@ -188,6 +169,7 @@ class SliceGroup:
 
         lr_scale = ring.apply_chunks(grad, batch, staleness, spans, arrive, answer, then,
                                      consume=True)
+        self.gave_work = self.fmt.is_fp32
         ring.bytes_out += wire_grad.nbytes
         return lr_scale
 
@@ -200,7 +182,9 @@ class SliceGroup:
     def took(self, link: Link, given: np.ndarray) -> None:
         """The gradient's buffer became the parameters; `given` (ParamRing.exchange) takes
         its place."""
-        if self.fmt.is_fp32:
+        if self.gave_work:   # the gradient was gathered into the work vector (fp32)
+            self.work = given
+        elif self.fmt.is_fp32:
             link.recv = wire.message_of(given)   # receive the next push in it
         else:
             self.grad = given
@@ -296,3 +280,69 @@ class SliceGroup:
                 self._row(log, t, s, inc)
         return [{"rank": r, "params": self.bounds[s + 1] - self.bounds[s]}
                 for s, r in enumerate(self.ranks)]
+
+
+class ChunkWaits:
+    """Rank 0's receives of the chunks of its slice of each push (mpi/chunks.py), and its
+    waits for them: bounded by --worker-timeout (then the worker is gone) and by
+    chunks.STALL_S (then the push goes on without its late chunks)."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+
+    def post(self, link: Link, comm, source: int) -> None:
+        """With the receive of a push's header: where rank 0's slice comes in chunks (the
+        header then comes alone, first, so that the push is decided on before its bytes are
+        in), the receives of the chunks, into the same buffer."""
+        payload = link.recv.payload
+        link.rest = ([comm.Irecv(payload[lo:hi], source=source, tag=wire.TAG_GRAD)
+                      for lo, hi in link.plans[0]] if link.plans and link.plans[0] else [])
+
+    def arrived(self, link: Link, i: int) -> bool:
+        """Chunk i of rank 0's slice of `link`'s push is in (a slice in one message came
+        with the header); False when MPI failed it (`link.broken` says why: the worker is
+        gone) or it did not come within chunks.STALL_S (`link.late`: its chunks go on
+        arriving, and rank 0 goes on without them; a --worker-timeout as short breaks it)."""
+        if not link.rest or link.broken or link.late:
+            return not (link.broken or link.late)
+        req = link.rest[i]
+        backoff = C.Backoff()
+        wait = min(self.timeout, chunks.STALL_S)
+        deadline = time.monotonic() + wait
+        try:
+            while not req.Test():
+                if time.monotonic() > deadline:
+                    if wait < self.timeout:
+                        link.late = True
+                    else:
+                        link.broken = f"sent part of a push and not the rest for {wait:g} s"
+                    return False
+                backoff.sleep()
+        except C.MPIError as exc:
+            link.broken = f"ended mid-push (MPI: {exc.Get_error_string().strip()})"
+            return False
+        return True
+
+    def finish(self, link: Link, lost: bool) -> bool:
+        """After a push was handled: its chunks still to come are taken (or, for a worker
+        lost, their receives cancelled) before the next push's are posted. False when some
+        are late (`link.late`): they stay posted, and the worker's next push waits for them
+        (taken_late)."""
+        for i in range(len(link.rest)):
+            if lost or (not self.arrived(link, i) and not link.late):
+                req = link.rest[i]
+                if not C.finished(req):
+                    req.Cancel()
+                    C.wait(req, timeout=1.0)
+        if link.late and not lost:
+            return False
+        link.rest, link.late = [], False
+        return True
+
+    @staticmethod
+    def taken_late(link: Link) -> bool:
+        """A late push's chunks have all come now (its receive buffer is free again)."""
+        if not C.Request.Testall(link.rest):
+            return False
+        link.rest, link.late = [], False
+        return True

@@ -61,6 +61,7 @@ class Link:
     rest: list = field(default_factory=list)   # receives of rank 0's chunks after the first
     streamed: bool = False   # its reply's parameters went with the step (Op.STREAM)
     broken: Optional[str] = None   # a chunk of its push failed to come: it is lost
+    late: bool = False   # chunks of its last push still to come (chunks.STALL_S passed)
 
     @property
     def chunked(self) -> bool:

@@ -43,13 +43,14 @@ class Receiver:
         self.order: list = []   # the workers, in the order of `reqs`
         self.reqs: list = []
         self.rung = self.lossy = False   # (see rings)
+        self.late: list = []   # workers whose last push's chunks are still coming
 
     def post(self, w) -> None:
         wire.clear_push(w.link.recv.header)   # the buffer may hold an old push (see failed)
         comm, source = w.link.address(self.comm, w.rank)
         w.link.recv_req = comm.Irecv(w.link.recv.buf, source=source, tag=wire.TAG_PUSH)
         if self.slices is not None:   # the rest of rank 0's slice, in chunks (mpi/chunks.py)
-            self.slices.post_rest(w.link, comm, source)
+            self.slices.waits.post(w.link, comm, source)
 
     def add(self, w) -> None:
         """A worker joined while serving: its receive goes into the ones tested, and how
@@ -86,11 +87,12 @@ class Receiver:
                     self.bell.took(w.rank)
                     on_push(w)
                     self.remote.settle(w.rank)   # a gradient not taken is dropped everywhere
-                    if w.link.rest:   # its chunks not taken (a push dropped): taken now
-                        self.slices.finish_rest(w.link, w.lost)
+                    late = bool(w.link.rest) and not self.slices.waits.finish(w.link, w.lost)
                     if w.link.broken and not w.lost:   # it ended part-way through a push
                         self.lose(w, w.link.broken)
-                    if w.present:   # (not stopped, lost or left)
+                    if late:   # its next push once the last one's chunks are in (below)
+                        self.late.append(w)
+                    elif w.present:   # (not stopped, lost or left)
                         self.post(w)
                         reqs[i] = w.link.recv_req
                 self.backoff.reset(*chores.next_push_due())
@@ -117,11 +119,27 @@ class Receiver:
                     progress_until = time.monotonic() + self.PROGRESS_S
             else:
                 self.backoff.sleep()   # a ring from a worker on this node ends a sleep early
+            if self.late:
+                self._late_in(order, reqs)
             mono = time.monotonic()
             if mono >= next_chores:   # every 10 or 25 ms at most, not at every poll
                 next_chores = mono + (chores.CHORES_RUNG_S if rung else chores.CHORES_S)
                 chores_at = mono
                 chores.run()
+
+    def _late_in(self, order: list, reqs: list) -> None:
+        """Workers whose last push's chunks came late (SliceGroup: chunks.STALL_S): once
+        they are all in, the worker's next push is received; a worker lost meanwhile has
+        them cancelled."""
+        for w in list(self.late):
+            if not w.present:
+                self.slices.waits.finish(w.link, lost=True)
+            elif not self.slices.waits.taken_late(w.link):
+                continue
+            else:
+                self.post(w)
+                reqs[order.index(w)] = w.link.recv_req
+            self.late.remove(w)
 
     def failed(self, order: list, reqs: list) -> list[int]:
         """MPI failed a receive of pushes: where the launcher keeps the job running after

@@ -3,6 +3,7 @@ last one), the push buffers and the sends still in flight."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -60,7 +61,18 @@ class TimeSincePush:
         return fields
 
 
-def send_slices(comm, msg: wire.MessageBuffer, stores, bounds, plans, head_bytes: int) -> list:
+PAUSE_ENV = "MPILB_TEST_PUSH_PAUSE"
+"""A test hook, ``N:S``: the worker's push number N sends its header, then waits S seconds
+before its chunks (a worker that stops part-way through a push; tests/mpi)."""
+
+
+def _pause_at() -> tuple[int, float]:
+    step, _, seconds = os.environ.get(PAUSE_ENV, "").partition(":")
+    return (int(step), float(seconds)) if step.isdigit() and seconds else (-1, 0.0)
+
+
+def send_slices(comm, msg: wire.MessageBuffer, stores, bounds, plans, head_bytes: int,
+                pause: float = 0.0) -> list:
     """Send every store its slice of the push in `msg` at once, each in the chunks of its
     plan (mpi/chunks.py) or as one message; rank 0 gets the header with its slice (with one
     store, followed by the model's state: the server keeps the latest), or the header
@@ -68,6 +80,8 @@ def send_slices(comm, msg: wire.MessageBuffer, stores, bounds, plans, head_bytes
     payload, b = msg.payload, bounds
     if plans[0] is not None:   # the header alone first: rank 0 decides while the bytes come
         reqs = [comm.Isend(msg.buf[:head_bytes], dest=0, tag=wire.TAG_PUSH)]
+        if pause:
+            time.sleep(pause)
         reqs += [comm.Isend(payload[lo:hi], dest=0, tag=wire.TAG_GRAD) for lo, hi in plans[0]]
     else:
         reqs = []
@@ -135,6 +149,7 @@ class Pushes:
             self.head_bytes = wire.HEADER_BYTES + fmt.itemsize * bounds[1]
         self.reqs: list = []
         self.step = 0   # pushes so far
+        self.pause = _pause_at()   # (a test hook: PAUSE_ENV)
 
     def state_of(self, msg: wire.MessageBuffer):
         """Where the model's state floats go in push buffer `msg`."""
@@ -165,7 +180,8 @@ class Pushes:
         self.settle()
         self.messages.header_to_buffer(msg)
         self.reqs = send_slices(self.comm, msg, self.stores, self.bounds, self.plans,
-                                self.head_bytes)
+                                self.head_bytes,
+                                self.pause[1] if self.step == self.pause[0] else 0.0)
         self.bell.ring(0)
         self.step += 1
         # Not waited for here: the receivers have receives posted and, with MPICH's

@@ -80,3 +80,27 @@ def test_bench_ps_null_workers_stream_in_chunks():
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["updates_per_s"] > 5 and out["stores"] == [0, 1]
+
+
+def test_a_push_whose_chunks_stall_does_not_hold_the_others(synth_dir, tmp_path):
+    """Rank 3 sends its 40th push's header, then waits 5 s before the chunks (a worker that
+    stops part-way through a push: the test hook). Rank 0 waits chunks.STALL_S (2 s) for
+    them, goes on with the rest counted as zeros, and receives rank 3's next push once they
+    are in: the other workers' updates go on meanwhile (before: rank 0 waited for the
+    chunks, and no update was applied for 5 s), and the run covers every sample once."""
+    log = tmp_path / "run.h5"
+    res = mpirun.run(4, "train", "--data", synth_dir, "--model", "mlp", "--hidden", "256",
+                     "--epochs", "12", "--chunk-kb", "16", "--no-progress", "--pipeline", "0",
+                     "--inject", "*:delay=0.01", "--log", str(log), timeout=180,
+                     **CHUNKED, MPILB_TEST_PUSH_PAUSE="40:5")
+    assert res.returncode == 0, res.stderr
+    mpirun.finished_exact(log)
+    from mpilb.runfiles.runlog import read_columns
+
+    _, cols = read_columns(str(log))
+    t = np.sort(cols["updates"]["t"])
+    gaps = np.diff(t)
+    assert gaps.max() < 3.5, gaps.max()   # rank 0 went on after 2 s, not after 5
+    w = cols["updates"]["worker"]
+    late = cols["updates"]["t"][w == 3]
+    assert np.diff(np.sort(late)).max() > 4.5   # (the pause happened: rank 3 was away 5 s)
