@@ -103,4 +103,6 @@ def test_a_push_whose_chunks_stall_does_not_hold_the_others(synth_dir, tmp_path)
     assert gaps.max() < 3.5, gaps.max()   # rank 0 went on after 2 s, not after 5
     w = cols["updates"]["worker"]
     late = cols["updates"]["t"][w == 3]
-    assert np.diff(np.sort(late)).max() > 4.5   # (the pause happened: rank 3 was away 5 s)
+    # (the pause happened: rank 3's stalled push is applied after 2 s, its next one only once
+    # the chunks came, 5 s after its header; other gaps are tens of ms)
+    assert np.diff(np.sort(late)).max() > 2.5
