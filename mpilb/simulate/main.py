@@ -68,10 +68,6 @@ def add_arguments(p) -> None:
     net.add_argument("--pipeline", type=int, choices=(0, 1), help="1: a worker computes its "
                      "next batch while its push travels (default: 1, as train's async; --from: "
                      "the run's)")
-    net.add_argument("--chunk-kb", type=int, metavar="KB", help="pushes and replies between "
-                     "nodes in chunks of about KB kilobytes, each answered as it is applied, "
-                     "as train's --chunk-kb (default 128, as train's; 0: one message; --from: "
-                     "the run's)")
     net.add_argument("--wire", metavar="fp32|bf16|fp16[,...]",
                      help="bytes per float on the wire: 4, 2, 2 (default fp32)")
     p.add_argument("--cores-per-node", type=int, metavar="N", help="usable cores of each node: "
@@ -163,7 +159,6 @@ def run_simulate(args) -> int:
 def _clusters(args):
     """[(label, profiles, shard sizes, replay?, extra result keys)] and the shared settings."""
     from mpilb.core.inject import parse_injects
-    from mpilb.mpi.chunks import DEFAULT_KB
     from mpilb.simulate import cluster as C
 
     cfg = {}
@@ -199,15 +194,14 @@ def _clusters(args):
             spec, node_of = _replay_network(args, run)
             cfg.update(network=spec, node_of=node_of, absent=frozenset(run.never_worked()),
                        inject=run.rank_faults,
-                       pipeline=int(rc.get("pipeline") or 0), members=run.members,
-                       chunk_kb=int(rc.get("chunk_kb") or 0))
+                       pipeline=int(rc.get("pipeline") or 0), members=run.members)
             clusters = [(args.from_log, run.rank_profiles(), run.shard_sizes, True, extra)]
     elif args.nodes is not None:
         spec = _network(args, args.nodes)
         clusters = [_net_cluster(args, spec)]
         seed = args.seed if args.seed is not None else 0
         params = args.params if args.params is not None else 100_000
-        cfg.update(params=params, seed=seed, network=spec, pipeline=1, chunk_kb=DEFAULT_KB,
+        cfg.update(params=params, seed=seed, network=spec, pipeline=1,
                    inject=parse_injects(args.inject, len(spec.node_of())))
     else:
         if _network_given(args):
@@ -252,10 +246,6 @@ def _clusters(args):
         cfg["jitter"] = args.jitter
     if args.pipeline is not None:
         cfg["pipeline"] = args.pipeline
-    if args.chunk_kb is not None:
-        if args.chunk_kb < 0:
-            raise UsageError(f"--chunk-kb must be >= 0 (got {args.chunk_kb})")
-        cfg["chunk_kb"] = args.chunk_kb
     if args.sit_out is not None:
         cfg["sit_out"] = bool(args.sit_out)
     if args.server_gbps is not None:
@@ -331,7 +321,7 @@ def table_row(r: dict) -> str:
 def _network_given(args) -> bool:
     return any(getattr(args, k) is not None for k in ("link_rate", "shm_rate", "latency",
                                                       "link_burst", "ranks_per_node", "nodes",
-                                                      "wire", "link_sharing", "mtu", "chunk_kb"))
+                                                      "wire", "link_sharing", "mtu"))
 
 
 def _network(args, nodes: int, ranks_per_node: list[int] | None = None):

@@ -8,15 +8,12 @@ replaced by the cluster's layout (async updates):
   store nodes' ``down`` links (a group of stores at once, see
   :class:`~mpilb.simulate.network.Topology`); the slice to a store on the worker's own node
   goes through that node's shared memory;
-- rank 0 (the first store) decides when its slice (with the header) has arrived (in pieces:
-  its first piece): the balancer observes the push, the ledger advances, coverage counts,
-  the worker is topped up; its commands reach the other stores one latency later;
-- the stores (:class:`~mpilb.simulate.stores.StoreQueues`) serve rank 0's commands in its
-  order on their own CPUs (``apply_s + 8 bytes per float of a slice / --server-gbps``): a
-  slice that came whole is applied, then its reply leaves (store node ``up`` -> worker node
-  ``down``); a slice between nodes (``--chunk-kb``, as the engine chunks it) moves in
-  pieces, one after the other, and the store steps and answers each piece as it comes, as
-  ``Op.STREAM`` does; rank 0 decides nothing else while it streams its own slice;
+- rank 0 (the first store) decides when its slice (with the header) has arrived: the
+  balancer observes the push, the ledger advances, coverage counts, the worker is topped up;
+  its commands reach the other stores one latency later;
+- the stores apply their slices when they have both the slice and the command, on their own
+  CPUs (a FIFO queue: ``apply_s + 8 bytes per float of a slice / --server-gbps``), then send
+  the worker its slices of the parameters (store node ``up`` -> worker node ``down``);
 - the worker's next step starts when every slice of the reply has arrived; with
   ``--pipeline 1`` (async's default, as for `train`) it computes the next batch while its
   push travels, from what it holds when it pushes (announced to rank 0 as the push's
@@ -37,8 +34,8 @@ from mpilb.simulate.engine import Engine, summarize
 from mpilb.simulate.workers import PUSH, REBALANCE, SimWorker
 from mpilb.simulate.fabric import Fabric, PerLinkFabric
 from mpilb.simulate.network import WIRE_BYTES, Layout, Topology
-from mpilb.simulate.stores import (ARRIVE, FREED, PIECE, PIECE_SEND, REPLY, STORE_SEND,
-                                   StoreQueues, pieces)
+
+ARRIVE, STORE_SEND, REPLY = 0, 1, 2
 
 
 class _Batch:
@@ -54,54 +51,20 @@ class _Batch:
 
 class _InFlight:
     """One worker's push on its way (``batch``; None for a wake's reply alone): when its
-    slices reached each group of stores (in pieces: when each piece did, how many the
-    group stepped and how many of their replies left; the flows still to finish through
-    shared memory), when rank 0 decided, how many transfers of the reply are still to come,
-    the batch computed meanwhile (pipelined), and whether a wake must follow its reply."""
+    slices reached each group of stores, when rank 0 decided, how many groups' replies are
+    still to come, the batch computed meanwhile (pipelined), and whether a wake must follow
+    its reply."""
 
-    __slots__ = ("sent", "arrived", "pieces", "stepped", "answered", "near", "decided",
-                 "replies", "batch", "ahead", "wake")
+    __slots__ = ("sent", "arrived", "decided", "replies", "batch", "ahead", "wake")
 
-    def __init__(self, sent: float, k: int, batch=None, replies: int = 0):
+    def __init__(self, sent: float, k: int, batch=None):
         self.sent = sent
         self.arrived: list = [None] * k
-        self.pieces: list = [[] for _ in range(k)]
-        self.stepped = [0] * k
-        self.answered = [0] * k
-        self.near: list = [[] for _ in range(k)]
         self.decided = None
-        self.replies = replies or k
+        self.replies = k
         self.batch = batch
         self.ahead = None
         self.wake = False
-
-
-def next_range(tasks, batch: int, after):
-    """(task, lo, hi) of a worker's next batch of ``batch`` from the ``tasks`` it holds:
-    after ``after`` ((task, hi) of the batch just pushed) in the same task, else from the
-    first position of the next task with work; None with nothing to do."""
-    first = 0
-    if after is not None:
-        for k, task in enumerate(tasks):
-            if task is after[0]:
-                if after[1] < task.end:
-                    return task, after[1], min(after[1] + batch, task.end)
-                first = k + 1
-                break
-    for k in range(first, len(tasks)):
-        task = tasks[k]
-        if task.remaining > 0:
-            return task, task.pos, min(task.pos + batch, task.end)
-    return None
-
-
-def far_flows(fab, t: float, src: int, dst: int, nbytes: float, m: int, up: bool) -> list:
-    """The flows of ``nbytes`` to or from ``m`` stores of a group on other nodes: ``src``
-    to ``dst``, coupled along the two links or one flow on each (weight m on the group's
-    side: ``dst`` for a push, ``up``, else ``src``)."""
-    if fab.coupled:
-        return fab.path(t, (src, dst), nbytes, m)
-    return [fab.flow(t, src, nbytes, 1 if up else m), fab.flow(t, dst, nbytes, m if up else 1)]
 
 
 class NetEngine(Engine):
@@ -128,24 +91,23 @@ class NetEngine(Engine):
         wire = WIRE_BYTES[cfg.wire]
         self.g0 = topo.group_of_store[0]
         groups = topo.groups
-        service = [cfg.apply_s + 8.0 * max(floats[s] for s in g) * per_byte for g in groups]
-        self.stores = StoreQueues(self.fabric, service, self.g0)
+        self.service = [cfg.apply_s + 8.0 * max(floats[s] for s in g) * per_byte for g in groups]
+        self.free = [0.0] * len(groups)
+        # per group of stores but rank 0's: the pushes rank 0 decided, in its order, not
+        # applied yet (a store takes rank 0's commands in order, and waits for each slice)
+        self.commands = [deque() for _ in groups]
+        self.store_busy = [0.0] * len(groups)
         self.node = layout.node_of
-        kb = getattr(cfg, "chunk_kb", 0)
-        # per node, per group: (stores elsewhere, their bytes, bytes of the store on the
-        # node, the pieces the bytes elsewhere go in: 0 where they go whole)
+        # per node, per group: (stores elsewhere, their bytes, bytes of the store on the node)
         self.plan = {}
         for node in {self.node[r] for r in ranks}:
             rows = []
             for g in groups:
                 far = [s for s in g if layout.store_nodes[s] != node]
                 near = [s for s in g if layout.store_nodes[s] == node]
-                count = max((pieces(floats[s], wire, kb) for s in far), default=0)
                 rows.append((len(far), wire * sum(floats[s] for s in far),
-                             wire * sum(floats[s] for s in near), count))
+                             wire * sum(floats[s] for s in near)))
             self.plan[node] = rows
-        self.rank0_busy = False     # rank 0 streams its slice of a push: it decides no other
-        self.headers: deque = deque()   # (worker, flight) whose headers wait for rank 0
         self.flight: dict[int, _InFlight] = {}     # rank -> its push or reply on the way
         self.computing: dict[int, _Batch] = {}     # rank -> the batch it computes (or holds)
         self.stray = 0     # samples pushed outside the pusher's task (never, by the cut rule)
@@ -201,8 +163,7 @@ class NetEngine(Engine):
         """w starts, at ``t``, its next batch after ``after`` ((task, hi) of the batch just
         pushed; None: from where its tasks stand); returns it, or None with nothing to do
         (or when w hangs or crashes)."""
-        pick = None if w.batch <= 0 or w.benched else next_range(self.ledger.tasks(w.rank),
-                                                                    w.batch, after)
+        pick = self._next_range(w, after)
         if pick is None:
             return None
         if t >= w.fault_t:
@@ -225,6 +186,26 @@ class NetEngine(Engine):
         self._at(done, PUSH, w.rank)
         return batch
 
+    def _next_range(self, w: SimWorker, after):
+        """(task, lo, hi) of w's next batch, from the tasks it holds: after ``after`` in
+        the same task, else from the first position of the next task with work."""
+        if w.batch <= 0 or w.benched:
+            return None
+        tasks = self.ledger.tasks(w.rank)
+        first = 0
+        if after is not None:
+            for k, task in enumerate(tasks):
+                if task is after[0]:
+                    if after[1] < task.end:
+                        return task, after[1], min(after[1] + w.batch, task.end)
+                    first = k + 1
+                    break
+        for k in range(first, len(tasks)):
+            task = tasks[k]
+            if task.remaining > 0:
+                return task, task.pos, min(task.pos + w.batch, task.end)
+        return None
+
     def run(self) -> dict:
         self._begin_epoch(0, 0.0)
         self._at(max(self.cfg.rebalance_interval, CHORES_S), REBALANCE)
@@ -239,7 +220,7 @@ class NetEngine(Engine):
                 self._net(t, token)
         res = summarize(self)
         total = max(self.now, 1e-12)
-        res["server_busy"] = min(1.0, max(self.stores.busy) / total)
+        res["server_busy"] = min(1.0, max(self.store_busy) / total)
         res["servers"] = self.k
         spec = self.layout.spec
         carried = [fab.moved[r] / (fab.rate[r] * total) for r in self.topo.links]
@@ -262,86 +243,57 @@ class NetEngine(Engine):
     def _push(self, w: SimWorker, batch: _Batch, t: float) -> None:
         """w pushes ``batch`` at ``t``: its slices leave for the stores; pipelined, it
         starts its next batch."""
-        plan = self.plan[self.node[w.rank]]
+        a = self.node[w.rank]
+        plan = self.plan[a]
         del self.computing[w.rank]
-        replies = sum(row[3] or 1 for row in plan)   # (a reply in pieces: one transfer each)
-        flight = self.flight[w.rank] = _InFlight(t, len(plan), batch, replies)
+        flight = self.flight[w.rank] = _InFlight(t, len(plan), batch)
         if self.cfg.pipeline:
             flight.ahead = self._compute(w, t, (batch.task, batch.hi))
-        self._send(w, flight, t)
+        self._send(w, t)
 
-    def _send(self, w: SimWorker, flight: _InFlight, t: float) -> None:
+    def _send(self, w: SimWorker, t: float) -> None:
         """w's push moves from ``t``: the slices to other nodes through its node's ``up``
-        link and the store nodes' ``down`` (in pieces: the first now, each next one when
-        the one before is through), the one to its own node's store through shared
+        link and the store nodes' ``down``, the one to its own node's store through shared
         memory."""
         fab, topo, a = self.fabric, self.topo, self.node[w.rank]
         plan = self.plan[a]
-        if not fab.coupled:   # per link: one flow on the up link for the slices sent whole
-            whole = sum(row[1] for row in plan if not row[3])
-            up = fab.flow(t, topo.up[a], whole) if whole else None
-        for g, (m, far, near, count) in enumerate(plan):
-            near_flows = [fab.flow(t, topo.shm[a], near)] if near else []
-            if count:
-                flight.near[g] = near_flows
-                self._piece(t, w.rank, g, flight)
-                continue
+        if not fab.coupled:   # per link: one flow on the up link for every store's slice
+            far_bytes = sum(row[1] for row in plan)
+            up = fab.flow(t, topo.up[a], far_bytes) if far_bytes else None
+        for g, (m, far, near) in enumerate(plan):
             if not m:
                 flows = []
             elif fab.coupled:
                 flows = fab.path(t, (topo.up[a], topo.group_down[g]), far, m)
             else:
                 flows = [up, fab.flow(t, topo.group_down[g], far, m)]
-            fab.transfer(t, flows + near_flows, (ARRIVE, w.rank, g))
-
-    def _piece(self, t: float, rank: int, g: int, flight: _InFlight) -> None:
-        """The next piece of ``rank``'s slices to group g leaves (the last one: ARRIVE once
-        it and the bytes through shared memory are in)."""
-        a, topo = self.node[rank], self.topo
-        m, far, near, count = self.plan[a][g]
-        flows = far_flows(self.fabric, t, topo.up[a], topo.group_down[g], far / count, m, True)
-        if len(flight.pieces[g]) == count - 1:
-            self.fabric.transfer(t, flows + flight.near[g], (ARRIVE, rank, g))
-        else:
-            self.fabric.transfer(t, flows, (PIECE, rank, g))
-
-    def _reply(self, t: float, rank: int, g: int, far: float, near: float, m: int) -> None:
-        """Group g sends ``rank`` ``far`` bytes from stores on other nodes, ``near`` from
-        the store on its node."""
-        fab, topo, a = self.fabric, self.topo, self.node[rank]
-        flows = far_flows(self.fabric, t, topo.group_up[g], topo.down[a], far, m, False) if far else []
-        if near:
-            flows.append(fab.flow(t, topo.shm[a], near))
-        fab.transfer(t, flows, (REPLY, rank, g))
+            if near:
+                flows.append(fab.flow(t, topo.shm[a], near))
+            fab.transfer(t, flows, (ARRIVE, w.rank, g))
 
     # -- network events -----------------------------------------------------------------
     def _net(self, t: float, token) -> None:
         what, rank, g = token
         w = self.workers[rank]
-        if what == FREED:       # rank 0 streamed its slice: the next header in
-            self.rank0_busy = False
-            while self.headers and not self.rank0_busy:
-                self._decide(*self.headers.popleft(), t)
-            return
         flight = self.flight[rank]
-        m, far, near, count = self.plan[self.node[rank]][g]
-        if what == PIECE or what == ARRIVE:
-            if what == ARRIVE:
-                flight.arrived[g] = t
-            if count:
-                flight.pieces[g].append(t)
-                if what == PIECE:
-                    self._piece(t, rank, g, flight)
-            if g == self.g0 and len(flight.pieces[g]) <= 1:   # (a slice whole: none)
-                self._header(w, flight, t)
+        if what == ARRIVE:
+            flight.arrived[g] = t
+            if g == self.g0:
+                self._decide(w, flight, t)
             else:
-                self.stores.serve(g)
+                self._serve(g)
         elif what == STORE_SEND:
-            self._reply(t, rank, g, far, near, m)
-        elif what == PIECE_SEND:
-            flight.answered[g] += 1
-            last = flight.answered[g] == count
-            self._reply(t, rank, g, far / count, near if last else 0.0, m)
+            fab, topo, a = self.fabric, self.topo, self.node[rank]
+            m, far, near = self.plan[a][g]
+            if not m:
+                flows = []
+            elif fab.coupled:
+                flows = fab.path(t, (topo.group_up[g], topo.down[a]), far, m)
+            else:
+                flows = [fab.flow(t, topo.group_up[g], far, m), fab.flow(t, topo.down[a], far)]
+            if near:
+                flows.append(fab.flow(t, topo.shm[a], near))
+            fab.transfer(t, flows, (REPLY, rank, g))
         else:
             flight.replies -= 1
             if flight.replies == 0:
@@ -364,17 +316,9 @@ class NetEngine(Engine):
         elif not w.idle:
             self._start(w, t)
 
-    def _header(self, w: SimWorker, flight: _InFlight, t: float) -> None:
-        """Rank 0 has w's header and its slice (chunked: its first chunk): decided now, or
-        once rank 0 has streamed the push it serves."""
-        if self.rank0_busy:
-            self.headers.append((w, flight))
-        else:
-            self._decide(w, flight, t)
-
     def _decide(self, w: SimWorker, flight: _InFlight, t: float) -> None:
-        """The server's side of the push; a worker then owed nothing is idle from this
-        reply on (the server's view)."""
+        """Rank 0 has the header and its slice: the server's side of the push; a worker
+        then owed nothing is idle from this reply on (the server's view)."""
         batch, ahead = flight.batch, flight.ahead
         w.n, w.comp, w.io = batch.hi - batch.lo, batch.comp, batch.io
         self.ledger.note_next(w.rank, ahead.task.shard if ahead is not None else -1,
@@ -388,14 +332,35 @@ class NetEngine(Engine):
             self.ledger.record(task.epoch, task.shard, lo, hi)
         else:
             self.stray += w.n            # outside its task: dropped, as the server does
-        stores, plan = self.stores, self.plan[self.node[w.rank]]
-        done = max(stores.free[self.g0], t) + stores.service[self.g0]
-        for g in range(len(plan)):
-            count = plan[g][3]
-            if count and g == self.g0:
-                self.rank0_busy = True
-            stores.command(g, w.rank, flight, count)
+        done = self._apply(w, self.g0, t)
+        for g, queue in enumerate(self.commands):
+            if g != self.g0:
+                queue.append((w, flight))
+                self._serve(g)
         if self._applied(w, done):
             return
         if not self.ledger.tasks_ledger.of[w.rank].owed and w.rank not in self.computing:
             w.go_idle()
+
+    def _serve(self, g: int) -> None:
+        """Group g's stores take rank 0's commands in its order: each push's slice is
+        applied once it is there and its command too (one latency after rank 0 decided),
+        and a slice still on its way holds up the pushes decided after it, as
+        ``SliceRank`` waits for each gradient in turn."""
+        queue, lat = self.commands[g], self.fabric.latency
+        while queue:
+            w, flight = queue[0]
+            arrived = flight.arrived[g]
+            if arrived is None:
+                return
+            queue.popleft()
+            self._apply(w, g, max(arrived, flight.decided + lat))
+
+    def _apply(self, w: SimWorker, g: int, ready: float) -> float:
+        """Group g's stores apply w's slices once ``ready``; their replies leave when applied."""
+        start = self.free[g] if self.free[g] > ready else ready
+        done = self.free[g] = start + self.service[g]
+        self.store_busy[g] += self.service[g]
+        self.fabric.later(done, (STORE_SEND, w.rank, g))
+        return done
+

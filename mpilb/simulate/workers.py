@@ -39,8 +39,6 @@ class SimConfig:
     wire: str = "fp32"        # bytes per float on the wire (a network model only)
     pipeline: int = 0         # --pipeline 1: compute the next batch while a push travels
                               # (a network model only)
-    chunk_kb: int = 0         # --chunk-kb: pushes and replies between nodes in chunks, a
-                              # store streaming them (a network model only; 0: whole)
     jitter: float = 0.0       # sigma of a lognormal factor (mean 1) on each step's compute
     inject: list = field(default_factory=list)   # parsed InjectRule objects
     members: list = field(default_factory=list)  # (t, worker, event) of a replayed run's

@@ -373,88 +373,12 @@ def test_a_store_applies_pushes_in_rank_0s_order():
     g = 1 - eng.g0
     first, second = _InFlight(0.0, 2), _InFlight(0.0, 2)
     first.decided, second.decided = 1.0, 1.1
-    stores = eng.stores
-    stores.commands[g].extend([(3, first, 0), (4, second, 0)])
+    w3, w4 = eng.workers[3], eng.workers[4]
+    eng.commands[g].extend([(w3, first), (w4, second)])
     second.arrived[g] = 1.2
-    stores.serve(g)
-    assert stores.busy[g] == 0.0 and len(stores.commands[g]) == 2   # waits for the first
+    eng._serve(g)
+    assert eng.store_busy[g] == 0.0 and len(eng.commands[g]) == 2   # waits for the first
     first.arrived[g] = 2.0
-    stores.serve(g)
-    assert not stores.commands[g]
-    assert stores.free[g] == pytest.approx(2.0 + 2 * stores.service[g])
-
-
-# -- pushes and replies in chunks (--chunk-kb; simulate/stores.py) ------------------------
-
-def test_a_slice_in_chunks_is_answered_piece_by_piece():
-    # one worker on n1, one store on n0, 4 MB a push: whole, the reply leaves once the push
-    # is in (two transfers of B/R each); in chunks the store answers each piece as it comes,
-    # so a push and its reply overlap but for one piece: B/R (1 + 1/4) against 2 B/R
-    whole = engine(2, [1, 1], 1, chunk_kb=0, rate=1e9).run()["updates_per_s"]
-    chunked = engine(2, [1, 1], 1, chunk_kb=128, rate=1e9).run()["updates_per_s"]
-    assert 1.45 < chunked / whole < 1.65
-    # beside the store (shared memory) nothing is chunked: the same run either way
-    near = [engine(1, [2], 1, chunk_kb=kb, rate=1e9).run()["updates_per_s"] for kb in (0, 128)]
-    assert near[0] == near[1]
-
-
-def test_chunks_follow_the_engines_plan():
-    from mpilb.simulate.stores import PIECES, pieces
-
-    assert pieces(1_000_000, 4, 0) == 0                 # --chunk-kb 0: one message
-    assert pieces(30_000, 4, 128) == 0                  # 117 KB: one chunk, one message
-    assert pieces(100_000, 4, 128) == min(PIECES, 4)    # 391 KB: 4 chunks
-    assert pieces(1_000_000, 4, 128) == PIECES          # 31 chunks
-    # the plan per node: a store on the worker's node gets its slice whole
-    eng = engine(3, [1, 2, 2], 3, chunk_kb=128)
-    for node, rows in eng.plan.items():
-        for g, (m, far, near, count) in enumerate(rows):
-            assert (count > 0) == (m > 0), (node, g)
-
-
-def test_rank_0_decides_no_push_while_it_streams_its_slice():
-    from mpilb.simulate.netengine import NetEngine as N
-    from mpilb.simulate.stores import FREED
-
-    eng = engine(3, [1, 2, 2], 3, chunk_kb=128, rate=1e9)
-    events = []
-    decide, net = N._decide, N._net
-
-    def spy_decide(self, w, flight, t):
-        events.append(("decide", w.rank, t))
-        decide(self, w, flight, t)
-
-    def spy_net(self, t, token):
-        if token[0] == FREED:
-            events.append(("freed", token[1], t))
-        net(self, t, token)
-
-    eng._decide = spy_decide.__get__(eng)
-    eng._net = spy_net.__get__(eng)
-    eng.run()
-    # every push from a worker on another node than rank 0's: decided, then freed before
-    # the next decision
-    streaming = None
-    for kind, rank, t in events:
-        if kind == "decide":
-            assert streaming is None, (rank, t, streaming)
-            streaming = rank if eng.node[rank] != 0 else None
-        else:
-            assert streaming == rank
-            streaming = None
-    assert sum(1 for e in events if e[0] == "freed") > 50
-
-
-def test_chunk_kb_options(capsys):
-    base = ["simulate", "--nodes", "2", "--ranks-per-node", "1,2", "--link-rate", "1gbit",
-            "--params", "100000", "--samples", "200", "--shards", "4", "--epochs", "1",
-            "--balancer", "load", "--json"]
-    assert main(base) == 0
-    default = json.loads(capsys.readouterr().out)[0]["updates_per_s"]
-    assert main(base + ["--chunk-kb", "0"]) == 0
-    whole = json.loads(capsys.readouterr().out)[0]["updates_per_s"]
-    assert default > whole      # train's default: 128 KB chunks, overlapping each direction
-    assert main(base + ["--chunk-kb", "-1"]) == 2
-    assert "--chunk-kb must be >= 0" in capsys.readouterr().err
-    assert main(["simulate", "--workers", "2", "--chunk-kb", "64"]) == 2
-    assert "need --nodes" in capsys.readouterr().err
+    eng._serve(g)
+    assert not eng.commands[g]
+    assert eng.free[g] == pytest.approx(2.0 + 2 * eng.service[g])
