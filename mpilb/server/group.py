@@ -13,7 +13,7 @@ from mpilb.mpi import chunks, wire, wire_format
 from mpilb.core.topology import stores_of
 from mpilb.server.peers import Link
 from mpilb.server.remote import RemoteSlices
-from mpilb.server.store import slice_ring, store_bounds
+from mpilb.server.store import slice_ring, store_bounds, stream_calls
 
 
 class SliceGroup:
@@ -149,23 +149,9 @@ class SliceGroup:
         # still lands in the receive buffer, never in the parameters)
         grad = self._work()
 
-        def arrive(i: int) -> None:
-            lo, hi = spans[i]
-            if not self.waits.arrived(link, i):
-                grad[lo:hi] = 0
-            else:
-                self.fmt.decode(wire_grad[lo:hi], grad[lo:hi])
-
-        def answer(i: int, new: np.ndarray) -> list:
-            if link.broken:
-                return []
-            lo, hi = spans[i]
-            if self.encoded is None:
-                return [send(new[lo:hi])]
-            if i == 0:
-                self.encoded.begin(ring.version + 1)
-            self.encoded.sending(send(self.encoded.encode_range(new, lo, hi)))
-            return []
+        arrive, answer = stream_calls(spans, grad, wire_grad, self.fmt, self.encoded, ring,
+                                      lambda i: self.waits.arrived(link, i), send,
+                                      lambda: bool(link.broken))
 
         lr_scale = ring.apply_chunks(grad, batch, staleness, spans, arrive, answer, then,
                                      consume=True)

@@ -157,18 +157,26 @@ class ParamRing:
         self.sends.append([])
         return len(self.ring) - 1
 
+    def _begin(self, grad: np.ndarray, consume: bool) -> int:
+        """The buffer a step writes: :meth:`_target`'s, whose place the gradient takes where
+        the optimizer steps over it (`consume`; see :meth:`exchange`)."""
+        t = self._target()
+        if t != self.cur and consume and self.optimizer.into_grad:
+            self._exchanged, self.ring[t] = self.ring[t], grad
+        return t
+
+    def _done(self, t: int, seconds: float) -> None:
+        """A step into buffer `t` is done: it holds the next version."""
+        self.cur = t
+        self.version += 1
+        self.updates += 1
+        self.apply_s += seconds
+
     def _step(self, grad: np.ndarray, lr_scale: float, consume: bool) -> None:
         t0 = time.perf_counter()
-        t = self._target()
-        version = self.version + 1
-        if t != self.cur and consume and self.optimizer.into_grad:   # over the gradient,
-            # which takes buffer t's place
-            self._exchanged, self.ring[t] = self.ring[t], grad
+        t = self._begin(grad, consume)
         self.optimizer.step(self.params, grad, lr_scale, out=self.ring[t])
-        self.cur = t
-        self.version = version
-        self.updates += 1
-        self.apply_s += time.perf_counter() - t0
+        self._done(t, time.perf_counter() - t0)
 
     def apply(self, grad: np.ndarray, batch: int, staleness: int,
               then: Optional[np.ndarray] = None, consume: bool = False) -> float:
@@ -197,10 +205,7 @@ class ParamRing:
                 arrive(i)
         t0 = time.perf_counter()
         waited = 0.0
-        t = self._target()
-        version = self.version + 1
-        if t != self.cur and consume and self.optimizer.into_grad:   # as _step
-            self._exchanged, self.ring[t] = self.ring[t], grad
+        t = self._begin(grad, consume)
         params, out = self.params, self.ring[t]
         if not piecewise:
             lr_scale *= self.correction.apply(grad, staleness, params, then)
@@ -221,11 +226,8 @@ class ParamRing:
             w0 = time.perf_counter()
             sends += answer(i, out)
             waited += time.perf_counter() - w0
-        self.cur = t
-        self.version = version
+        self._done(t, time.perf_counter() - t0 - waited)
         self.sends[t].extend(sends)
-        self.updates += 1
-        self.apply_s += time.perf_counter() - t0 - waited
         return lr_scale
 
     def apply_sum(self, grad_sum: np.ndarray, batch: int, consume: bool = False) -> float:

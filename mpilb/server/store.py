@@ -70,6 +70,36 @@ def _recv_state(comm, source: int, tag: int, params, optimizer, lo: int, hi: int
         optimizer.load_state_slice(name, lo, hi, buf)
 
 
+def stream_calls(spans, grad, wire_grad, fmt, encoded, ring, arrived, send, stopped):
+    """The ``arrive`` and ``answer`` of :meth:`ParamRing.apply_chunks` for a slice streamed
+    (Op.STREAM) by rank 0 (``SliceGroup.stream``) or another store (``SliceRank._stream``):
+    ``arrived(i)`` waits for chunk i of the push, which lands in ``wire_grad`` and is
+    decoded into ``grad`` (nothing to decode where they are one array; False: it did not
+    come, and counts as zeros); ``send(array)`` sends a chunk of the new slice (in the wire
+    format, from ``encoded``'s copy) and returns its request, unless ``stopped()`` (the
+    worker is gone)."""
+
+    def arrive(i: int) -> None:
+        lo, hi = spans[i]
+        if not arrived(i):
+            grad[lo:hi] = 0
+        elif grad is not wire_grad:
+            fmt.decode(wire_grad[lo:hi], grad[lo:hi])
+
+    def answer(i: int, new: np.ndarray) -> list:
+        if stopped():
+            return []
+        lo, hi = spans[i]
+        if encoded is None:
+            return [send(new[lo:hi])]
+        if i == 0:
+            encoded.begin(ring.version + 1)
+        encoded.sending(send(encoded.encode_range(new, lo, hi)))
+        return []
+
+    return arrive, answer
+
+
 class SliceRank:
     """A store rank other than 0 (store s of stores_of(cfg)): its slice, applied and sent as
     rank 0's commands say."""
@@ -252,27 +282,16 @@ class SliceRank:
         comm, dest = self.joins.link(w)
         gone = [False]
 
-        def arrive(i: int) -> None:
-            lo, hi = spans[i]
+        def arrived(i: int) -> bool:
             if not gone[0] and not self._arrived(w, i):
                 gone[0] = True
-            if gone[0]:
-                grad[lo:hi] = 0
-            elif self.grad is not None:
-                self.fmt.decode(wire_grad[lo:hi], grad[lo:hi])
+            return not gone[0]
 
-        def answer(i: int, new: np.ndarray) -> list:
-            if gone[0]:
-                return []
-            lo, hi = spans[i]
-            if self.encoded is None:
-                return [comm.Isend(new[lo:hi], dest=dest, tag=wire.TAG_PARAMS)]
-            if i == 0:
-                self.encoded.begin(s.version + 1)
-            self.encoded.sending(comm.Isend(self.encoded.encode_range(new, lo, hi), dest=dest,
-                                            tag=wire.TAG_PARAMS))
-            return []
+        def send(chunk: np.ndarray):
+            return comm.Isend(chunk, dest=dest, tag=wire.TAG_PARAMS)
 
+        arrive, answer = stream_calls(spans, grad, wire_grad, self.fmt, self.encoded, s, arrived,
+                                      send, lambda: gone[0])
         s.follow(m.lr)
         then = s.params_of(m.version) if s.correction.needs_old_params else None
         s.apply_chunks(grad, m.batch, m.staleness, spans, arrive, answer, then, consume=True)
