@@ -4,6 +4,7 @@ encoded once per version, the pushes a conversion made non-finite, and the refus
 
 from __future__ import annotations
 
+import sys
 import tracemalloc
 from types import SimpleNamespace
 
@@ -193,3 +194,48 @@ def test_a_push_a_conversion_made_infinite_is_flagged(monkeypatch):
         assert back[0] == 1.0 and back[2] == -2.0
         assert msg.buf[-8:].view(np.float32).tolist() == [7.0, 8.0]
         assert pushes.head_bytes == msg.buf.nbytes   # one store: header, gradient, state
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_torchs_casts_give_numpys_bits(name, monkeypatch):
+    """In a process with torch imported (a torch model's), the CPU casts are torch's: the
+    same bits as numpy's for every finite value, infinities and overflow (NaN stays NaN)."""
+    torch = pytest.importorskip("torch")
+    fmt = F.wire_format(name)
+    rng = np.random.default_rng(3)
+    n = 3 * F.TORCH_CAST_MIN + 5
+    x = np.concatenate([rng.standard_normal(n - 40).astype(np.float32) * 10.0 ** rng.integers(-9, 9, n - 40),
+                        np.array([0.0, -0.0, 1.0, 1 + 2**-8, 1 + 3 * 2**-9, 65504.0, 65519.0, 65520.0,
+                                  F.BF16_OVERFLOW, 3.4e38, -3.4e38, np.inf, -np.inf, 1e-45, -1e-45,
+                                  6e-8, 3e-8, np.nan] + [0.5] * 22, np.float32)]).astype(np.float32)
+    assert x.size == n
+
+    def both(monkeypatch_torch):
+        with monkeypatch.context() as m:
+            if not monkeypatch_torch:
+                m.setitem(sys.modules, "torch", None)   # numpy's casts
+            enc = np.empty(n, np.uint16)
+            with np.errstate(invalid="ignore"):
+                fmt.encode(x, enc, np, fmt.scratch(n, np))
+            dec = np.empty(n, np.float32)
+            fmt.decode(enc, dec, np)
+            return enc, dec
+
+    calls = []
+    real = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src: calls.append(1) or real(self, src))
+    enc_t, dec_t = both(True)
+    assert len(calls) == 2                  # the torch path was taken, both ways
+    enc_n, dec_n = both(False)
+    assert len(calls) == 2
+    finite = ~np.isnan(x)
+    assert np.array_equal(enc_t[finite], enc_n[finite])
+    assert np.array_equal(dec_t[finite], dec_n[finite], equal_nan=True)
+    assert np.isnan(dec_t[~finite]).all() and np.isnan(dec_n[~finite]).all()
+    if name == "bf16":                      # its NaNs are made the same quiet NaN either way
+        assert np.array_equal(enc_t, enc_n)
+    # short, or not contiguous: numpy's casts (torch's would cost more than they save)
+    short = x[:100].copy()
+    out = np.empty(100, np.uint16)
+    fmt.encode(short, out, np, fmt.scratch(100, np), finite=False)
+    assert len(calls) == 2
