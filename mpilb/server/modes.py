@@ -166,9 +166,11 @@ class ParamRing:
         return t
 
     def _done(self, t: int, seconds: float) -> None:
-        """A step into buffer `t` is done: it holds the next version."""
+        """A step into buffer `t` is done: it holds the next version (`version` reads the
+        current buffer's: counted before `t` becomes current)."""
+        version = self.version + 1
         self.cur = t
-        self.version += 1
+        self.version = version
         self.updates += 1
         self.apply_s += seconds
 

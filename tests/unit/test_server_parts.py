@@ -205,6 +205,29 @@ def test_async_applies_each_gradient_scaled_by_its_batch():
     assert not rule.holds(p, [p]) and list(rule.releasable([p])) == []
 
 
+class _Pending:
+    """A send that never completes: the buffer it reads stays busy."""
+
+    def Test(self):
+        return False
+
+
+def test_a_step_into_another_buffer_counts_the_next_version():
+    # a reply still reads the current buffer: the step writes another one, which must
+    # hold version + 1 (not that buffer's own old number + 1), whole or in chunks
+    ring = store(n=8)
+    ring.finished = lambda req: req.Test()
+    for k in range(1, 5):
+        ring.sending(_Pending())
+        if k % 2:
+            ring.apply(np.ones(8, np.float32), 32, 0)
+        else:
+            ring.apply_chunks(np.ones(8, np.float32), 32, 0, [(0, 4), (4, 8)],
+                              lambda i: None, lambda i, new: [])
+        assert ring.version == k and len(ring.ring) == k + 1
+        assert ring.params_of(k) is ring.params and ring.params_of(k - 1) is not None
+
+
 def test_inverse_correction_scales_by_staleness():
     rule = build_rule("async", store(correction="inverse"), lambda r: True)
     _, lr_scale = rule.push(Peer(1), update(1, staleness=4), np.ones(4, np.float32))
