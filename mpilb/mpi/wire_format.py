@@ -18,7 +18,7 @@ A 16-bit format travels as uint16 (numpy has no bfloat16, and MPI needs no datat
 
 On the CPU, in a process that has imported torch already (a torch model's), the casts are
 torch's (:func:`_torch_cast`): one vectorized pass, the same bits (NaN stays a NaN); on
-270,000 floats, one thread, bf16 encodes 3.6x as fast and fp16 28x
+270,000 floats, one thread, bf16 encodes 3.6x as fast and fp16 27x
 (benchmarks/wire_casts.py, docs/benchmarks.md).
 
 A message is laid out as [float64 header | wire payload, padded to 4 bytes | float32 model
