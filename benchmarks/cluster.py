@@ -84,10 +84,12 @@ def wire_bound(hosts: str, stores: list[int], rate_bytes: float, params: int) ->
 
 
 def bench_ps(box, hosts: str, *extra, params: int = PARAMS, seconds: float = 3,
-             spin: bool = False) -> dict:
+             spin: bool = False, fifo: bool = False) -> dict:
     """One `mpilb bench ps --json --repeats 1` run on the box's `hosts`; its JSON. `spin`:
-    every rank polls before it sleeps (MPILB_SPIN=1), as ranks with a CPU each do."""
-    env = ["env", "MPILB_SPIN=1"] if spin else []
+    every rank polls before it sleeps (MPILB_SPIN=1), as ranks with a CPU each do; `fifo`:
+    every store steps one push at a time (MPILB_STORE_FIFO=1, server/store_streams.py)."""
+    env = ["env", *(["MPILB_SPIN=1"] if spin else []), *(["MPILB_STORE_FIFO=1"] if fifo else [])]
+    env = env if len(env) > 1 else []
     res = box.mpiexec(["-hosts", hosts, *env, PY, "-m", "mpilb", "bench", "ps", "--json", "--repeats",
                        "1", "--params", str(params), "--seconds", f"{seconds:g}", *extra],
                       timeout=300, cwd=REPO)
@@ -234,7 +236,7 @@ def main(argv=None) -> int:
     res = _results.Results(NAME, f"mpilb on 3 nodes of the cluster in a box, links {opts.link_rate}", opts)
     rows = {k: [] for k in ("a", "a_bound", "b", "b_bound", "b_over_a", "c_nodes", "c", "c_one",
                             "a_chunks", "b_chunks", "b_whole_bound", "b_spin", "b_spin_whole",
-                            "b_spin_chunks",
+                            "b_spin_chunks", "b_fifo_bound", "b_over_fifo",
                             "ddp", *(f"{k}{x}" for k, _ in D_RUNS for x in ("", "_run", "_ddp")),
                             *(f"{k}_{x}" for k in ("async", "bf16", "tuned") for x in ("comm", "staleness")),
                             "cpu_remote", "cpu_local", "slow", "without", "slow_ratio",
@@ -268,6 +270,7 @@ def main(argv=None) -> int:
                 b0 = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "per-node", *whole)
                 bs = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "per-node", spin=True)
                 bs0 = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "per-node", *whole, spin=True)
+                bf = bench_ps(box, "n0:2,n1:2,n2:2", "--servers", "per-node", fifo=True)
                 for key, num, den in (("a_chunks", a, a0), ("b_chunks", b, b0),
                                       ("b_spin_chunks", bs, bs0)):
                     rows[key].append(num["updates_per_s"] / den["updates_per_s"])
@@ -280,6 +283,8 @@ def main(argv=None) -> int:
                 rows["a"].append(a["updates_per_s"]); rows["a_bound"].append(a["updates_per_s"] / ab)
                 rows["b"].append(b["updates_per_s"]); rows["b_bound"].append(b["updates_per_s"] / bb)
                 rows["b_over_a"].append(b["updates_per_s"] / a["updates_per_s"])
+                rows["b_fifo_bound"].append(bf["updates_per_s"] / bb)
+                rows["b_over_fifo"].append(b["updates_per_s"] / bf["updates_per_s"])
                 nodes = c.get("nodes") or []
                 rows["c_nodes"].append(len({nodes[s] for s in c.get("stores", [])}) if nodes else 1)
                 rows["c"].append(c["updates_per_s"]); rows["c_one"].append(c["updates_per_s"] / one["updates_per_s"])
@@ -288,7 +293,8 @@ def main(argv=None) -> int:
                       f"{rows['b_over_a'][-1]:.2f}x (a); (c) stores {c.get('stores')} on "
                       f"{rows['c_nodes'][-1]} nodes, {rows['c_one'][-1]:.2f}x one store; chunks ÷ "
                       f"one message: (a) {rows['a_chunks'][-1]:.2f}x, (b) {rows['b_chunks'][-1]:.2f}x, "
-                      f"(b) polling {rows['b_spin_chunks'][-1]:.2f}x", flush=True)
+                      f"(b) polling {rows['b_spin_chunks'][-1]:.2f}x; (b) one push at a time per "
+                      f"store {rows['b_fifo_bound'][-1]:.2f} of its bound", flush=True)
             if has_torch and "d" in opts.only:
                 args = ["--data", data, *TORCH_MODEL, "--batch", "512", "--epochs", str(opts.epochs),
                         "--lr", "0.05", "--optimizer", "momentum"]
@@ -403,6 +409,11 @@ def _abc_figures(res, rows: dict) -> None:
                    unit="updates/s", digits=1)
         res.figure(g, "b_spin_chunks", "(b) polling: in chunks ÷ one message, same repeat",
                    rows["b_spin_chunks"], unit="x")
+    if rows.get("b_fifo_bound"):   # (result files from before store_streams.py have none)
+        res.figure(g, "b_fifo_bound", "(b) with every store stepping one push at a time "
+                   "(`MPILB_STORE_FIFO=1`) ÷ its wire bound", rows["b_fifo_bound"], unit="x")
+        res.figure(g, "b_over_fifo", "(b) ÷ (b) one push at a time, same repeat",
+                   rows["b_over_fifo"], unit="x")
 
 
 if __name__ == "__main__":

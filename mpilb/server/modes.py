@@ -157,6 +157,16 @@ class ParamRing:
         self.sends.append([])
         return len(self.ring) - 1
 
+    def writable(self) -> np.ndarray:
+        """The current parameters, to be stepped in place (server/store_streams.py): moved
+        into a free buffer first while a send still reads them."""
+        t = self._target()
+        if t != self.cur:
+            self.ring[t][...] = self.params
+            self.versions[t] = self.version
+            self.cur = t
+        return self.params
+
     def _begin(self, grad: np.ndarray, consume: bool) -> int:
         """The buffer a step writes: :meth:`_target`'s, whose place the gradient takes where
         the optimizer steps over it (`consume`; see :meth:`exchange`)."""

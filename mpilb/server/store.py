@@ -10,9 +10,12 @@ each slice of the reply from its store (TAG_PARAMS).
 Rank 0 alone decides (coverage, strays, rejected gradients, the update rule's holds and sync
 rounds, lost workers). It tells the other stores what to do with each push in the order it
 decided (TAG_CTRL, wire.Op): apply it, add it to the round, drop it, close the round, send
-a worker its slice, forget a lost worker. Every store therefore applies the same gradients
-in the same order as rank 0: with sync rounds the sliced parameters are the same floats as
-one store's. A command is 64 bytes; the slices carry the bytes, so rank 0 moves 1/K of them.
+a worker its slice, forget a lost worker. Every store therefore applies the same gradients,
+in the same order as rank 0 but where async pushes are streamed in chunks (Op.STREAM, with
+sgd or momentum): a store then steps each chunk of every push commanded as it comes
+(store_streams.py), so two pushes may reach one chunk's floats in the order they arrived.
+With sync rounds the sliced parameters are the same floats as one store's. A command is 64
+bytes; the slices carry the bytes, so rank 0 moves 1/K of them.
 
     SliceRank(cfg, dataset, comm, rank).run()    # a store rank other than 0, until Op.END
     RemoteSlices(comm, bounds, stores)             # on rank 0 (remote.py, in its SliceGroup)
@@ -34,6 +37,7 @@ from mpilb.mpi.watchdog import Rank0Watch
 from mpilb.mpi.wire import Op
 from mpilb.server.modes import ParamRing
 from mpilb.server.store_joins import StoreJoins
+from mpilb.server import store_streams
 
 END_TIMEOUT_S = 30.0
 
@@ -136,6 +140,9 @@ class SliceRank:
         self.backoff = C.Backoff()
         self.rank0 = Rank0Watch(cfg.faults.worker_timeout, rank)
         self.cpu0 = time.process_time()
+        # async pushes streamed several at once, each chunk stepped as it comes (store_streams.py)
+        self.streams = (store_streams.ChunkStreams(self) if store_streams.eligible(self.ring)
+                        else None)
 
     def abandon(self) -> None:
         """Set-up failed elsewhere: nothing to close here."""
@@ -177,7 +184,9 @@ class SliceRank:
     def _next(self) -> wire.CtrlMsg:
         self.backoff.reset()
         while not self.queue:
-            if not self._poll_ctrl():
+            if self.streams is not None and self.streams.progress():
+                self.backoff.reset()
+            elif not self._poll_ctrl():
                 self.backoff.sleep()
         return self.queue.popleft()
 
@@ -204,6 +213,12 @@ class SliceRank:
     # ----------------------------------------------------------------- commands
     def _do(self, m: wire.CtrlMsg) -> None:
         s = self.ring
+        if self.streams is not None and m.op == Op.STREAM:
+            if m.rank not in self.lost:
+                self.streams.start(m)
+            return
+        if self.streams is not None and m.op != Op.STATS:   # the pushes started are done first
+            self.streams.finish(lose=m.rank if m.op == Op.LOSE else -1)
         if m.op == Op.STREAM:
             if m.rank not in self.lost:
                 self._stream(m)
@@ -316,6 +331,8 @@ class SliceRank:
             while True:
                 m = self._next()
                 if m.op == Op.END:
+                    if self.streams is not None:
+                        self.streams.finish()
                     self._send_stats()
                     return
                 self._do(m)
@@ -333,6 +350,8 @@ class SliceRank:
                 req.Cancel()
                 C.wait(req, timeout=1.0)
         copies = [] if self.encoded is None else self.encoded.pending()
+        if self.streams is not None:
+            copies += self.streams.pending()
         for req in self.ring.pending() + copies + [self.stats_req]:
             if req is not None:
                 C.wait(req, timeout=max(0.0, deadline - time.monotonic()))
