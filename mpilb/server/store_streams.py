@@ -84,11 +84,12 @@ class ChunkStreams:
             if not p.gone and any(q.op == Op.LOSE and q.rank == p.w for q in self.store.queue):
                 p.gone = True
             reqs = self.store.recvs[p.w]
-            for i in list(p.todo):
+            while p.todo:   # in order: the worker's receives take the reply's chunks in order
+                i = p.todo[0]
                 if not p.gone:
                     try:
                         if not reqs[i].Test():
-                            continue
+                            break
                     except C.MPIError:
                         p.gone = True
                 self._step(p, i)
@@ -135,7 +136,7 @@ class ChunkStreams:
             opt.momentum = p.momentum
         opt.step_range(params, grad, p.lr, params, lo, hi, first=p.first)
         p.first = False
-        p.todo.remove(i)
+        p.todo.pop(0)
         if not p.gone:
             out = self.reply.get(p.w)
             if out is None:

@@ -88,6 +88,19 @@ def test_the_later_push_whose_chunks_came_first_is_answered_first():
     assert st.ring.version == 2 and st.ring.updates == 2
 
 
+def test_a_push_is_answered_chunk_after_chunk_whatever_order_they_complete_in():
+    """The worker's receives take a reply's chunks in order (MPI matches them by order, not
+    by size): a chunk in before the one ahead of it waits for it."""
+    st, comm, _ = store()
+    cs = ChunkStreams(st)
+    cs.start(stream(1))
+    st.recvs[1][1].done = True
+    assert not cs.progress() and comm.sent == []
+    st.recvs[1][0].done = True
+    assert cs.progress()
+    assert [len(v) for _, v in comm.sent] == [4, 4] and np.allclose(st.ring.params, 1 - LR)
+
+
 def test_each_push_steps_its_chunks_with_its_own_momentum():
     """Push A (momentum 0.9) steps its first chunk, push B (momentum 0.1) both of its
     chunks, then A its second chunk: with A's momentum, not the last one set."""
