@@ -183,10 +183,11 @@ class SliceRank:
 
     def _next(self) -> wire.CtrlMsg:
         self.backoff.reset()
-        while not self.queue:
-            if self.streams is not None and self.streams.progress():
+        while not self.queue:   # (stepping what has come of the pushes started meanwhile)
+            moved = self.streams is not None and self.streams.progress()
+            if self._poll_ctrl() or moved:
                 self.backoff.reset()
-            elif not self._poll_ctrl():
+            else:
                 self.backoff.sleep()
         return self.queue.popleft()
 
