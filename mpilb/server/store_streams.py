@@ -60,7 +60,7 @@ class ChunkStreams:
     def __init__(self, store):
         self.store = store
         self.active: dict[int, _Push] = {}
-        self.grad: dict[int, np.ndarray] = {}    # w -> float32 gradient (wire != fp32)
+        self.grad: Optional[np.ndarray] = None   # a chunk expanded to float32 (wire != fp32)
         self.reply: dict[int, np.ndarray] = {}   # w -> its reply's copy, wire format
         self.sends: dict[int, list] = {}          # w -> the sends of its last reply
 
@@ -119,10 +119,10 @@ class ChunkStreams:
         wire_grad = st.grads[p.w]
         if fmt.is_fp32:
             grad = wire_grad
-        else:
-            grad = self.grad.get(p.w)
-            if grad is None:
-                grad = self.grad[p.w] = np.empty(st.n, np.float32)
+        else:   # (one vector for all: each chunk is expanded and stepped at once)
+            if self.grad is None:
+                self.grad = np.empty(st.n, np.float32)
+            grad = self.grad
         if p.gone:   # (a chunk that did not come counts as zeros, as one push at a time)
             grad[lo:hi] = 0
         elif grad is not wire_grad:

@@ -51,14 +51,17 @@ class TunesBy:
         return 1.0
 
 
-def store(optimizer="sgd", correction=None, workers=(1, 2)):
+def store(optimizer="sgd", correction=None, workers=(1, 2), fmt=wire_format.Float32()):
     comm = Comm()
     opt = build_optimizer(optimizer, N, lr=LR)
     ring = ParamRing(np.ones(N, np.float32), opt, correction or build_correction("none"), 1)
     posted = []
-    st = SimpleNamespace(ring=ring, queue=deque(), n=N, fmt=wire_format.Float32(), lost=set(),
-                         recvs={w: [Req(), Req()] for w in workers},
-                         grads={w: np.full(N, float(w), np.float32) for w in workers},
+    grads = {}
+    for w in workers:
+        grads[w] = np.empty(N, fmt.wire_dtype)
+        fmt.encode(np.full(N, float(w), np.float32), grads[w])
+    st = SimpleNamespace(ring=ring, queue=deque(), n=N, fmt=fmt, lost=set(),
+                         recvs={w: [Req(), Req()] for w in workers}, grads=grads,
                          joins=SimpleNamespace(link=lambda w: (comm, w)),
                          _spans=lambda w: SPANS, _post=posted.append, _poll_ctrl=lambda: False)
     return st, comm, posted
@@ -86,6 +89,23 @@ def test_the_later_push_whose_chunks_came_first_is_answered_first():
     assert np.allclose(st.ring.params, 1 - LR * (1 + 2))   # both applied, in place
     assert np.allclose(comm.sent[-1][1], 1 - LR * 3)
     assert st.ring.version == 2 and st.ring.updates == 2
+
+
+def test_in_bf16_each_chunk_is_expanded_stepped_and_answered_in_bf16():
+    fmt = wire_format.wire_format("bf16")
+    st, comm, _ = store(fmt=fmt)
+    cs = ChunkStreams(st)
+    cs.start(stream(1))
+    cs.start(stream(2))
+    st.recvs[1][0].done = st.recvs[2][0].done = st.recvs[2][1].done = True
+    cs.progress()
+    st.recvs[1][1].done = True
+    cs.finish()
+    assert np.allclose(st.ring.params, 1 - LR * 3)
+    last = np.empty(4, np.float32)
+    fmt.decode(comm.sent[-1][1], last)   # worker 1's second chunk, after both pushes
+    assert comm.sent[-1][0] == 1 and comm.sent[-1][1].dtype == fmt.wire_dtype
+    assert np.allclose(last, 1 - LR * 3)
 
 
 def test_a_push_is_answered_chunk_after_chunk_whatever_order_they_complete_in():
