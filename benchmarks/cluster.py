@@ -10,7 +10,8 @@ alternating, and its ratios are taken within a repeat:
     link carries every push in and every reply out: rate ÷ 4 MB per update).
 (b) the same with 2 ranks per node and `--servers per-node` (a store beside each node's
     worker): aggregate updates/s against its wire bound (the busiest link's bytes per
-    update, each direction, from the layout), and against (a).
+    update, each direction, from the layout), and against (a); also each store taking one
+    push at a time in rank 0's order (MPILB_STORE_FIFO=1, as before server/store_streams.py).
 (c) `--servers 2` under the block layout `-hosts n0:2,n1:2,n2:2`: where its stores are.
 (d) training, 4 workers on 2 nodes (`-hosts n0:1,n1:2,n2:2`), the torch MLP 256-256-256-10
     on 784 features, batch 512: samples/s of mpilb async and sync against PyTorch DDP (gloo)
