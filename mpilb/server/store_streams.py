@@ -1,16 +1,17 @@
 """A store other than rank 0 answering the pushes rank 0 streams (Op.STREAM) chunk by chunk
 as their chunks come, several pushes at once.
 
-One push at a time, a store waits for each chunk of the push rank 0 decided first while the
-chunks of the next ones are already in: on the cluster in a box a store per node (`bench ps
---servers per-node`, `-hosts n0:2,n1:2,n2:2`) kept its links at 0.80 of their bound that
-way. Here every push commanded is started at once, and whichever of its chunks has come is
-stepped (in place, the optimizers being elementwise) and answered, as a plain server answers
-whichever client is in. Each push keeps its own settings (its lr, its correction's scale, the
-momentum its staleness gave), so a chunk is stepped as it would be alone; what changes is the
-order in which two pushes reach the floats of one chunk, where one arrived before the other:
-as between stores, which never applied in one instant anyway. Replies go from a copy per
-worker (in the wire format), since the parameters are stepped in place.
+One push at a time, a store waited for each chunk of the push rank 0 decided first while the
+chunks of the next ones were already in: on the cluster in a box a store per node (`bench
+ps --servers per-node`, `-hosts n0:2,n1:2,n2:2`) kept its links at 0.80 of their bound that
+way. Here every push commanded is started at once, and each steps (in place, the optimizers
+being elementwise) and answers its chunks in order as they come, chunk i of a push once every
+push decided before it has stepped its own chunk i. Each float thus sees the same steps in
+the same order as one push at a time, and each chunk of a reply carries the same floats:
+what changes is only that a push whose chunks are in need not wait for the whole of the one
+before it. Each push keeps its own settings (its lr, its correction's scale, the momentum its
+staleness gave), set before each of its chunks. Replies go from a copy per worker (in the
+wire format), since the parameters are stepped in place.
 
 Used for async pushes with an optimizer that steps parts in place and keeps no step count
 (sgd, momentum) and no correction that reads old parameters (dc); a command other than
@@ -80,12 +81,15 @@ class ChunkStreams:
     def progress(self) -> bool:
         """Step and answer every chunk that has come; True if any did."""
         moved = False
+        before: list = []
         for p in list(self.active.values()):
             if not p.gone and any(q.op == Op.LOSE and q.rank == p.w for q in self.store.queue):
                 p.gone = True
             reqs = self.store.recvs[p.w]
-            while p.todo:   # in order: the worker's receives take the reply's chunks in order
+            while p.todo:   # its chunks in order: the worker's receives take them in order
                 i = p.todo[0]
+                if any(q.todo and q.todo[0] <= i for q in before):
+                    break   # a push decided before it has yet to step chunk i
                 if not p.gone:
                     try:
                         if not reqs[i].Test():
@@ -94,6 +98,7 @@ class ChunkStreams:
                         p.gone = True
                 self._step(p, i)
                 moved = True
+            before.append(p)
             if not p.todo:
                 self._done(p)
         return moved

@@ -71,24 +71,61 @@ def stream(w, staleness=0):
     return CtrlMsg(Op.STREAM, w, 1, staleness, 0, 1.0)
 
 
-def test_the_later_push_whose_chunks_came_first_is_answered_first():
+def test_a_later_push_steps_each_chunk_once_the_earlier_one_has_stepped_it():
+    """Worker 2's push (decided second) is all in, worker 1's not: worker 2 waits for
+    worker 1 chunk by chunk, not for the whole of it, and every chunk of both replies
+    carries the floats of one push at a time."""
     st, comm, posted = store()
     cs = ChunkStreams(st)
     cs.start(stream(1))
     cs.start(stream(2))
+    for r in st.recvs[2]:
+        r.done = True
     assert not cs.progress() and comm.sent == []
-    for r in st.recvs[2]:   # worker 2's chunks are in, worker 1's still coming
-        r.done = True
+    st.recvs[1][0].done = True
     assert cs.progress()
-    assert [d for d, _ in comm.sent] == [2, 2] and posted == [2]
-    assert np.array_equal(np.concatenate([v for _, v in comm.sent]), np.full(N, 1 - LR * 2, np.float32))
-    for r in st.recvs[1]:
-        r.done = True
+    # worker 1's chunk 0, then worker 2's chunk 0; worker 2's chunk 1 waits for worker 1's
+    assert [(d, v.tolist()) for d, v in comm.sent] == [
+        (1, [1 - LR * 1] * 4), (2, [1 - LR * 3] * 4)]
+    st.recvs[1][1].done = True
     cs.finish()
-    assert posted == [2, 1] and not cs.active
-    assert np.allclose(st.ring.params, 1 - LR * (1 + 2))   # both applied, in place
-    assert np.allclose(comm.sent[-1][1], 1 - LR * 3)
+    assert [(d, v.tolist()) for d, v in comm.sent[2:]] == [
+        (1, [1 - LR * 1] * 4), (2, [1 - LR * 3] * 4)]
+    assert posted == [1, 2] and not cs.active
+    assert np.allclose(st.ring.params, 1 - LR * 3)
     assert st.ring.version == 2 and st.ring.updates == 2
+
+
+def test_chunks_arriving_in_any_order_give_the_floats_of_one_push_at_a_time():
+    """Three pushes (momentum, each its own), chunks completing in a random order: the
+    parameters and every reply chunk equal those of the pushes applied whole, in order."""
+    rng = np.random.default_rng(5)
+    momenta = {0: 0.9, 1: 0.5, 2: 0.2}
+    for _ in range(20):
+        st, comm, _ = store("momentum", TunesBy(momenta), workers=(1, 2, 3))
+        for w in (1, 2, 3):
+            st.grads[w][:] = rng.standard_normal(N).astype(np.float32)
+        ref = ParamRing(np.ones(N, np.float32), build_optimizer("momentum", N, lr=LR),
+                        TunesBy(momenta), 1)
+        want = {}
+        for k, w in enumerate((1, 2, 3)):
+            ref.apply(st.grads[w].copy(), 1, k)
+            want[w] = ref.params.copy()
+        cs = ChunkStreams(st)
+        for k, w in enumerate((1, 2, 3)):
+            cs.start(stream(w, staleness=k))
+        pending = [(w, i) for w in (1, 2, 3) for i in range(2)]
+        rng.shuffle(pending)
+        for w, i in pending:
+            st.recvs[w][i].done = True
+            cs.progress()
+        assert not cs.active
+        assert np.array_equal(st.ring.params, ref.params)
+        got = {w: [] for w in (1, 2, 3)}
+        for d, v in comm.sent:
+            got[d].append(v)
+        for w in (1, 2, 3):
+            assert np.array_equal(np.concatenate(got[w]), want[w])
 
 
 def test_in_bf16_each_chunk_is_expanded_stepped_and_answered_in_bf16():
@@ -103,8 +140,8 @@ def test_in_bf16_each_chunk_is_expanded_stepped_and_answered_in_bf16():
     cs.finish()
     assert np.allclose(st.ring.params, 1 - LR * 3)
     last = np.empty(4, np.float32)
-    fmt.decode(comm.sent[-1][1], last)   # worker 1's second chunk, after both pushes
-    assert comm.sent[-1][0] == 1 and comm.sent[-1][1].dtype == fmt.wire_dtype
+    fmt.decode(comm.sent[-1][1], last)   # worker 2's second chunk, after both pushes
+    assert comm.sent[-1][0] == 2 and comm.sent[-1][1].dtype == fmt.wire_dtype
     assert np.allclose(last, 1 - LR * 3)
 
 
@@ -122,8 +159,8 @@ def test_a_push_is_answered_chunk_after_chunk_whatever_order_they_complete_in():
 
 
 def test_each_push_steps_its_chunks_with_its_own_momentum():
-    """Push A (momentum 0.9) steps its first chunk, push B (momentum 0.1) both of its
-    chunks, then A its second chunk: with A's momentum, not the last one set."""
+    """Push A (momentum 0.9) steps its first chunk, push B (momentum 0.1) its first, then A
+    its second and B its second: each with its own momentum, not the last one set."""
     st, comm, _ = store("momentum", TunesBy({0: 0.9, 5: 0.1}))
     cs = ChunkStreams(st)
     cs.start(stream(1, staleness=0))
@@ -131,17 +168,14 @@ def test_each_push_steps_its_chunks_with_its_own_momentum():
     st.recvs[1][0].done = True
     cs.progress()
     st.recvs[2][0].done = st.recvs[2][1].done = True
-    cs.progress()
+    cs.progress()   # B's chunk 0 (after A's), B's chunk 1 waits for A's
     st.recvs[1][1].done = True
     cs.finish()
     p = st.ring.params
-    # chunk 0: A then B; chunk 1: B then A (velocity from 0; grads 1 and 2; lr 0.5)
-    v_a0 = 1.0
-    v_b0 = 0.1 * v_a0 + 2.0
-    assert np.allclose(p[:4], 1 - LR * v_a0 - LR * v_b0)
-    v_b1 = 2.0
-    v_a1 = 0.9 * v_b1 + 1.0
-    assert np.allclose(p[4:], 1 - LR * v_b1 - LR * v_a1)
+    # every chunk: A then B (velocity from 0; grads 1 and 2; lr 0.5)
+    v_a = 1.0
+    v_b = 0.1 * v_a + 2.0
+    assert np.allclose(p, 1 - LR * v_a - LR * v_b)
 
 
 def test_a_worker_declared_lost_has_its_missing_chunks_count_as_zeros():
