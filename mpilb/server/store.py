@@ -10,12 +10,10 @@ each slice of the reply from its store (TAG_PARAMS).
 Rank 0 alone decides (coverage, strays, rejected gradients, the update rule's holds and sync
 rounds, lost workers). It tells the other stores what to do with each push in the order it
 decided (TAG_CTRL, wire.Op): apply it, add it to the round, drop it, close the round, send
-a worker its slice, forget a lost worker. Every store therefore applies the same gradients,
-in the same order as rank 0 but where async pushes are streamed in chunks (Op.STREAM, with
-sgd or momentum): a store then steps each chunk of every push commanded as it comes
-(store_streams.py), so two pushes may reach one chunk's floats in the order they arrived.
-With sync rounds the sliced parameters are the same floats as one store's. A command is 64
-bytes; the slices carry the bytes, so rank 0 moves 1/K of them.
+a worker its slice, forget a lost worker. Every store therefore applies the same gradients
+in the same order as rank 0 (streamed async pushes several at once, each chunk in that order:
+store_streams.py): with sync rounds the sliced parameters are the same floats as one store's.
+A command is 64 bytes; the slices carry the bytes, so rank 0 moves 1/K of them.
 
     SliceRank(cfg, dataset, comm, rank).run()    # a store rank other than 0, until Op.END
     RemoteSlices(comm, bounds, stores)             # on rank 0 (remote.py, in its SliceGroup)

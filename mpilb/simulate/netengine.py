@@ -11,9 +11,8 @@ replaced by the cluster's layout (async updates):
 - rank 0 (the first store) decides when its slice (with the header) has arrived: the
   balancer observes the push, the ledger advances, coverage counts, the worker is topped up;
   its commands reach the other stores one latency later;
-- the stores apply their slices when they have both the slice and the command, whichever
-  push's slice comes first, on their own CPUs (a FIFO queue of the pushes ready: ``apply_s +
-  8 bytes per float of a slice / --server-gbps``), then send
+- the stores apply their slices when they have both the slice and the command, on their own
+  CPUs (a FIFO queue: ``apply_s + 8 bytes per float of a slice / --server-gbps``), then send
   the worker its slices of the parameters (store node ``up`` -> worker node ``down``);
 - the worker's next step starts when every slice of the reply has arrived; with
   ``--pipeline 1`` (async's default, as for `train`) it computes the next batch while its
@@ -94,8 +93,8 @@ class NetEngine(Engine):
         groups = topo.groups
         self.service = [cfg.apply_s + 8.0 * max(floats[s] for s in g) * per_byte for g in groups]
         self.free = [0.0] * len(groups)
-        # per group of stores but rank 0's: the pushes rank 0 decided and not applied yet,
-        # in its order (a store applies each once its slice is in: _serve)
+        # per group of stores but rank 0's: the pushes rank 0 decided, in its order, not
+        # applied yet (a store takes rank 0's commands in order, and waits for each slice)
         self.commands = [deque() for _ in groups]
         self.store_busy = [0.0] * len(groups)
         self.node = layout.node_of
@@ -344,14 +343,18 @@ class NetEngine(Engine):
             w.go_idle()
 
     def _serve(self, g: int) -> None:
-        """Group g's stores apply each push rank 0 decided once its slice is there and its
-        command too (one latency after rank 0 decided), in whichever order the slices
-        come: a slice still on its way holds up no other push, as a store steps every push
-        it is commanded as its chunks come (server/store_streams.py)."""
+        """Group g's stores take rank 0's commands in its order: each push's slice is
+        applied once it is there and its command too (one latency after rank 0 decided),
+        and a slice still on its way holds up the pushes decided after it, as
+        ``SliceRank`` waits for each gradient in turn."""
         queue, lat = self.commands[g], self.fabric.latency
-        for w, flight in [item for item in queue if item[1].arrived[g] is not None]:
-            queue.remove((w, flight))
-            self._apply(w, g, max(flight.arrived[g], flight.decided + lat))
+        while queue:
+            w, flight = queue[0]
+            arrived = flight.arrived[g]
+            if arrived is None:
+                return
+            queue.popleft()
+            self._apply(w, g, max(arrived, flight.decided + lat))
 
     def _apply(self, w: SimWorker, g: int, ready: float) -> float:
         """Group g's stores apply w's slices once ``ready``; their replies leave when applied."""

@@ -364,9 +364,9 @@ def test_a_few_stores_are_simulated_apart():
     assert rate([GBIT] * 3) < 33
 
 
-def test_a_store_applies_each_push_once_its_slice_is_in_whatever_rank_0s_order():
-    # a store steps every push it is commanded as its chunks come (server/store_streams.py):
-    # a slice on its way holds up no later push whose slice is there already
+def test_a_store_applies_pushes_in_rank_0s_order():
+    # SliceRank takes rank 0's commands in order and waits for each slice: a slice on its
+    # way holds up a later push whose slice is there already
     from mpilb.simulate.netengine import _InFlight
 
     eng = engine(3, [1, 2, 2], 2, node_of=[0, 1, 1, 2, 2])
@@ -377,9 +377,8 @@ def test_a_store_applies_each_push_once_its_slice_is_in_whatever_rank_0s_order()
     eng.commands[g].extend([(w3, first), (w4, second)])
     second.arrived[g] = 1.2
     eng._serve(g)
-    assert eng.store_busy[g] == eng.service[g] and len(eng.commands[g]) == 1   # the second
-    assert eng.free[g] == pytest.approx(1.2 + eng.service[g])
+    assert eng.store_busy[g] == 0.0 and len(eng.commands[g]) == 2   # waits for the first
     first.arrived[g] = 2.0
     eng._serve(g)
     assert not eng.commands[g]
-    assert eng.free[g] == pytest.approx(2.0 + eng.service[g])
+    assert eng.free[g] == pytest.approx(2.0 + 2 * eng.service[g])
