@@ -45,10 +45,11 @@ def eligible(ring) -> bool:
 
 
 class _Push:
-    __slots__ = ("w", "todo", "lr", "staleness", "momentum", "first", "gone", "busy")
+    __slots__ = ("w", "spans", "todo", "lr", "staleness", "momentum", "first", "gone", "busy")
 
-    def __init__(self, w: int, todo: list, lr: float, staleness: int):
-        self.w, self.todo, self.lr, self.staleness = w, todo, lr, staleness
+    def __init__(self, w: int, spans, lr: float, staleness: int):
+        self.w, self.spans, self.lr, self.staleness = w, spans, lr, staleness
+        self.todo = list(range(len(spans)))
         self.momentum: Optional[float] = None
         self.first = True
         self.gone = False
@@ -75,7 +76,7 @@ class ChunkStreams:
         for req in self.sends.pop(w, ()):   # its last reply is in (it pushed again)
             C.wait(req, timeout=1.0)
         lr = m.batch / st.ring.nominal_batch * m.lr
-        self.active[w] = _Push(w, list(range(len(st._spans(w)))), lr, m.staleness)
+        self.active[w] = _Push(w, st._spans(w), lr, m.staleness)
         self.progress()
 
     def progress(self) -> bool:
@@ -88,8 +89,9 @@ class ChunkStreams:
             reqs = self.store.recvs[p.w]
             while p.todo:   # its chunks in order: the worker's receives take them in order
                 i = p.todo[0]
-                if any(q.todo and q.todo[0] <= i for q in before):
-                    break   # a push decided before it has yet to step chunk i
+                hi = p.spans[i][1]   # pushes decided before it must have stepped all below hi
+                if any(q.todo and q.spans[q.todo[0]][0] < hi for q in before):   # (their
+                    break   # chunks may be cut otherwise: a worker on the store's node sends one)
                 if not p.gone:
                     try:
                         if not reqs[i].Test():
@@ -119,7 +121,7 @@ class ChunkStreams:
     def _step(self, p: _Push, i: int) -> None:
         st = self.store
         ring, opt, fmt = st.ring, st.ring.optimizer, st.fmt
-        lo, hi = st._spans(p.w)[i]
+        lo, hi = p.spans[i]
         t0 = time.perf_counter()
         wire_grad = st.grads[p.w]
         if fmt.is_fp32:

@@ -51,7 +51,8 @@ class TunesBy:
         return 1.0
 
 
-def store(optimizer="sgd", correction=None, workers=(1, 2), fmt=wire_format.Float32()):
+def store(optimizer="sgd", correction=None, workers=(1, 2), fmt=wire_format.Float32(),
+          spans=None):
     comm = Comm()
     opt = build_optimizer(optimizer, N, lr=LR)
     ring = ParamRing(np.ones(N, np.float32), opt, correction or build_correction("none"), 1)
@@ -61,9 +62,11 @@ def store(optimizer="sgd", correction=None, workers=(1, 2), fmt=wire_format.Floa
         grads[w] = np.empty(N, fmt.wire_dtype)
         fmt.encode(np.full(N, float(w), np.float32), grads[w])
     st = SimpleNamespace(ring=ring, queue=deque(), n=N, fmt=fmt, lost=set(),
-                         recvs={w: [Req(), Req()] for w in workers}, grads=grads,
+                         recvs={w: [Req() for _ in (spans or {}).get(w, SPANS)]
+                                for w in workers}, grads=grads,
                          joins=SimpleNamespace(link=lambda w: (comm, w)),
-                         _spans=lambda w: SPANS, _post=posted.append, _poll_ctrl=lambda: False)
+                         _spans=lambda w: (spans or {}).get(w, SPANS), _post=posted.append,
+                         _poll_ctrl=lambda: False)
     return st, comm, posted
 
 
@@ -156,6 +159,32 @@ def test_a_push_is_answered_chunk_after_chunk_whatever_order_they_complete_in():
     st.recvs[1][0].done = True
     assert cs.progress()
     assert [len(v) for _, v in comm.sent] == [4, 4] and np.allclose(st.ring.params, 1 - LR)
+
+
+@pytest.mark.parametrize("cuts", [{1: [(0, 8)]}, {2: [(0, 8)]}, {1: [(0, 3), (3, 8)]},
+                                  {2: [(0, 1), (1, 2), (2, 7), (7, 8)], 3: [(0, 8)]}])
+def test_pushes_cut_into_other_chunks_still_step_each_float_in_rank_0s_order(cuts):
+    """A worker on the store's own node sends its slice whole, the others in chunks: a
+    push may step a span only once every push decided before it has stepped all of it."""
+    rng = np.random.default_rng(7)
+    momenta = {0: 0.9, 1: 0.5, 2: 0.2}
+    for _ in range(20):
+        st, comm, _ = store("momentum", TunesBy(momenta), workers=(1, 2, 3), spans=cuts)
+        for w in (1, 2, 3):
+            st.grads[w][:] = rng.standard_normal(N).astype(np.float32)
+        ref = ParamRing(np.ones(N, np.float32), build_optimizer("momentum", N, lr=LR),
+                        TunesBy(momenta), 1)
+        for k, w in enumerate((1, 2, 3)):
+            ref.apply(st.grads[w].copy(), 1, k)
+        cs = ChunkStreams(st)
+        for k, w in enumerate((1, 2, 3)):
+            cs.start(stream(w, staleness=k))
+        pending = [(w, i) for w in (1, 2, 3) for i in range(len(st.recvs[w]))]
+        rng.shuffle(pending)
+        for w, i in pending:
+            st.recvs[w][i].done = True
+            cs.progress()
+        assert not cs.active and np.array_equal(st.ring.params, ref.params)
 
 
 def test_each_push_steps_its_chunks_with_its_own_momentum():
