@@ -5,8 +5,9 @@ One push at a time, a store waited for each chunk of the push rank 0 decided fir
 chunks of the next ones were already in: on the cluster in a box a store per node (`bench
 ps --servers per-node`, `-hosts n0:2,n1:2,n2:2`) kept its links at 0.80 of their bound that
 way. Here every push commanded is started at once, and each steps (in place, the optimizers
-being elementwise) and answers its chunks in order as they come, chunk i of a push once every
-push decided before it has stepped its own chunk i. Each float thus sees the same steps in
+being elementwise) and answers its chunks in order as they come, a chunk once every push
+decided before it has stepped those floats (the pushes' chunks may be cut differently: a
+worker on the store's node sends its slice whole). Each float thus sees the same steps in
 the same order as one push at a time, and each chunk of a reply carries the same floats:
 what changes is only that a push whose chunks are in need not wait for the whole of the one
 before it. Each push keeps its own settings (its lr, its correction's scale, the momentum its
