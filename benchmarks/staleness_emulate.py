@@ -27,8 +27,12 @@ dynamic), ``cC`` (1 - (1-mu0)(1 + C tau): c0.7 is lookahead's momentum), ``fixed
 gradient's lr by min(1, (tau+1)/(tau_i+1)) (a gradient staler than the mean weighted down),
 lr=dyn by 1/(tau_i+1); warm=N ramps the lr up over the first N gradients (n/N: with c0.7
 and N = 40, lookahead); clip=C clips each gradient to C times the moving mean of the
-norms; prior=X starts the staleness mean at X (as if 10 gradients had shown it). tau: the
-moving mean staleness (corrections.StalenessMeter).
+norms; prior=X starts the staleness mean at X (as if 10 gradients had shown it);
+adapt=ETA (with cC) multiplies the long-run step by a gain between 1 and 1 + C tau that grows
+by exp(ETA cos) with the cosine of each gradient and the momentum buffer (the gains at the
+50th and 200th gradient and at the end are printed); syncwarm=N runs the first N rounds as
+sync rounds before the workers go asynchronous. tau: the moving mean staleness
+(corrections.StalenessMeter).
 
 --weight-prediction on: each worker computes on the parameters it read extrapolated by the
 staleness its gradients met (core/prediction.py, as the engine's workers do).
@@ -101,8 +105,22 @@ class Rule:
         if r.startswith("k"):
             return max(0.0, 1 - (1 - MU0) * (tau + 1) / float(r[1:]))
         if r.startswith("c"):
-            return max(0.0, 1 - (1 - MU0) * (1 + float(r[1:]) * tau))
+            return max(0.0, 1 - (1 - MU0) * (1 + float(r[1:]) * tau) / getattr(self, "gain", 1.0))
         return float(r[len("fixed"):])
+
+    def adapt(self, g: np.ndarray, velocity: np.ndarray, tau: float) -> None:
+        """adapt=ETA: the long-run step's gain grows while each gradient agrees with the
+        momentum (cosine > 0) and shrinks when it opposes it, between 1 and 1 + C tau."""
+        if "adapt" not in self.opts:
+            return
+        nv = float(np.linalg.norm(velocity))
+        if nv == 0:
+            return
+        cos = float(np.dot(g, velocity)) / (float(np.linalg.norm(g)) * nv + 1e-30)
+        top = 1 + float(self.opts["mu"][1:]) * tau
+        gain = getattr(self, "gain", 1.0) * np.exp(float(self.opts["adapt"]) * cos)
+        self.gain = float(np.clip(gain, 1.0, max(1.0, top)))
+        self.gains = getattr(self, "gains", []) + [self.gain]
 
     def scale(self, g: np.ndarray, tau: float, staleness: int) -> None:
         lr = self.opts.get("lr")
@@ -158,16 +176,20 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
                 return True
         return False
 
+    def sync_round() -> int:
+        """W gradients on the same parameters, applied as one mean; the samples it took."""
+        g, b = np.zeros_like(params), 0
+        for _ in range(workers):
+            idx = batch()
+            g += model.loss_and_grad(ring.params, x[idx], y[idx])[1]
+            b += len(idx)
+        ring.apply_sum(g, b)
+        return b
+
     total = c["epochs"] * len(x)
     if mode == "sync":
         while state["done"] < total:
-            g, b = np.zeros_like(params), 0
-            for _ in range(workers):
-                idx = batch()
-                g += model.loss_and_grad(ring.params, x[idx], y[idx])[1]
-                b += len(idx)
-            ring.apply_sum(g, b)
-            if counted(b):
+            if counted(sync_round()):
                 return evals, 0.0
     else:
         speed = [1.0] * workers
@@ -183,6 +205,9 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
             reading[w] = (p, ring.version, batch())
             heapq.heappush(heap, (t + rng.lognormal(0, noise) / speed[w], w))
 
+        for _ in range(int(rule.opts.get("syncwarm", 0)) if rule is not None else 0):
+            if counted(sync_round()):
+                return evals, 0.0
         for w in range(workers):
             start(w, rng.uniform(0, 1) / speed[w])
         while state["done"] < total:
@@ -195,6 +220,7 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
                 predictions[w].observe(s)
             if rule is not None:
                 tau = meter.add(s)
+                rule.adapt(g, opt.velocity, tau)
                 opt.momentum = rule.momentum(tau, s)
                 rule.scale(g, tau, s)
             ring.apply(g, len(idx), s)
@@ -205,6 +231,10 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
             if counted(len(idx)):
                 return evals, float(np.mean(stale))
     evals.append((state["done"], model.evaluate(ring.params, tx, ty)["accuracy"]))
+    if rule is not None and getattr(rule, "gains", None):
+        gs = rule.gains
+        at = [gs[min(k, len(gs) - 1)] for k in (49, 199, -1)]
+        print(f"  seed {seed}: gain at 50/200/end {at[0]:.2f}/{at[1]:.2f}/{at[2]:.2f}", file=sys.stderr)
     return evals, float(np.mean(stale)) if stale else 0.0
 
 

@@ -86,7 +86,7 @@ OPTIONS: tuple[Option, ...] = (
            "gradient's long-run step lr/(1-mu) divided by tau+1 (DynSGD through the "
            "momentum); lookahead = for workers that predict the parameters "
            "(--weight-prediction on): 1 - (1-mu)(1+0.7 tau), the lr ramped up over the first "
-           "40 gradients; momentum = mu - tau/(tau+1), what asynchrony adds taken off; "
+           "40 gradients (or by --warmup where given); momentum = mu - tau/(tau+1), what asynchrony adds taken off; "
            "none = as given (the first default); inverse = lr/max(1,tau); dc = delay-compensated ASGD",
            ("none", "dynamic", "lookahead", "momentum", "inverse", "dc"),
            group="mode", default_text="lookahead with --mode async or ssp and weight prediction "
@@ -193,7 +193,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("lr_schedule", str, "constant", "learning-rate schedule over the run, applied by the "
            "server on its update count: step = x0.1 at 50% and 75%, cosine = to 0",
            ("constant", "step", "cosine"), group="optimizer"),
-    Option("warmup", str, "0", "linear learning-rate warmup: N updates, or Ns seconds (e.g. 5s)",
+    Option("warmup", str, "0", "linear learning-rate warmup: N updates, or Ns seconds (e.g. 5s); "
+           "replaces --correction lookahead's own ramp of 40 gradients",
            check=(lambda v: _warmup_ok(v), "an integer >= 0 (updates) or a number of seconds with "
                   "an s suffix, e.g. 200 or 5s"), group="optimizer", metavar="N|Ns"),
     Option("validation_fraction", float, 0.0, "hold out this fraction of the training shards "

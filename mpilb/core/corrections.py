@@ -212,13 +212,18 @@ LOOKAHEAD_WARMUP = 40
 class LookaheadMomentum(StalenessMomentum):
     """As `dynamic`, for workers that predict the parameters (--weight-prediction on):
     :func:`lookahead_momentum` keeps more of the recipe's momentum, and the learning rate
-    ramps up linearly over the first LOOKAHEAD_WARMUP gradients applied (their measured
-    staleness is not yet the run's, and the early gradients are the largest)."""
+    ramps up linearly over the first `ramp` gradients applied (their measured staleness is
+    not yet the run's, and the early gradients are the largest): LOOKAHEAD_WARMUP, or none
+    where the run has a --warmup of its own (:func:`build_correction`)."""
 
     rule = staticmethod(lookahead_momentum)
 
+    def __init__(self, dc_lambda: float = 0.04, ramp: int = LOOKAHEAD_WARMUP):
+        super().__init__(dc_lambda)
+        self.ramp = ramp
+
     def apply(self, grad, staleness, params_now, params_then):
-        return min(1.0, self.meter.count / LOOKAHEAD_WARMUP)
+        return min(1.0, self.meter.count / self.ramp) if self.ramp > 0 else 1.0
 
 
 ASYNC_DEFAULT = "dynamic"
@@ -234,8 +239,13 @@ MOMENTUM_RULES = {name: cls.rule for name, cls in CORRECTIONS.items() if hasattr
 the corrections that set the optimizer's momentum from the measured staleness."""
 
 
-def build_correction(name: str, dc_lambda: float = 0.04) -> Correction:
+def build_correction(name: str, dc_lambda: float = 0.04, own_warmup: bool = False) -> Correction:
+    """The correction `name`; `own_warmup`: the run ramps its learning rate up itself
+    (--warmup), which then replaces `lookahead`'s ramp instead of multiplying it."""
     try:
-        return CORRECTIONS[name](dc_lambda)
+        cls = CORRECTIONS[name]
     except KeyError:
         raise UsageError(f"--correction {name!r}: allowed values are {', '.join(CORRECTIONS)}") from None
+    if cls is LookaheadMomentum:
+        return cls(dc_lambda, ramp=0 if own_warmup else LOOKAHEAD_WARMUP)
+    return cls(dc_lambda)

@@ -30,6 +30,7 @@ import numpy as np
 from mpilb.mpi import comm as C
 from mpilb.mpi import chunks, wire, wire_format
 from mpilb.core.corrections import build_correction
+from mpilb.core.schedules import parse_warmup
 from mpilb.core.topology import stores_of, workers_of
 from mpilb.mpi.watchdog import Rank0Watch
 from mpilb.mpi.wire import Op
@@ -49,7 +50,8 @@ def store_bounds(cfg, model) -> list[int]:
 def slice_ring(cfg, params: np.ndarray, optimizer, new_buffer=None) -> ParamRing:
     """A ParamRing over `params` with the run's correction (and dc's kept versions);
     `new_buffer`: see ParamRing."""
-    correction = build_correction(cfg.updates.correction, cfg.updates.dc_lambda)
+    correction = build_correction(cfg.updates.correction, cfg.updates.dc_lambda,
+                                  own_warmup=any(parse_warmup(cfg.optim.warmup)))
     keep = (2 if cfg.updates.pipeline else 1) if correction.needs_old_params else 0
     clip = cfg.optim.clip_norm if cfg.updates.mode == "sync" and cfg.updates.servers == 1 else None   # (workers
     # clip what is applied on arrival; sync with K > 1 is refused: config/validate.check_optimizer)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -71,6 +72,25 @@ def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
         # While a worker computes, each of the other two can push at most 2S+1 gradients
         # (from S behind it to S ahead, plus the push that gets held): staleness <= 2(2S+1).
         assert s["staleness"]["max"] <= 2 * (2 * 2 + 1)
+
+
+@pytest.mark.parametrize("warmup,ramp", [(None, 40), ("10", 10)])
+def test_lookahead_ramps_over_its_own_gradients_or_the_runs_warmup(digits_dir, tmp_path, warmup,
+                                                                   ramp):
+    """The default momentum recipe in async (lookahead) ramps the learning rate up over its
+    first 40 gradients; a run's own --warmup N replaces that ramp (not on top of it)."""
+    log = tmp_path / "run.h5"
+    res = mpirun.run(3, "train", "--data", digits_dir, "--model", "mlp", "--hidden", "32",
+                     "--optimizer", "momentum", "--epochs", "1", "--no-progress", "--log", log,
+                     *(["--warmup", warmup] if warmup else []))
+    assert res.returncode == 0, res.stderr
+    with h5py.File(log, "r") as f:
+        scale = f["updates/lr_scale"][:ramp + 5]
+        assert json.loads(f.attrs["config"])["correction"] == "lookahead"
+    # (a worker's last batch of a shard may be short: the scale also carries batch / --batch)
+    full = scale[:ramp] * ramp / np.arange(1, ramp + 1)
+    assert np.all((full > 0.3) & (full <= 1.0 + 1e-6)) and np.median(full) == pytest.approx(1.0)
+    assert np.all(scale[ramp:] <= 1.0 + 1e-6) and np.median(scale[ramp:]) == pytest.approx(1.0)
 
 
 def test_summary_stored_in_log_matches_report(digits_dir, tmp_path):

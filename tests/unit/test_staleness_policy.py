@@ -69,6 +69,27 @@ def test_lookahead_ramps_the_learning_rate_up_over_its_first_gradients():
     assert fresh.apply(np.ones(4, np.float32), 3, None, None) == 1.0
 
 
+@pytest.mark.parametrize("warmup,ramp", [("0", LOOKAHEAD_WARMUP), ("20", 0), ("5s", 0)])
+def test_a_runs_own_warmup_replaces_lookaheads_ramp(warmup, ramp):
+    # --warmup ramps the learning rate itself (the schedule): lookahead's ramp on top of it
+    # would make the first step 1/(20 x 40) of the lr
+    from types import SimpleNamespace
+
+    from mpilb.server.store import slice_ring
+
+    cfg = SimpleNamespace(
+        updates=SimpleNamespace(correction="lookahead", dc_lambda=0.04, pipeline=0, mode="async",
+                                servers=1),
+        optim=SimpleNamespace(warmup=warmup, clip_norm=None), balancing=SimpleNamespace(batch=32))
+    ring = slice_ring(cfg, np.zeros(4, np.float32), build_optimizer("momentum", 4, lr=0.1))
+    assert ring.correction.ramp == ramp
+    rule = build_rule("async", ring, lambda r: True)
+    scale = rule.push(Peer(1), Update(1, 0, 0, 0, 32, 32, 1.0, 3), np.ones(4, np.float32))[1]
+    assert scale == pytest.approx(1 / ramp if ramp else 1.0)
+    other = build_correction("dynamic", own_warmup=True)   # (the others have no ramp)
+    assert other.apply(np.ones(4, np.float32), 3, None, None) == 1.0
+
+
 def store(optimizer="momentum", correction="momentum", n=4):
     opt = build_optimizer(optimizer, n, lr=0.1, momentum=0.9)
     return ParamRing(np.zeros(n, np.float32), opt, build_correction(correction), 32)
