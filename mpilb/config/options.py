@@ -159,6 +159,11 @@ OPTIONS: tuple[Option, ...] = (
            "each epoch end); with several ranks they run while training goes on, and one "
            "due while the last still runs is skipped (an epoch end's waits its turn)",
            check=_POSITIVE, group="stopping", metavar="SECONDS"),
+    Option("eval_every", int, None, "also evaluate every N samples applied, counted over the "
+           "run as `mpilb report` counts them: evaluations at the same sample counts whatever "
+           "the machine's speed (queued behind one still running, not skipped)",
+           check=(lambda v: v is None or v >= 1, "an integer >= 1"), group="stopping",
+           metavar="N"),
     # experiments
     Option("inject", list, [], "simulated heterogeneity RANKS:KIND[=VALUE][@START[-END]]"
            "[,p=PROB] (repeatable)", group="experiments", metavar="SPEC"),

@@ -127,6 +127,7 @@ class StopConfig:
     target_accuracy: Optional[float]
     target_metric: Optional[float]
     eval_interval: float
+    eval_every: Optional[int]
 
 
 @dataclass(frozen=True)

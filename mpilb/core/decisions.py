@@ -79,6 +79,30 @@ class Interval:
         self.last = now
 
 
+class SampleInterval:
+    """Due each time the samples applied over the run pass a multiple of ``every``
+    (--eval-every); never where ``every`` is None.
+
+    Args:
+        every: samples between evaluations, or None.
+        start: the samples applied before this launch (a resumed run's, from its log).
+    """
+
+    def __init__(self, every: Optional[int], start: int = 0):
+        self.every = every
+        self.samples = start
+        self.next = None if every is None else (start // every + 1) * every
+
+    def add(self, n: int) -> bool:
+        """Count `n` more samples applied; True when an evaluation is due now (once,
+        however many multiples one update passed)."""
+        self.samples += n
+        if self.next is None or self.samples < self.next:
+            return False
+        self.next = (self.samples // self.every + 1) * self.every
+        return True
+
+
 class RebalanceTimer:
     """When the live server rebalances: every ``interval`` seconds, at the first sizes, and
     while the first rate estimates settle (warm-up).

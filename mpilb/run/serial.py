@@ -158,6 +158,8 @@ class SerialTrainer:
         self.log.append("updates", t=self.now(), worker=0, version=self.version, staleness=0,
                         batch=b, loss=loss / b, lr_scale=lr_scale, epoch=batch.epoch,
                         shard=batch.shard, lo=batch.lo, hi=batch.hi)
+        if self.session.eval_samples.add(b):   # --eval-every
+            self._evaluate()
         self.window_samples += b
         self.window_compute += compute_s
         self.epoch_busy += compute_s

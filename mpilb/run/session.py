@@ -20,6 +20,7 @@ from mpilb.runfiles import checkpoint
 from mpilb.config.sections import Config, OutputConfig
 from mpilb.runfiles.best import BestCheckpoint, best_line
 from mpilb.core.balancer import BalancerConfig, build_balancer
+from mpilb.core.decisions import SampleInterval
 from mpilb.run.evalproc import EvalProcess, EvalProcessGone
 from mpilb.models import initial_params
 from mpilb.run.progress import Progress, tapped
@@ -114,6 +115,8 @@ class Session:
         self.accuracy: Optional[float] = None   # the headline metric, for the progress line
         self.evaluation: Optional[Evaluation] = None   # what --target-* decide on
         self.eval_version = -1   # parameter version of the last evaluation
+        # --eval-every: counted over the run (a resumed one's from its log)
+        self.eval_samples = SampleInterval(cfg.stopping.eval_every, self.log.carried_samples)
         self._eval_pool: Optional[ThreadPoolExecutor] = None
         self._eval_proc: Optional[EvalProcess] = None
         self._pending = None     # an evaluation running in the background (evaluate_later)

@@ -86,6 +86,7 @@ class RunLog:
             self._lock(_lock_file(checkpoint), f"--checkpoint {checkpoint}", "checkpoint")
         self._lock(self.path)   # before anything is read or written: one writer per log
         carried = self._carry_over(resume_at, completed) if resume_at is not None else None
+        self.carried_samples = int(np.sum(carried[1]["updates"]["batch"])) if carried else 0
         if carried is None and checkpoint and Path(checkpoint).is_file():
             _discard_replaced(checkpoint)   # --overwrite: the replaced run's weights go too
         # A resumed run's log is rebuilt beside the old one and renamed over it, so that a

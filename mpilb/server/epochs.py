@@ -216,6 +216,21 @@ class Epochs:
                                         then=self._after_interval)
         self.eval_timer.reset(time.monotonic())
 
+    def applied(self, samples: int) -> None:
+        """`samples` more were applied: an --eval-every evaluation where they pass a multiple
+        of N, in the background as an --eval-interval one, but queued behind one still
+        running rather than skipped (Session.evaluate_later waits only when its queue is
+        full), so that every count is evaluated whatever the machine's speed."""
+        if not self.session.eval_samples.add(samples):
+            return
+        if self.model.num_state:
+            self.evaluate()
+            self._after_interval()
+            return
+        self.session.evaluate_later(self.slices.full_params(), self.clock.now(),
+                                    self.slices.local.version, self.ledger.epoch,
+                                    then=self._after_interval)
+
     def _after_interval(self) -> None:
         """An --eval-interval evaluation is in: a --target-* it met stops the run."""
         if not self.stop.reason and self.stop.check(self.tracker.epoch, self.clock.now(),

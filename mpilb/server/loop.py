@@ -282,6 +282,7 @@ class ParameterServer:
             self.log.append("updates", t=t, worker=u.rank, version=self.version, staleness=u.staleness,
                             batch=u.batch, loss=u.loss / max(1, u.batch), lr_scale=lr_scale,
                             epoch=u.epoch, shard=u.shard, lo=u.lo, hi=u.hi)
+        self.epochs.applied(sum(u.batch for u in updates))   # --eval-every
 
     def _advance(self, w: Peer, hi: int) -> None:
         if self.ledger.advance(w.rank, hi):
@@ -312,13 +313,12 @@ class ParameterServer:
     def _release_held(self) -> None:
         """Send the held replies the rule lets go now (after another reply went, or a loss).
 
-        A held worker was topped up when it pushed, but much may have changed since: the
-        epoch it pushed in may have ended meanwhile (the one who ended it was the push that
-        released it). It is topped up again, as a sync round's members are, before its reply
-        goes out: else, owed nothing, it would go idle with the new epoch's shards still
-        queued for it (Epochs.begin hands them only to workers idle at the time), and with
-        the others done (a fixed plan, or no steal that pays) every worker would wait for
-        the next rebalance's wake_idle with the epoch unfinished."""
+        A held worker was topped up when it pushed, but its epoch may have ended since (by
+        the push that released it). It is topped up again, as a sync round's members are,
+        before its reply goes out: else, owed nothing, it would go idle with the new epoch's
+        shards still queued for it (Epochs.begin hands them only to workers idle then), and
+        with the others done (a fixed plan, or no steal that pays) every worker would wait
+        for the next rebalance's wake_idle with the epoch unfinished."""
         if not self.rule.holds_replies:
             return
         for o in self.rule.releasable(self.present()):

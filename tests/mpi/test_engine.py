@@ -14,6 +14,7 @@ import pytest
 
 from mpilb.runfiles.summary import run_config, summarize_log
 from mpilb.runfiles.runlog import read_columns
+from mpilb.runfiles.efficiency import samples_at_evals
 
 import mpirun
 
@@ -91,6 +92,28 @@ def test_lookahead_ramps_over_its_own_gradients_or_the_runs_warmup(digits_dir, t
     full = scale[:ramp] * ramp / np.arange(1, ramp + 1)
     assert np.all((full > 0.3) & (full <= 1.0 + 1e-6)) and np.median(full) == pytest.approx(1.0)
     assert np.all(scale[ramp:] <= 1.0 + 1e-6) and np.median(scale[ramp:]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("ranks", [0, 3])
+def test_eval_every_evaluates_after_each_n_samples_and_a_resume_goes_on_counting(
+        digits_dir, tmp_path, ranks):
+    """--eval-every N: an evaluation just after each N samples applied, counted over the
+    run (a resumed launch goes on from its log's count), serial and async alike."""
+    log = tmp_path / "run.h5"
+    common = ("train", "--data", digits_dir, "--model", "mlp", "--hidden", "32", "--no-progress",
+              "--log", log, "--checkpoint", tmp_path / "run.ckpt.h5", "--eval-every", "300",
+              "--eval-interval", "1000")
+    assert mpirun.run(ranks, *common, "--epochs", "2").returncode == 0
+    res = mpirun.run(ranks, *common, "--epochs", "4", "--resume")
+    assert res.returncode == 0, res.stderr
+    _, cols = read_columns(str(log))
+    samples = samples_at_evals(cols["updates"], cols["eval"])
+    total = int(np.sum(cols["updates"]["batch"]))
+    assert total == 4 * 1438
+    for due in range(300, total + 1, 300):   # each count, at the update that passed it
+        assert np.any((samples >= due) & (samples < due + 32)), (due, samples)
+    # the others are the epochs' ends (and the final one): no evaluation was skipped or doubled
+    assert len(samples) <= total // 300 + 4 + 1
 
 
 def test_summary_stored_in_log_matches_report(digits_dir, tmp_path):

@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from mpilb.core.balancer import BalancerConfig, build_balancer
-from mpilb.core.decisions import FIRST_SIZES_STEPS, Decisions, FirstSizes, Interval, RebalanceTimer
+from mpilb.core.decisions import (FIRST_SIZES_STEPS, Decisions, FirstSizes, Interval, RebalanceTimer,
+                                  SampleInterval)
 from mpilb.core.tasks import TaskLedger
 from mpilb.core.worker_state import Membership, Waiting
 from mpilb.server.peers import Peer
@@ -130,3 +131,14 @@ def test_rebalance_plans_wakes_and_sizes(proportional):
     ledger.take_reply(1, 32)
     decisions.rebalance(t=2.0, now=2.0)
     assert [r for r, _, _ in driver.woken] == [2]
+
+
+def test_sample_interval_is_due_once_per_multiple_passed_counting_on_from_a_start():
+    every = SampleInterval(100)
+    assert [every.add(32) for _ in range(7)] == [False, False, False, True, False, False, True]
+    assert every.add(250)                     # passes 300 and 400: one evaluation, due once
+    assert not every.add(10) and every.next == 500
+    resumed = SampleInterval(100, start=290)  # a resumed run's count from its log
+    assert resumed.add(10) and not resumed.add(50)
+    off = SampleInterval(None)
+    assert not any(off.add(10 ** 6) for _ in range(3))
