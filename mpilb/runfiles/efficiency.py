@@ -42,6 +42,16 @@ def samples_to(samples: np.ndarray, accuracy: np.ndarray, target: float) -> Opti
     return int(samples[hit[0]]) if hit.size else None
 
 
+def reached_after(samples: np.ndarray, accuracy: np.ndarray, target: float) -> Optional[int]:
+    """Samples at the evaluation before the first that reached `target` (0 before the first
+    evaluation; None: never reached): the target was reached somewhere after this count and
+    by :func:`samples_to`'s, a range as wide as the evaluations' spacing there."""
+    hit = np.nonzero(np.asarray(accuracy) >= target)[0]
+    if not hit.size:
+        return None
+    return int(samples[hit[0] - 1]) if hit[0] > 0 else 0
+
+
 def levels(accuracy: np.ndarray, count: int = 5) -> list[float]:
     """Up to `count` accuracies the reference reached, evenly spread between its first
     evaluation and its best (rounded to 0.001, increasing)."""
@@ -59,7 +69,9 @@ def levels(accuracy: np.ndarray, count: int = 5) -> list[float]:
 def against_reference(run: tuple[np.ndarray, np.ndarray], ref: tuple[np.ndarray, np.ndarray],
                       targets: Optional[list[float]] = None) -> list[dict]:
     """For each target accuracy (default: :func:`levels` of the reference): samples the
-    reference and the run needed, and their ratio (None where one never got there).
+    reference and the run needed, and their ratio (None where one never got there), each
+    count with the evaluation before it (`samples_after`, `reference_samples_after`: the
+    accuracy was reached between the two).
 
     Args:
         run, ref: (samples at each evaluation, accuracy at each evaluation).
@@ -68,8 +80,23 @@ def against_reference(run: tuple[np.ndarray, np.ndarray], ref: tuple[np.ndarray,
     for target in targets if targets is not None else levels(ref[1]):
         a, b = samples_to(*run, target), samples_to(*ref, target)
         rows.append({"accuracy": target, "samples": a, "reference_samples": b,
-                     "ratio": a / b if a is not None and b else None})
+                     "ratio": a / b if a is not None and b else None,
+                     "samples_after": reached_after(*run, target),
+                     "reference_samples_after": reached_after(*ref, target)})
     return rows
+
+
+def coarsest(rows: list[dict]) -> Optional[tuple[int, int]]:
+    """(gap, count) of the row count known least finely, relative to itself: the samples
+    between the evaluation that reached an accuracy and the one before, and that count
+    (None where no count was reached)."""
+    worst = None
+    for r in rows:
+        for at, after in ((r["samples"], r["samples_after"]),
+                          (r["reference_samples"], r["reference_samples_after"])):
+            if at and after is not None and (worst is None or (at - after) / at > worst[0] / worst[1]):
+                worst = (at - after, at)
+    return worst
 
 
 def explicit_used(config: dict, mean_staleness: float) -> float:

@@ -19,6 +19,10 @@ from mpilb.runfiles.plots import counts_text, resume_times, worker_counts, write
 from mpilb.runfiles.runlog import write_csv
 from mpilb.runfiles.summary import LOSS_WINDOW, differing_settings, open_log, run_config, setting_text, summarize
 
+# `--compare` notes counts known more coarsely than this share of themselves (the
+# evaluations' spacing before the one that reached an accuracy)
+COARSE = 0.1
+
 
 def _num(value, fmt: str = ".4f") -> str:
     return "n/a" if value is None else format(value, fmt)
@@ -192,6 +196,15 @@ def format_compare(paths: list[str], summaries: list[dict], configs: list[dict])
                              f"{row['samples']}" + ("" if row["ratio"] is None or row["ratio"] == 1
                                                     else f" ({row['ratio']:.2f}x)"))
             out.append(f"  {level['accuracy']:.3f}".ljust(18) + "".join(v.rjust(width + 2) for v in cells))
+        worst = max((w for s in summaries if (w := eff.coarsest(s["efficiency"]["against_reference"]))),
+                    key=lambda w: w[0] / w[1], default=None)
+        if worst is not None and worst[0] > COARSE * worst[1]:
+            counts = [v for s in summaries for r in s["efficiency"]["against_reference"]
+                      for v in (r["samples"], r["reference_samples"]) if v]
+            out.append(f"note: a count is known to the evaluations' spacing, here up to {worst[0]} "
+                       f"samples before {worst[1]}: train the runs with --eval-every "
+                       f"{max(1, min(counts) // 20)} (an evaluation after every that many samples) "
+                       f"for finer counts")
     for name, s in zip(names, summaries):
         for w in (s.get("efficiency") or {}).get("warnings", []):
             out.append(f"warning: {name}: {w}")

@@ -206,6 +206,15 @@ def test_cli_compare_table_and_overlays(tmp_path):
     # samples to the reference's accuracies (the first run: neither is sync), a's own x1
     levels = lines[end + 1:end + 6]
     assert levels and all(len(ln.split()) >= 3 for ln in levels)
+    # each count with the evaluation before it; a note where that spacing is coarse
+    rows = [r for s in json.loads(report("--compare", a, b, "--json").stdout).values()
+            for r in s["efficiency"]["against_reference"]]
+    spans = [(at - after) / at for r in rows for at, after in
+             ((r["samples"], r["samples_after"]), (r["reference_samples"], r["reference_samples_after"]))
+             if at and after is not None]
+    assert spans and all(0 < v <= 1 for v in spans)
+    assert (max(spans) > 0.1) == any(ln.startswith("note: a count is known") and "--eval-every" in ln
+                                     for ln in lines)
     for name in COMPARE_PLOTS:
         assert (tmp_path / "cmp" / name).stat().st_size > 5000, name
 

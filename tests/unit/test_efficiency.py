@@ -32,7 +32,12 @@ def test_samples_to_a_target_against_the_reference():
     ref = (np.array([100, 200, 300]), np.array([0.6, 0.8, 0.82]))
     assert E.samples_to(*run, 0.8) == 300 and E.samples_to(*run, 0.9) is None
     rows = E.against_reference(run, ref, targets=[0.8, 0.82, 0.9])
-    assert rows[0] == {"accuracy": 0.8, "samples": 300, "reference_samples": 200, "ratio": 1.5}
+    assert rows[0] == {"accuracy": 0.8, "samples": 300, "reference_samples": 200, "ratio": 1.5,
+                       "samples_after": 200, "reference_samples_after": 100}
+    # reached between the evaluation before and this one: the coarsest, relative to its count
+    assert E.coarsest(rows) == (100, 200)
+    assert E.reached_after(*ref, 0.5) == 0 and E.reached_after(*ref, 0.9) is None
+    assert E.coarsest([dict(rows[2], reference_samples=None)]) is None
     assert rows[1]["ratio"] == pytest.approx(400 / 300)
     assert rows[2]["samples"] is None and rows[2]["ratio"] is None
     # default targets: spread between the reference's first evaluation and its best
