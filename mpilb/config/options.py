@@ -86,8 +86,8 @@ OPTIONS: tuple[Option, ...] = (
            "gradient's long-run step lr/(1-mu) divided by tau+1 (DynSGD through the "
            "momentum); lookahead = for workers that predict the parameters "
            "(--weight-prediction on): 1 - (1-mu)(1+0.7 tau), the lr ramped up over the first "
-           "40 gradients (or by --warmup where given); momentum = mu - tau/(tau+1), what asynchrony adds taken off; "
-           "none = as given (the first default); inverse = lr/max(1,tau); dc = delay-compensated ASGD",
+           "40 gradients (or by --warmup where given); momentum = mu - tau/(tau+1), what "
+           "asynchrony adds taken off; none = as given (the first default); inverse = lr/max(1,tau); dc = delay-compensated ASGD",
            ("none", "dynamic", "lookahead", "momentum", "inverse", "dc"),
            group="mode", default_text="lookahead with --mode async or ssp and weight prediction "
            "(--optimizer momentum), dynamic without it, none with sync"),
