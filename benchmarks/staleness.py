@@ -175,7 +175,7 @@ def digits(b: Bench, res) -> None:
     for name, model in DIGITS_MODELS.items():
         g = res.group(f"digits, {name}, 4 workers, momentum 0.9, lr 0.05, batch 32, 10 epochs",
                       f"mpiexec -n 5 mpilb train --data digits {' '.join(model)} "
-                      f"--optimizer momentum --lr 0.05 --epochs 10")
+                      f"--optimizer momentum --lr 0.05 --epochs 10 --eval-every 128")
         sync = b.runs(data, 5, model + common + ["--mode", "sync"])
         new = b.runs(data, 5, model + common)
         first = [_first(r, DIGITS_TARGET) for r in sync]
