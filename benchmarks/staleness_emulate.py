@@ -95,6 +95,7 @@ class Rule:
     def __init__(self, spec: str):
         self.opts = dict(kv.split("=") for kv in spec.split(","))
         self.norm, self.count = 0.0, 0
+        self.gain, self.gains = 1.0, []   # adapt=: the long-run step's gain, and its history
 
     def momentum(self, tau: float, staleness: int) -> float:
         r = self.opts.get("mu", "sub")
@@ -105,7 +106,7 @@ class Rule:
         if r.startswith("k"):
             return max(0.0, 1 - (1 - MU0) * (tau + 1) / float(r[1:]))
         if r.startswith("c"):
-            return max(0.0, 1 - (1 - MU0) * (1 + float(r[1:]) * tau) / getattr(self, "gain", 1.0))
+            return max(0.0, 1 - (1 - MU0) * (1 + float(r[1:]) * tau) / self.gain)
         return float(r[len("fixed"):])
 
     def adapt(self, g: np.ndarray, velocity: np.ndarray, tau: float) -> None:
@@ -118,9 +119,9 @@ class Rule:
             return
         cos = float(np.dot(g, velocity)) / (float(np.linalg.norm(g)) * nv + 1e-30)
         top = 1 + float(self.opts["mu"][1:]) * tau
-        gain = getattr(self, "gain", 1.0) * np.exp(float(self.opts["adapt"]) * cos)
+        gain = self.gain * np.exp(float(self.opts["adapt"]) * cos)
         self.gain = float(np.clip(gain, 1.0, max(1.0, top)))
-        self.gains = getattr(self, "gains", []) + [self.gain]
+        self.gains.append(self.gain)
 
     def scale(self, g: np.ndarray, tau: float, staleness: int) -> None:
         lr = self.opts.get("lr")
@@ -231,7 +232,7 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
             if counted(len(idx)):
                 return evals, float(np.mean(stale))
     evals.append((state["done"], model.evaluate(ring.params, tx, ty)["accuracy"]))
-    if rule is not None and getattr(rule, "gains", None):
+    if rule is not None and rule.gains:
         gs = rule.gains
         at = [gs[min(k, len(gs) - 1)] for k in (49, 199, -1)]
         print(f"  seed {seed}: gain at 50/200/end {at[0]:.2f}/{at[1]:.2f}/{at[2]:.2f}", file=sys.stderr)

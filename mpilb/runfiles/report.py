@@ -196,11 +196,10 @@ def format_compare(paths: list[str], summaries: list[dict], configs: list[dict])
                              f"{row['samples']}" + ("" if row["ratio"] is None or row["ratio"] == 1
                                                     else f" ({row['ratio']:.2f}x)"))
             out.append(f"  {level['accuracy']:.3f}".ljust(18) + "".join(v.rjust(width + 2) for v in cells))
-        worst = max((w for s in summaries if (w := eff.coarsest(s["efficiency"]["against_reference"]))),
-                    key=lambda w: w[0] / w[1], default=None)
+        rows = [r for s in summaries for r in s["efficiency"]["against_reference"]]
+        worst = eff.coarsest(rows)
         if worst is not None and worst[0] > COARSE * worst[1]:
-            counts = [v for s in summaries for r in s["efficiency"]["against_reference"]
-                      for v in (r["samples"], r["reference_samples"]) if v]
+            counts = [v for r in rows for v in (r["samples"], r["reference_samples"]) if v]
             out.append(f"note: a count is known to the evaluations' spacing, here up to {worst[0]} "
                        f"samples before {worst[1]}: train the runs with --eval-every "
                        f"{max(1, min(counts) // 20)} (an evaluation after every that many samples) "

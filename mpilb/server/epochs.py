@@ -203,30 +203,31 @@ class Epochs:
         result; one that falls due while the last still runs is skipped, so that
         evaluations never queue up. Rank 0 used to evaluate these in its own loop, every
         worker waiting: a run that evaluated every 0.1 s spent 45% of its time so
-        (docs/architecture.md, Evaluation). Models whose state the pushes update
-        (BatchNorm statistics) are evaluated at once, as before."""
-        if self.model.num_state:
-            self.evaluate()
-            self._after_interval()
-            return
-        self.session.collect()
-        if not self.session.evaluating:
-            self.session.evaluate_later(self.slices.full_params(), self.clock.now(),
-                                        self.slices.local.version, self.ledger.epoch,
-                                        then=self._after_interval)
+        (docs/architecture.md, Evaluation)."""
+        self._evaluate_meanwhile(skip_if_running=True)
         self.eval_timer.reset(time.monotonic())
 
     def applied(self, samples: int) -> None:
         """`samples` more were applied: an --eval-every evaluation where they pass a multiple
-        of N, in the background as an --eval-interval one, but queued behind one still
-        running rather than skipped (Session.evaluate_later waits only when its queue is
-        full), so that every count is evaluated whatever the machine's speed."""
-        if not self.session.eval_samples.add(samples):
-            return
+        of N, as an --eval-interval one but queued behind one still running rather than
+        skipped (Session.evaluate_later waits only when its queue is full), so that every
+        count is evaluated whatever the machine's speed."""
+        if self.session.eval_samples.add(samples):
+            self._evaluate_meanwhile(skip_if_running=False)
+
+    def _evaluate_meanwhile(self, skip_if_running: bool) -> None:
+        """Evaluate in the background while the run goes on, a --target-* it meets stopping
+        the run when its result is in (`skip_if_running`: not at all while another still
+        runs). Models whose state the pushes update (BatchNorm statistics) are evaluated at
+        once, as before."""
         if self.model.num_state:
             self.evaluate()
             self._after_interval()
             return
+        if skip_if_running:
+            self.session.collect()
+            if self.session.evaluating:
+                return
         self.session.evaluate_later(self.slices.full_params(), self.clock.now(),
                                     self.slices.local.version, self.ledger.epoch,
                                     then=self._after_interval)

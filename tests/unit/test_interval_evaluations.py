@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from mpilb.core.decisions import Interval
+from mpilb.core.decisions import Interval, SampleInterval
 from mpilb.core.stop import StopRule
 from mpilb.server.epochs import Epochs
 
@@ -52,6 +52,7 @@ def fake_epochs(num_state: int = 0, target: float = 0.9):
         tracker=SimpleNamespace(epoch=2), replies=SimpleNamespace(begin_stop=lambda: stops.append(1)))
     ep._after_interval = lambda: Epochs._after_interval(ep)
     ep.evaluate = lambda epoch=None: Epochs.evaluate(ep, epoch)
+    ep._evaluate_meanwhile = lambda skip_if_running: Epochs._evaluate_meanwhile(ep, skip_if_running)
     return ep, stops
 
 
@@ -80,3 +81,13 @@ def test_a_model_with_state_is_evaluated_at_once():
     Epochs.evaluate_interval(ep)
     assert ep.session.now_calls == [7] and ep.session.later_calls == []
     assert ep.stop.reason == "target_accuracy" and stops == [1]
+
+
+def test_an_eval_every_one_queues_behind_the_one_running_instead_of_being_skipped():
+    ep, stops = fake_epochs()
+    ep.session.eval_samples = SampleInterval(100)
+    Epochs.applied(ep, 64)             # not due yet
+    assert ep.session.later_calls == []
+    Epochs.applied(ep, 64)             # 128: due
+    Epochs.applied(ep, 80)             # 208: due while the first still runs, handed on all the same
+    assert ep.session.later_calls == [7, 7] and not stops
