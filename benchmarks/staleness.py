@@ -18,7 +18,8 @@ Groups:
   workers, the same recipe (momentum 0.9, lr 0.05, batch 32), 10 epochs: final accuracy
   against sync's, samples to 0.9 as a multiple of sync's; each also under the previous
   policy (`--correction momentum`), which trades with dynamic on these models
-  (docs/benchmarks/staleness.md).
+  (docs/benchmarks/staleness.md). Repeat i of every case runs with --seed i: the runs
+  compared share their orders of the data, and the figures span several.
 Each case also runs async with `--correction dynamic` (the default before `lookahead`: weight
 prediction with dynamic's momentum, no warm-up) and with `--weight-prediction off` (dynamic
 alone, the default before weight prediction, core/prediction.py).
@@ -90,12 +91,15 @@ class Bench:
         self.opts = opts
         self.log = os.path.join(opts.dir, "run.h5")
 
-    def runs(self, data, ranks, args, repeats=None):
+    def runs(self, data, ranks, args, repeats=None, seeded=False):
+        """`seeded`: repeat i runs with --seed i (another order of the data each time; the
+        cases compared share the seeds), else every repeat with the default seed."""
         out = []
-        for _ in range(repeats or self.opts.repeats):
-            s = train(data, self.log, ranks, args, self.opts.run_timeout)
+        for i in range(repeats or self.opts.repeats):
+            run = args + (["--seed", str(i)] if seeded else [])
+            s = train(data, self.log, ranks, run, self.opts.run_timeout)
             out.append(s)
-            print(f"    {' '.join(args[-8:]):<60} best {s['best_test_accuracy']:.4f} "
+            print(f"    {' '.join(run[-8:]):<60} best {s['best_test_accuracy']:.4f} "
                   f"staleness {s['staleness']['mean']:.1f} "
                   f"samples to target {s['efficiency']['samples_to_target']} "
                   f"t {s['time_to_target_s']}", flush=True)
@@ -175,9 +179,9 @@ def digits(b: Bench, res) -> None:
     for name, model in DIGITS_MODELS.items():
         g = res.group(f"digits, {name}, 4 workers, momentum 0.9, lr 0.05, batch 32, 10 epochs",
                       f"mpiexec -n 5 mpilb train --data digits {' '.join(model)} "
-                      f"--optimizer momentum --lr 0.05 --epochs 10 --eval-every 128")
-        sync = b.runs(data, 5, model + common + ["--mode", "sync"])
-        new = b.runs(data, 5, model + common)
+                      f"--optimizer momentum --lr 0.05 --epochs 10 --eval-every 128 --seed I")
+        sync = b.runs(data, 5, model + common + ["--mode", "sync"], seeded=True)
+        new = b.runs(data, 5, model + common, seeded=True)
         first = [_first(r, DIGITS_TARGET) for r in sync]
         res.figure(g, f"{name}-sync", "--mode sync: final accuracy",
                    [r["final_test_accuracy"] for r in sync], digits=4)
@@ -196,7 +200,7 @@ def digits(b: Bench, res) -> None:
                    "async --correction momentum (the default before dynamic)",
                    "async --correction momentum"))
         for key, extra, label, short in beside:
-            runs = b.runs(data, 5, model + common + extra)
+            runs = b.runs(data, 5, model + common + extra, seeded=True)
             res.figure(g, f"{name}-{key}-gap", f"{label}: final accuracy - sync's median (points)",
                        [100 * (r["final_test_accuracy"] - sync_med) for r in runs])
             res.figure(g, f"{name}-{key}-samples", f"{short}: samples to {DIGITS_TARGET} / sync's",
