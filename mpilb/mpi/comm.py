@@ -264,7 +264,7 @@ def abort(code: int = 1) -> None:
     # Hydra's proxy forwards a rank's output from a pipe and may act on MPI_Abort's request
     # first, killing the job with the last lines (the one that says why) still unread: a
     # suite run saw exit 1 and nothing on stderr. A line printed and flushed just before
-    # MPI_Abort (3 ranks, MPICH 4, this 2-core VM) was lost in 12 of 150 jobs, and in 0 of
+    # MPI_Abort (3 ranks, MPICH 5.0, this 2-core VM) was lost in 12 of 150 jobs, and in 0 of
     # 150 with this pause. The job is ending anyway.
     time.sleep(ABORT_PAUSE_S)
     MPI.COMM_WORLD.Abort(code)
