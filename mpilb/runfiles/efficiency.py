@@ -36,20 +36,26 @@ def samples_at_evals(up: dict, ev: dict) -> np.ndarray:
     return cum[np.searchsorted(versions, np.asarray(ev["version"]), side="right")]
 
 
+def _first_reaching(accuracy: np.ndarray, target: float) -> Optional[int]:
+    """Index of the first evaluation that reached `target` (None: none did)."""
+    hit = np.nonzero(np.asarray(accuracy) >= target)[0]
+    return int(hit[0]) if hit.size else None
+
+
 def samples_to(samples: np.ndarray, accuracy: np.ndarray, target: float) -> Optional[int]:
     """Samples at the first evaluation that reached `target` (None: never)."""
-    hit = np.nonzero(np.asarray(accuracy) >= target)[0]
-    return int(samples[hit[0]]) if hit.size else None
+    i = _first_reaching(accuracy, target)
+    return None if i is None else int(samples[i])
 
 
 def reached_after(samples: np.ndarray, accuracy: np.ndarray, target: float) -> Optional[int]:
     """Samples at the evaluation before the first that reached `target` (0 before the first
     evaluation; None: never reached): the target was reached somewhere after this count and
     by :func:`samples_to`'s, a range as wide as the evaluations' spacing there."""
-    hit = np.nonzero(np.asarray(accuracy) >= target)[0]
-    if not hit.size:
+    i = _first_reaching(accuracy, target)
+    if i is None:
         return None
-    return int(samples[hit[0] - 1]) if hit[0] > 0 else 0
+    return int(samples[i - 1]) if i > 0 else 0
 
 
 def levels(accuracy: np.ndarray, count: int = 5) -> list[float]:
