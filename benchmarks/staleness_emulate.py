@@ -31,8 +31,12 @@ norms; prior=X starts the staleness mean at X (as if 10 gradients had shown it);
 adapt=ETA (with cC) multiplies the long-run step by a gain between 1 and 1 + C tau that grows
 by exp(ETA cos) with the cosine of each gradient and the momentum buffer (the gains at the
 50th and 200th gradient and at the end are printed); syncwarm=N runs the first N rounds as
-sync rounds before the workers go asynchronous. tau: the moving mean staleness
-(corrections.StalenessMeter).
+sync rounds before the workers go asynchronous; accum=C sums C gradients as they come and
+applies them as one step of their samples (server-side accumulation: a sync round's step,
+each gradient computed on the parameters of a step or so before; staleness is then counted
+in those steps); steer=B advances the warm=N ramp by 1 + B a gradient while a fast mean of
+the gradients' norms is under a slow one, and halves it when the fast one passes 1.5x the
+slow. tau: the moving mean staleness (corrections.StalenessMeter).
 
 --weight-prediction on: each worker computes on the parameters it read extrapolated by the
 staleness its gradients met (core/prediction.py, as the engine's workers do).
@@ -123,13 +127,27 @@ class Rule:
         self.gain = float(np.clip(gain, 1.0, max(1.0, top)))
         self.gains.append(self.gain)
 
+    def steer(self, norm: float) -> None:
+        """steer=B: the ramp's position, moved on by the gradients' norms."""
+        if not hasattr(self, "ramp"):
+            self.fast = self.slow = norm
+            self.ramp = 0.0
+        self.fast += 0.3 * (norm - self.fast)
+        self.slow += 0.05 * (norm - self.slow)
+        if self.fast > 1.5 * self.slow:
+            self.ramp *= 0.5
+        self.ramp += 1.0 + (float(self.opts["steer"]) if self.fast < self.slow else 0.0)
+
     def scale(self, g: np.ndarray, tau: float, staleness: int) -> None:
         lr = self.opts.get("lr")
         if lr == "out":
             g *= min(1.0, (tau + 1) / (staleness + 1))
         elif lr == "dyn":
             g *= 1.0 / (staleness + 1)
-        if "warm" in self.opts:
+        if "steer" in self.opts:
+            self.steer(float(np.linalg.norm(g)))
+            g *= min(1.0, self.ramp / float(self.opts.get("warm", 40)))
+        elif "warm" in self.opts:
             self.applied = getattr(self, "applied", 0) + 1
             g *= min(1.0, self.applied / float(self.opts["warm"]))
         if "clip" in self.opts:
@@ -196,7 +214,7 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
         speed = [1.0] * workers
         if slow:
             speed[-1] = 1.0 / slow
-        heap, reading = [], {}
+        heap, reading, pending = [], {}, []
         predictions = [WeightPrediction(params.size) if predict else None for _ in range(workers)]
 
         def start(w, t):
@@ -224,7 +242,13 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
                 rule.adapt(g, opt.velocity, tau)
                 opt.momentum = rule.momentum(tau, s)
                 rule.scale(g, tau, s)
-            ring.apply(g, len(idx), s)
+            if rule is not None and "accum" in rule.opts:
+                pending.append((g, len(idx)))
+                if len(pending) >= int(rule.opts["accum"]):
+                    ring.apply_sum(sum(gi * n for gi, n in pending), sum(n for _, n in pending))
+                    pending.clear()
+            else:
+                ring.apply(g, len(idx), s)
             if not np.all(np.isfinite(ring.params)):
                 evals.append((state["done"], 0.0))
                 break
