@@ -36,7 +36,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-HOSTS = "n0:1,n1:2,n2:2"
 LAYOUTS = [("1 store", [0], "1"), ("2 stores", [0, 1], "2"), ("a store per node", [0, 1, 3], "per-node")]
 WIRES = [("fp32", 4), ("bf16", 2)]
 SLEEP_S = 0.0002
@@ -123,7 +122,7 @@ def main() -> int:
                  opts.wire_bytes, opts.sleep)
         return 0
     from mpilb.clusterbox import ClusterBox, missing
-    from simulate_network import box_burst_ms, simulate
+    from simulate_network import HOSTS, ps_sim_args, simulate
 
     why = missing()
     if why:
@@ -134,22 +133,25 @@ def main() -> int:
                                "against mpilb", opts)
     me = os.path.abspath(__file__)
     ways = {
-        "spin": lambda stores, wb, ps: [sys.executable, me, "--exchange", "--stores",
-                                        ",".join(map(str, stores)), "--wire-bytes", str(wb),
-                                        "--params", str(opts.params), "--seconds", f"{opts.seconds:g}"],
-        "sleep": lambda stores, wb, ps: [*ways["spin"](stores, wb, ps), "--sleep", f"{SLEEP_S:g}"],
-        "mpilb": lambda stores, wb, ps: [sys.executable, "-m", "mpilb", "bench", "ps", "--params",
-                                         str(opts.params), "--seconds", f"{opts.seconds:g}",
-                                         "--repeats", "1", "--json", "--servers", ps, "--wire",
-                                         "fp32" if wb == 4 else "bf16"],
+        "spin": lambda stores, wire, wb, ps: [sys.executable, me, "--exchange", "--stores",
+                                              ",".join(map(str, stores)), "--wire-bytes", str(wb),
+                                              "--params", str(opts.params), "--seconds",
+                                              f"{opts.seconds:g}"],
+        "sleep": lambda *case: [*ways["spin"](*case), "--sleep", f"{SLEEP_S:g}"],
+        "mpilb": lambda stores, wire, wb, ps: [sys.executable, "-m", "mpilb", "bench", "ps",
+                                               "--params", str(opts.params), "--seconds",
+                                               f"{opts.seconds:g}", "--repeats", "1", "--json",
+                                               "--servers", ps, "--wire", wire],
     }
-    cases = [(f"{name}, {wire}", stores, wb, ps) for name, stores, ps in LAYOUTS for wire, wb in WIRES]
+    # (label, (store ranks, wire, bytes a float, --servers))
+    cases = [(f"{name}, {wire}", (stores, wire, wb, ps))
+             for name, stores, ps in LAYOUTS for wire, wb in WIRES]
     rates: dict = {(c[0], way): [] for c in cases for way in ways}
     with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
         for rnd in range(opts.rounds):
-            for label, stores, wb, ps in cases:
+            for label, case in cases:
                 for way, argv in ways.items():
-                    res = box.mpiexec(["-hosts", HOSTS, *argv(stores, wb, ps)], timeout=600)
+                    res = box.mpiexec(["-hosts", HOSTS, *argv(*case)], timeout=600)
                     if res.returncode != 0:
                         sys.exit(f"{way} {label} failed: {res.stderr[-2000:]}")
                     got = json.loads(res.stdout.strip().splitlines()[-1])
@@ -162,16 +164,13 @@ def main() -> int:
                       f"sudo python benchmarks/plain_ps.py --rounds {opts.rounds} "
                       f"--seconds {opts.seconds:g}")
     medians: dict = {way: {} for way in ways}
-    for label, stores, wb, ps in cases:
+    for label, (_, wire, _, ps) in cases:
         for way in ways:
             values = rates[(label, way)]
             medians[way][label] = statistics.median(values)
             results.figure(g, f"{label}.{way}", f"{label}: {way}", values, digits=1)
-        sim = simulate(["--nodes", "3", "--ranks-per-node", "1,2,2", "--link-rate", opts.link_rate,
-                        "--params", str(opts.params), "--rates", "const:1e9", "--batch", "1",
-                        "--samples", "600", "--shards", "60", "--epochs", "1", "--balancer",
-                        "load", "--link-burst", box_burst_ms(opts.link_rate), "--servers", ps,
-                        "--wire", "fp32" if wb == 4 else "bf16"])[0]["updates_per_s"]
+        sim = simulate(ps_sim_args(opts.link_rate, opts.params,
+                                   ["--servers", ps, "--wire", wire]))[0]["updates_per_s"]
         medians.setdefault("mpilb simulate", {})[label] = sim
         results.figure(g, f"{label}.simulate", f"{label}: `mpilb simulate`'s prediction", [sim],
                        digits=1)

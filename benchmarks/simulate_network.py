@@ -78,6 +78,16 @@ def simulate(args: list[str]) -> list[dict]:
     return json.loads(res.stdout)
 
 
+def ps_sim_args(link_rate: str, params: int, sim_opts: list[str]) -> list[str]:
+    """``mpilb simulate``'s arguments for a ``bench ps`` case on the box's layout: null workers
+    (compute at 10^9 samples/s, batch 1), the box's links and token buckets, and
+    ``sim_opts`` (the case's stores and wire)."""
+    return ["--nodes", "3", "--ranks-per-node", RANKS_PER_NODE, "--link-rate", link_rate,
+            "--params", str(params), "--rates", "const:1e9", "--batch", "1", "--samples", "600",
+            "--shards", "60", "--epochs", "1", "--balancer", "load", "--link-burst",
+            box_burst_ms(link_rate), *sim_opts]
+
+
 def ps_cases(per_node: bool, wire: bool) -> list[tuple[str, list[str], list[str], str]]:
     """(label, bench ps options, simulate options, why skipped or '')."""
     cases = []
@@ -163,10 +173,7 @@ def main() -> int:
                       flush=True)
         for label, _, sim_opts in cases:
             rate = statistics.median(rates[label])
-            sim_args = ["--nodes", "3", "--ranks-per-node", RANKS_PER_NODE, "--link-rate",
-                        opts.link_rate, "--params", str(opts.params), "--rates", "const:1e9",
-                        "--batch", "1", "--samples", "600", "--shards", "60", "--epochs", "1",
-                        "--balancer", "load", "--link-burst", burst_ms, *sim_opts]
+            sim_args = ps_sim_args(opts.link_rate, opts.params, sim_opts)
             pred = simulate(sim_args)[0]["updates_per_s"]
             measured[label], predicted[label] = rate, pred
             lo, hi = min(rates[label]), max(rates[label])

@@ -100,6 +100,7 @@ class Rule:
         self.opts = dict(kv.split("=") for kv in spec.split(","))
         self.norm, self.count = 0.0, 0
         self.gain, self.gains = 1.0, []   # adapt=: the long-run step's gain, and its history
+        self.ramp, self.fast, self.slow = 0.0, None, None   # steer=: the ramp, the norms' means
 
     def momentum(self, tau: float, staleness: int) -> float:
         r = self.opts.get("mu", "sub")
@@ -129,9 +130,8 @@ class Rule:
 
     def steer(self, norm: float) -> None:
         """steer=B: the ramp's position, moved on by the gradients' norms."""
-        if not hasattr(self, "ramp"):
+        if self.fast is None:
             self.fast = self.slow = norm
-            self.ramp = 0.0
         self.fast += 0.3 * (norm - self.fast)
         self.slow += 0.05 * (norm - self.slow)
         if self.fast > 1.5 * self.slow:
