@@ -86,10 +86,14 @@ OPTIONS: tuple[Option, ...] = (
            "gradient's long-run step lr/(1-mu) divided by tau+1 (DynSGD through the "
            "momentum); lookahead = for workers that predict the parameters "
            "(--weight-prediction on): 1 - (1-mu)(1+0.7 tau), the lr ramped up over the first "
-           "40 gradients (or by --warmup where given); momentum = mu - tau/(tau+1), what "
+           "40 gradients (or by --warmup where given); gap = for such workers: the recipe's "
+           "momentum kept, each coordinate of a gradient divided by max(1, G), G how far that "
+           "parameter moved since the parameters it was computed on in units of its mean step "
+           "(gap-aware), the lr ramped up over the first 20 gradients (or by --warmup); "
+           "momentum = mu - tau/(tau+1), what "
            "asynchrony adds taken off; none = as given (the first default); inverse = lr/max(1,tau); dc = delay-compensated ASGD",
-           ("none", "dynamic", "lookahead", "momentum", "inverse", "dc"),
-           group="mode", default_text="lookahead with --mode async or ssp and weight prediction "
+           ("none", "dynamic", "lookahead", "gap", "momentum", "inverse", "dc"),
+           group="mode", default_text="gap with --mode async or ssp and weight prediction "
            "(--optimizer momentum), dynamic without it, none with sync"),
     Option("dc_lambda", float, 0.04, "dc: the compensation strength lambda", check=_NON_NEGATIVE,
            group="mode"),

@@ -34,13 +34,18 @@ class Correction:
 
     name = "none"
     needs_old_params = False
+    reads_kept = 1   # versions sent to each worker it may read back (2: the prediction's too)
 
     def __init__(self, dc_lambda: float = 0.04):
         self.dc_lambda = dc_lambda
 
+    def bind(self, size: int) -> None:
+        """The parameters' length (a store's slice), before the first gradient."""
+
     def apply(self, grad: np.ndarray, staleness: int, params_now: np.ndarray,
-              params_then: Optional[np.ndarray]) -> float:
-        """Correct `grad` in place for `staleness`; return the learning-rate factor."""
+              params_then: Optional[np.ndarray], at: int = 0) -> float:
+        """Correct `grad` in place for `staleness`; return the learning-rate factor. `at`:
+        where `grad` starts in the parameters (a chunk's offset, ParamRing.apply_chunks)."""
         return 1.0
 
     def tune(self, optimizer, staleness: int) -> None:
@@ -67,7 +72,7 @@ class NoCorrection(Correction):
 class InverseStaleness(Correction):
     """lr / max(1, tau): a stale gradient takes a proportionally smaller step."""
 
-    def apply(self, grad, staleness, params_now, params_then):
+    def apply(self, grad, staleness, params_now, params_then, at=0):
         return 1.0 / max(1, staleness)
 
 
@@ -85,7 +90,7 @@ class DelayCompensation(Correction):
         super().__init__(dc_lambda)
         self._scratch: Optional[np.ndarray] = None
 
-    def apply(self, grad, staleness, params_now, params_then):
+    def apply(self, grad, staleness, params_now, params_then, at=0):
         if staleness <= 0 or params_then is None or self.dc_lambda == 0:
             return 1.0
         if self._scratch is None or self._scratch.shape != grad.shape:
@@ -222,15 +227,80 @@ class LookaheadMomentum(StalenessMomentum):
         super().__init__(dc_lambda)
         self.ramp = ramp
 
-    def apply(self, grad, staleness, params_now, params_then):
+    def apply(self, grad, staleness, params_now, params_then, at=0):
         return min(1.0, self.meter.count / self.ramp) if self.ramp > 0 else 1.0
 
 
-ASYNC_DEFAULT = "dynamic"
-"""The correction of async and ssp when --correction is not given (and `lookahead` where
-the workers predict the parameters: PREDICTED_DEFAULT)."""
+GAP_ALPHA = 0.05
+"""Weight of each step in `gap`'s mean step per parameter (the plain mean for the first 20)."""
 
-PREDICTED_DEFAULT = "lookahead"
+GAP_WARMUP = 20
+"""Gradients over which `gap` ramps the learning rate up (half `lookahead`'s ramp: damped per
+parameter, the first steps need less of it; 10 let the torch cnn fall behind once in ten)."""
+
+
+@register("gap")
+class GapAware(LookaheadMomentum):
+    """Gap-aware (Barkai et al. 2020, "Gap-Aware Mitigation of Gradient Staleness"), for
+    workers that predict the parameters: each coordinate of a gradient is divided by
+    max(1, G), G how far that parameter moved between the parameters the gradient was
+    computed on (the worker's prediction of them, rebuilt from the push's factor and two
+    versions it read) and the current ones, in units of its mean step. A parameter that
+    moved as predicted, or oscillated, keeps its full step; one that ran ahead is damped.
+    The recipe's momentum is kept; the learning rate ramps up over the first `ramp`
+    gradients as under `lookahead`. The mean step (a float per parameter) is not in the
+    checkpoint: a resumed run learns it again from its first steps."""
+
+    needs_old_params = True
+    reads_kept = 2
+    rule = staticmethod(lambda momentum, mean_staleness: momentum)
+
+    def __init__(self, dc_lambda: float = 0.04, ramp: int = GAP_WARMUP, alpha: float = GAP_ALPHA):
+        super().__init__(dc_lambda, ramp)
+        self.alpha = alpha
+        self.mean_step: Optional[np.ndarray] = None   # |w_{k+1} - w_k| averaged, per parameter
+        self.last: Optional[np.ndarray] = None        # the parameters at the last gradient
+        self.scratch: Optional[np.ndarray] = None
+        self.moves = 0                                # steps seen in mean_step
+
+    def bind(self, size):
+        self.mean_step = np.zeros(size, np.float32)
+        self.last = np.empty(size, np.float32)
+        self.scratch = np.empty(size, np.float32)
+        self.moves = -1   # `last` not yet set
+
+    def tune(self, optimizer, staleness):
+        self.meter.add(staleness)   # the recipe's momentum stays
+
+    def apply(self, grad, staleness, params_now, params_then, at=0):
+        if self.mean_step is None:
+            self.bind(at + grad.size)
+        span = slice(at, at + grad.size)
+        if at == 0:
+            self.moves += 1
+        s, mean = self.scratch[span], self.mean_step[span]
+        if self.moves > 0:   # the step since the last gradient joins the mean
+            np.subtract(params_now, self.last[span], out=s)
+            np.abs(s, out=s)
+            s -= mean
+            s *= np.float32(max(self.alpha, 1.0 / self.moves))
+            mean += s
+        self.last[span] = params_now
+        if params_then is not None and self.moves > 0:
+            np.subtract(params_now, params_then, out=s)
+            np.abs(s, out=s)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                np.divide(mean, s, out=s)   # 1/G: a gap of 0 is inf, 0/0 nan (both: no damping)
+            np.fmin(s, np.float32(1.0), out=s)
+            grad *= s
+        return super().apply(grad, staleness, params_now, params_then, at)
+
+
+ASYNC_DEFAULT = "dynamic"
+"""The correction of async and ssp when --correction is not given (and `gap` where the
+workers predict the parameters: PREDICTED_DEFAULT)."""
+
+PREDICTED_DEFAULT = "gap"
 """The correction of async and ssp when --correction is not given and the workers predict
 the parameters (--optimizer momentum, --weight-prediction not off)."""
 
@@ -246,6 +316,8 @@ def build_correction(name: str, dc_lambda: float = 0.04, own_warmup: bool = Fals
         cls = CORRECTIONS[name]
     except KeyError:
         raise UsageError(f"--correction {name!r}: allowed values are {', '.join(CORRECTIONS)}") from None
+    if cls is GapAware:
+        return cls(dc_lambda, ramp=0 if own_warmup else GAP_WARMUP)
     if cls is LookaheadMomentum:
         return cls(dc_lambda, ramp=0 if own_warmup else LOOKAHEAD_WARMUP)
     return cls(dc_lambda)

@@ -42,6 +42,8 @@ class WeightPrediction:
         self.prev_version = -1
         self.out = xp.empty(floats, dtype=np.float32)
         self.predicted = False                # whether `out` holds the last read's prediction
+        self.factor = 0.0                     # w_hat = w + factor * (w - w_from): the last read's
+        self.from_version = -1                # (0 and -1 where it was not extrapolated)
         self.meter = StalenessMeter(alpha)    # the staleness of this worker's pushes
 
     @property
@@ -64,10 +66,13 @@ class WeightPrediction:
         xp = self.xp
         k = self.staleness or 0.0
         self.predicted = self.prev is not None and version > self.prev_version and k > 0
+        self.factor, self.from_version = 0.0, -1
         if self.predicted:
             out = self.out
             xp.subtract(params, self.prev, out=out)
-            out *= np.float32(k / (version - self.prev_version))
+            self.factor = float(np.float32(k / (version - self.prev_version)))
+            self.from_version = self.prev_version
+            out *= np.float32(self.factor)
             out += params
         if self.prev is None:
             self.prev = xp.empty_like(self.out)

@@ -79,6 +79,8 @@ class Push(IntEnum):
     NEXT_EPOCH = 16
     NONFINITE = 17    # 1 if the gradient holds NaN/Inf (payload not to be applied)
     T = 18            # worker wall clock (seconds since training start)
+    PRED_F = 19       # computed on w_v + PRED_F (w_v - w_from) (weight prediction); PRED_FROM:
+    PRED_FROM = 20    # from + 1 (0: on w_v itself, as before the slots existed)
 
 
 class PushKind(IntEnum):
@@ -143,6 +145,8 @@ class Ctrl(IntEnum):
     STALENESS = 3
     VERSION = 4
     LR = 5            # rank 0's schedule factor for APPLY and ROUND, stored as factor - 1
+    PRED_F = 6        # APPLY/STREAM: the push's weight prediction (Push.PRED_F, PRED_FROM)
+    PRED_FROM = 7
 
 
 CTRL_FIELDS = 8
@@ -156,22 +160,24 @@ class CtrlMsg(NamedTuple):
     staleness: int
     version: int
     lr: float = 1.0
+    predicted: tuple = (0.0, -1)
 
 
 def encode_ctrl(buf: np.ndarray, op: Op, rank: int = -1, batch: int = 0, staleness: int = 0,
-                version: int = 0, lr: float = 1.0) -> None:
-    """Write a CTRL message into `buf` (float64, CTRL_FIELDS). `lr` is stored as lr - 1, so
-    a message without a schedule is byte-identical to one from before the slot existed."""
+                version: int = 0, lr: float = 1.0, predicted: tuple[float, int] = (0.0, -1)) -> None:
+    """Write a CTRL message into `buf` (float64, CTRL_FIELDS). `lr` is stored as lr - 1 (and
+    PRED_FROM + 1): a message without them is byte-identical to one from before the slots."""
     buf[:] = 0
     buf[Ctrl.OP], buf[Ctrl.RANK], buf[Ctrl.BATCH] = op, rank, batch
-    buf[Ctrl.STALENESS], buf[Ctrl.VERSION] = staleness, version
-    buf[Ctrl.LR] = lr - 1.0
+    buf[Ctrl.STALENESS], buf[Ctrl.VERSION], buf[Ctrl.LR] = staleness, version, lr - 1.0
+    buf[Ctrl.PRED_F], buf[Ctrl.PRED_FROM] = predicted[0], predicted[1] + 1
 
 
 def decode_ctrl(buf: np.ndarray) -> CtrlMsg:
-    v = buf[:Ctrl.LR + 1].tolist()
+    v = buf[:Ctrl.PRED_FROM + 1].tolist()
     return CtrlMsg(Op(int(v[Ctrl.OP])), int(v[Ctrl.RANK]), int(v[Ctrl.BATCH]),
-                   int(v[Ctrl.STALENESS]), int(v[Ctrl.VERSION]), 1.0 + v[Ctrl.LR])
+                   int(v[Ctrl.STALENESS]), int(v[Ctrl.VERSION]), 1.0 + v[Ctrl.LR],
+                   (v[Ctrl.PRED_F], int(v[Ctrl.PRED_FROM]) - 1))
 
 
 def layer_sizes(model) -> list[int]:
@@ -261,6 +267,7 @@ class PushMsg(NamedTuple):
     next_hi: int
     nonfinite: bool
     t: float
+    predicted: tuple = (0.0, -1)   # (factor, from version): Push.PRED_F
 
 
 class ReplyMsg(NamedTuple):
@@ -320,9 +327,10 @@ def new_header() -> np.ndarray:
 def encode_push(hdr: np.ndarray, *, step: int, version: int, epoch: int, shard: int, lo: int,
                 hi: int, batch: int, loss: float, compute_s: float, io_s: float, comm_s: float,
                 idle_s: float, nonfinite: bool, t: float,
-                next_range: Optional[Sequence[int]] = None) -> None:
-    """Write a push header. `next_range`: (epoch, shard, lo, hi) of the batch being computed
-    while this push travels (--pipeline 1), None if none."""
+                next_range: Optional[Sequence[int]] = None,
+                predicted: tuple[float, int] = (0.0, -1)) -> None:
+    """Write a push header. `next_range`: (epoch, shard, lo, hi) of the batch computed while
+    this push travels (--pipeline 1), or None; `predicted`: prediction.py's (factor, from)."""
     hdr[:] = 0
     hdr[Push.KIND] = PushKind.GRAD
     hdr[Push.STEP] = step
@@ -342,6 +350,7 @@ def encode_push(hdr: np.ndarray, *, step: int, version: int, epoch: int, shard: 
     if next_range is not None:
         hdr[Push.NEXT_EPOCH], hdr[Push.NEXT_SHARD], hdr[Push.NEXT_LO], hdr[Push.NEXT_HI] = next_range
     hdr[Push.T] = t
+    hdr[Push.PRED_F], hdr[Push.PRED_FROM] = predicted[0], predicted[1] + 1
 
 
 def clear_push(hdr: np.ndarray) -> None:
@@ -356,14 +365,15 @@ def holds_push(hdr: np.ndarray) -> bool:
 
 
 def decode_push(hdr: np.ndarray) -> PushMsg:
-    v = hdr[:Push.T + 1].tolist()
+    v = hdr[:Push.PRED_FROM + 1].tolist()
     return PushMsg(step=int(v[Push.STEP]), version=int(v[Push.VERSION]), epoch=int(v[Push.EPOCH]),
                    shard=int(v[Push.SHARD]), lo=int(v[Push.LO]), hi=int(v[Push.HI]),
                    batch=int(v[Push.BATCH]), loss=v[Push.LOSS], compute_s=v[Push.COMPUTE_S],
                    io_s=v[Push.IO_S], comm_s=v[Push.COMM_S], idle_s=v[Push.IDLE_S],
                    next_epoch=int(v[Push.NEXT_EPOCH]), next_shard=int(v[Push.NEXT_SHARD]),
                    next_lo=int(v[Push.NEXT_LO]), next_hi=int(v[Push.NEXT_HI]),
-                   nonfinite=bool(v[Push.NONFINITE]), t=v[Push.T])
+                   nonfinite=bool(v[Push.NONFINITE]), t=v[Push.T],
+                   predicted=(v[Push.PRED_F], int(v[Push.PRED_FROM]) - 1))
 
 
 # ------------------------------------------------------------------ reply, orders, stop

@@ -238,12 +238,12 @@ class ParameterServer:
             return self.reply(w)
         update = Update(w.rank, push.epoch, push.shard, push.lo, push.hi, push.batch, push.loss,
                         self.version - push.version)
-        then = self.ring.params_of(push.version) if self.rule.needs_old_params else None
+        then = self.ring.params_then(push.version, push.predicted) if self.rule.needs_old_params else None
         if self.model.num_state:   # the server keeps the latest state pushed
             self.model.set_state(self.slices.state(w.link))
         stream = self.slices.streams(w, self.rule, bool(self.stop.reason))
         self.remote.gradient(w.rank, update.batch, update.staleness, push.version, self.rule.rounds,
-                             self.ring.factor(), stream)
+                             self.ring.factor(), stream, push.predicted)
         applied = self.slices.push(w, update, then, self.rule, self.outbox if stream else None)
         given = self.ring.exchange()
         if given is not None:   # the gradient's buffer holds the parameters now: this replaces it

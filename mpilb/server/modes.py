@@ -89,6 +89,8 @@ class ParamRing:
         self.new_buffer = new_buffer or (lambda: np.empty_like(params))
         self._exchanged: Optional[np.ndarray] = None
         self.ring = [params]
+        correction.bind(params.size)
+        self._then: Optional[np.ndarray] = None   # params_then's extrapolation
         self.versions = [0]
         self.sends: list[list] = [[]]   # per buffer: requests (anything with Test()) reading it
         self.cur = 0
@@ -138,6 +140,26 @@ class ParamRing:
                 return buf
         return None
 
+    def params_then(self, version: int, predicted: tuple[float, int] = (0.0, -1)) -> Optional[np.ndarray]:
+        """The parameters a gradient was computed on: those of `version`, or, where the worker
+        predicted them (`predicted`: the push's factor f and the version it extrapolated
+        from), w_v + f (w_v - w_from) as it did (core/prediction.py); None when a buffer no
+        longer holds a version needed."""
+        now = self.params_of(version)
+        f, since = predicted
+        if now is None or not f:
+            return now
+        old = self.params_of(since)
+        if old is None:
+            return None
+        if self._then is None:
+            self._then = np.empty_like(now)
+        out = self._then
+        np.subtract(now, old, out=out)
+        out *= np.float32(f)
+        out += now
+        return out
+
     def _busy(self, i: int) -> bool:
         self.sends[i] = [r for r in self.sends[i] if not self.finished(r)]
         if self.sends[i]:
@@ -145,9 +167,9 @@ class ParamRing:
         return any(self.versions[i] in kept for kept in self.sent.values())
 
     def _target(self) -> int:
-        """The buffer the next step writes: the current one unless a send still reads it."""
-        self.sends[self.cur] = [r for r in self.sends[self.cur] if not self.finished(r)]
-        if not self.sends[self.cur]:
+        """The buffer the next step writes: the current one unless a send still reads it or
+        a worker's version kept for the correction is its version."""
+        if not self._busy(self.cur):
             return self.cur
         for i in range(len(self.ring)):
             if i != self.cur and not self._busy(i):
@@ -231,7 +253,7 @@ class ParamRing:
                 if i == 0 or self.correction.needs_old_params:   # (only dc reads the gradient)
                     scale = self.correction.apply(
                         grad[lo:hi], staleness, params[lo:hi],
-                        None if then is None else then[lo:hi])
+                        None if then is None else then[lo:hi], at=lo)
                     if i == 0:
                         lr_scale *= scale
                 self.optimizer.step_range(params, grad, lr_scale, out, lo, hi, first=i == 0)

@@ -92,10 +92,10 @@ class RemoteSlices:
         return bool(self.stats_reqs) and mono - self.asked_at > DOUBT_S
 
     def _command(self, op: Op, rank: int = -1, batch: int = 0, staleness: int = 0,
-                 version: int = 0, lr: float = 1.0) -> None:
+                 version: int = 0, lr: float = 1.0, predicted: tuple = (0.0, -1)) -> None:
         if not self.ranks:   # --servers 1
             return
-        wire.encode_ctrl(self.ctrl, op, rank, batch, staleness, version, lr)
+        wire.encode_ctrl(self.ctrl, op, rank, batch, staleness, version, lr, predicted)
         for s in self.ranks:   # 64 bytes: sent eagerly, Send returns at once
             self.comm.Send(self.ctrl, dest=s, tag=wire.TAG_CTRL)
 
@@ -105,14 +105,14 @@ class RemoteSlices:
         self.owed.add(rank)
 
     def gradient(self, rank: int, batch: int, staleness: int, version: int, rounds: bool,
-                 lr: float = 1.0, stream: bool = False) -> None:
+                 lr: float = 1.0, stream: bool = False, predicted: tuple = (0.0, -1)) -> None:
         """Apply w's gradient (or add it to the sync round), as rank 0 does now; `lr` is rank
         0's schedule factor for this update. `stream`: each store sends w its new slice as
         it applies it (Op.STREAM), chunk by chunk where it exchanges chunks with w; w's reply
-        then commands no REPLY."""
+        then commands no REPLY. `predicted`: the push's weight prediction (wire.Push.PRED_F)."""
         self.owed.discard(rank)
         op = Op.ADD if rounds else Op.STREAM if stream else Op.APPLY
-        self._command(op, rank, batch, staleness, version, lr)
+        self._command(op, rank, batch, staleness, version, lr, predicted)
 
     def settle(self, rank: int) -> None:
         """After a push was handled: a gradient rank 0 did not take is dropped everywhere."""

@@ -52,7 +52,8 @@ def slice_ring(cfg, params: np.ndarray, optimizer, new_buffer=None) -> ParamRing
     `new_buffer`: see ParamRing."""
     correction = build_correction(cfg.updates.correction, cfg.updates.dc_lambda,
                                   own_warmup=any(parse_warmup(cfg.optim.warmup)))
-    keep = (2 if cfg.updates.pipeline else 1) if correction.needs_old_params else 0
+    keep = ((2 if cfg.updates.pipeline else 1) + correction.reads_kept - 1
+            if correction.needs_old_params else 0)
     clip = cfg.optim.clip_norm if cfg.updates.mode == "sync" and cfg.updates.servers == 1 else None   # (workers
     # clip what is applied on arrival; sync with K > 1 is refused: config/validate.check_optimizer)
     return ParamRing(params, optimizer, correction, cfg.balancing.batch, keep_sent=keep,
@@ -232,7 +233,8 @@ class SliceRank:
                 return
             if m.op == Op.APPLY:
                 s.follow(m.lr)
-                then = s.params_of(m.version) if s.correction.needs_old_params else None
+                then = (s.params_then(m.version, m.predicted)
+                        if s.correction.needs_old_params else None)
                 s.apply(grad, m.batch, m.staleness, then, consume=True)
                 given = s.exchange()
                 if given is not None:   # the gradient's buffer holds the parameters now
@@ -309,7 +311,8 @@ class SliceRank:
         arrive, answer = stream_calls(spans, grad, wire_grad, self.fmt, self.encoded, s, arrived,
                                       send, lambda: gone[0])
         s.follow(m.lr)
-        then = s.params_of(m.version) if s.correction.needs_old_params else None
+        then = (s.params_then(m.version, m.predicted)
+                if s.correction.needs_old_params else None)
         s.apply_chunks(grad, m.batch, m.staleness, spans, arrive, answer, then, consume=True)
         given = s.exchange()
         if given is not None:   # the gradient's buffer holds the parameters now

@@ -23,6 +23,7 @@ class Computed:
     compute_s: float
     nonfinite: bool
     version: int        # parameters it was computed on (pipelined: older than the latest)
+    predicted: tuple = (0.0, -1)   # (factor, from version) of the weight prediction, if any
 
 
 class TimeSincePush:
@@ -175,7 +176,7 @@ class Pushes:
         wire.encode_push(msg.header, step=self.step, version=done.version, epoch=batch.epoch,
                          shard=batch.shard, lo=batch.lo, hi=batch.hi, batch=batch.size,
                          loss=done.loss, compute_s=done.compute_s, nonfinite=done.nonfinite,
-                         t=t, next_range=next_range, **timings)
+                         t=t, next_range=next_range, predicted=done.predicted, **timings)
         t0 = time.perf_counter()
         self.settle()
         self.messages.header_to_buffer(msg)

@@ -44,10 +44,13 @@ class TunesBy:
     def __init__(self, momenta):
         self.momenta = momenta
 
+    def bind(self, size):
+        pass
+
     def tune(self, optimizer, staleness):
         optimizer.momentum = self.momenta[staleness]
 
-    def apply(self, grad, staleness, params_now, params_then):
+    def apply(self, grad, staleness, params_now, params_then, at=0):
         return 1.0
 
 

@@ -16,10 +16,11 @@ def test_slots_tags_and_sizes_are_pinned():
     assert wire.HEADER_FIELDS == 48 and wire.HEADER_BYTES == 384
     assert (wire.TAG_PUSH, wire.TAG_REPLY, wire.TAG_ERROR, wire.TAG_PREEMPT) == (11, 12, 13, 15)
     assert (wire.TAG_SHARD_BASE, wire.SHARD_TAGS) == (1000, 10000)
-    assert [int(p) for p in Push] == list(range(19))
+    assert [int(p) for p in Push] == list(range(21))
     assert [p.name for p in Push] == ["KIND", "STEP", "VERSION", "EPOCH", "SHARD", "LO", "HI", "BATCH",
                                       "LOSS", "COMPUTE_S", "IO_S", "COMM_S", "IDLE_S", "NEXT_SHARD",
-                                      "NEXT_LO", "NEXT_HI", "NEXT_EPOCH", "NONFINITE", "T"]
+                                      "NEXT_LO", "NEXT_HI", "NEXT_EPOCH", "NONFINITE", "T", "PRED_F",
+                                      "PRED_FROM"]
     assert {r.name: int(r) for r in Reply} == {
         "CMD": 0, "VERSION": 1, "BATCH": 2, "HELD_S": 3, "RETRY": 4, "N_ASSIGN": 5, "ASSIGN": 6,
         "N_ORDER": 18, "ORDER": 19, "CUT_EPOCH": 31, "CUT_SHARD": 32, "CUT_END": 33, "DROP": 34,
@@ -106,6 +107,11 @@ def test_push_encoding_is_byte_identical_and_round_trips(fields):
                 "comm_s", "idle_s", "nonfinite", "t"):
         assert getattr(msg, key) == fields[key], key
     assert msg.loss == fields["loss"] or (np.isnan(msg.loss) and np.isnan(fields["loss"]))
+    assert msg.predicted == (0.0, -1)   # not predicted: the bytes of before
+    wire.encode_push(new, **fields, predicted=(0.75, 4))
+    assert (new[Push.PRED_F], new[Push.PRED_FROM]) == (0.75, 5)
+    assert wire.decode_push(new)[:7] == msg[:7]
+    assert wire.decode_push(new).predicted == (0.75, 4)
     if fields["next_range"] is None:
         assert msg.next_shard == -1
     else:
@@ -177,7 +183,7 @@ def test_store_messages_are_pinned():
     assert {o.name: int(o) for o in wire.Op} == {
         "APPLY": 1, "ADD": 2, "DISCARD": 3, "ROUND": 4, "REPLY": 5, "LOSE": 6, "GATHER": 7,
         "STATS": 8, "END": 9, "LOAD": 10, "ACCEPT": 11, "STREAM": 12}
-    assert [int(c) for c in wire.Ctrl] == [0, 1, 2, 3, 4, 5]
+    assert [int(c) for c in wire.Ctrl] == [0, 1, 2, 3, 4, 5, 6, 7]
     assert (wire.CTRL_FIELDS, wire.STATS_FIELDS) == (8, 6)
     buf = np.zeros(wire.CTRL_FIELDS)
     wire.encode_ctrl(buf, wire.Op.REPLY, rank=3)
@@ -185,7 +191,11 @@ def test_store_messages_are_pinned():
     # the schedule's factor rides in slot LR as factor - 1 (no schedule: the bytes above)
     wire.encode_ctrl(buf, wire.Op.APPLY, rank=2, batch=32, staleness=1, version=7, lr=0.25)
     assert buf.tobytes() == np.array([1, 2, 32, 1, 7, -0.75, 0, 0], np.float64).tobytes()
-    assert wire.decode_ctrl(buf) == (wire.Op.APPLY, 2, 32, 1, 7, 0.25)
+    assert wire.decode_ctrl(buf) == (wire.Op.APPLY, 2, 32, 1, 7, 0.25, (0.0, -1))
+    # a push's weight prediction (--correction gap): its factor, and the version it came from + 1
+    wire.encode_ctrl(buf, wire.Op.APPLY, rank=2, batch=32, staleness=1, version=7, predicted=(0.5, 3))
+    assert buf.tobytes() == np.array([1, 2, 32, 1, 7, 0, 0.5, 4], np.float64).tobytes()
+    assert wire.decode_ctrl(buf) == (wire.Op.APPLY, 2, 32, 1, 7, 1.0, (0.5, 3))
 
 
 def test_message_buffers_are_named_and_still_tuples():
