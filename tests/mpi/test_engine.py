@@ -65,7 +65,7 @@ def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     assert all(w["samples"] > 0 for w in s["per_worker"])
     if "momentum" in extra:   # a DDP recipe under the default staleness policy, unpipelined
         # unless asked, with the workers computing on extrapolated parameters
-        assert s["correction"] == "lookahead" and pipelined == ("--pipeline" in extra)
+        assert s["correction"] == "gap" and pipelined == ("--pipeline" in extra)
         assert config["weight_prediction"] == "on"
     else:
         assert config["weight_prediction"] == "off"
@@ -75,11 +75,10 @@ def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
         assert s["staleness"]["max"] <= 2 * (2 * 2 + 1)
 
 
-@pytest.mark.parametrize("warmup,ramp", [(None, 40), ("10", 10)])
-def test_lookahead_ramps_over_its_own_gradients_or_the_runs_warmup(digits_dir, tmp_path, warmup,
-                                                                   ramp):
-    """The default momentum recipe in async (lookahead) ramps the learning rate up over its
-    first 40 gradients; a run's own --warmup N replaces that ramp (not on top of it)."""
+@pytest.mark.parametrize("warmup,ramp", [(None, 20), ("10", 10)])
+def test_gap_ramps_over_its_own_gradients_or_the_runs_warmup(digits_dir, tmp_path, warmup, ramp):
+    """The default momentum recipe in async (gap) ramps the learning rate up over its first
+    20 gradients; a run's own --warmup N replaces that ramp (not on top of it)."""
     log = tmp_path / "run.h5"
     res = mpirun.run(3, "train", "--data", digits_dir, "--model", "mlp", "--hidden", "32",
                      "--optimizer", "momentum", "--epochs", "1", "--no-progress", "--log", log,
@@ -88,7 +87,7 @@ def test_lookahead_ramps_over_its_own_gradients_or_the_runs_warmup(digits_dir, t
     with h5py.File(log, "r") as f:
         cfg = json.loads(f.attrs["config"])
         scale, batch = f["updates/lr_scale"][:ramp + 5], f["updates/batch"][:ramp + 5]
-    assert cfg["correction"] == "lookahead"
+    assert cfg["correction"] == "gap"
     # the scale carries batch / --batch as well (a shard's last batch may be short)
     np.testing.assert_allclose(scale / (batch / cfg["batch"]),
                                np.minimum(1.0, np.arange(1, ramp + 6) / ramp), rtol=1e-5)

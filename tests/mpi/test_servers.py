@@ -115,7 +115,7 @@ def test_dc_keeps_the_version_a_worker_computed_on():
 def test_ctrl_messages_round_trip():
     buf = np.zeros(wire.CTRL_FIELDS)
     wire.encode_ctrl(buf, wire.Op.APPLY, rank=4, batch=32, staleness=2, version=17)
-    assert wire.decode_ctrl(buf) == (wire.Op.APPLY, 4, 32, 2, 17, 1.0)   # lr: no schedule
+    assert wire.decode_ctrl(buf) == (wire.Op.APPLY, 4, 32, 2, 17, 1.0, (0.0, -1))   # no schedule
     assert buf.tolist()[:5] == [1, 4, 32, 2, 17]
 
 
