@@ -297,10 +297,10 @@ class GapAware(LookaheadMomentum):
 
 
 ASYNC_DEFAULT = "dynamic"
-"""The correction of async and ssp when --correction is not given (and `gap` where the
-workers predict the parameters: PREDICTED_DEFAULT)."""
+"""The correction of async and ssp when --correction is not given (and `lookahead` where
+the workers predict the parameters: PREDICTED_DEFAULT)."""
 
-PREDICTED_DEFAULT = "gap"
+PREDICTED_DEFAULT = "lookahead"
 """The correction of async and ssp when --correction is not given and the workers predict
 the parameters (--optimizer momentum, --weight-prediction not off)."""
 

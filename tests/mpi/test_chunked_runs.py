@@ -29,6 +29,7 @@ def train(n, data, log, *args, env=CHUNKED, timeout=180):
 @pytest.mark.parametrize("n, args", [
     (2, ["--optimizer", "sgd"]),
     (3, ["--servers", "2", "--optimizer", "momentum", "--wire", "bf16"]),
+    (3, ["--servers", "2", "--optimizer", "momentum", "--correction", "gap"]),   # per chunk
     (3, ["--servers", "2", "--optimizer", "adam", "--lr", "0.001", "--correction", "dc"]),
 ])
 def test_one_worker_streamed_in_chunks_steps_the_same_floats(digits_dir, tmp_path, n, args):

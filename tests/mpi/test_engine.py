@@ -40,8 +40,9 @@ def assert_exact_coverage(summary):
     ("--optimizer", "momentum", "--lr", "0.05"),
     ("--optimizer", "momentum", "--lr", "0.05", "--mode", "ssp", "--staleness-bound", "2"),
     ("--optimizer", "momentum", "--lr", "0.05", "--pipeline", "1"),
+    ("--optimizer", "momentum", "--lr", "0.05", "--correction", "gap"),
 ], ids=["async", "ssp", "sync", "inverse", "dc", "unpipelined", "momentum-recipe",
-        "momentum-ssp", "momentum-pipelined"])
+        "momentum-ssp", "momentum-pipelined", "momentum-gap"])
 def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     log = tmp_path / "run.h5"
     res = mpirun.run(4, "train", "--data", digits_dir, *DIGITS_RUN, "--log", log, *extra)
@@ -65,7 +66,8 @@ def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     assert all(w["samples"] > 0 for w in s["per_worker"])
     if "momentum" in extra:   # a DDP recipe under the default staleness policy, unpipelined
         # unless asked, with the workers computing on extrapolated parameters
-        assert s["correction"] == "gap" and pipelined == ("--pipeline" in extra)
+        policy = "gap" if "gap" in extra else "lookahead"
+        assert s["correction"] == policy and pipelined == ("--pipeline" in extra)
         assert config["weight_prediction"] == "on"
     else:
         assert config["weight_prediction"] == "off"
@@ -75,19 +77,22 @@ def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
         assert s["staleness"]["max"] <= 2 * (2 * 2 + 1)
 
 
-@pytest.mark.parametrize("warmup,ramp", [(None, 20), ("10", 10)])
-def test_gap_ramps_over_its_own_gradients_or_the_runs_warmup(digits_dir, tmp_path, warmup, ramp):
-    """The default momentum recipe in async (gap) ramps the learning rate up over its first
-    20 gradients; a run's own --warmup N replaces that ramp (not on top of it)."""
+@pytest.mark.parametrize("correction,warmup,ramp", [("lookahead", None, 40), ("lookahead", "10", 10),
+                                                    ("gap", None, 20)])
+def test_the_momentum_policies_ramp_over_their_gradients_or_the_runs_warmup(
+        digits_dir, tmp_path, correction, warmup, ramp):
+    """The default momentum recipe in async (lookahead) ramps the learning rate up over its
+    first 40 gradients, gap over 20; a run's own --warmup N replaces that ramp (not on top)."""
     log = tmp_path / "run.h5"
     res = mpirun.run(3, "train", "--data", digits_dir, "--model", "mlp", "--hidden", "32",
                      "--optimizer", "momentum", "--epochs", "1", "--no-progress", "--log", log,
-                     *(["--warmup", warmup] if warmup else []))
+                     *(["--warmup", warmup] if warmup else []),
+                     *(["--correction", "gap"] if correction == "gap" else []))
     assert res.returncode == 0, res.stderr
     with h5py.File(log, "r") as f:
         cfg = json.loads(f.attrs["config"])
         scale, batch = f["updates/lr_scale"][:ramp + 5], f["updates/batch"][:ramp + 5]
-    assert cfg["correction"] == "gap"
+    assert cfg["correction"] == correction
     # the scale carries batch / --batch as well (a shard's last batch may be short)
     np.testing.assert_allclose(scale / (batch / cfg["batch"]),
                                np.minimum(1.0, np.arange(1, ramp + 6) / ramp), rtol=1e-5)

@@ -39,15 +39,15 @@ def test_the_correction_default_follows_the_mode(mode, correction):
 
 
 @pytest.mark.parametrize("values,correction", [
-    ({"optimizer": "momentum"}, "gap"), ({"optimizer": "momentum", "mode": "ssp"}, "gap"),
+    ({"optimizer": "momentum"}, "lookahead"), ({"optimizer": "momentum", "mode": "ssp"}, "lookahead"),
     # without prediction dynamic, as before it
     ({"optimizer": "momentum", "weight_prediction": "off"}, "dynamic"),
     ({"optimizer": "sgd"}, "dynamic"), ({"optimizer": "sgd", "weight_prediction": "on"}, "dynamic"),
     ({"optimizer": "momentum", "mode": "sync"}, "none"),
     ({"optimizer": "momentum", "correction": "dynamic"}, "dynamic"),   # as given
-    ({"optimizer": "momentum", "correction": "lookahead"}, "lookahead"),
+    ({"optimizer": "momentum", "correction": "gap"}, "gap"),
 ])
-def test_a_momentum_recipe_with_prediction_defaults_to_gap(values, correction):
+def test_a_momentum_recipe_with_prediction_defaults_to_lookahead(values, correction):
     cfg = build_config({}, values)
     assert cfg.updates.correction == correction
     if values.get("mode") != "sync":
