@@ -62,6 +62,11 @@ def check_combinations(cfg: Config) -> None:
                          "replace: give one of them")
     if cfg.updates.pipeline and cfg.updates.mode == "sync":
         raise UsageError("--pipeline 1 cannot be combined with --mode sync (a sync round waits for every gradient)")
+    if cfg.updates.correction == "gap" and cfg.updates.wire != "fp32":
+        raise UsageError(f"--correction gap with --wire {cfg.updates.wire}: gap measures each "
+                         "parameter's move against the parameters the worker computed on, which "
+                         f"it read rounded to {cfg.updates.wire} (by more than many parameters "
+                         "move in a step); use --wire fp32, or --correction lookahead")
     if cfg.faults.respawn:
         check_respawn(cfg)
     if out.log and Path(out.log).is_dir():

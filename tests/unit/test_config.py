@@ -269,3 +269,10 @@ def test_a_non_finite_gradient_names_the_options_that_set_the_step():
     assert decayed.divergence_hint() == "try a lower --lr (now 0.05) or --weight-decay (now 1e+20)"
     both = build_config({}, {"weight_decay": 0.1}).optim.divergence_hint()
     assert both.startswith("try a lower --lr") and both.endswith(", --weight-decay (now 0.1) or --clip-norm")
+
+
+def test_gap_refuses_a_rounded_wire():
+    # the worker read the parameters rounded: the gap would measure the rounding
+    with pytest.raises(UsageError, match="--correction gap with --wire bf16"):
+        build_config({}, {"optimizer": "momentum", "correction": "gap", "wire": "bf16"})
+    assert build_config({}, {"optimizer": "momentum", "correction": "gap"}).updates.wire == "fp32"
