@@ -51,6 +51,12 @@ class WeightPrediction:
         """The mean staleness of this worker's pushes so far (None before the first)."""
         return self.meter.mean if self.meter.count else None
 
+    @property
+    def used(self) -> tuple[float, int]:
+        """(factor, from version) of the last read's extrapolation: (0.0, -1) where it had
+        none (a push carries it: wire.Push.PRED_F)."""
+        return self.factor, self.from_version
+
     def observe(self, staleness: int) -> None:
         """A reply showed the staleness this worker's last push met (versions applied
         between the parameters it was computed on and its own application)."""

@@ -238,7 +238,7 @@ class ParameterServer:
             return self.reply(w)
         update = Update(w.rank, push.epoch, push.shard, push.lo, push.hi, push.batch, push.loss,
                         self.version - push.version)
-        then = self.ring.params_then(push.version, push.predicted) if self.rule.needs_old_params else None
+        then = self.ring.params_then(push.version, push.predicted)
         if self.model.num_state:   # the server keeps the latest state pushed
             self.model.set_state(self.slices.state(w.link))
         stream = self.slices.streams(w, self.rule, bool(self.stop.reason))

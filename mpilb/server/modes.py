@@ -141,10 +141,13 @@ class ParamRing:
         return None
 
     def params_then(self, version: int, predicted: tuple[float, int] = (0.0, -1)) -> Optional[np.ndarray]:
-        """The parameters a gradient was computed on: those of `version`, or, where the worker
-        predicted them (`predicted`: the push's factor f and the version it extrapolated
-        from), w_v + f (w_v - w_from) as it did (core/prediction.py); None when a buffer no
-        longer holds a version needed."""
+        """The parameters a gradient was computed on, for a correction that reads them (dc,
+        gap): those of `version`, or, where the worker predicted them (`predicted`: the push's
+        factor f and the version it extrapolated from), w_v + f (w_v - w_from) as it did
+        (core/prediction.py); None when a buffer no longer holds a version needed, or the
+        correction reads none."""
+        if not self.correction.needs_old_params:
+            return None
         now = self.params_of(version)
         f, since = predicted
         if now is None or not f:
@@ -250,7 +253,7 @@ class ParamRing:
                 w0 = time.perf_counter()
                 arrive(i)
                 waited += time.perf_counter() - w0
-                if i == 0 or self.correction.needs_old_params:   # (only dc reads the gradient)
+                if i == 0 or self.correction.needs_old_params:   # (dc and gap read each chunk)
                     scale = self.correction.apply(
                         grad[lo:hi], staleness, params[lo:hi],
                         None if then is None else then[lo:hi], at=lo)
@@ -313,7 +316,6 @@ class UpdateRule:
     """
 
     name = ""
-    needs_old_params = False
     rounds = False    # gradients join rounds (sync) instead of being applied on arrival
     holds_replies = False   # holds() and releasable() may say otherwise than "no" (ssp)
 
@@ -323,7 +325,6 @@ class UpdateRule:
         self.has_work = has_work
         self.staleness_bound = staleness_bound
         self.sitout = None
-        self.needs_old_params = ring.correction.needs_old_params
 
     def push(self, peer, update: Update, grad: np.ndarray, then: Optional[np.ndarray] = None,
              consume: bool = False) -> Optional[tuple[list[Update], float]]:

@@ -233,8 +233,7 @@ class SliceRank:
                 return
             if m.op == Op.APPLY:
                 s.follow(m.lr)
-                then = (s.params_then(m.version, m.predicted)
-                        if s.correction.needs_old_params else None)
+                then = s.params_then(m.version, m.predicted)
                 s.apply(grad, m.batch, m.staleness, then, consume=True)
                 given = s.exchange()
                 if given is not None:   # the gradient's buffer holds the parameters now
@@ -311,8 +310,7 @@ class SliceRank:
         arrive, answer = stream_calls(spans, grad, wire_grad, self.fmt, self.encoded, s, arrived,
                                       send, lambda: gone[0])
         s.follow(m.lr)
-        then = (s.params_then(m.version, m.predicted)
-                if s.correction.needs_old_params else None)
+        then = s.params_then(m.version, m.predicted)
         s.apply_chunks(grad, m.batch, m.staleness, spans, arrive, answer, then, consume=True)
         given = s.exchange()
         if given is not None:   # the gradient's buffer holds the parameters now

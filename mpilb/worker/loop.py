@@ -224,8 +224,7 @@ class Worker:
             into = self.pushes.state_of(msg)
             into[...] = state if isinstance(into, np.ndarray) else self.backend.asarray(state)
         self.backend.synchronize()   # MPI must not touch device memory still being written
-        predicted = ((self.prediction.factor, self.prediction.from_version)
-                     if self.prediction is not None and self.prediction.predicted else (0.0, -1))
+        predicted = self.prediction.used if self.prediction is not None else (0.0, -1)
         return Computed(batch, loss, compute_s, nonfinite, self.version, predicted)
 
     # ---------------------------------------------------------------- main loop
