@@ -112,6 +112,11 @@ def _samples(runs):
     return [r["efficiency"]["samples_to_target"] for r in runs]
 
 
+def _cpu_ms(s: dict) -> float:
+    """Rank 0's CPU time per update applied, in ms (its receives, steps and replies)."""
+    return 1e3 * s["server_cpu_s"] / max(1, s["updates"])
+
+
 def _ratio(values, ref):
     """Each of `values` over the median of `ref`, where a reference run that never got there
     counts as infinitely many (a sync run that diverged: seed 9 of the built-in cnn once
@@ -163,6 +168,10 @@ def recipe(b: Bench, res) -> None:
                            "target / sync's", _ratio([r["time_to_target_s"] for r in gap], t_sync))
                 res.figure(g, f"nopred-time-{workers}s", "async --weight-prediction off: time to "
                            "target / sync's", _ratio([r["time_to_target_s"] for r in unpredicted], t_sync))
+                res.figure(g, f"cpu-{workers}s", "async: rank 0's CPU per update (ms)",
+                           [_cpu_ms(r) for r in new])
+                res.figure(g, f"gap-cpu-{workers}s", "async --correction gap: rank 0's CPU per "
+                           "update (ms)", [_cpu_ms(r) for r in gap])
             if workers == 4 and not slow:
                 old = b.runs(data, workers + 1, MLP + RECIPE + stop + ["--correction", "none"])
                 res.figure(g, "old-4", "async --correction none (the old default): samples to "

@@ -238,15 +238,46 @@ GAP_WARMUP = 20
 """Gradients over which `gap` ramps the learning rate up (half `lookahead`'s ramp: damped per
 parameter, the first steps need less of it; 10 let the torch cnn fall behind once in ten)."""
 
+GAP_BLOCK = 16384
+"""`gap` works through a gradient this many floats at a time, so that the vectors it reads
+stay in the core's cache across its dozen passes (measured: 0.59 ms for 335k parameters,
+against 1.4 ms a pass over each whole vector)."""
+
+
+class Extrapolated:
+    """The parameters a worker predicted, ``base + f (base - old)`` (``base`` the version it
+    read, ``old`` the one it extrapolated from: core/prediction.py), left unbuilt: `gap`
+    reads them a block at a time instead of a whole vector written and read again. Slicing
+    gives the same slice of the prediction; ``np.asarray`` builds it (dc, tests)."""
+
+    __slots__ = ("base", "old", "f")
+
+    def __init__(self, base: np.ndarray, old: np.ndarray, f: float):
+        self.base, self.old, self.f = base, old, np.float32(f)
+
+    def __getitem__(self, span) -> "Extrapolated":
+        return Extrapolated(self.base[span], self.old[span], self.f)
+
+    def into(self, out: np.ndarray) -> np.ndarray:
+        """Write the prediction into `out` (floats as the worker computed them)."""
+        np.subtract(self.base, self.old, out=out)
+        out *= self.f
+        out += self.base
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        out = self.into(np.empty_like(self.base))
+        return out if dtype is None else out.astype(dtype, copy=False)
+
 
 @register("gap")
 class GapAware(LookaheadMomentum):
     """Gap-aware (Barkai et al. 2020, "Gap-Aware Mitigation of Gradient Staleness"), for
     workers that predict the parameters: each coordinate of a gradient is divided by
     max(1, G), G how far that parameter moved between the parameters the gradient was
-    computed on (the worker's prediction of them, rebuilt from the push's factor and two
-    versions it read) and the current ones, in units of its mean step. A parameter that
-    moved as predicted, or oscillated, keeps its full step; one that ran ahead is damped.
+    computed on (the worker's prediction of them, :class:`Extrapolated` from two versions it
+    read) and the current ones, in units of its mean step. A parameter that moved as
+    predicted, or oscillated, keeps its full step; one that ran ahead is damped.
     The recipe's momentum is kept; the learning rate ramps up over the first `ramp`
     gradients as under `lookahead`. The mean step (a float per parameter) is not in the
     checkpoint: a resumed run learns it again from its first steps."""
@@ -260,13 +291,13 @@ class GapAware(LookaheadMomentum):
         self.alpha = alpha
         self.mean_step: Optional[np.ndarray] = None   # |w_{k+1} - w_k| averaged, per parameter
         self.last: Optional[np.ndarray] = None        # the parameters at the last gradient
-        self.scratch: Optional[np.ndarray] = None
+        self.scratch = np.empty(GAP_BLOCK, np.float32)
+        self.ones = np.ones(GAP_BLOCK, np.float32)    # (fmin against a vector: twice as fast)
         self.moves = 0                                # steps seen in mean_step
 
     def bind(self, size):
         self.mean_step = np.zeros(size, np.float32)
         self.last = np.empty(size, np.float32)
-        self.scratch = np.empty(size, np.float32)
         self.moves = -1   # `last` not yet set
 
     def tune(self, optimizer, staleness):
@@ -275,25 +306,39 @@ class GapAware(LookaheadMomentum):
     def apply(self, grad, staleness, params_now, params_then, at=0):
         if self.mean_step is None:
             self.bind(at + grad.size)
-        span = slice(at, at + grad.size)
         if at == 0:
             self.moves += 1
-        s, mean = self.scratch[span], self.mean_step[span]
-        if self.moves > 0:   # the step since the last gradient joins the mean
-            np.subtract(params_now, self.last[span], out=s)
+        rate = np.float32(max(self.alpha, 1.0 / self.moves)) if self.moves > 0 else None
+        damp = params_then is not None and rate is not None
+        with np.errstate(divide="ignore", invalid="ignore"):
+            for lo in range(0, grad.size, GAP_BLOCK):
+                span = slice(lo, min(grad.size, lo + GAP_BLOCK))
+                self._block(grad[span], params_now[span], params_then[span] if damp else None,
+                            at + lo, rate)
+        return super().apply(grad, staleness, params_now, params_then, at)
+
+    def _block(self, grad, now, then, at, rate) -> None:
+        """One block of :meth:`apply`, starting at `at` in the parameters."""
+        span = slice(at, at + grad.size)
+        s, mean, last = self.scratch[:grad.size], self.mean_step[span], self.last[span]
+        if rate is not None:   # the step since the last gradient joins the mean
+            np.subtract(now, last, out=s)
             np.abs(s, out=s)
             s -= mean
-            s *= np.float32(max(self.alpha, 1.0 / self.moves))
+            s *= rate
             mean += s
-        self.last[span] = params_now
-        if params_then is not None and self.moves > 0:
-            np.subtract(params_now, params_then, out=s)
-            np.abs(s, out=s)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                np.divide(mean, s, out=s)   # 1/G: a gap of 0 is inf, 0/0 nan (both: no damping)
-            np.fmin(s, np.float32(1.0), out=s)
-            grad *= s
-        return super().apply(grad, staleness, params_now, params_then, at)
+        last[...] = now
+        if then is None:
+            return
+        if isinstance(then, Extrapolated):   # prediction - now: the gap's sign does not count
+            then.into(s)
+            s -= now
+        else:
+            np.subtract(now, then, out=s)
+        np.abs(s, out=s)
+        np.divide(mean, s, out=s)   # 1/G: a gap of 0 is inf, 0/0 nan (both: no damping)
+        np.fmin(s, self.ones[:grad.size], out=s)
+        grad *= s
 
 
 ASYNC_DEFAULT = "dynamic"

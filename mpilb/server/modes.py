@@ -18,6 +18,7 @@ from typing import Callable, Iterable, NamedTuple, Optional
 
 import numpy as np
 
+from mpilb.core.corrections import Extrapolated
 from mpilb.errors import UsageError
 
 RULES: dict[str, type] = {}
@@ -90,7 +91,6 @@ class ParamRing:
         self._exchanged: Optional[np.ndarray] = None
         self.ring = [params]
         correction.bind(params.size)
-        self._then: Optional[np.ndarray] = None   # params_then's extrapolation
         self.versions = [0]
         self.sends: list[list] = [[]]   # per buffer: requests (anything with Test()) reading it
         self.cur = 0
@@ -140,12 +140,12 @@ class ParamRing:
                 return buf
         return None
 
-    def params_then(self, version: int, predicted: tuple[float, int] = (0.0, -1)) -> Optional[np.ndarray]:
+    def params_then(self, version: int, predicted: tuple[float, int] = (0.0, -1)):
         """The parameters a gradient was computed on, for a correction that reads them (dc,
         gap): those of `version`, or, where the worker predicted them (`predicted`: the push's
         factor f and the version it extrapolated from), w_v + f (w_v - w_from) as it did
-        (core/prediction.py); None when a buffer no longer holds a version needed, or the
-        correction reads none."""
+        (core/prediction.py), unbuilt (:class:`~mpilb.core.corrections.Extrapolated`); None
+        when a buffer no longer holds a version needed, or the correction reads none."""
         if not self.correction.needs_old_params:
             return None
         now = self.params_of(version)
@@ -153,15 +153,7 @@ class ParamRing:
         if now is None or not f:
             return now
         old = self.params_of(since)
-        if old is None:
-            return None
-        if self._then is None:
-            self._then = np.empty_like(now)
-        out = self._then
-        np.subtract(now, old, out=out)
-        out *= np.float32(f)
-        out += now
-        return out
+        return None if old is None else Extrapolated(now, old, f)
 
     def _busy(self, i: int) -> bool:
         self.sends[i] = [r for r in self.sends[i] if not self.finished(r)]

@@ -6,7 +6,8 @@ while a step would otherwise overwrite them in place."""
 import numpy as np
 import pytest
 
-from mpilb.core.corrections import GAP_WARMUP, GapAware, build_correction
+from mpilb.core import corrections
+from mpilb.core.corrections import GAP_WARMUP, Extrapolated, GapAware, build_correction
 from mpilb.core.optimizers import build_optimizer
 from mpilb.core.prediction import WeightPrediction
 from mpilb.server.modes import ParamRing
@@ -47,6 +48,43 @@ def test_chunks_give_the_floats_of_the_whole_vector():
             parts.apply(g2[lo:hi], 2, p[lo:hi], then[lo:hi], at=lo)
         np.testing.assert_array_equal(g1, g2)
     assert g1.min() < 1.0   # something was damped
+
+
+def reference_damping(mean: np.ndarray, now: np.ndarray, then: np.ndarray) -> np.ndarray:
+    """The factor on each coordinate as the method states it: 1 / max(1, |now - then| / mean)."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        gap = np.abs(now.astype(np.float64) - then) / mean
+    return 1.0 / np.maximum(1.0, np.nan_to_num(gap, nan=0.0))
+
+
+def test_blocks_and_an_unbuilt_prediction_give_the_floats_of_the_method(monkeypatch):
+    monkeypatch.setattr(corrections, "GAP_BLOCK", 4)   # 11 floats: three blocks, the last short
+    blocked = GapAware(ramp=0)
+    blocked.bind(11)
+    rng = np.random.default_rng(3)
+    walk = np.cumsum(rng.normal(size=(12, 11)).astype(np.float32), axis=0)
+    walk[:, 7] = 0.0   # a parameter that never moves: no damping (0/0)
+    walked(blocked, walk[:-1])
+    mean = blocked.mean_step.copy()
+    base, old = walk[-3], walk[-5]
+    predicted = Extrapolated(base, old, 1.5)
+    built = np.asarray(predicted)
+    np.testing.assert_allclose(built, base + 1.5 * (base - old), rtol=1e-5, atol=1e-5)
+    now = walk[-1]
+    mean_now = GapAware(ramp=0)   # the mean step once `now` joins it, by the whole-vector path
+    mean_now.bind(11)
+    walked(mean_now, walk)
+    grad = np.ones(11, np.float32)
+    blocked.apply(grad, 2, now, predicted)
+    np.testing.assert_array_equal(blocked.mean_step, mean_now.mean_step)
+    np.testing.assert_allclose(grad, reference_damping(mean_now.mean_step, now, built), rtol=1e-5)
+    assert grad[7] == 1.0 and grad.min() < 0.5 and not np.array_equal(mean, blocked.mean_step)
+    again = np.ones(11, np.float32)   # the built prediction gives the same floats
+    twin = GapAware(ramp=0)
+    twin.bind(11)
+    walked(twin, walk[:-1])
+    twin.apply(again, 2, now, built)
+    np.testing.assert_array_equal(again, grad)
 
 
 def test_the_learning_rate_ramps_up_and_the_momentum_stays_the_recipes():
