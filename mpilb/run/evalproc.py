@@ -32,6 +32,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import traceback
 from typing import Optional
 
@@ -140,29 +141,39 @@ class EvalProcess:
 
 
 NICE = 10
-"""The evaluation process's niceness increment (MPILB_EVAL_NICE): where the job's ranks need
-the node's cores after all (the cluster in a box shares the machine's), training comes first."""
+"""The evaluations' niceness increment (MPILB_EVAL_NICE), in their process or on rank 0's
+thread: where the job's ranks need the node's cores after all (the cluster in a box shares
+the machine's; 2 cores for 5 ranks), training comes first."""
 
 
-def _lower_priority(increment: str) -> None:
+def lower_priority(increment: str, thread: bool = False) -> None:
+    """Lower this process's priority by `increment` (MPILB_EVAL_NICE's text; NICE where it
+    is not an integer, with a warning), or with `thread` the calling thread's alone: Linux
+    keeps a nice value per thread; elsewhere a thread's is left as it is, since it would
+    be the whole process's, rank 0's serving included."""
     try:
         n = int(increment)
     except ValueError:
-        print(f"mpilb: warning: MPILB_EVAL_NICE={increment!r} is not an integer; the evaluation "
-              f"process runs at nice {NICE}", file=sys.stderr, flush=True)
+        print(f"mpilb: warning: MPILB_EVAL_NICE={increment!r} is not an integer; the "
+              f"evaluations run at nice {NICE}", file=sys.stderr, flush=True)
         n = NICE
-    if n:
-        try:
+    if not n:
+        return
+    try:
+        if not thread:
             os.nice(n)
-        except OSError:   # a negative increment without the privilege: as it is
-            pass
+        elif sys.platform.startswith("linux"):
+            tid = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + n)
+    except OSError:   # a negative increment without the privilege: as it is
+        pass
 
 
 def main() -> int:
     """The child: build the evaluator, then answer requests until stdin closes."""
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_IGN)   # the job's signals are rank 0's to act on
-    _lower_priority(os.environ.get("MPILB_EVAL_NICE", str(NICE)))
+    lower_priority(os.environ.get("MPILB_EVAL_NICE", str(NICE)))
     src, out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr   # anything a user's module prints must not corrupt the replies
     data = _read(src)

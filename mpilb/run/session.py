@@ -21,7 +21,7 @@ from mpilb.config.sections import Config, OutputConfig
 from mpilb.runfiles.best import BestCheckpoint, best_line
 from mpilb.core.balancer import BalancerConfig, build_balancer
 from mpilb.core.decisions import SampleInterval
-from mpilb.run.evalproc import EvalProcess, EvalProcessGone
+from mpilb.run.evalproc import NICE, EvalProcess, EvalProcessGone, lower_priority
 from mpilb.models import initial_params
 from mpilb.run.progress import Progress, tapped
 from mpilb.runfiles.summary import summarize_log
@@ -190,7 +190,11 @@ class Session:
                 self._eval_proc = None
         if job is None:
             if self._eval_pool is None:
-                self._eval_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mpilb-eval")
+                # at the evaluation process's lower priority: on a node whose cores the
+                # ranks share, the workers' steps come first (docs/architecture.md)
+                self._eval_pool = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="mpilb-eval", initializer=lower_priority,
+                    initargs=(os.environ.get("MPILB_EVAL_NICE", str(NICE)), True))
             job = self._eval_pool.submit(self._timed, params if own else np.array(params, copy=True))
         self._pending = (job, t, version, epoch, then, kept)
 

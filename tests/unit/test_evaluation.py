@@ -4,6 +4,7 @@ import math
 from collections import deque
 
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from mpilb.config.build import build_config
 from mpilb.errors import UsageError
 from mpilb.models import build_model
+from mpilb.run.evalproc import NICE
 from mpilb.run.evaluation import Evaluation, build_evaluator
 from mpilb.core.stop import StopRule, build_stop_rule
 from mpilb.run.components import hold_out_validation
@@ -55,14 +57,15 @@ def test_evaluator_requires_the_models_metric(small_dataset):
         Evaluator(Broken(), np.zeros((2, 3)), np.zeros(2)).evaluate(np.zeros(3))
 
 
-def test_an_evaluation_in_the_background_is_logged_in_order_by_collect():
+def test_an_evaluation_in_the_background_is_logged_in_order_by_collect(monkeypatch):
+    monkeypatch.delenv("MPILB_EVAL_NICE", raising=False)
     """Rank 0 evaluates an epoch's end on a thread while it serves pushes (session.py)."""
     import threading
 
     from mpilb.run.session import Session
 
     release = threading.Event()
-    seen = []
+    seen, nice = [], []
 
     class SlowEvaluator:
         seconds = 0.0
@@ -70,6 +73,7 @@ def test_an_evaluation_in_the_background_is_logged_in_order_by_collect():
         def evaluate(self, params):
             release.wait(10.0)
             seen.append(params.copy())
+            nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
             return Evaluation(loss=1.0, accuracy=float(params[0]), metric=float(params[0]),
                               metric_name="accuracy")
 
@@ -91,6 +95,9 @@ def test_an_evaluation_in_the_background_is_logged_in_order_by_collect():
     release.set()
     assert s.collect(wait=True)
     assert seen[0][0] == np.float32(0.5) and s.accuracy == 0.5 and s.eval_version == 7
+    if sys.platform.startswith("linux"):   # its thread runs at the evaluations' lower priority
+        main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert nice == [min(19, main + NICE)] and os.getpriority(os.PRIO_PROCESS, 0) == main
     assert done == [0.5]
     s.evaluate(params, t=2.0, version=8, epoch=1)   # a synchronous one after it
     assert [(g, r["epoch"], r["version"]) for g, r in Log.rows] == [("eval", 0, 7), ("eval", 1, 8)]
