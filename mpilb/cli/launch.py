@@ -94,11 +94,12 @@ def _validate(config_file, cli_values, world_size, all_args, nodes):
     """Rank 0's part of the start-up: the configuration built and every check of it
     (mpilb.config.validate) run against this job, its data and its model."""
     from mpilb.config import validate
-    from mpilb.config.build import build_config, load_toml
+    from mpilb.config.build import build_config, load_toml, settle_correction
     from mpilb.data.verified import verify_dataset
     from mpilb.runfiles.paths import check_paths, resolve_data, run_identity
     from mpilb.core.topology import store_ranks
     from mpilb.run.components import config_model, hold_out_validation
+    from mpilb.server.store import store_bounds
 
     file_values = load_toml(config_file) if config_file else {}
     cfg = build_config(file_values, cli_values, source=config_file or "")
@@ -113,6 +114,8 @@ def _validate(config_file, cli_values, world_size, all_args, nodes):
     model = config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
     validate.check_model_step(cfg, model, dataset)
     validate.check_servers(cfg, world_size, model.num_params, model.num_state, nodes)
+    bounds = store_bounds(cfg, model)   # gap by default for a small model (corrections.py)
+    cfg = settle_correction(cfg, max(b - a for a, b in zip(bounds, bounds[1:])))
     check_paths(cfg, dataset, config_file)   # the log and checkpoint names, once decided
     run_id = run_identity(cfg)   # on --resume: the log and the checkpoint are one run's
     if cfg.network.device == "gpu" and world_size == 1:

@@ -10,6 +10,7 @@ underscores) is accepted in the file. :func:`build_config` returns the typed
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Optional
@@ -22,7 +23,7 @@ except ModuleNotFoundError:  # pragma: no cover - older Pythons get tomli from s
 from mpilb.config.options import OPTION_BY_NAME, OPTIONS, Option, closest, is_torch_optimizer
 from mpilb.config.reference import reference_markdown
 from mpilb.config.sections import Config, parse_hidden
-from mpilb.core.corrections import ASYNC_DEFAULT, MOMENTUM_RULES, PREDICTED_DEFAULT
+from mpilb.core.corrections import ASYNC_DEFAULT, MOMENTUM_RULES, PREDICTED_DEFAULT, predicted_default
 from mpilb.config.validate import check_combinations, check_no_effect, check_value, warn
 from mpilb.errors import UsageError
 
@@ -176,3 +177,16 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
 
 if __name__ == "__main__":  # pragma: no cover
     print(reference_markdown(), end="")
+
+
+def settle_correction(cfg: Config, slice_floats: int) -> Config:
+    """`cfg` with the default correction of predicting workers settled for stores of at most
+    `slice_floats` parameters each (:func:`~mpilb.core.corrections.predicted_default`: `gap`
+    for small models, `lookahead` otherwise), once rank 0 has built the model; `cfg` itself
+    where --correction was given or the default is another (sync, no prediction)."""
+    if "correction" in cfg.given or cfg.updates.correction != PREDICTED_DEFAULT:
+        return cfg
+    chosen = predicted_default(slice_floats, cfg.updates.wire)
+    if chosen == cfg.updates.correction:
+        return cfg
+    return dataclasses.replace(cfg, updates=dataclasses.replace(cfg.updates, correction=chosen))

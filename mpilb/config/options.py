@@ -93,8 +93,9 @@ OPTIONS: tuple[Option, ...] = (
            "momentum = mu - tau/(tau+1), what "
            "asynchrony adds taken off; none = as given (the first default); inverse = lr/max(1,tau); dc = delay-compensated ASGD",
            ("none", "dynamic", "lookahead", "gap", "momentum", "inverse", "dc"),
-           group="mode", default_text="lookahead with --mode async or ssp and weight prediction "
-           "(--optimizer momentum), dynamic without it, none with sync"),
+           group="mode", default_text="with --mode async or ssp and weight prediction (--optimizer "
+           "momentum): gap for a model of at most 65,536 parameters a store (--wire fp32), "
+           "lookahead above; dynamic without prediction, none with sync"),
     Option("dc_lambda", float, 0.04, "dc: the compensation strength lambda", check=_NON_NEGATIVE,
            group="mode"),
     Option("pipeline", int, None, "1: compute the next gradient while the previous push is in "

@@ -347,7 +347,24 @@ the workers predict the parameters: PREDICTED_DEFAULT)."""
 
 PREDICTED_DEFAULT = "lookahead"
 """The correction of async and ssp when --correction is not given and the workers predict
-the parameters (--optimizer momentum, --weight-prediction not off)."""
+the parameters (--optimizer momentum, --weight-prediction not off), unless the model is
+small enough for `gap` (:func:`predicted_default`, once its size is known)."""
+
+GAP_DEFAULT_FLOATS = 65_536
+"""Up to this many parameters a store (the largest slice), `gap` is the default where
+PREDICTED_DEFAULT would be (config/build.settle_correction): its server work a push, about
+3 ns a float on the 2-core VM (1.0 ms for 335k), is then at most 0.2 ms, a tenth of what rank
+0 spends on a push besides (1.9 ms in the recipe of benchmarks/staleness.py); above it
+`lookahead` keeps rank 0's time for the pushes (docs/benchmarks/staleness.md)."""
+
+
+def predicted_default(slice_floats: int, wire: str) -> str:
+    """The default correction of async and ssp where the workers predict the parameters,
+    for stores of at most `slice_floats` parameters each and the run's --wire: `gap` while
+    its server work is small and the parameters travel exact (GAP_DEFAULT_FLOATS, fp32),
+    else PREDICTED_DEFAULT."""
+    return "gap" if wire == "fp32" and slice_floats <= GAP_DEFAULT_FLOATS else PREDICTED_DEFAULT
+
 
 MOMENTUM_RULES = {name: cls.rule for name, cls in CORRECTIONS.items() if hasattr(cls, "rule")}
 """Correction name -> (the recipe's momentum, mean staleness) -> the momentum applied, for

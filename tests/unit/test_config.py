@@ -2,7 +2,8 @@
 
 import pytest
 
-from mpilb.config.build import build_config, load_toml, parse_hidden
+from mpilb.config.build import build_config, load_toml, parse_hidden, settle_correction
+from mpilb.core.corrections import GAP_DEFAULT_FLOATS
 from mpilb.config.options import OPTIONS
 from mpilb.errors import UsageError
 
@@ -52,6 +53,23 @@ def test_a_momentum_recipe_with_prediction_defaults_to_lookahead(values, correct
     assert cfg.updates.correction == correction
     if values.get("mode") != "sync":
         assert cfg.updates.pipeline == 0 or values["optimizer"] == "sgd"
+
+
+@pytest.mark.parametrize("values,floats,correction", [
+    ({"optimizer": "momentum"}, GAP_DEFAULT_FLOATS, "gap"),          # small: gap
+    ({"optimizer": "momentum", "mode": "ssp"}, 4810, "gap"),
+    ({"optimizer": "momentum"}, GAP_DEFAULT_FLOATS + 1, "lookahead"),  # large: lookahead
+    ({"optimizer": "momentum", "wire": "bf16"}, 4810, "lookahead"),   # gap reads exact floats
+    ({"optimizer": "momentum", "correction": "lookahead"}, 4810, "lookahead"),   # as given
+    ({"optimizer": "momentum", "weight_prediction": "off"}, 4810, "dynamic"),
+    ({"optimizer": "momentum", "mode": "sync"}, 4810, "none"),
+])
+def test_the_predicting_default_is_gap_for_a_small_model(values, floats, correction):
+    cfg = build_config({}, values)
+    settled = settle_correction(cfg, floats)
+    assert settled.updates.correction == correction
+    assert settled.updates.pipeline == cfg.updates.pipeline   # (0 for both policies)
+    assert settled.given == cfg.given and settled.updates.wire == cfg.updates.wire
 
 
 def test_toml_with_dashes_or_underscores_and_cli_override(tmp_path):
