@@ -96,5 +96,13 @@ def merge(inter, high: bool):
 
 def disconnect(comm) -> None:
     """End the connection of a joiner (both sides, before MPI_Finalize: finalising is
-    collective over connected processes)."""
-    comm.Disconnect()
+    collective over connected processes). MPICH refuses to free a connection that still
+    holds messages nobody will receive (a second store's last reply to a joiner let go,
+    once in CI): noted, and the caller finalises alone as it does when rank 0 is gone."""
+    try:
+        comm.Disconnect()
+    except MPI.Exception as exc:
+        import sys
+
+        print(f"mpilb: note: disconnecting from the run: {exc.Get_error_string()}; "
+              f"finalising alone", file=sys.stderr, flush=True)
