@@ -25,6 +25,8 @@ the same timeout: when it runs out, rank 0's accept fails and so does every stor
 
 from __future__ import annotations
 
+import sys
+
 from mpilb.mpi.comm import MPI
 
 
@@ -102,7 +104,5 @@ def disconnect(comm) -> None:
     try:
         comm.Disconnect()
     except MPI.Exception as exc:
-        import sys
-
         print(f"mpilb: note: disconnecting from the run: {exc.Get_error_string()}; "
               f"finalising alone", file=sys.stderr, flush=True)
