@@ -114,8 +114,9 @@ def _validate(config_file, cli_values, world_size, all_args, nodes):
     model = config_model(cfg, dataset)   # shape errors (e.g. cnn on flat samples) surface here
     validate.check_model_step(cfg, model, dataset)
     validate.check_servers(cfg, world_size, model.num_params, model.num_state, nodes)
-    bounds = store_bounds(cfg, model)   # gap by default for a small model (corrections.py)
-    cfg = settle_correction(cfg, max(b - a for a, b in zip(bounds, bounds[1:])))
+    bounds = store_bounds(cfg, model)   # the default correction by the model's size
+    cfg = settle_correction(cfg, max(b - a for a, b in zip(bounds, bounds[1:])),
+                            world_size - len(cfg.store_ranks))
     check_paths(cfg, dataset, config_file)   # the log and checkpoint names, once decided
     run_id = run_identity(cfg)   # on --resume: the log and the checkpoint are one run's
     if cfg.network.device == "gpu" and world_size == 1:

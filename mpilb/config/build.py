@@ -23,7 +23,8 @@ except ModuleNotFoundError:  # pragma: no cover - older Pythons get tomli from s
 from mpilb.config.options import OPTION_BY_NAME, OPTIONS, Option, closest, is_torch_optimizer
 from mpilb.config.reference import reference_markdown
 from mpilb.config.sections import Config, parse_hidden
-from mpilb.core.corrections import ASYNC_DEFAULT, MOMENTUM_RULES, PREDICTED_DEFAULT, predicted_default
+from mpilb.core.corrections import (ASYNC_DEFAULT, MOMENTUM_DEFAULT, MOMENTUM_RULES, dana_fits,
+                                    predicted_default)
 from mpilb.config.validate import check_combinations, check_no_effect, check_value, warn
 from mpilb.errors import UsageError
 
@@ -144,10 +145,12 @@ def build_config(file_values: Optional[dict] = None, cli_values: Optional[dict] 
     if values["weight_decay"] is None and not is_torch_optimizer(values["optimizer"]):
         values["weight_decay"] = 0.01 if values["optimizer"] == "adamw" else 0.0
     if values["correction"] is None:
-        # a momentum recipe's workers predict the parameters unless told not to (below)
+        # a momentum recipe's workers predict the parameters unless told not to (below), and
+        # the stores keep a momentum per worker (dana; where its velocities do not fit, gap or
+        # lookahead: settle_correction); told not to predict, dynamic
         predicts = values["optimizer"] == "momentum" and values["weight_prediction"] != "off"
         values["correction"] = ("none" if values["mode"] == "sync" else
-                                PREDICTED_DEFAULT if predicts else ASYNC_DEFAULT)
+                                MOMENTUM_DEFAULT if predicts else ASYNC_DEFAULT)
     if values["pipeline"] is None:
         # async computes ahead by default: 1.03-1.21x the samples/s where measured, at the
         # same accuracy (docs/balancing.md). Not with ssp (its bound stays what it says) or
@@ -179,14 +182,15 @@ if __name__ == "__main__":  # pragma: no cover
     print(reference_markdown(), end="")
 
 
-def settle_correction(cfg: Config, slice_floats: int) -> Config:
-    """`cfg` with the default correction of predicting workers settled for stores of at most
-    `slice_floats` parameters each (:func:`~mpilb.core.corrections.predicted_default`: `gap`
-    for small models, `lookahead` otherwise), once rank 0 has built the model; `cfg` itself
-    where --correction was given or the default is another (sync, no prediction)."""
-    if "correction" in cfg.given or cfg.updates.correction != PREDICTED_DEFAULT:
+def settle_correction(cfg: Config, slice_floats: int, workers: int) -> Config:
+    """`cfg` with its default correction settled once rank 0 has built the model, for stores
+    of at most `slice_floats` parameters each and `workers` workers: `dana` where its
+    velocities fit (:func:`~mpilb.core.corrections.dana_fits`), else
+    :func:`~mpilb.core.corrections.predicted_default` (`gap` for small models, `lookahead`
+    otherwise); `cfg` itself where --correction was given or the default is another (sync,
+    no momentum, no prediction)."""
+    u = cfg.updates
+    if "correction" in cfg.given or u.correction != MOMENTUM_DEFAULT or dana_fits(slice_floats, workers):
         return cfg
-    chosen = predicted_default(slice_floats, cfg.updates.wire)
-    if chosen == cfg.updates.correction:
-        return cfg
-    return dataclasses.replace(cfg, updates=dataclasses.replace(cfg.updates, correction=chosen))
+    u = dataclasses.replace(u, correction=predicted_default(slice_floats, u.wire))
+    return dataclasses.replace(cfg, updates=u)

@@ -81,7 +81,10 @@ OPTIONS: tuple[Option, ...] = (
            "staleness; sync: synchronous rounds", ("async", "ssp", "sync"), group="mode"),
     Option("staleness_bound", int, 4, "ssp: steps a worker may run ahead of the slowest",
            check=(lambda v: v >= 0, "an integer >= 0"), group="mode", metavar="S"),
-    Option("correction", str, None, "staleness correction: dynamic = the optimizer's "
+    Option("correction", str, None, "staleness correction: dana = a momentum vector per "
+           "worker on the stores, stepped Nesterov's way, the parameters sent the look-ahead "
+           "point (DANA; --optimizer momentum; workers x the parameters in memory), the "
+           "lr ramped up over the first 40 gradients (or by --warmup); dynamic = the optimizer's "
            "momentum set to 1 - (1-mu)(tau+1), tau the measured mean staleness: each "
            "gradient's long-run step lr/(1-mu) divided by tau+1 (DynSGD through the "
            "momentum); lookahead = for workers that predict the parameters "
@@ -92,16 +95,17 @@ OPTIONS: tuple[Option, ...] = (
            "(gap-aware), the lr ramped up over the first 20 gradients (or by --warmup); "
            "momentum = mu - tau/(tau+1), what "
            "asynchrony adds taken off; none = as given (the first default); inverse = lr/max(1,tau); dc = delay-compensated ASGD",
-           ("none", "dynamic", "lookahead", "gap", "momentum", "inverse", "dc"),
+           ("none", "dana", "dynamic", "lookahead", "gap", "momentum", "inverse", "dc"),
            group="mode", default_text="with --mode async or ssp and weight prediction (--optimizer "
-           "momentum): gap for a model of at most 65,536 parameters a store (--wire fp32), "
-           "lookahead above; dynamic without prediction, none with sync"),
+           "momentum): dana where its velocities take at most 1 GiB a store, else gap for a "
+           "model of at most 65,536 parameters a store (--wire fp32), lookahead above; dynamic "
+           "without prediction, none with sync"),
     Option("dc_lambda", float, 0.04, "dc: the compensation strength lambda", check=_NON_NEGATIVE,
            group="mode"),
     Option("pipeline", int, None, "1: compute the next gradient while the previous push is in "
            "flight (one more step of staleness, less waiting)", (0, 1), group="mode",
            default_text="1 with --mode async, 0 with ssp or sync, under --correction inverse, "
-           "or under --correction dynamic, lookahead or momentum with --optimizer momentum"),
+           "or under --correction dana, dynamic, lookahead or momentum with --optimizer momentum"),
     Option("weight_prediction", str, None, "on: a worker computes its gradient on the "
            "parameters it read extrapolated along their recent trajectory by the staleness "
            "its pushes meet, the ones the server will likely hold when the gradient arrives "

@@ -67,6 +67,9 @@ def check_combinations(cfg: Config) -> None:
                          "parameter's move against the parameters the worker computed on, which "
                          f"it read rounded to {cfg.updates.wire} (by more than many parameters "
                          "move in a step); use --wire fp32, or --correction lookahead")
+    if cfg.updates.correction == "dana" and cfg.optim.optimizer != "momentum":
+        raise UsageError(f"--correction dana keeps a momentum per worker: it needs --optimizer "
+                         f"momentum, not {cfg.optim.optimizer}")
     if cfg.faults.respawn:
         check_respawn(cfg)
     if out.log and Path(out.log).is_dir():

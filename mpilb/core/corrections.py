@@ -52,6 +52,10 @@ class Correction:
         """Before the step of a gradient of `staleness`: adjust `optimizer`'s
         hyperparameters (the implicit-momentum policies); by default nothing."""
 
+    def source(self, optimizer, worker: int) -> None:
+        """Before each step (or chunk of one) of `worker`'s gradient: by default nothing
+        (`dana`: that worker's own momentum)."""
+
     def state_dict(self) -> dict:
         """What it has measured, JSON-serialisable (a checkpoint keeps it); by default
         only its name."""
@@ -341,14 +345,54 @@ class GapAware(LookaheadMomentum):
         grad *= s
 
 
+@register("dana")
+class PerWorkerMomentum(LookaheadMomentum):
+    """Each worker's gradients get a momentum vector of their own on the stores, stepped
+    Nesterov's way (DANA-Zero: Hakimi et al. 2019, "Taming Momentum in a Distributed
+    Asynchronous Environment"): ``v_i = mu v_i + g``, ``w -= lr (g + mu v_i)``. The
+    parameters sent are then where every worker's momentum is carrying them (the look-ahead
+    point), and a gradient's momentum decays at its own worker's pace, once per push of that
+    worker, as a sync round's does, instead of once per gradient of any worker, which with
+    the staleness made asynchrony's extra momentum. The recipe's momentum and learning rate
+    are kept; the learning rate ramps up over the first `ramp` gradients as under
+    `lookahead`. Costs the stores one velocity per worker (workers x the slice's floats)
+    and nothing a push beyond the step; the workers do not predict (the look-ahead is the
+    server's). Needs a momentum optimizer (--optimizer momentum)."""
+
+    rule = staticmethod(lambda momentum, mean_staleness: momentum)
+
+    def tune(self, optimizer, staleness):
+        self.meter.add(staleness)   # the recipe's momentum stays
+
+    def source(self, optimizer, worker):
+        if hasattr(optimizer, "select"):   # (config/validate: a momentum optimizer)
+            optimizer.nesterov = True
+            optimizer.select(worker)
+
+
+MOMENTUM_DEFAULT = "dana"
+"""The correction of async and ssp when --correction is not given and the workers predict
+the parameters (--optimizer momentum, --weight-prediction not off), where its velocities
+fit (:func:`dana_fits`)."""
+
+DANA_DEFAULT_BYTES = 1 << 30
+"""Up to this many bytes of velocities a store (workers x its slice x 4), `dana` is the
+default; above it :func:`predicted_default`'s, which cost the stores nothing per worker."""
+
+
+def dana_fits(slice_floats: int, workers: int) -> bool:
+    """Whether `dana`'s velocities, one per worker, fit the default's budget on a store of
+    `slice_floats` parameters (DANA_DEFAULT_BYTES)."""
+    return max(1, workers) * slice_floats * 4 <= DANA_DEFAULT_BYTES
+
+
 ASYNC_DEFAULT = "dynamic"
-"""The correction of async and ssp when --correction is not given (and `lookahead` where
-the workers predict the parameters: PREDICTED_DEFAULT)."""
+"""The correction of async and ssp when --correction is not given and the workers do not
+predict the parameters (else MOMENTUM_DEFAULT)."""
 
 PREDICTED_DEFAULT = "lookahead"
-"""The correction of async and ssp when --correction is not given and the workers predict
-the parameters (--optimizer momentum, --weight-prediction not off), unless the model is
-small enough for `gap` (:func:`predicted_default`, once its size is known)."""
+"""The correction of predicting workers where `dana`'s velocities do not fit, unless the
+model is small enough for `gap` (:func:`predicted_default`, once its size is known)."""
 
 GAP_DEFAULT_FLOATS = 65_536
 """Up to this many parameters a store (the largest slice), `gap` is the default where
@@ -380,6 +424,6 @@ def build_correction(name: str, dc_lambda: float = 0.04, own_warmup: bool = Fals
         raise UsageError(f"--correction {name!r}: allowed values are {', '.join(CORRECTIONS)}") from None
     if cls is GapAware:
         return cls(dc_lambda, ramp=0 if own_warmup else GAP_WARMUP)
-    if cls is LookaheadMomentum:
+    if cls in (LookaheadMomentum, PerWorkerMomentum):
         return cls(dc_lambda, ramp=0 if own_warmup else LOOKAHEAD_WARMUP)
     return cls(dc_lambda)

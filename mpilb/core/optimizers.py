@@ -32,15 +32,15 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from mpilb.core.velocities import PerKeyVelocity
 from mpilb.errors import UsageError
 
 OPTIMIZERS: dict[str, Callable[..., "Optimizer"]] = {}
 
 FUSED_MIN_PARAMS = 1 << 16
-"""Adam on at least this many host float32 parameters steps with PyTorch's fused CPU kernel
-when torch is installed (one vectorised pass: 0.6 ms on 10^6 floats here, against 1.6 ms
-for the ten numpy ufuncs per block). Smaller vectors gain nothing worth importing torch.
-``MPILB_FUSED_ADAM=0`` turns it off."""
+"""Adam on at least this many host float32 parameters steps with PyTorch's fused CPU kernel when
+torch is installed (one vectorised pass: 0.6 ms on 10^6 floats here, against 1.6 ms for the
+ten numpy ufuncs per block; smaller vectors gain nothing). ``MPILB_FUSED_ADAM=0``: off."""
 
 BLOCK = 32768
 """Elements per block of a host step. Adam's blocks of params, grad, two moments and two
@@ -290,19 +290,19 @@ class SGD(Optimizer):
 
 
 @register_optimizer("momentum")
-class Momentum(Optimizer):
+class Momentum(PerKeyVelocity, Optimizer):
     """Heavy-ball momentum (PyTorch convention).
 
     ``v = momentum * v + g``; then ``params -= lr * v``, or with Nesterov
-    ``params -= lr * (g + momentum * v)``, where ``g = grad + wd * params``.
-    """
+    ``params -= lr * (g + momentum * v)``, where ``g = grad + wd * params``; ``select(key)``:
+    a velocity of the key's own (velocities.py)."""
 
     _buffers = ("velocity",)
 
     def __init__(self, num_params, *, momentum=0.9, nesterov=False, **kw):
         super().__init__(num_params, **kw)
-        self.momentum = momentum
-        self.nesterov = nesterov
+        self.momentum, self.nesterov = momentum, nesterov
+        self._own_init()
 
     def _update(self, params, grad, lr, out):
         xp, mu = self.xp, self.momentum

@@ -134,11 +134,12 @@ class SliceGroup:
         if outbox is None:
             return rule.push(peer, update, self.gradient(peer.link), then, consume=True)
         lr_scale = self.stream(peer.link, update.batch, update.staleness, then,
-                               outbox.stream_send(peer))
+                               outbox.stream_send(peer), worker=update.rank)
         peer.link.streamed = True
         return [update], lr_scale
 
-    def stream(self, link: Link, batch: int, staleness: int, then, send) -> float:
+    def stream(self, link: Link, batch: int, staleness: int, then, send,
+               worker: int = -1) -> float:
         """Apply rank 0's slice of `link`'s push chunk by chunk as the chunks arrive,
         sending each chunk of the new slice with ``send(array)`` (which returns its
         request) once stepped (Op.STREAM; ParamRing.apply_chunks). Returns the lr scale."""
@@ -154,7 +155,7 @@ class SliceGroup:
                                       lambda: bool(link.broken))
 
         lr_scale = ring.apply_chunks(grad, batch, staleness, spans, arrive, answer, then,
-                                     consume=True)
+                                     consume=True, worker=worker)
         self.gave_work = self.fmt.is_fp32
         ring.bytes_out += wire_grad.nbytes
         return lr_scale

@@ -208,10 +208,12 @@ class ParamRing:
         self._done(t, time.perf_counter() - t0)
 
     def apply(self, grad: np.ndarray, batch: int, staleness: int,
-              then: Optional[np.ndarray] = None, consume: bool = False) -> float:
-        """Apply one mean gradient; returns its learning-rate scale. `consume`: the
-        gradient's buffer may become the parameters (see :meth:`exchange`)."""
+              then: Optional[np.ndarray] = None, consume: bool = False,
+              worker: int = -1) -> float:
+        """Apply one mean gradient (of `worker`'s); returns its learning-rate scale.
+        `consume`: the gradient's buffer may become the parameters (see :meth:`exchange`)."""
         lr_scale = batch / self.nominal_batch * self._scheduled()
+        self.correction.source(self.optimizer, worker)
         self.correction.tune(self.optimizer, staleness)
         lr_scale *= self.correction.apply(grad, staleness, self.params, then)
         self._step(grad, lr_scale, consume)
@@ -219,7 +221,8 @@ class ParamRing:
 
     def apply_chunks(self, grad: np.ndarray, batch: int, staleness: int, spans,
                      arrive: Callable[[int], None], answer: Callable[[int, np.ndarray], list],
-                     then: Optional[np.ndarray] = None, consume: bool = False) -> float:
+                     then: Optional[np.ndarray] = None, consume: bool = False,
+                     worker: int = -1) -> float:
         """:meth:`apply` chunk by chunk (mpi/chunks.py): ``arrive(i)`` makes
         ``grad[spans[i]]`` ready (it may wait for it), the chunk is stepped, and
         ``answer(i, new)`` sends that chunk of the new parameters `new` (returning the
@@ -227,6 +230,7 @@ class ParamRing:
         of :meth:`apply` (the optimizers are elementwise); an optimizer that steps only
         whole vectors (``ranged`` False) takes every chunk first, then answers each."""
         lr_scale = batch / self.nominal_batch * self._scheduled()
+        self.correction.source(self.optimizer, worker)
         self.correction.tune(self.optimizer, staleness)
         piecewise = self.optimizer.ranged
         if not piecewise:
@@ -323,7 +327,8 @@ class UpdateRule:
         """Take a worker's mean gradient. Returns ([updates applied], lr_scale), or None
         when it joined a round that is not complete yet (the reply waits). `consume`: the
         gradient's buffer may become the parameters (:meth:`ParamRing.exchange`)."""
-        lr_scale = self.ring.apply(grad, update.batch, update.staleness, then, consume)
+        lr_scale = self.ring.apply(grad, update.batch, update.staleness, then, consume,
+                                   worker=update.rank)
         return [update], lr_scale
 
     def holds(self, peer, peers: Iterable) -> bool:

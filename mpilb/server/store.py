@@ -234,7 +234,7 @@ class SliceRank:
             if m.op == Op.APPLY:
                 s.follow(m.lr)
                 then = s.params_then(m.version, m.predicted)
-                s.apply(grad, m.batch, m.staleness, then, consume=True)
+                s.apply(grad, m.batch, m.staleness, then, consume=True, worker=m.rank)
                 given = s.exchange()
                 if given is not None:   # the gradient's buffer holds the parameters now
                     if self.grad is None:
@@ -311,7 +311,8 @@ class SliceRank:
                                       send, lambda: gone[0])
         s.follow(m.lr)
         then = s.params_then(m.version, m.predicted)
-        s.apply_chunks(grad, m.batch, m.staleness, spans, arrive, answer, then, consume=True)
+        s.apply_chunks(grad, m.batch, m.staleness, spans, arrive, answer, then, consume=True,
+                       worker=m.rank)
         given = s.exchange()
         if given is not None:   # the gradient's buffer holds the parameters now
             if self.grad is None:

@@ -136,6 +136,7 @@ class ChunkStreams:
         elif grad is not wire_grad:
             fmt.decode(wire_grad[lo:hi], grad[lo:hi])
         params = ring.params
+        ring.correction.source(opt, p.w)   # (pushes interleave: each chunk its worker's)
         if p.first:
             ring.correction.tune(opt, p.staleness)
             p.momentum = getattr(opt, "momentum", None)

@@ -40,7 +40,8 @@ def test_the_correction_default_follows_the_mode(mode, correction):
 
 
 @pytest.mark.parametrize("values,correction", [
-    ({"optimizer": "momentum"}, "lookahead"), ({"optimizer": "momentum", "mode": "ssp"}, "lookahead"),
+    ({"optimizer": "momentum"}, "dana"), ({"optimizer": "momentum", "mode": "ssp"}, "dana"),
+    ({"optimizer": "momentum", "weight_prediction": "on"}, "dana"),
     # without prediction dynamic, as before it
     ({"optimizer": "momentum", "weight_prediction": "off"}, "dynamic"),
     ({"optimizer": "sgd"}, "dynamic"), ({"optimizer": "sgd", "weight_prediction": "on"}, "dynamic"),
@@ -48,28 +49,36 @@ def test_the_correction_default_follows_the_mode(mode, correction):
     ({"optimizer": "momentum", "correction": "dynamic"}, "dynamic"),   # as given
     ({"optimizer": "momentum", "correction": "gap"}, "gap"),
 ])
-def test_a_momentum_recipe_with_prediction_defaults_to_lookahead(values, correction):
+def test_a_momentum_recipe_defaults_to_a_momentum_per_worker(values, correction):
     cfg = build_config({}, values)
     assert cfg.updates.correction == correction
     if values.get("mode") != "sync":
         assert cfg.updates.pipeline == 0 or values["optimizer"] == "sgd"
 
 
-@pytest.mark.parametrize("values,floats,correction", [
-    ({"optimizer": "momentum"}, GAP_DEFAULT_FLOATS, "gap"),          # small: gap
-    ({"optimizer": "momentum", "mode": "ssp"}, 4810, "gap"),
-    ({"optimizer": "momentum"}, GAP_DEFAULT_FLOATS + 1, "lookahead"),  # large: lookahead
-    ({"optimizer": "momentum", "wire": "bf16"}, 4810, "lookahead"),   # gap reads exact floats
-    ({"optimizer": "momentum", "correction": "lookahead"}, 4810, "lookahead"),   # as given
-    ({"optimizer": "momentum", "weight_prediction": "off"}, 4810, "dynamic"),
-    ({"optimizer": "momentum", "mode": "sync"}, 4810, "none"),
+@pytest.mark.parametrize("values,floats,workers,correction", [
+    ({"optimizer": "momentum"}, 200_000, 8, "dana"),                  # its velocities fit
+    ({"optimizer": "momentum"}, 4810, 4, "dana"),
+    ({"optimizer": "momentum"}, 20_000_000, 16, "lookahead"),         # 1.3 GB: they do not
+    ({"optimizer": "momentum", "mode": "ssp"}, GAP_DEFAULT_FLOATS, 5000, "gap"),   # small: gap
+    ({"optimizer": "momentum", "wire": "bf16"}, 4810, 100_000, "lookahead"),   # gap reads exact floats
+    ({"optimizer": "momentum", "correction": "dana"}, 20_000_000, 16, "dana"),   # as given
+    ({"optimizer": "momentum", "correction": "lookahead"}, 4810, 4, "lookahead"),
+    ({"optimizer": "momentum", "weight_prediction": "off"}, 4810, 4, "dynamic"),
+    ({"optimizer": "momentum", "mode": "sync"}, 4810, 4, "none"),
 ])
-def test_the_predicting_default_is_gap_for_a_small_model(values, floats, correction):
+def test_the_default_is_settled_by_the_model_and_the_workers(values, floats, workers, correction):
     cfg = build_config({}, values)
-    settled = settle_correction(cfg, floats)
+    settled = settle_correction(cfg, floats, workers)
     assert settled.updates.correction == correction
-    assert settled.updates.pipeline == cfg.updates.pipeline   # (0 for both policies)
+    assert settled.updates.pipeline == cfg.updates.pipeline   # (0 for every policy)
     assert settled.given == cfg.given and settled.updates.wire == cfg.updates.wire
+    assert settled.updates.weight_prediction == cfg.updates.weight_prediction
+
+
+def test_dana_needs_the_momentum_optimizer():
+    with pytest.raises(UsageError, match="--correction dana .* needs --optimizer momentum, not adam"):
+        build_config({}, {"optimizer": "adam", "correction": "dana"})
 
 
 def test_toml_with_dashes_or_underscores_and_cli_override(tmp_path):

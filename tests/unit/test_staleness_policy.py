@@ -42,9 +42,10 @@ def test_dynamic_momentum_divides_the_long_run_step_by_tau_plus_one():
         assert 1 / (1 - dynamic_momentum(0.9, tau)) == pytest.approx(10 / (tau + 1))
     # it keeps more momentum than `momentum` at every staleness short of 9, where both reach 0
     assert all(dynamic_momentum(0.9, t) >= explicit_momentum(0.9, t) for t in np.linspace(0, 9, 37))
-    assert {k: v for k, v in MOMENTUM_RULES.items() if k != "gap"} == {
+    assert {k: v for k, v in MOMENTUM_RULES.items() if k not in ("gap", "dana")} == {
         "momentum": explicit_momentum, "dynamic": dynamic_momentum, "lookahead": lookahead_momentum}
-    assert MOMENTUM_RULES["gap"](0.9, 7) == 0.9   # gap keeps the recipe's momentum
+    assert MOMENTUM_RULES["gap"](0.9, 7) == 0.9   # gap and dana keep the recipe's momentum
+    assert MOMENTUM_RULES["dana"](0.9, 7) == 0.9
 
 
 def test_lookahead_keeps_more_momentum_than_dynamic():

@@ -47,6 +47,9 @@ class TunesBy:
     def bind(self, size):
         pass
 
+    def source(self, optimizer, worker):
+        pass
+
     def tune(self, optimizer, staleness):
         optimizer.momentum = self.momenta[staleness]
 
