@@ -20,12 +20,12 @@ Groups:
   policy (`--correction momentum`), which trades with dynamic on these models
   (docs/benchmarks/staleness.md). Repeat i of every case runs with --seed i: the runs
   compared share their orders of the data, and the figures span several.
-The default policy with a momentum recipe is `gap` (the step damped per parameter by how far
-it moved past the worker's prediction) for the digits models (4,810-6,186 parameters) and
-`lookahead` for the recipe's MLP (200k: above corrections.GAP_DEFAULT_FLOATS); each case
-also runs the other one of the two beside it, and `--weight-prediction off` (dynamic alone,
-the default before weight prediction, core/prediction.py); digits also `--correction
-dynamic` (the default before `lookahead`). With the straggler, rank 0's CPU per update.
+The default policy with a momentum recipe is `dana` (a momentum per worker on the stores,
+stepped Nesterov's way, with the workers' weight prediction); each case also runs the
+default before it beside it (`lookahead` for the recipe's MLP, `gap` for the digits models),
+and `--weight-prediction off` (dynamic alone, the default before weight prediction,
+core/prediction.py); digits also `--correction lookahead` and `--correction dynamic`. With
+the straggler, rank 0's CPU per update.
 - table: mean staleness of the applied gradients against workers (2, 4, 6: 7 ranks,
   oversubscribed) and --pipeline 0/1 (digits mlp, 2 epochs).
 
@@ -148,17 +148,18 @@ def recipe(b: Bench, res) -> None:
             extra = STRAGGLER if slow else []
             sync = b.runs(data, workers + 1, MLP + RECIPE + stop + extra + ["--mode", "sync"])
             new = b.runs(data, workers + 1, MLP + RECIPE + stop + extra)
-            gap = b.runs(data, workers + 1, MLP + RECIPE + stop + extra + GAP)
+            la = b.runs(data, workers + 1, MLP + RECIPE + stop + extra + LOOKAHEAD)
             unpredicted = b.runs(data, workers + 1, MLP + RECIPE + stop + extra + NO_PREDICTION)
             res.figure(g, f"sync-{workers}{'s' if slow else ''}", "--mode sync: samples to target",
                        _samples(sync), digits=0, command=g["command"] + " --mode sync")
             res.figure(g, f"async-{workers}{'s' if slow else ''}",
-                       "async, the defaults (lookahead, weight prediction): samples to target / sync's",
+                       "async, the defaults (dana, weight prediction): samples to target / sync's",
                        _ratio(_samples(new), _samples(sync)), target="<= 1.3")
             res.figure(g, f"stale-{workers}{'s' if slow else ''}", "async: mean staleness",
                        [r["staleness"]["mean"] for r in new])
-            res.figure(g, f"gap-{workers}{'s' if slow else ''}", "async --correction gap: samples "
-                       "to target / sync's", _ratio(_samples(gap), _samples(sync)))
+            res.figure(g, f"la-{workers}{'s' if slow else ''}", "async --correction lookahead (the "
+                       "default before dana): samples to target / sync's",
+                       _ratio(_samples(la), _samples(sync)))
             res.figure(g, f"nopred-{workers}{'s' if slow else ''}", "async --weight-prediction off "
                        "(dynamic alone, the default before it): samples to target / sync's",
                        _ratio(_samples(unpredicted), _samples(sync)))
@@ -167,14 +168,14 @@ def recipe(b: Bench, res) -> None:
                 res.figure(g, f"time-{workers}s", "async: time to target / sync's "
                            "(wall clock, on this machine)",
                            _ratio([r["time_to_target_s"] for r in new], t_sync), target="<= 0.5")
-                res.figure(g, f"gap-time-{workers}s", "async --correction gap: time to "
-                           "target / sync's", _ratio([r["time_to_target_s"] for r in gap], t_sync))
+                res.figure(g, f"la-time-{workers}s", "async --correction lookahead: time to "
+                           "target / sync's", _ratio([r["time_to_target_s"] for r in la], t_sync))
                 res.figure(g, f"nopred-time-{workers}s", "async --weight-prediction off: time to "
                            "target / sync's", _ratio([r["time_to_target_s"] for r in unpredicted], t_sync))
                 res.figure(g, f"cpu-{workers}s", "async: rank 0's CPU per update (ms)",
                            [_cpu_ms(r) for r in new])
-                res.figure(g, f"gap-cpu-{workers}s", "async --correction gap: rank 0's CPU per "
-                           "update (ms)", [_cpu_ms(r) for r in gap])
+                res.figure(g, f"la-cpu-{workers}s", "async --correction lookahead: rank 0's CPU "
+                           "per update (ms)", [_cpu_ms(r) for r in la])
             if workers == 4 and not slow:
                 old = b.runs(data, workers + 1, MLP + RECIPE + stop + ["--correction", "none"])
                 res.figure(g, "old-4", "async --correction none (the old default): samples to "
@@ -204,16 +205,17 @@ def digits(b: Bench, res) -> None:
                    [r["final_test_accuracy"] for r in sync], digits=4)
         res.figure(g, f"{name}-sync-samples", f"--mode sync: samples to {DIGITS_TARGET} (none: "
                    "a run that never got there)", first, digits=0)
-        res.figure(g, f"{name}-async", "async, the defaults (gap for a model this small, weight "
-                   "prediction): final accuracy",
+        res.figure(g, f"{name}-async", "async, the defaults (dana, weight prediction): final "
+                   "accuracy",
                    [r["final_test_accuracy"] for r in new], digits=4)
         sync_med = statistics.median(r["final_test_accuracy"] for r in sync)
         res.figure(g, f"{name}-gap", "async final accuracy - sync's median (points)",
                    [100 * (r["final_test_accuracy"] - sync_med) for r in new], target=">= -0.5")
         res.figure(g, f"{name}-samples", f"async: samples to {DIGITS_TARGET} / sync's",
                    _ratio([_first(r, DIGITS_TARGET) for r in new], first), target="<= 1.3")
-        beside = (("lookahead", LOOKAHEAD, "async --correction lookahead (the default above "
-                   "65,536 parameters a store)", "async --correction lookahead"),
+        beside = (("gap", GAP, "async --correction gap (the default before dana for a model "
+                   "this small)", "async --correction gap"),
+                  ("lookahead", LOOKAHEAD, "async --correction lookahead", "async --correction lookahead"),
                   ("dynamic", DYNAMIC, "async --correction dynamic (the previous default)",
                    "async --correction dynamic"),
                   ("nopred", NO_PREDICTION, "async --weight-prediction off (dynamic alone)",

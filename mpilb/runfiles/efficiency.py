@@ -210,7 +210,8 @@ def warnings(config: dict, up: dict, samples: np.ndarray, accuracy: np.ndarray) 
                    f"{MOMENTUM_RULES[ASYNC_DEFAULT](mu, tau):.2f}")
     dropped = fell(accuracy)
     hint = f"try --correction {ASYNC_DEFAULT}" if not policy and mu > 0 else f"try {fresher}"
-    less = {"gap": "lookahead", "lookahead": "dynamic", "dynamic": "momentum"}.get(config.get("correction"))
+    less = {"dana": "lookahead", "gap": "lookahead", "lookahead": "dynamic",
+            "dynamic": "momentum"}.get(config.get("correction"))
     if less and mu > 0:   # the swings of more momentum: the policy that keeps less
         hint = (f"try --correction {less} (momentum "
                 f"{MOMENTUM_RULES[less](float(config.get('momentum') or 0.0), tau):.2f} "

@@ -51,6 +51,7 @@ def test_one_worker_streamed_in_chunks_steps_the_same_floats(digits_dir, tmp_pat
 
 @pytest.mark.parametrize("args", [
     ["--servers", "2", "--wire", "bf16"],               # async, streamed, both stores
+    ["--servers", "2", "--optimizer", "momentum", "--lr", "0.05"],   # dana: a velocity a worker
     ["--mode", "ssp", "--servers", "2"],                 # chunks, answered whole
     ["--mode", "sync", "--optimizer", "momentum"],       # rounds
 ])

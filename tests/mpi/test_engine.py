@@ -65,9 +65,9 @@ def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
     assert {w["rank"] for w in s["per_worker"]} == {1, 2, 3}
     assert all(w["samples"] > 0 for w in s["per_worker"])
     if "momentum" in extra:   # a DDP recipe under the default staleness policy, unpipelined
-        # unless asked, with the workers computing on extrapolated parameters: gap for a
-        # model this small (corrections.predicted_default), lookahead where asked
-        policy = "lookahead" if "lookahead" in extra else "gap"
+        # unless asked, with the workers computing on extrapolated parameters: a momentum
+        # per worker (dana), lookahead where asked
+        policy = "lookahead" if "lookahead" in extra else "dana"
         assert s["correction"] == policy and pipelined == ("--pipeline" in extra)
         assert config["weight_prediction"] == "on"
     else:
@@ -78,18 +78,18 @@ def test_modes_reach_accuracy_with_exact_coverage(digits_dir, tmp_path, extra):
         assert s["staleness"]["max"] <= 2 * (2 * 2 + 1)
 
 
-@pytest.mark.parametrize("correction,warmup,ramp", [("lookahead", None, 40), ("lookahead", "10", 10),
-                                                    ("gap", None, 20)])
+@pytest.mark.parametrize("correction,warmup,ramp", [("dana", None, 40), ("dana", "10", 10),
+                                                    ("lookahead", None, 40), ("gap", None, 20)])
 def test_the_momentum_policies_ramp_over_their_gradients_or_the_runs_warmup(
         digits_dir, tmp_path, correction, warmup, ramp):
     """The momentum recipe in async ramps the learning rate up over the first 40 gradients
-    under lookahead, 20 under gap (the default for a model this small); a run's own
-    --warmup N replaces that ramp (not on top)."""
+    under dana (the default) and lookahead, 20 under gap; a run's own --warmup N replaces
+    that ramp (not on top)."""
     log = tmp_path / "run.h5"
     res = mpirun.run(3, "train", "--data", digits_dir, "--model", "mlp", "--hidden", "32",
                      "--optimizer", "momentum", "--epochs", "1", "--no-progress", "--log", log,
                      *(["--warmup", warmup] if warmup else []),
-                     *(["--correction", "lookahead"] if correction == "lookahead" else []))
+                     *(["--correction", correction] if correction != "dana" else []))
     assert res.returncode == 0, res.stderr
     with h5py.File(log, "r") as f:
         cfg = json.loads(f.attrs["config"])

@@ -119,10 +119,14 @@ def test_a_fall_from_the_best_accuracy_is_found():
     lines = E.warnings(cfg, updates([3] * 20), np.arange(1, 5), np.array([0.2, 0.5, 0.45, 0.1]))
     assert len(lines) == 1 and "try --correction momentum (momentum 0.15 instead of 0.60" in lines[0]
     assert "--weight-prediction" not in lines[0]   # a log without it, or with it on
-    # under lookahead (the default where workers predict) it names dynamic
+    # under lookahead it names dynamic
     lines = E.warnings(dict(cfg, correction="lookahead"), updates([3] * 20), np.arange(1, 5),
                        np.array([0.2, 0.5, 0.45, 0.1]))
     assert len(lines) == 1 and "try --correction dynamic (momentum 0.60 instead of 0.69" in lines[0]
+    # under dana (the default where workers predict), which keeps the recipe's, lookahead
+    lines = E.warnings(dict(cfg, correction="dana"), updates([3] * 20), np.arange(1, 5),
+                       np.array([0.2, 0.5, 0.45, 0.1]))
+    assert len(lines) == 1 and "try --correction lookahead (momentum 0.69 instead of 0.90" in lines[0]
     # with prediction turned off, the fall names it first among the fresher gradients
     lines = E.warnings(dict(cfg, weight_prediction="off"), updates([3] * 20), np.arange(1, 5),
                        np.array([0.2, 0.5, 0.45, 0.1]))

@@ -138,3 +138,45 @@ def test_the_simulated_staleness_grows_with_workers_and_pipelining():
     assert mean_staleness(rates) == pytest.approx(3)
     per = worker_staleness(rates)       # its own gradients are 12 versions old
     assert per[3] == pytest.approx(12) and per[0] == pytest.approx(2.25)
+
+
+def test_dana_sends_the_look_ahead_of_every_worker_s_momentum():
+    """Under `dana` the parameters a ring holds are DANA-Zero's look-ahead point
+    theta - lr mu sum_j v_j, where theta and each worker's v_j follow heavy-ball momentum
+    with one velocity per worker (Hakimi et al. 2019), here for 3 workers pushing in an
+    uneven order; the recipe's momentum is left as it was."""
+    rng = np.random.default_rng(0)
+    n, lr, mu = 50, 0.1, 0.9
+    start = rng.standard_normal(n).astype(np.float32)
+    opt = build_optimizer("momentum", n, lr=lr, momentum=mu)
+    ring = ParamRing(start.copy(), opt, build_correction("dana", own_warmup=True), 1)
+    theta, v = start.astype(np.float64), {w: np.zeros(n) for w in (1, 2, 3)}
+    for w in (1, 2, 1, 3, 3, 2, 1, 1, 2, 3):
+        g = rng.standard_normal(n).astype(np.float32)
+        ring.apply(g.copy(), 1, 2, worker=w)
+        v[w] = mu * v[w] + g
+        theta -= lr * v[w]
+        ahead = theta - lr * mu * sum(v.values())
+        assert np.allclose(ring.params, ahead, atol=1e-5)
+    assert opt.momentum == mu
+    # checkpointed: the mean of the workers' velocities (their sum, over as many workers)
+    assert np.allclose(opt.state_dict()["velocity"], sum(v.values()) / 3, atol=1e-5)
+
+
+def test_keyed_velocities_start_from_the_loaded_one_and_a_load_replaces_them():
+    opt = build_optimizer("momentum", 4, lr=1.0, momentum=0.5)
+    p = np.zeros(4, np.float32)
+    opt.select(7)
+    opt.step(p, np.ones(4, np.float32))
+    assert np.allclose(opt.velocity, 0) and np.allclose(opt.state_slice("velocity", 0, 4), 1)
+    opt.load_state_slice("velocity", 0, 4, np.full(4, 2.0, np.float32))   # (a resume)
+    assert np.allclose(opt.state_slice("velocity", 0, 4), 2)
+    opt.select(7)   # key 7 again, and 8: both start from the loaded velocity
+    opt.step(p, np.zeros(4, np.float32))
+    opt.select(8)
+    opt.step(p, np.zeros(4, np.float32))
+    assert np.allclose(opt.state_slice("velocity", 0, 4), 1.0)   # 0.5 x 2, for each
+    opt.forget(8)
+    opt.select(None)   # the shared velocity: as loaded
+    opt.step(p, np.zeros(4, np.float32))
+    assert np.allclose(opt.velocity, 1.0) and list(opt._own) == [7]

@@ -221,3 +221,28 @@ def test_which_stores_step_several_pushes_at_once(optimizer, correction, ok):
     ring = ParamRing(np.zeros(N, np.float32), build_optimizer(optimizer, N, lr=LR),
                      build_correction(correction), 1)
     assert eligible(ring) is ok
+
+
+def test_under_dana_each_push_steps_its_chunks_with_its_worker_s_own_velocity():
+    """Pushes of workers 1 and 2 interleaved chunk by chunk, each twice: every chunk steps
+    with the velocity of the worker it came from (Nesterov's step), never the other's."""
+    st, comm, _ = store("momentum", build_correction("dana", own_warmup=True))
+    cs = ChunkStreams(st)
+    for _ in range(2):
+        cs.start(stream(1))
+        cs.start(stream(2))
+        st.recvs[1][0].done = True
+        cs.progress()
+        st.recvs[2][0].done = st.recvs[2][1].done = True
+        cs.progress()
+        st.recvs[1][1].done = True
+        cs.finish()
+        for rs in st.recvs.values():
+            for r in rs:
+                r.done = False
+    want, v = 1.0, {1: 0.0, 2: 0.0}
+    for _ in range(2):
+        for w, g in ((1, 1.0), (2, 2.0)):
+            v[w] = 0.9 * v[w] + g
+            want -= LR * (g + 0.9 * v[w])
+    assert np.allclose(st.ring.params, want)
