@@ -19,8 +19,8 @@ applied meanwhile, as in the engine with --pipeline 0. Sync sums the W gradients
 computed on the same parameters (ParamRing.apply_sum). The test set is read in part (4000
 rows of the synthetic set, all 360 of digits) every 4096 (recipe) or 256 samples.
 
---correction: a registered correction (none, momentum, dynamic, lookahead, gap, inverse,
-dc: those that read the parameters a gradient was computed on, dc and gap, are given the
+--correction: a registered correction (none, momentum, dynamic, lookahead, gap, dana,
+inverse, dc: those that read the parameters a gradient was computed on, dc and gap, are given the
 ones the worker computed on, predicted or not), or a rule
 tried while choosing one (docs/benchmarks/staleness.md): ``mu=RULE[,lr=out|dyn][,clip=C]``
 with RULE ``sub`` (mu0 - tau/(tau+1), as momentum), ``kK`` (1 - (1-mu0)(tau+1)/K: k1 is
@@ -250,7 +250,8 @@ def run(case: str, mode: str, workers: int, slow: float, correction: str, seed: 
                     ring.apply_sum(sum(gi * n for gi, n in pending), sum(n for _, n in pending))
                     pending.clear()
             else:   # dc and gap read the parameters the gradient was computed on
-                ring.apply(g, len(idx), s, p if ring.correction.needs_old_params else None)
+                ring.apply(g, len(idx), s, p if ring.correction.needs_old_params else None,
+                           worker=w)   # (dana: the worker's own velocity)
             if not np.all(np.isfinite(ring.params)):
                 evals.append((state["done"], 0.0))
                 break

@@ -46,12 +46,13 @@ class Liveness:
 
     def __init__(self, cfg, roster, ledger, balancer, remote, bell, outbox, tracker, stop,
                  signals, log_shards: Callable[[], None], after_loss: Callable[[], None],
-                 members=None):
+                 members=None, ring=None):
         self.cfg = cfg
         self.roster = roster
         self.ledger = ledger
         self.balancer = balancer
         self.remote = remote
+        self.ring = ring   # rank 0's slice (ParamRing)
         self.bell = bell
         self.outbox = outbox
         self.tracker = tracker
@@ -172,7 +173,9 @@ class Liveness:
         """No more from `w`: its rings, its stores' receives, its place in the balancer;
         its unfinished tasks go back to the ledger."""
         self.bell.forget(w.rank)   # a push it rang will not come
-        self.remote.lose(w.rank)   # every store stops listening to it
+        self.remote.lose(w.rank)   # every store stops listening to it (and forgets its momentum)
+        if self.ring is not None:
+            self.ring.forget(w.rank)
         self.balancer.remove_worker(w.rank)
         self.ledger.take_back(w.rank, lost=True)
         self.log_shards()

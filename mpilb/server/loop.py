@@ -94,7 +94,7 @@ class ParameterServer:
         signals = StopSignals(comm, self.roster, self.clock, on_leave=self.members.request)
         self.liveness = Liveness(cfg, self.roster, self.ledger, self.balancer, self.remote, bell,
                                  self.outbox, self.tracker, self.stop, signals,
-                                 self.epochs.log_shards, self.after_loss, self.members)
+                                 self.epochs.log_shards, self.after_loss, self.members, self.ring)
         self.receiver = Receiver(comm, self.roster, bell, self.outbox, self.remote,
                                  self.liveness.declare_lost, self.slices)
         self.checkpoints = Checkpoints(cfg, s, self)

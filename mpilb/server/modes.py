@@ -207,6 +207,12 @@ class ParamRing:
         self.optimizer.step(self.params, grad, lr_scale, out=self.ring[t])
         self._done(t, time.perf_counter() - t0)
 
+    def forget(self, worker: int) -> None:
+        """`worker` left the run: drop what the optimizer keeps for it alone (`dana`)."""
+        forget = getattr(self.optimizer, "forget", None)
+        if forget is not None:
+            forget(worker)
+
     def apply(self, grad: np.ndarray, batch: int, staleness: int,
               then: Optional[np.ndarray] = None, consume: bool = False,
               worker: int = -1) -> float:

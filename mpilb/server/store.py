@@ -267,6 +267,7 @@ class SliceRank:
             s.bytes_out += params.nbytes
         elif m.op == Op.LOSE:
             self.lost.add(m.rank)
+            s.forget(m.rank)
             for req in self.recvs.pop(m.rank, ()):
                 if not req.Test():
                     req.Cancel()

@@ -161,6 +161,8 @@ def test_dana_sends_the_look_ahead_of_every_worker_s_momentum():
     assert opt.momentum == mu
     # checkpointed: the mean of the workers' velocities (their sum, over as many workers)
     assert np.allclose(opt.state_dict()["velocity"], sum(v.values()) / 3, atol=1e-5)
+    ring.forget(2)   # worker 2 left: its velocity goes
+    assert sorted(opt._own) == [1, 3]
 
 
 def test_keyed_velocities_start_from_the_loaded_one_and_a_load_replaces_them():
