@@ -116,7 +116,9 @@ def explicit_used(config: dict, mean_staleness: float) -> float:
 
 def per_worker_staleness(up: dict, config: dict) -> list[dict]:
     """Per worker: mean and p99 staleness of its applied gradients, and the effective
-    momentum (the optimizer's, as applied, plus what that staleness adds)."""
+    momentum (the optimizer's, as applied, plus what that staleness adds; under `dana` the
+    recipe's: each worker's velocity steps once a push of its own, as a sync round's once a
+    round, and it reads the parameters past the others' momentum)."""
     out = []
     workers = np.asarray(up["worker"])
     st_all = np.asarray(up["staleness"], dtype=np.float64)
@@ -127,7 +129,8 @@ def per_worker_staleness(up: dict, config: dict) -> list[dict]:
         tau = float(st.mean())
         out.append({"rank": rank, "staleness_mean": tau,
                     "staleness_p99": float(np.percentile(st, 99)),
-                    "effective_momentum": explicit + implicit_momentum(tau)})
+                    "effective_momentum": explicit + (0.0 if config.get("correction") == "dana"
+                                                      else implicit_momentum(tau))})
     return out
 
 

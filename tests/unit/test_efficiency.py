@@ -56,6 +56,9 @@ def test_effective_momentum_per_worker():
     # sgd: only what asynchrony adds
     rows = E.per_worker_staleness(up, dict(cfg, optimizer="sgd"))
     assert rows[1]["effective_momentum"] == pytest.approx(7 / 8)
+    # dana: the recipe's (a velocity per worker, the parameters read past the others')
+    rows = E.per_worker_staleness(up, dict(cfg, correction="dana"))
+    assert [r["effective_momentum"] for r in rows] == pytest.approx([0.9, 0.9])
 
 
 @pytest.mark.parametrize("policy,explicit", [("dynamic", 0.6), ("momentum", 0.15), ("none", 0.9)])
