@@ -356,8 +356,9 @@ class PerWorkerMomentum(LookaheadMomentum):
     the staleness made asynchrony's extra momentum. The recipe's momentum and learning rate
     are kept; the learning rate ramps up over the first `ramp` gradients as under
     `lookahead`. Costs the stores one velocity per worker (workers x the slice's floats)
-    and nothing a push beyond the step; the workers do not predict (the look-ahead is the
-    server's). Needs a momentum optimizer (--optimizer momentum)."""
+    and nothing a push beyond the step. Workers that also predict the parameters
+    (--weight-prediction on, the default) extrapolate from the look-ahead points they read.
+    Needs a momentum optimizer (--optimizer momentum)."""
 
     rule = staticmethod(lambda momentum, mean_staleness: momentum)
 

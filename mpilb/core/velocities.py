@@ -62,11 +62,11 @@ class PerKeyVelocity:
         return super().state_slice(buf, lo, hi) if kept is None else kept[lo:hi].copy()
 
     def load_state_slice(self, buf: str, lo: int, hi: int, values) -> None:
-        self.forget(None)   # a state loaded replaces the keys' own: each starts from it again
+        self.select(None)   # a state loaded replaces the keys' own: each starts from it again
         self._own.clear()
         super().load_state_slice(buf, lo, hi, values)
 
     def load_state_dict(self, state: dict) -> None:
-        self.forget(None)
+        self.select(None)
         self._own.clear()
         super().load_state_dict(state)

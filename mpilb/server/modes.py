@@ -255,6 +255,7 @@ class ParamRing:
                 w0 = time.perf_counter()
                 arrive(i)
                 waited += time.perf_counter() - w0
+                self.correction.source(self.optimizer, worker)   # (whatever ran while it waited)
                 if i == 0 or self.correction.needs_old_params:   # (dc and gap read each chunk)
                     scale = self.correction.apply(
                         grad[lo:hi], staleness, params[lo:hi],
