@@ -26,6 +26,9 @@ default before it beside it (`lookahead` for the recipe's MLP, `gap` for the dig
 and `--weight-prediction off` (dynamic alone, the default before weight prediction,
 core/prediction.py); digits also `--correction lookahead` and `--correction dynamic`. With
 the straggler, rank 0's CPU per update.
+- box (asked for by name, as root: the cluster in a box, mpilb.clusterbox): the recipe on 4
+  workers on two nodes, rank 0 on a third, 1 Gbit/s links, up to 12 epochs: sync, the
+  default and `lookahead` in turn; samples and time to 0.808 against sync's.
 - table: mean staleness of the applied gradients against workers (2, 4, 6: 7 ranks,
   oversubscribed) and --pipeline 0/1 (digits mlp, 2 epochs).
 
@@ -64,14 +67,20 @@ GAP = ["--correction", "gap"]
 LOOKAHEAD = ["--correction", "lookahead"]
 
 
-def train(data: str, log: str, ranks: int, args: list[str], timeout: float) -> dict:
-    """One run; returns its summary with the report's efficiency entry."""
+def train(data: str, log: str, ranks: int, args: list[str], timeout: float, box=None) -> dict:
+    """One run; returns its summary with the report's efficiency entry. With `box` (a
+    ClusterBox), on its nodes: `ranks` is then mpiexec's -hosts."""
     from mpilb.runfiles.efficiency import efficiency
     from mpilb.runfiles.summary import open_log, run_config, summarize
 
-    cmd = [_runs.mpiexec(), "-n", str(ranks), sys.executable, "-m", "mpilb", "train",
-           "--data", data, "--no-progress", *args, "--log", log, "--overwrite"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    cmd = [sys.executable, "-m", "mpilb", "train", "--data", data, "--no-progress", *args,
+           "--log", log, "--overwrite"]
+    if box is None:
+        cmd = [_runs.mpiexec(), "-n", str(ranks), *cmd]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    else:
+        cmd = ["-hosts", str(ranks), *cmd]
+        res = box.mpiexec(cmd, timeout=timeout, cwd=HERE)
     if res.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
     attrs, cols = open_log(log)
@@ -252,13 +261,57 @@ def table(b: Bench, res) -> None:
                        [r["staleness"]["mean"] for r in runs])
 
 
-GROUPS = {"recipe": recipe, "digits": digits, "table": table}
+def box(b: Bench, res) -> None:
+    """The recipe where the issue saw async stall: on the cluster in a box (root only)."""
+    from mpilb.clusterbox import ClusterBox, missing
+
+    why = missing()
+    if why:
+        sys.exit(f"no cluster box here: {why}")
+    data = recipe_dataset(b.opts.dir)
+    hosts = "n0:1,n1:2,n2:2"
+    stop = ["--epochs", "12", "--target-accuracy", str(TARGET), "--eval-interval", "0.25",
+            "--batch", "128"]
+    g = res.group(f"torch MLP 256-256-256-10, synthetic 60000x256, 4 workers on 2 nodes of the "
+                  f"cluster in a box (rank 0 on a third; 1 Gbit/s links): samples and time to "
+                  f"{TARGET}", f"mpiexec -hosts {hosts} mpilb train --data synth --model "
+                  f"examples/torch_mlp.py:MLP --model-arg hidden=256 --model-arg layers=3 "
+                  f"--optimizer momentum --lr 0.05 --batch 128 --epochs 12 --target-accuracy "
+                  f"{TARGET}", note="sync, the default (dana) and lookahead in turn, each repeat")
+    runs = {"sync": [], "dana": [], "lookahead": []}
+    with ClusterBox(nodes=3, link_rate="1gbit") as cb:
+        for _ in range(b.opts.repeats):
+            for key, extra in (("sync", ["--mode", "sync"]), ("dana", []), ("lookahead", LOOKAHEAD)):
+                s = train(data, b.log, hosts, MLP + RECIPE + stop + extra, b.opts.run_timeout, box=cb)
+                runs[key].append(s)
+                print(f"    {key:<10} samples to target {s['efficiency']['samples_to_target']} "
+                      f"t {s['time_to_target_s']}", flush=True)
+    sync = runs["sync"]
+    t_sync = [r["time_to_target_s"] for r in sync]
+    res.figure(g, "box-sync", "--mode sync: samples to target", _samples(sync), digits=0,
+               command=g["command"] + " --mode sync")
+    res.figure(g, "box-sync-time", "--mode sync: time to target (s)", t_sync)
+    for key, label, target in (("dana", "async, the defaults (dana, weight prediction)", "<= 1.3"),
+                               ("lookahead", "async --correction lookahead", None)):
+        rs = runs[key]
+        res.figure(g, f"box-{key}", f"{label}: samples to target / sync's",
+                   _ratio(_samples(rs), _samples(sync)), target=target)
+        res.figure(g, f"box-{key}-time", f"{label}: time to target / sync's",
+                   _ratio([r["time_to_target_s"] for r in rs], t_sync))
+        res.figure(g, f"box-{key}-rate", f"{label}: samples/s", [r["samples_per_s"] for r in rs],
+                   digits=0)
+    res.figure(g, "box-sync-rate", "--mode sync: samples/s", [r["samples_per_s"] for r in sync],
+               digits=0)
+
+
+GROUPS = {"recipe": recipe, "digits": digits, "table": table, "box": box}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--only", default=",".join(GROUPS))
+    ap.add_argument("--only", default="recipe,digits,table",
+                    help="groups: recipe, digits, table, and box (the cluster in a box: root only)")
     ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "mpilb-staleness"))
     ap.add_argument("--run-timeout", type=float, default=900.0)
     _results.add_output_args(ap, NAME)
