@@ -67,9 +67,10 @@ GAP = ["--correction", "gap"]
 LOOKAHEAD = ["--correction", "lookahead"]
 
 
-def train(data: str, log: str, ranks: int, args: list[str], timeout: float, box=None) -> dict:
+def train(data: str, log: str, ranks: int, args: list[str], timeout: float, box=None,
+          hosts: str = "") -> dict:
     """One run; returns its summary with the report's efficiency entry. With `box` (a
-    ClusterBox), on its nodes: `ranks` is then mpiexec's -hosts."""
+    ClusterBox), on its nodes as mpiexec's -hosts `hosts` says (`ranks` unused)."""
     from mpilb.runfiles.efficiency import efficiency
     from mpilb.runfiles.summary import open_log, run_config, summarize
 
@@ -79,7 +80,7 @@ def train(data: str, log: str, ranks: int, args: list[str], timeout: float, box=
         cmd = [_runs.mpiexec(), "-n", str(ranks), *cmd]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     else:
-        cmd = ["-hosts", str(ranks), *cmd]
+        cmd = ["-hosts", hosts, *cmd]
         res = box.mpiexec(cmd, timeout=timeout, cwd=HERE)
     if res.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed (exit {res.returncode}):\n{res.stderr[-2000:]}")
@@ -282,7 +283,8 @@ def box(b: Bench, res) -> None:
     with ClusterBox(nodes=3, link_rate="1gbit") as cb:
         for _ in range(b.opts.repeats):
             for key, extra in (("sync", ["--mode", "sync"]), ("dana", []), ("lookahead", LOOKAHEAD)):
-                s = train(data, b.log, hosts, MLP + RECIPE + stop + extra, b.opts.run_timeout, box=cb)
+                s = train(data, b.log, 0, MLP + RECIPE + stop + extra, b.opts.run_timeout, box=cb,
+                          hosts=hosts)
                 runs[key].append(s)
                 print(f"    {key:<10} samples to target {s['efficiency']['samples_to_target']} "
                       f"t {s['time_to_target_s']}", flush=True)
