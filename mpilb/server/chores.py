@@ -197,6 +197,7 @@ class Chores:
     def preempt(self) -> None:
         """SIGTERM/SIGUSR1 on some rank: checkpoint, tell every worker to stop, exit 0."""
         self.preempted = True
+        self.signals.poll()   # a signal of rank 0's own since this round's poll: the line names it
         print(f"mpilb: {signals.stop_text(self.signals.stop_signal)}: checkpointing and stopping",
               file=sys.stderr, flush=True)
         if not self.stop.reason:

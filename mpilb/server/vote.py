@@ -52,10 +52,17 @@ class SignalVote:
         return set(self.steps)
 
     def report(self, rank: int) -> None:
-        """`rank` received the signal too (0: rank 0 itself)."""
+        """`rank` received the signal too (0: rank 0 itself). A SIGTERM's report also counts
+        from a worker that had already stopped when the vote began: rank 0 may act on its
+        own copy of the launcher's SIGTERM (and STOP the workers pushing meanwhile) before
+        their reports arrive, and those reports are what shows the signal reached the
+        others (without them, the silent dead rank was never taken as ended, and the
+        launcher's SIGKILL left the run log `running`)."""
         if rank in self.steps:
             self.reported.add(rank)
             self.heard.add(rank)
+        elif rank != 0 and self.signum == signal.SIGTERM:
+            self.reported.add(rank)
 
     def update(self, peers) -> None:
         """Count a worker as heard from once it pushed twice since the signal. One push is

@@ -441,6 +441,18 @@ def test_a_sigterm_that_reached_every_rank_but_a_silent_one_came_with_its_death(
     peers[2].last_seen = 100.1                   # it pushed after the signal: alive
     assert vote.ended(peers, 100.6) is None
     assert "not a preemption" in vote.loss_text(2) and "rank(s) 1, 3" in vote.loss_text(2)
+    # rank 0 acted on its own SIGTERM and stopped 1 and 3 at their pushes before their
+    # reports came: those still count (the vote expects only rank 2 then)
+    peers[2].last_seen = 0.0
+    late = SignalVote.start(signal.SIGTERM, 1.0, 100.0, [peers[2]], kill_grace=1.0)
+    late.report(0)
+    late.report(1)
+    late.report(3)
+    assert late.ended(peers, 100.6) == 2 and late.came_with_loss(2)
+    assert "rank(s) 1, 3" in late.loss_text(2)
+    usr1 = SignalVote.start(signal.SIGUSR1, 1.0, 100.0, [peers[2]])
+    usr1.report(1)
+    assert usr1.reported == set()   # (a SIGUSR1's vote counts those present only)
     no_grace = SignalVote.start(signal.SIGTERM, 1.0, 100.0, peers.values())
     no_grace.report(1)
     assert no_grace.ended(peers, 1000.0) is None  # elsewhere: --worker-timeout decides
