@@ -258,6 +258,9 @@ NO_EFFECT: tuple[tuple[str, Callable[[Any], bool], str, str], ...] = (
     ("dc_lambda", lambda c: c.correction == "dc", "correction", "only --correction dc uses it"),
     ("weight_prediction", lambda c: c.mode != "sync" or c.weight_prediction == "off", "mode",
      "a sync round's gradients are all computed on the parameters they are applied to"),
+    ("correction", lambda c: c.mode != "sync" or c.correction == "none", "mode",
+     "a sync round's gradients are all computed on the parameters they are applied to: "
+     "nothing is stale"),
     ("min_batch", lambda c: c.batch_policy == "proportional", "batch_policy",
      "a fixed batch is --batch"),
     ("max_batch", lambda c: c.batch_policy == "proportional", "batch_policy",

@@ -36,7 +36,11 @@ def test_the_pipeline_default_follows_the_mode(values, pipeline):
                                              ("sync", "none")])
 def test_the_correction_default_follows_the_mode(mode, correction):
     assert build_config({}, {"mode": mode}).updates.correction == correction
-    assert build_config({}, {"mode": mode, "correction": "dc"}).updates.correction == "dc"
+    if mode == "sync":   # a sync round has nothing stale to correct: refused, not ignored
+        with pytest.raises(UsageError, match="--correction dc has no effect with --mode sync"):
+            build_config({}, {"mode": mode, "correction": "dc"})
+    else:
+        assert build_config({}, {"mode": mode, "correction": "dc"}).updates.correction == "dc"
 
 
 @pytest.mark.parametrize("values,correction", [
@@ -165,6 +169,8 @@ def test_bad_value_in_file_names_file_and_key(tmp_path):
     ({"resume": True, "log": "r.h5", "overwrite": True}, "--resume continues"),
     ({"replicas": "2"}, "--replicas 2 has no effect with --store shared"),
     ({"pipeline": "1", "mode": "sync"}, "--pipeline 1 cannot be combined with --mode sync"),
+    ({"correction": "dana", "optimizer": "momentum", "mode": "sync"},
+     "--correction dana has no effect with --mode sync"),
 ])
 def test_bad_combinations(values, message):
     with pytest.raises(UsageError, match=message):
