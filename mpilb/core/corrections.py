@@ -35,6 +35,9 @@ class Correction:
     name = "none"
     needs_old_params = False
     reads_kept = 1   # versions sent to each worker it may read back (2: the prediction's too)
+    # staleness adds asynchrony's implicit momentum on top of the optimizer's (runfiles/
+    # efficiency.py); not where each worker's gradients have a momentum of their own
+    adds_implicit = True
 
     def __init__(self, dc_lambda: float = 0.04):
         self.dc_lambda = dc_lambda
@@ -361,6 +364,7 @@ class PerWorkerMomentum(LookaheadMomentum):
     Needs a momentum optimizer (--optimizer momentum)."""
 
     rule = staticmethod(lambda momentum, mean_staleness: momentum)
+    adds_implicit = False   # a velocity steps once a push of its own worker's, as in a round
 
     def tune(self, optimizer, staleness):
         self.meter.add(staleness)   # the recipe's momentum stays

@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from mpilb.core.corrections import ASYNC_DEFAULT, MOMENTUM_RULES, implicit_momentum
+from mpilb.core.corrections import ASYNC_DEFAULT, CORRECTIONS, MOMENTUM_RULES, implicit_momentum
 
 # Total momentum (explicit + what asynchrony adds) above which a run is warned about.
 HIGH_MOMENTUM = 0.95
@@ -124,13 +124,14 @@ def per_worker_staleness(up: dict, config: dict) -> list[dict]:
     st_all = np.asarray(up["staleness"], dtype=np.float64)
     tau_all = float(st_all.mean()) if st_all.size else 0.0
     explicit = explicit_used(config, tau_all)
+    policy = CORRECTIONS.get(config.get("correction"))
+    implicit = policy is None or policy.adds_implicit
     for rank in sorted(set(int(w) for w in workers)):
         st = st_all[workers == rank]
         tau = float(st.mean())
         out.append({"rank": rank, "staleness_mean": tau,
                     "staleness_p99": float(np.percentile(st, 99)),
-                    "effective_momentum": explicit + (0.0 if config.get("correction") == "dana"
-                                                      else implicit_momentum(tau))})
+                    "effective_momentum": explicit + (implicit_momentum(tau) if implicit else 0.0)})
     return out
 
 
