@@ -68,6 +68,9 @@ def add_arguments(p) -> None:
     net.add_argument("--pipeline", type=int, choices=(0, 1), help="1: a worker computes its "
                      "next batch while its push travels (default: 1, as train's async; --from: "
                      "the run's)")
+    net.add_argument("--chunk-kb", type=int, metavar="KB", help="slices between nodes move "
+                     "in chunks of about KB, each stepped and answered as it comes, as train's "
+                     "--chunk-kb (default 128, as train's; 0: whole slices; --from: the run's)")
     net.add_argument("--wire", metavar="fp32|bf16|fp16[,...]",
                      help="bytes per float on the wire: 4, 2, 2 (default fp32)")
     p.add_argument("--cores-per-node", type=int, metavar="N", help="usable cores of each node: "
@@ -194,7 +197,9 @@ def _clusters(args):
             spec, node_of = _replay_network(args, run)
             cfg.update(network=spec, node_of=node_of, absent=frozenset(run.never_worked()),
                        inject=run.rank_faults,
-                       pipeline=int(rc.get("pipeline") or 0), members=run.members)
+                       pipeline=int(rc.get("pipeline") or 0), members=run.members,
+                       # (a log without it: a run from before chunks, whole slices)
+                       chunk_kb=int(rc.get("chunk_kb", 0)))
             clusters = [(args.from_log, run.rank_profiles(), run.shard_sizes, True, extra)]
     elif args.nodes is not None:
         spec = _network(args, args.nodes)
@@ -246,6 +251,13 @@ def _clusters(args):
         cfg["jitter"] = args.jitter
     if args.pipeline is not None:
         cfg["pipeline"] = args.pipeline
+    if args.chunk_kb is not None:
+        if "network" not in cfg:
+            raise UsageError("--chunk-kb needs a network: give --nodes (or --from a run's log "
+                             "with --link-rate)")
+        if args.chunk_kb < 0:
+            raise UsageError(f"--chunk-kb must be >= 0 (got {args.chunk_kb})")
+        cfg["chunk_kb"] = args.chunk_kb
     if args.sit_out is not None:
         cfg["sit_out"] = bool(args.sit_out)
     if args.server_gbps is not None:

@@ -20,7 +20,10 @@ replaced by the cluster's layout (async updates):
   NEXT_SHARD/NEXT_HI), and pushes it when both the batch and the reply are there;
 - a worker owed nothing goes idle when rank 0 sends it that reply (as the server's peers
   do), so an epoch's start or a move wakes it while that reply is still on its way; the
-  wake is a reply of its own (the parameters again), sent once the first has arrived.
+  wake is a reply of its own (the parameters again), sent once the first has arrived;
+- with ``--chunk-kb`` (128 by default, as train's) the slices between nodes are streamed
+  (streams.py): rank 0 takes the pushes one at a time as their headers come, and the stores
+  answer each push as its chunks arrive; the list above is the whole-slice path (``0``).
 """
 
 from __future__ import annotations
@@ -34,8 +37,7 @@ from mpilb.simulate.engine import Engine, summarize
 from mpilb.simulate.workers import PUSH, REBALANCE, SimWorker
 from mpilb.simulate.fabric import Fabric, PerLinkFabric
 from mpilb.simulate.network import WIRE_BYTES, Layout, Topology
-
-ARRIVE, STORE_SEND, REPLY = 0, 1, 2
+from mpilb.simulate.streams import ARRIVE, HEADER, REPLY, STORE_SEND, TAKE, StreamedPushes
 
 
 class _Batch:
@@ -55,7 +57,7 @@ class _InFlight:
     still to come, the batch computed meanwhile (pipelined), and whether a wake must follow
     its reply."""
 
-    __slots__ = ("sent", "arrived", "decided", "replies", "batch", "ahead", "wake")
+    __slots__ = ("sent", "arrived", "decided", "replies", "batch", "ahead", "wake", "tails")
 
     def __init__(self, sent: float, k: int, batch=None):
         self.sent = sent
@@ -65,9 +67,31 @@ class _InFlight:
         self.batch = batch
         self.ahead = None
         self.wake = False
+        self.tails = None   # streamed (streams.py): per group, whether its reply's last chunk waits
 
 
-class NetEngine(Engine):
+def next_range(ledger, w: SimWorker, after):
+    """(task, lo, hi) of w's next batch, from the tasks it holds: after ``after`` in the same
+    task, else from the first position of the next task with work."""
+    if w.batch <= 0 or w.benched:
+        return None
+    tasks = ledger.tasks(w.rank)
+    first = 0
+    if after is not None:
+        for k, task in enumerate(tasks):
+            if task is after[0]:
+                if after[1] < task.end:
+                    return task, after[1], min(after[1] + w.batch, task.end)
+                first = k + 1
+                break
+    for k in range(first, len(tasks)):
+        task = tasks[k]
+        if task.remaining > 0:
+            return task, task.pos, min(task.pos + w.batch, task.end)
+    return None
+
+
+class NetEngine(StreamedPushes, Engine):
     """Simulate ``cfg`` on the workers of ``layout`` (``profiles``: one per MPI rank; the
     stores' entries are not used). Keywords as :class:`Engine`'s."""
 
@@ -112,6 +136,7 @@ class NetEngine(Engine):
         self.computing: dict[int, _Batch] = {}     # rank -> the batch it computes (or holds)
         self.stray = 0     # samples pushed outside the pusher's task (never, by the cut rule)
         self.comm_total = self.step_total = 0.0
+        self._streams_init(cfg.chunk_kb)
 
     # -- hooks of the engine ------------------------------------------------------------
     def _link(self, w: SimWorker, t: float) -> float:
@@ -163,7 +188,7 @@ class NetEngine(Engine):
         """w starts, at ``t``, its next batch after ``after`` ((task, hi) of the batch just
         pushed; None: from where its tasks stand); returns it, or None with nothing to do
         (or when w hangs or crashes)."""
-        pick = self._next_range(w, after)
+        pick = next_range(self.ledger, w, after)
         if pick is None:
             return None
         if t >= w.fault_t:
@@ -185,26 +210,6 @@ class NetEngine(Engine):
         w.compute()
         self._at(done, PUSH, w.rank)
         return batch
-
-    def _next_range(self, w: SimWorker, after):
-        """(task, lo, hi) of w's next batch, from the tasks it holds: after ``after`` in
-        the same task, else from the first position of the next task with work."""
-        if w.batch <= 0 or w.benched:
-            return None
-        tasks = self.ledger.tasks(w.rank)
-        first = 0
-        if after is not None:
-            for k, task in enumerate(tasks):
-                if task is after[0]:
-                    if after[1] < task.end:
-                        return task, after[1], min(after[1] + w.batch, task.end)
-                    first = k + 1
-                    break
-        for k in range(first, len(tasks)):
-            task = tasks[k]
-            if task.remaining > 0:
-                return task, task.pos, min(task.pos + w.batch, task.end)
-        return None
 
     def run(self) -> dict:
         self._begin_epoch(0, 0.0)
@@ -270,15 +275,24 @@ class NetEngine(Engine):
             if near:
                 flows.append(fab.flow(t, topo.shm[a], near))
             fab.transfer(t, flows, (ARRIVE, w.rank, g))
+        if self.streamed:   # the header reaches rank 0 first (streams.py)
+            self.flight[w.rank].tails = [None] * len(plan)
+            fab.later(t + fab.latency, (HEADER, w.rank, -1))
 
     # -- network events -----------------------------------------------------------------
     def _net(self, t: float, token) -> None:
         what, rank, g = token
+        if what == TAKE:
+            return self._take(t)
+        if what == HEADER:
+            return self._header(rank, t)
         w = self.workers[rank]
         flight = self.flight[rank]
         if what == ARRIVE:
             flight.arrived[g] = t
-            if g == self.g0:
+            if flight.tails is not None:
+                self._streamed_arrival(w, flight, g, t)
+            elif g == self.g0:
                 self._decide(w, flight, t)
             else:
                 self._serve(g)
@@ -294,7 +308,7 @@ class NetEngine(Engine):
             if near:
                 flows.append(fab.flow(t, topo.shm[a], near))
             fab.transfer(t, flows, (REPLY, rank, g))
-        else:
+        elif not self._reply_held(flight, rank, g, t):
             flight.replies -= 1
             if flight.replies == 0:
                 self._replied(w, flight, t)
@@ -332,7 +346,11 @@ class NetEngine(Engine):
             self.ledger.record(task.epoch, task.shard, lo, hi)
         else:
             self.stray += w.n            # outside its task: dropped, as the server does
-        done = self._apply(w, self.g0, t)
+        if flight.tails is not None:   # rank 0 streams its slice (streams.py)
+            done = t
+            self._stream_send(w, flight, self.g0, t)
+        else:
+            done = self._apply(w, self.g0, t)
         for g, queue in enumerate(self.commands):
             if g != self.g0:
                 queue.append((w, flight))
@@ -351,16 +369,22 @@ class NetEngine(Engine):
         while queue:
             w, flight = queue[0]
             arrived = flight.arrived[g]
+            if flight.tails is not None:   # answered as its chunks come (streams.py)
+                queue.popleft()
+                self._stream_send(w, flight, g, flight.decided + lat)
+                continue
             if arrived is None:
                 return
             queue.popleft()
             self._apply(w, g, max(arrived, flight.decided + lat))
 
-    def _apply(self, w: SimWorker, g: int, ready: float) -> float:
-        """Group g's stores apply w's slices once ``ready``; their replies leave when applied."""
+    def _apply(self, w: SimWorker, g: int, ready: float, send: bool = True) -> float:
+        """Group g's stores apply w's slices once ``ready``; their replies leave when applied
+        (``send``; a streamed reply left as the chunks came)."""
         start = self.free[g] if self.free[g] > ready else ready
         done = self.free[g] = start + self.service[g]
         self.store_busy[g] += self.service[g]
-        self.fabric.later(done, (STORE_SEND, w.rank, g))
+        if send:
+            self.fabric.later(done, (STORE_SEND, w.rank, g))
         return done
 

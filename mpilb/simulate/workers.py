@@ -39,6 +39,8 @@ class SimConfig:
     wire: str = "fp32"        # bytes per float on the wire (a network model only)
     pipeline: int = 0         # --pipeline 1: compute the next batch while a push travels
                               # (a network model only)
+    chunk_kb: int = 128       # --chunk-kb: slices between nodes in chunks, each answered as
+                              # it comes (0: whole; a network model only)
     jitter: float = 0.0       # sigma of a lognormal factor (mean 1) on each step's compute
     inject: list = field(default_factory=list)   # parsed InjectRule objects
     members: list = field(default_factory=list)  # (t, worker, event) of a replayed run's

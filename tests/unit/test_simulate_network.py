@@ -233,6 +233,49 @@ def test_one_store_behind_a_gigabit_link_is_link_bound():
     assert bf16["updates_per_s"] > 1.7 * res["updates_per_s"]
 
 
+def test_a_streamed_reply_travels_while_its_push_arrives():
+    # one worker, one store on another node, 1M parameters (4 MB each way at 125 MB/s):
+    # whole slices cross up, then down (a step ~64 ms); streamed, the reply comes down while
+    # the push goes up, its last chunk one chunk's time up and down after the push's last
+    whole = engine(2, [1, 1], 1, chunk_kb=0, node_of=[0, 1]).run()["updates_per_s"]
+    eng = engine(2, [1, 1], 1, node_of=[0, 1])
+    streamed = eng.run()["updates_per_s"]
+    assert streamed > 1.7 * whole
+    up, down = eng.chunk[1][0]
+    assert up == down == pytest.approx(4e6 / 31 / eng.topo.rates[eng.topo.up[1]])   # 31 chunks
+    assert streamed < 1.0 / (4e6 / eng.topo.rates[eng.topo.up[1]])   # no faster than one way
+
+
+def test_rank_0_takes_the_pushes_that_came_in_rank_order_one_at_a_time():
+    # three headers in while rank 0 streams a push: taken lowest rank first, each once the
+    # slice before it is in; a header that comes meanwhile waits for the next round
+    from mpilb.simulate.netengine import _InFlight
+
+    eng = engine(3, [1, 2, 2], 1, node_of=[0, 1, 1, 2, 2])
+    taken = []
+    eng._decide = lambda w, flight, t: taken.append(w.rank) or setattr(flight, "decided", t)
+    eng._stream_send = lambda *a: None
+    for r in (4, 2, 3):
+        eng.flight[r] = _InFlight(0.0, 1)
+        eng.flight[r].tails = [None]
+        eng.r0_queue.append(r)
+    eng._take(0.0)
+    assert taken == [2] and eng.r0_current == 2
+    eng.flight[1] = _InFlight(0.0, 1)
+    eng.flight[1].tails = [None]
+    eng._header(1, 0.1)
+    assert taken == [2]   # busy with 2's slice
+    eng.flight[3].arrived[0] = 0.15   # 3's slice is in already: stepped at once
+    eng._streamed_arrival(eng.workers[2], eng.flight[2], 0, 0.2)
+    eng._take(eng.free[0])
+    assert taken == [2, 3] and eng.r0_current is None   # stepping 3's slice
+    eng._take(eng.free[0])
+    assert taken == [2, 3, 4] and eng.r0_current == 4
+    eng._streamed_arrival(eng.workers[4], eng.flight[4], 0, 0.5)
+    eng._take(eng.free[0])
+    assert taken == [2, 3, 4, 1]
+
+
 def test_coverage_exact_on_a_network():
     res = engine(4, [3] * 4, 4, balancer="load", sizes=[37 + k for k in range(30)]).run()
     cov = res["coverage"]
@@ -268,6 +311,8 @@ def test_a_small_what_if(capsys):
     (["--nodes", "2", "--link-burst", "-5"], "--link-burst must be"),
     (["--nodes", "2", "--link-sharing", "both"], "--link-sharing"),
     (["--nodes", "2", "--mtu", "40"], "--mtu must be"),
+    (["--workers", "4", "--chunk-kb", "64"], "--chunk-kb needs a network"),
+    (["--nodes", "2", "--chunk-kb", "-1"], "--chunk-kb must be >= 0"),
 ])
 def test_bad_network_input_is_one_line_and_exit_2(capsys, argv, words):
     code = main(["simulate", *argv, "--epochs", "1"])
@@ -354,11 +399,13 @@ def test_a_few_stores_are_simulated_apart():
     # the box's --servers 2 under -hosts n0:1,n1:2,n2:2 (benchmarks/simulate_network.py):
     # grouped, the two stores' links were one resource of twice the rate, which rank 2
     # (beside store 1) and the stores' replies shared as one: it read 35.2 updates/s where
-    # the box measured 28.6-29.0; apart, equal links read as links of nearly equal rates
+    # the box measured 28.6-29.0 (whole slices, as then); apart, equal links read as links
+    # of nearly equal rates
     def rate(links):
         spec = NetSpec(3, [1, 2, 2], links)
         profiles = [constant(1e9, 0.0, 1e12) for _ in range(5)]
-        cfg = SimConfig(balancer="load", epochs=1, batch=1, params=1_000_000, servers=2)
+        cfg = SimConfig(balancer="load", epochs=1, batch=1, params=1_000_000, servers=2,
+                        chunk_kb=0)
         return NetEngine(cfg, profiles, [10] * 60, layout=Layout(spec, 2)).run()["updates_per_s"]
     assert rate([GBIT] * 3) == pytest.approx(rate([GBIT, GBIT * 1.00001, GBIT * 1.00002]), rel=1e-3)
     assert rate([GBIT] * 3) < 33

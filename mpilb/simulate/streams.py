@@ -1,0 +1,128 @@
+"""Pushes answered chunk by chunk (train's --chunk-kb): the network engine's part for them.
+
+Where a worker and a store are on different nodes the engine sends the slice in chunks of
+about --chunk-kb KB, and the store steps each chunk as it comes and sends that chunk of the
+parameters back (server/store_streams.py; rank 0 too, ServerGroup.stream): a reply travels
+while its push still arrives. Rank 0 takes the pushes whose header is in one at a time, as
+its receive loop hands them over (all those that came, in rank order: ``Testsome``), decides
+each (the balancer's side, the commands to the other stores) and then streams its own slice
+of it, busy until that slice's last chunk is in; the other stores stream every push they are
+commanded at once. Modelled as flows:
+
+- a store's reply to a push leaves once the store has the command (rank 0: once it takes
+  the push) and one chunk of the push is in, and its last chunk reaches the worker no
+  earlier than one chunk's time up and down after the push's slice is all in;
+- a slice through shared memory (the worker's own node's store) is answered whole, once in.
+
+With ``--chunk-kb 0`` pushes and replies are whole slices (netengine.py's path).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+ARRIVE, STORE_SEND, REPLY, HEADER, TAKE = 0, 1, 2, 3, 4
+MAX_CHUNKS = 64   # as mpi/chunks.py: at most this many chunks a slice (larger chunks beyond)
+
+
+def chunk_seconds(plan: dict, topo, kb: int) -> dict:
+    """node -> per group of stores: (one chunk's seconds up the node's link, down it) for
+    the slices its workers send that group across the network, or None (none: all through
+    shared memory)."""
+    out = {}
+    for node, rows in plan.items():
+        per = []
+        for m, far, near in rows:
+            if not m:
+                per.append(None)
+                continue
+            slice_bytes = far / m
+            count = max(1, min(MAX_CHUNKS, math.ceil(slice_bytes / (kb * 1024))))
+            c = slice_bytes / count
+            per.append((c / topo.rates[topo.up[node]], c / topo.rates[topo.down[node]]))
+        out[node] = per
+    return out
+
+
+class StreamedPushes:
+    """The network engine's streamed pushes (mixed into NetEngine; see the module)."""
+
+    def _streams_init(self, kb: int) -> None:
+        self.streamed = kb > 0
+        self.chunk = chunk_seconds(self.plan, self.topo, kb) if self.streamed else {}
+        self.r0_queue: list = []          # pushes whose header reached rank 0, not handed over
+        self.r0_batch: deque = deque()    # those handed over, in rank order
+        self.r0_current = None            # the push whose slice rank 0 streams now (its rank)
+
+    def _tail(self, rank: int, g: int) -> float:
+        c = self.chunk[self.node[rank]][g]
+        return 0.0 if c is None else c[0] + c[1]
+
+    def _header(self, rank: int, t: float) -> None:
+        self.r0_queue.append(rank)
+        if self.r0_current is None:
+            self._take(t)
+
+    def _take(self, t: float) -> None:
+        """Rank 0 takes the next push handed over: decides it and streams its own slice
+        (busy until that slice is in); when none is left, it takes every header that came."""
+        while self.r0_current is None and (self.r0_queue or self.r0_batch):
+            if not self.r0_batch:
+                self.r0_batch = deque(sorted(self.r0_queue))
+                self.r0_queue.clear()
+            rank = self.r0_batch.popleft()
+            flight = self.flight.get(rank)
+            if flight is None or flight.tails is None:
+                continue   # (its worker was dropped)
+            w = self.workers[rank]
+            self.r0_current = rank
+            self._decide(w, flight, t)
+            if flight.arrived[self.g0] is not None:   # all in already: stepped at once
+                self.r0_current = None
+                done = self._apply(w, self.g0, t, send=False)
+                if done > t:
+                    self.fabric.later(done, (TAKE, -1, -1))
+                    return
+
+    def _streamed_arrival(self, w, flight, g: int, t: float) -> None:
+        """Group g has all of w's streamed slice at ``t``: rank 0's stream of it ends; a
+        reply waiting for its last chunk sends it."""
+        if g == self.g0 and self.r0_current == w.rank:
+            self.r0_current = None
+            done = self._apply(w, g, t, send=False)
+            self.fabric.later(done, (TAKE, -1, -1))
+        if flight.tails[g]:
+            self.fabric.later(t + self._tail(w.rank, g), (REPLY, w.rank, g))
+            flight.tails[g] = False
+        if g != self.g0:
+            self._serve(g)
+
+    def _reply_held(self, flight, rank: int, g: int, t: float) -> bool:
+        """A streamed reply's flows are through at ``t``: True where its last chunk must
+        still wait for the push's (it is sent then)."""
+        if flight.tails is None or flight.tails[g] is not None:
+            return False
+        a = flight.arrived[g]
+        if a is not None and t >= a + self._tail(rank, g):
+            return False
+        if a is None:
+            flight.tails[g] = True    # sent when the slice is in (_streamed_arrival)
+        else:
+            flight.tails[g] = False
+            self.fabric.later(a + self._tail(rank, g), (REPLY, rank, g))
+        return True
+
+    def _stream_send(self, w, flight, g: int, ready: float) -> None:
+        """Group g answers w's streamed push from ``ready`` (it has the command): from its
+        first chunk across the network; a slice through shared memory whole, once in."""
+        c = self.chunk[self.node[w.rank]][g]
+        if c is None:
+            if flight.arrived[g] is None:   # sent now, its end held until the slice is in
+                self.fabric.later(ready, (STORE_SEND, w.rank, g))
+            else:
+                self._apply(w, g, max(flight.arrived[g], ready))
+            return
+        if g != self.g0:
+            self.store_busy[g] += self.service[g]
+        self.fabric.later(max(ready, flight.sent + c[0]), (STORE_SEND, w.rank, g))
