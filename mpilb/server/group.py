@@ -293,9 +293,14 @@ class ChunkWaits:
         if not link.rest or link.broken or link.late:
             return not (link.broken or link.late)
         req = link.rest[i]
+        if i == 0:
+            link.waited = 0.0
+        if req.Test():
+            return True
         backoff = C.Backoff()
         wait = min(self.timeout, chunks.STALL_S)
-        deadline = time.monotonic() + wait
+        t0 = time.monotonic()
+        deadline = t0 + wait
         try:
             while not req.Test():
                 if time.monotonic() > deadline:
@@ -308,6 +313,8 @@ class ChunkWaits:
         except C.MPIError as exc:
             link.broken = f"ended mid-push (MPI: {exc.Get_error_string().strip()})"
             return False
+        finally:
+            link.waited += time.monotonic() - t0   # (receive.py: a link worth deferring)
         return True
 
     def finish(self, link: Link, lost: bool) -> bool:
@@ -325,6 +332,15 @@ class ChunkWaits:
             return False
         link.rest, link.late = [], False
         return True
+
+    @staticmethod
+    def all_in(link: Link) -> bool:
+        """Every chunk of rank 0's slice of `link`'s push is in (True where MPI failed one:
+        the push is then handled, and its stream finds the link broken)."""
+        try:
+            return C.Request.Testall(link.rest)
+        except C.MPIError:
+            return True
 
     @staticmethod
     def taken_late(link: Link) -> bool:

@@ -62,6 +62,8 @@ class Link:
     streamed: bool = False   # its reply's parameters went with the step (Op.STREAM)
     broken: Optional[str] = None   # a chunk of its push failed to come: it is lost
     late: bool = False   # chunks of its last push still to come (chunks.STALL_S passed)
+    waited: float = 0.0   # s rank 0 waited in its last push for its chunks (ChunkWaits)
+    defer: bool = False   # its pushes are taken once their chunks are in (receive.py)
 
     @property
     def chunked(self) -> bool:

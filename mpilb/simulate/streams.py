@@ -12,7 +12,10 @@ commanded at once. Modelled as flows:
 - a store's reply to a push leaves once the store has the command (rank 0: once it takes
   the push) and one chunk of the push is in, and its last chunk reaches the worker no
   earlier than one chunk's time up and down after the push's slice is all in;
-- a slice through shared memory (the worker's own node's store) is answered whole, once in.
+- a slice through shared memory (the worker's own node's store) is answered whole, once in;
+- a worker whose last push kept rank 0 waiting over ``DEFER_S`` for its slice (a slow link)
+  has its next push taken once its slice is in, as the server's receive loop defers it
+  (server/receive.py), and streamed again once one came within that.
 
 With ``--chunk-kb 0`` pushes and replies are whole slices (netengine.py's path).
 """
@@ -24,6 +27,7 @@ from collections import deque
 
 ARRIVE, STORE_SEND, REPLY, HEADER, TAKE = 0, 1, 2, 3, 4
 MAX_CHUNKS = 64   # as mpi/chunks.py: at most this many chunks a slice (larger chunks beyond)
+DEFER_S = 0.02    # as server/receive.py
 
 
 def chunk_seconds(plan: dict, topo, kb: int) -> dict:
@@ -54,6 +58,9 @@ class StreamedPushes:
         self.r0_queue: list = []          # pushes whose header reached rank 0, not handed over
         self.r0_batch: deque = deque()    # those handed over, in rank order
         self.r0_current = None            # the push whose slice rank 0 streams now (its rank)
+        self.r0_taken = 0.0               # ... since when
+        self.deferring: set = set()       # workers whose pushes are taken once in (DEFER_S)
+        self.held: set = set()            # their pushes whose header came, slice not yet
 
     def _tail(self, rank: int, g: int) -> float:
         c = self.chunk[self.node[rank]][g]
@@ -75,10 +82,17 @@ class StreamedPushes:
             flight = self.flight.get(rank)
             if flight is None or flight.tails is None:
                 continue   # (its worker was dropped)
+            arrived = flight.arrived[self.g0]
+            if rank in self.deferring and arrived is None:
+                self.held.add(rank)   # taken once its slice is in (_streamed_arrival)
+                continue
+            if rank in self.deferring:   # (its wait since the header decides the next)
+                if arrived - (flight.sent + self.fabric.latency) <= DEFER_S:
+                    self.deferring.discard(rank)
             w = self.workers[rank]
-            self.r0_current = rank
+            self.r0_current, self.r0_taken = rank, t
             self._decide(w, flight, t)
-            if flight.arrived[self.g0] is not None:   # all in already: stepped at once
+            if arrived is not None:   # all in already: stepped at once
                 self.r0_current = None
                 done = self._apply(w, self.g0, t, send=False)
                 if done > t:
@@ -90,8 +104,13 @@ class StreamedPushes:
         reply waiting for its last chunk sends it."""
         if g == self.g0 and self.r0_current == w.rank:
             self.r0_current = None
+            if t - self.r0_taken > DEFER_S:   # it kept rank 0 waiting: its next is deferred
+                self.deferring.add(w.rank)
             done = self._apply(w, g, t, send=False)
             self.fabric.later(done, (TAKE, -1, -1))
+        elif g == self.g0 and w.rank in self.held:   # a deferred push is in: handed over
+            self.held.discard(w.rank)
+            self._header(w.rank, t)
         if flight.tails[g]:
             self.fabric.later(t + self._tail(w.rank, g), (REPLY, w.rank, g))
             flight.tails[g] = False

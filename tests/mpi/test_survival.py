@@ -456,3 +456,63 @@ def test_a_sigterm_that_reached_every_rank_but_a_silent_one_came_with_its_death(
     no_grace = SignalVote.start(signal.SIGTERM, 1.0, 100.0, peers.values())
     no_grace.report(1)
     assert no_grace.ended(peers, 1000.0) is None  # elsewhere: --worker-timeout decides
+
+
+def test_a_push_from_a_link_that_kept_rank_0_waiting_is_taken_once_its_chunks_are_in(monkeypatch):
+    """Rank 0 streams a push's slice chunk by chunk, waiting for each chunk: a worker behind
+    a slow link held it (and every other worker) for each of its pushes. Once a push's chunks
+    kept it waiting over DEFER_S, that worker's next push is taken when they are all in
+    (its header is held meanwhile); one that then came at once is streamed again."""
+    from types import SimpleNamespace
+
+    from mpilb.mpi import comm as C
+    from mpilb.server import receive as R
+    from mpilb.server.peers import Link, Peer
+
+    w = Peer(1, link=Link.allocate(4, True))
+    w.link.defer = True
+    chunks_in = [False]
+    handed = []
+
+    class Waits:
+        def all_in(self, link):
+            return chunks_in[0]
+
+        def finish(self, link, lost):
+            return True
+
+        def post(self, link, comm, source):
+            link.rest = ["chunk"]
+
+    class Comm:
+        def Irecv(self, buf, source, tag):
+            return "header"
+
+    arrivals = iter([[0], None, None, None])
+    fake = SimpleNamespace(**{k: getattr(C, k) for k in dir(C) if not k.startswith("__")})
+    fake.Request = SimpleNamespace(Testsome=lambda reqs: next(arrivals, None))
+    monkeypatch.setattr(R, "C", fake)
+    bell = SimpleNamespace(took=lambda r: None, rings_with=lambda r: False, via=lambda r: None,
+                           enabled=False)
+    roster = SimpleNamespace(peers={1: w})
+    receiver = R.Receiver(Comm(), roster, bell, SimpleNamespace(in_flight=lambda: False),
+                          SimpleNamespace(settle=lambda r: None), None,
+                          slices=SimpleNamespace(waits=Waits()))
+    w.link.rest = ["chunk"]
+    chores = SimpleNamespace(next_push_due=lambda: (None, 0.0, None), run=lambda: None,
+                             CHORES_S=0.01, CHORES_RUNG_S=0.025, RUNG_NAP_S=0.1)
+    steps = []
+
+    def done():
+        steps.append(1)
+        if len(steps) == 3:
+            assert handed == [] and 1 in receiver.deferred   # its header is in, chunks not
+            chunks_in[0] = True
+        return bool(handed)
+
+    receiver.serve(done, lambda peer: handed.append(peer.rank), chores)
+    assert handed == [1] and not receiver.deferred
+    assert not w.link.defer   # its chunks came at once: the next push streams again
+    w.link.waited = 0.5       # ... and kept rank 0 waiting: deferred again after it
+    receiver._take(w, 0, [None], lambda peer: None)
+    assert w.link.defer

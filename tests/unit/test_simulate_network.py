@@ -230,20 +230,33 @@ def test_one_store_behind_a_gigabit_link_is_link_bound():
     assert 0.5 * bound < res["updates_per_s"] < bound
     assert res["network"]["busiest_link"] > 0.5
     bf16 = engine(3, [1, 2, 2], 1, node_of=[0, 1, 1, 2, 2], wire="bf16").run()
-    assert bf16["updates_per_s"] > 1.7 * res["updates_per_s"]
+    assert bf16["updates_per_s"] > 1.6 * res["updates_per_s"]
 
 
 def test_a_streamed_reply_travels_while_its_push_arrives():
-    # one worker, one store on another node, 1M parameters (4 MB each way at 125 MB/s):
-    # whole slices cross up, then down (a step ~64 ms); streamed, the reply comes down while
+    # one worker, one store on another node, 1M parameters (4 MB each way at 1.25 GB/s):
+    # whole slices cross up, then down (a step ~7 ms); streamed, the reply comes down while
     # the push goes up, its last chunk one chunk's time up and down after the push's last
+    kw = dict(node_of=[0, 1], link=10 * GBIT, rate=1e9)
+    whole = engine(2, [1, 1], 1, chunk_kb=0, **kw).run()["updates_per_s"]
+    eng = engine(2, [1, 1], 1, **kw)
+    streamed = eng.run()["updates_per_s"]
+    assert streamed > 1.7 * whole and not eng.deferring
+    one_way = 4e6 / eng.topo.rates[eng.topo.up[1]]
+    up, down = eng.chunk[1][0]
+    assert up == down == pytest.approx(one_way / 31)   # 31 chunks of about 128 KB
+    assert streamed < 1.0 / one_way   # no faster than one way
+
+
+def test_a_push_that_kept_rank_0_waiting_defers_the_next_until_it_is_in():
+    # the same at 1 Gbit/s: a 4 MB slice keeps rank 0 waiting 33 ms, over DEFER_S: the
+    # worker's pushes are then taken once in, as the server does (receive.py), and the
+    # exchange is whole slices' again
     whole = engine(2, [1, 1], 1, chunk_kb=0, node_of=[0, 1]).run()["updates_per_s"]
     eng = engine(2, [1, 1], 1, node_of=[0, 1])
     streamed = eng.run()["updates_per_s"]
-    assert streamed > 1.7 * whole
-    up, down = eng.chunk[1][0]
-    assert up == down == pytest.approx(4e6 / 31 / eng.topo.rates[eng.topo.up[1]])   # 31 chunks
-    assert streamed < 1.0 / (4e6 / eng.topo.rates[eng.topo.up[1]])   # no faster than one way
+    assert eng.deferring == {1}
+    assert streamed == pytest.approx(whole, rel=0.1)
 
 
 def test_rank_0_takes_the_pushes_that_came_in_rank_order_one_at_a_time():
