@@ -91,10 +91,10 @@ class StreamedPushes:
                     self.deferring.discard(rank)
             w = self.workers[rank]
             self.r0_current, self.r0_taken = rank, t
-            self._decide(w, flight, t)
-            if arrived is not None:   # all in already: stepped at once
+            self._decide(w, flight, t)   # (all in already: stepped whole, _stream_send)
+            if arrived is not None:
                 self.r0_current = None
-                done = self._apply(w, self.g0, t, send=False)
+                done = self.free[self.g0]
                 if done > t:
                     self.fabric.later(done, (TAKE, -1, -1))
                     return
@@ -134,13 +134,14 @@ class StreamedPushes:
 
     def _stream_send(self, w, flight, g: int, ready: float) -> None:
         """Group g answers w's streamed push from ``ready`` (it has the command): from its
-        first chunk across the network; a slice through shared memory whole, once in."""
+        first chunk across the network; a slice through shared memory, or one all in
+        already, whole once applied."""
         c = self.chunk[self.node[w.rank]][g]
-        if c is None:
-            if flight.arrived[g] is None:   # sent now, its end held until the slice is in
-                self.fabric.later(ready, (STORE_SEND, w.rank, g))
-            else:
-                self._apply(w, g, max(flight.arrived[g], ready))
+        if flight.arrived[g] is not None:   # all in already: stepped whole, then answered
+            self._apply(w, g, max(flight.arrived[g], ready))
+            return
+        if c is None:   # sent now, its end held until the slice is in
+            self.fabric.later(ready, (STORE_SEND, w.rank, g))
             return
         if g != self.g0:
             self.store_busy[g] += self.service[g]

@@ -266,8 +266,13 @@ def test_rank_0_takes_the_pushes_that_came_in_rank_order_one_at_a_time():
 
     eng = engine(3, [1, 2, 2], 1, node_of=[0, 1, 1, 2, 2])
     taken = []
-    eng._decide = lambda w, flight, t: taken.append(w.rank) or setattr(flight, "decided", t)
-    eng._stream_send = lambda *a: None
+
+    def decide(w, flight, t):
+        taken.append(w.rank)
+        flight.decided = t
+        eng._stream_send(w, flight, eng.g0, t)   # (as _decide does)
+
+    eng._decide = decide
     for r in (4, 2, 3):
         eng.flight[r] = _InFlight(0.0, 1)
         eng.flight[r].tails = [None]

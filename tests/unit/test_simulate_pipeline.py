@@ -109,7 +109,7 @@ def test_the_engines_rebalance_as_the_server_does_while_the_first_rates_settle()
 
     profiles = [C.constant(r, 1e-3, 1e12) for r in (1000, 1000, 250)]
     cfg = SimConfig(balancer="load", batch=10, params=1000, epochs=2, rebalance_interval=100.0)
-    for eng in (Engine(cfg, profiles, [100] * 60), slow_node(interval=100.0, epochs=2)):
+    for eng in (Engine(cfg, profiles, [100] * 60), slow_node(interval=100.0, epochs=4)):
         times = []
         rebalance = eng.decisions.rebalance
         eng.decisions.rebalance = lambda t, now: (times.append(t), rebalance(t, now))
