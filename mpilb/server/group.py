@@ -295,8 +295,6 @@ class ChunkWaits:
         req = link.rest[i]
         if i == 0:
             link.waited = 0.0
-        if req.Test():
-            return True
         backoff = C.Backoff()
         wait = min(self.timeout, chunks.STALL_S)
         t0 = time.monotonic()

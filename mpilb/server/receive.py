@@ -12,7 +12,7 @@ import time
 from typing import Callable
 
 from mpilb.mpi import comm as C
-from mpilb.mpi import doorbell
+from mpilb.mpi import chunks, doorbell
 from mpilb.mpi import wire
 
 
@@ -152,15 +152,17 @@ class Receiver:
             reqs[i] = w.link.recv_req
 
     def _deferred_in(self) -> list[int]:
-        """The deferred pushes whose chunks are all in now (their indices); a worker lost
-        meanwhile has its chunks' receives cancelled."""
+        """The deferred pushes whose chunks are all in now (their indices), or that waited
+        chunks.STALL_S for them (then handed over: the stream's own waits decide, a stall
+        or a loss); a worker lost meanwhile has its chunks' receives cancelled."""
         out = []
-        for rank, (i, _) in list(self.deferred.items()):
+        now = time.monotonic()
+        for rank, (i, came) in list(self.deferred.items()):
             w = self.order[i]
             if not w.present:
                 del self.deferred[rank]
                 self.slices.waits.finish(w.link, lost=True)
-            elif self.slices.waits.all_in(w.link):
+            elif now - came > chunks.STALL_S or self.slices.waits.all_in(w.link):
                 out.append(i)
         return out
 
