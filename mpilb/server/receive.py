@@ -11,17 +11,10 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from mpilb.core.decisions import DEFER_S
 from mpilb.mpi import comm as C
 from mpilb.mpi import chunks, doorbell
 from mpilb.mpi import wire
-
-
-# A worker whose last push's chunks kept rank 0 waiting longer than this (a slow link) has
-# its next push taken once rank 0's chunks of it are all in, instead of at its header: rank 0
-# streams a push's slice chunk by chunk and waits for each chunk, and a worker behind a
-# 100 Mbit/s link held it, and every other worker, for each of its pushes (benchmarks/
-# cluster.py (f): 2.8x the run without that node; 1.1x with its slices whole)
-DEFER_S = 0.02
 
 
 class Receiver:

@@ -25,9 +25,10 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from mpilb.core.decisions import DEFER_S
+
 ARRIVE, STORE_SEND, REPLY, HEADER, TAKE = 0, 1, 2, 3, 4
 MAX_CHUNKS = 64   # as mpi/chunks.py: at most this many chunks a slice (larger chunks beyond)
-DEFER_S = 0.02    # as server/receive.py
 
 
 def chunk_seconds(plan: dict, topo, kb: int) -> dict:
