@@ -46,6 +46,13 @@ def add_output_args(ap, name: str) -> None:
                     help="tiny runs and one repeat: checks the script, not the figures")
 
 
+def add_box_args(ap) -> None:
+    """``--tcp``: the congestion control of the cluster in a box's nodes."""
+    ap.add_argument("--tcp", default="loss", metavar="CC",
+                    help="the box's nodes' TCP congestion control (python -m mpilb.clusterbox "
+                         "up --tcp): loss (default), host or a name the kernel allows")
+
+
 def out_path(opts, name: str) -> str:
     if opts.out:
         return opts.out
@@ -168,6 +175,11 @@ class Results:
         self.machine = machine()
         self.groups: list[dict] = []
         self.t0 = time.perf_counter()
+
+    def box(self, box):
+        """Record the cluster in a box the figures were measured on (its TCP); ``box``."""
+        self.machine["box_tcp"] = box.tcp
+        return box
 
     def group(self, title: str, command: str = "", note: str = "") -> dict:
         g = {"title": title, "command": command, "note": note, "figures": []}

@@ -152,6 +152,7 @@ def run(box, layout: str, floats: int, chunks: int, way: str, seconds: float) ->
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     _results.add_output_args(ap, NAME)
+    _results.add_box_args(ap)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=5.0, help="each run's timed window")
     ap.add_argument("--params", type=int, default=1_000_000, help="floats a message")
@@ -181,7 +182,8 @@ def main() -> int:
                + [(c, "serial") for c in big] + [(c, "whole") for c in big])
     rates: dict = {(layout, c, way): [] for layout in HOSTS for c, way in configs}
     res = _results.Results(NAME, "Request/reply in chunks on the cluster in a box (plain MPI)", opts)
-    with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
+    with ClusterBox(nodes=3, link_rate=opts.link_rate, tcp=opts.tcp) as box:
+        res.box(box)
         for rnd in range(opts.rounds):
             for layout in HOSTS:
                 for c, way in configs:

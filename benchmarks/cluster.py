@@ -182,7 +182,10 @@ def write(res, opts) -> str:
         with open(path) as f:
             old = json.load(f)
         m = old.get("machine", {})
-        when = f"{m.get('date', '?')} at commit `{m.get('commit', '?')}` by `python {' '.join(old.get('argv', []))}`"
+        when = (f"{m.get('date', '?')} at commit `{m.get('commit', '?')}` by `python "
+                f"{' '.join(old.get('argv', []))}`, the box's nodes on "
+                + (f"`{m['box_tcp']}`" if m.get("box_tcp") else
+                   "the machine's default TCP congestion control"))
         for g in old.get("groups", []):
             if not set(_cases(g["title"])) & ran:
                 g = dict(g)
@@ -220,6 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--epochs", type=int, default=6, help="of the training case")
     ap.add_argument("--only", default=ALL_CASES, help="the cases to run, e.g. f")
     _results.add_output_args(ap, NAME)
+    _results.add_box_args(ap)
     opts = ap.parse_args(argv)
     why = missing()
     if why:
@@ -244,8 +248,9 @@ def main(argv=None) -> int:
                             "g_fp32", "g_bf16", "g_ratio", "g_mlp", "g_torch", "g_mlp_noise",
                             "g_torch_noise")}
     slow_rates = [opts.link_rate, opts.link_rate, "100mbit"]
-    with ClusterBox(nodes=3, link_rate=opts.link_rate) as box, \
-            ClusterBox(nodes=3, link_rate=slow_rates) as slow_box:
+    with ClusterBox(nodes=3, link_rate=opts.link_rate, tcp=opts.tcp) as box, \
+            ClusterBox(nodes=3, link_rate=slow_rates, tcp=opts.tcp) as slow_box:
+        res.box(box)
         for rep in range(opts.repeats):
             print(f"repeat {rep + 1} of {opts.repeats}", flush=True)
             if "f" in opts.only:

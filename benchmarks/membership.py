@@ -186,6 +186,7 @@ def main(argv=None) -> int:
                     help="across two nodes of a cluster in a box (root): joiners on the other node")
     ap.add_argument("--link-rate", default="1gbit", help="with --box: each node's link rate")
     _results.add_output_args(ap, NAME)
+    _results.add_box_args(ap)
     opts = ap.parse_args(argv)
     if opts.quick:
         opts.repeats, opts.epochs = 1, 30
@@ -199,12 +200,14 @@ def main(argv=None) -> int:
         if why:
             sys.exit(f"--box: no cluster in a box here: {why}")
         title = f"Workers that join a running job from another node (cluster in a box, links {opts.link_rate})"
-        place = ClusterBox(nodes=2, link_rate=opts.link_rate)
+        place = ClusterBox(nodes=2, link_rate=opts.link_rate, tcp=opts.tcp)
     else:
         title, place = "Workers that join a running job", None
     res = _results.Results(name, title, opts)
     runs = []
     with (place if place is not None else contextlib.nullcontext()):
+        if place is not None:
+            res.box(place)
         where = OnTwoNodes(place) if place is not None else Here()
         for r in range(opts.repeats):
             print(f"repeat {r + 1} of {opts.repeats}", flush=True)

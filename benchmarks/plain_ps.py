@@ -116,6 +116,7 @@ def main() -> int:
     import _results
 
     _results.add_output_args(ap, "plain_ps")
+    _results.add_box_args(ap)
     opts = ap.parse_args()
     if opts.exchange:
         exchange(opts.params, opts.seconds, [int(s) for s in opts.stores.split(",")],
@@ -147,7 +148,8 @@ def main() -> int:
     cases = [(f"{name}, {wire}", (stores, wire, wb, ps))
              for name, stores, ps in LAYOUTS for wire, wb in WIRES]
     rates: dict = {(c[0], way): [] for c in cases for way in ways}
-    with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
+    with ClusterBox(nodes=3, link_rate=opts.link_rate, tcp=opts.tcp) as box:
+        results.box(box)
         for rnd in range(opts.rounds):
             for label, case in cases:
                 for way, argv in ways.items():

@@ -93,6 +93,7 @@ def main(argv=None) -> int:
                     help="seconds after the first applied update to start the joiner")
     ap.add_argument("--link-rate", default="1gbit", help="each node's link rate")
     _results.add_output_args(ap, NAME)
+    _results.add_box_args(ap)
     opts = ap.parse_args(argv)
     if opts.quick:
         opts.repeats, opts.epochs = 1, 12
@@ -106,7 +107,8 @@ def main(argv=None) -> int:
     res = _results.Results(NAME, f"Rows relayed to a joiner through rank 0 (cluster in a box, "
                                  f"links {opts.link_rate})", opts)
     pairs = []
-    with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
+    with ClusterBox(nodes=3, link_rate=opts.link_rate, tcp=opts.tcp) as box:
+        res.box(box)
         for r in range(opts.repeats):
             d = tempfile.mkdtemp(prefix="mpilb-relay-")
             try:

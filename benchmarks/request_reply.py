@@ -345,6 +345,7 @@ def report_pairs(res, opts, tcp: dict, two: dict, floats: int, rate: float) -> N
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     _results.add_output_args(ap, NAME)
+    _results.add_box_args(ap)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=4.0, help="each way's timed window")
     ap.add_argument("--params", default="1000000,250000",
@@ -381,7 +382,8 @@ def main() -> int:
     rates: dict = {(c, w): [] for c in cases for w in WAYS}
     bulk: dict = {name: [] for name in BULK}
     bulk_bytes = 4 * floats[max(sizes)]
-    with ClusterBox(nodes=3, link_rate=opts.link_rate) as box:
+    with ClusterBox(nodes=3, link_rate=opts.link_rate, tcp=opts.tcp) as box:
+        res.box(box)
         for rnd in range(opts.rounds):
             for name, flows in BULK.items():
                 bulk[name].append(run_bulk(box, flows, bulk_bytes, opts.seconds,

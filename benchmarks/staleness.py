@@ -281,6 +281,7 @@ def box(b: Bench, res) -> None:
                   f"{TARGET}", note="sync, the default (dana) and lookahead in turn, each repeat")
     runs = {"sync": [], "dana": [], "lookahead": []}
     with ClusterBox(nodes=3, link_rate="1gbit") as cb:
+        res.box(cb)
         for _ in range(b.opts.repeats):
             for key, extra in (("sync", ["--mode", "sync"]), ("dana", []), ("lookahead", LOOKAHEAD)):
                 s = train(data, b.log, 0, MLP + RECIPE + stop + extra, b.opts.run_timeout, box=cb,

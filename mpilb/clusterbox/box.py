@@ -4,7 +4,9 @@ Each node is a network namespace holding one long-lived process (the holder) tha
 `unshare --uts --mount` gave its own hostname (`n<K>`), /dev/shm, /etc/hosts and node-local
 directory; everything run on a node enters the holder's namespaces with `nsenter`. The
 nodes' veths meet at a bridge in a namespace of its own, so the root namespace's network is
-never touched; each veth is shaped in both directions with tc's token bucket (tbf).
+never touched; each veth is shaped in both directions with tc's token bucket (tbf). The
+nodes' TCP uses a loss-based congestion control (cubic, else reno) unless told otherwise:
+what most clusters run, whatever this machine's own default is.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Sequence
 from mpilb.errors import UsageError
 import mpilb.clusterbox.registry as registry
 from mpilb.clusterbox.launcher import NODE_DEV, mpi_env, mpiexec_path, write_ssh
-from mpilb.clusterbox.system import BoxError, link_counters, netns_pids, rate_bytes, require, sh, shape
+from mpilb.clusterbox.system import (BoxError, link_counters, netns_pids, rate_bytes, require,
+                                     set_tcp, sh, shape, tcp_choice)
 
 SUBNET = "10.77.0"   # inside the box's own namespaces only
 MAX_NODES = 250
@@ -35,6 +38,9 @@ class ClusterBox:
         link_rate: a tc rate ("1gbit", "100mbit") for every link, a list of one per node,
             or None for unshaped links.
         name: the box's name (default: `b<pid><random>`, unique per run).
+        tcp: the nodes' TCP congestion control: "loss" (cubic where the kernel lets a
+            namespace take it, else reno), "host" (the machine's default, which a new
+            namespace inherits) or a name the kernel allows; ``.tcp`` is the one in effect.
         keep: leave the box up when this process exits (`up` from the command line).
 
     Use it as a context manager: the box is torn down on leaving the block, at exit, and on
@@ -42,7 +48,7 @@ class ClusterBox:
     """
 
     def __init__(self, nodes: int = 2, link_rate: str | Sequence[str] | None = None,
-                 name: str | None = None, keep: bool = False):
+                 name: str | None = None, keep: bool = False, tcp: str = "loss"):
         if not 1 <= int(nodes) <= MAX_NODES:
             raise UsageError(f"nodes {nodes}: a box has 1-{MAX_NODES} nodes")
         self.nodes = int(nodes)
@@ -54,6 +60,8 @@ class ClusterBox:
             if rate is not None:
                 rate_bytes(rate)
         self.rates = rates
+        self._tcp = tcp_choice(tcp)
+        self.tcp: str | None = None   # the congestion control in effect, once up
         self.name = registry.check_name(name or f"b{os.getpid()}{secrets.token_hex(2)}")
         self.keep = keep
         self.dir = registry.box_dir(self.name)
@@ -96,6 +104,7 @@ class ClusterBox:
             raise UsageError(f"no box {name} is up (`python -m mpilb.clusterbox status` lists them)")
         box = cls(state["nodes"], state["rates"], name, keep=True)
         box.holders = list(state["holders"])
+        box.tcp = state.get("tcp")
         for k, pid in enumerate(box.holders):
             if pid not in netns_pids(box.netns(k)):
                 raise BoxError(f"box {name}: node {box.host(k)} has lost its holder process; "
@@ -154,6 +163,7 @@ class ClusterBox:
             sh("ip", "netns", "add", ns)
             _quiet_ipv6(ns)
             sh("ip", "-n", ns, "link", "set", "lo", "up")
+            self.tcp = set_tcp(ns, self._tcp)
             sh("ip", "-n", ns, "link", "add", NODE_DEV, "type", "veth",
                "peer", "name", f"v{k}", "netns", bridge)
             sh("ip", "-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", NODE_DEV)
@@ -167,6 +177,7 @@ class ClusterBox:
             self.holders.append(self._hold(k))
         state = registry.read_state(self.name) or {}
         state["holders"] = self.holders
+        state["tcp"] = self.tcp
         registry.write_state(self.name, state)
         write_ssh(self)
 

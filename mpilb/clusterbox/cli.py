@@ -29,6 +29,10 @@ def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
         q.add_argument("--link-rate", default=None, metavar="RATE",
                        help="tc rate of every link (1gbit, 100mbit) or one per node, "
                             "comma-separated (default: unshaped)")
+        q.add_argument("--tcp", default="loss", metavar="CC",
+                       help="the nodes' TCP congestion control: loss (default: cubic where "
+                            "the kernel allows it in a namespace, else reno), host (this "
+                            "machine's own default) or a name the kernel allows")
 
     up = sub.add_parser("up", help="build a box that stays up until `down`")
     shape_options(up)
@@ -79,8 +83,9 @@ def _rates(text: str | None):
 
 def _dispatch(args, prog: str) -> int:
     if args.action == "up":
-        box = ClusterBox(args.nodes, _rates(args.link_rate), name=args.name, keep=True).up()
-        print(f"box {box.name} is up: nodes {', '.join(box.hosts)}; "
+        box = ClusterBox(args.nodes, _rates(args.link_rate), name=args.name, keep=True,
+                         tcp=args.tcp).up()
+        print(f"box {box.name} is up: nodes {', '.join(box.hosts)} (TCP {box.tcp}); "
               f"`{prog} run --box {box.name} -- CMD` runs on n0, `{prog} down {box.name}` "
               "removes it")
         return 0
@@ -111,7 +116,7 @@ def _run(args, prog: str = PROG) -> int:
         raise UsageError("run: give the command to run, after --")
     if args.box:
         return _run_in(ClusterBox.attach(args.box), args.node, cmd, args.timeout, prog)
-    with ClusterBox(args.nodes, _rates(args.link_rate)) as box:
+    with ClusterBox(args.nodes, _rates(args.link_rate), tcp=args.tcp) as box:
         return _run_in(box, args.node, cmd, args.timeout, prog)
 
 
@@ -146,7 +151,7 @@ def _status(names: list) -> int:
         alive = sum(1 for k, pid in enumerate(holders)
                     if pid in netns_pids(f"{registry.PREFIX}{name}-n{k}"))
         print(f"{name}: {state.get('nodes', '?')} nodes ({alive} up), links "
-              f"{state.get('rates', '?')}, made {_made(state)}, {len(spaces)} namespaces, "
+              f"{state.get('rates', '?')}, TCP {state.get('tcp') or '?'}, made {_made(state)}, {len(spaces)} namespaces, "
               f"ssh stand-in {registry.box_dir(name) / 'ssh'}")
     return 0
 

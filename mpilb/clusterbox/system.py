@@ -116,3 +116,46 @@ def shape(ns: str, dev: str, rate: str) -> None:
     burst = burst_bytes(rate)
     sh("tc", "-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf",
        "rate", rate.strip().lower(), "burst", str(burst), "latency", "50ms")
+
+
+# ---------------------------------------------------------------- TCP congestion control
+
+LOSS_BASED = ("cubic", "reno")   # in order of preference: Linux's default, then the built-in
+_PROC = "/proc/sys/net/ipv4/"
+
+
+def _proc_words(name: str) -> list[str]:
+    try:
+        with open(_PROC + name) as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+def tcp_choice(want: str) -> str | None:
+    """The congestion control a box's nodes are set to for ``want``: ``loss`` (cubic where
+    the kernel lets a network namespace take it, else reno: both loss-based, like most
+    clusters' Linux), ``host`` (None: the nodes keep what a new namespace inherits, the
+    machine's own default) or a name the kernel allows in a namespace. UsageError names
+    what is allowed otherwise."""
+    want = (want or "").strip().lower()
+    if want == "host":
+        return None
+    allowed = _proc_words("tcp_allowed_congestion_control")
+    if want == "loss":
+        return next((cc for cc in LOSS_BASED if cc in allowed), "reno")
+    if want not in allowed:
+        raise UsageError(
+            f"--tcp {want!r}: a box's nodes can take loss (cubic where allowed, else reno), "
+            f"host (the machine's {' '.join(_proc_words('tcp_congestion_control')) or '?'}) "
+            f"or one of net.ipv4.tcp_allowed_congestion_control: {', '.join(allowed) or 'none'}")
+    return want
+
+
+def set_tcp(ns: str, cc: str | None) -> str:
+    """Set namespace ``ns``'s TCP congestion control to ``cc`` (None: leave it); the one in
+    effect there afterwards."""
+    if cc is not None:
+        sh("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_congestion_control={cc}")
+    return sh("ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_congestion_control").strip()
+

@@ -1,6 +1,7 @@
 """The cluster in a box (mpilb.clusterbox): nodes with their own hostname, /dev/shm and
-node-local directory, two boxes at once, a digits run across three nodes whose bytes cross
-the veths, a shaped link that limits the rate, and teardown that leaves nothing behind."""
+node-local directory, two boxes at once, the nodes' TCP congestion control, a digits run
+across three nodes whose bytes cross the veths, a shaped link that limits the rate, and
+teardown that leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import textwrap
 import pytest
 
 from mpilb.clusterbox import ClusterBox, missing
-from mpilb.clusterbox import registry
+from mpilb.clusterbox import registry, system
+from mpilb.errors import UsageError
 from mpilb.runfiles.summary import summarize_log
 
 import mpirun
@@ -167,6 +169,51 @@ SENDER = textwrap.dedent("""
     got = int(conn.recv(64))
     print(got, time.monotonic() - start)
 """)
+
+
+def _machine_tcp() -> tuple[str, str]:
+    """The root namespace's congestion control and allowed list (a box must not change them)."""
+    def read(name):
+        with open(f"/proc/sys/net/ipv4/{name}") as f:
+            return f.read().strip()
+    return read("tcp_congestion_control"), read("tcp_allowed_congestion_control")
+
+
+@needs_box
+def test_nodes_run_a_loss_based_tcp_unless_told_and_the_machine_keeps_its_own():
+    before = _machine_tcp()
+    with ClusterBox(nodes=2) as a, ClusterBox(nodes=1, tcp="host") as b:
+        assert a.tcp in system.LOSS_BASED
+        for k in range(2):
+            res = a.run(k, ["sysctl", "-n", "net.ipv4.tcp_congestion_control"], timeout=20)
+            assert res.stdout.strip() == a.tcp, res.stderr
+        assert b.tcp == before[0]                      # what a new namespace inherits
+        assert ClusterBox.attach(a.name).tcp == a.tcp  # recorded with the box
+    assert _machine_tcp() == before
+
+
+def test_tcp_choice_prefers_cubic_falls_back_to_reno_and_names_what_is_allowed(monkeypatch):
+    allowed = {"tcp_allowed_congestion_control": ["reno", "bbr"],
+               "tcp_congestion_control": ["bbr"]}
+    monkeypatch.setattr(system, "_proc_words", lambda name: allowed[name])
+    assert system.tcp_choice("loss") == "reno"
+    assert system.tcp_choice("host") is None
+    assert system.tcp_choice(" BBR ") == "bbr"
+    with pytest.raises(UsageError, match=r"--tcp 'cubic'.*machine's bbr.*allowed_congestion_control: reno, bbr"):
+        system.tcp_choice("cubic")
+    allowed["tcp_allowed_congestion_control"] = ["reno", "cubic"]
+    assert system.tcp_choice("loss") == "cubic"
+
+
+@needs_box
+def test_a_refused_congestion_control_exits_2_and_builds_nothing():
+    name = f"tc{os.getpid()}"
+    res = subprocess.run([sys.executable, "-m", "mpilb.clusterbox", "up", "--name", name,
+                          "--tcp", "no-such-cc"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert res.stderr.startswith("python -m mpilb.clusterbox: error: --tcp 'no-such-cc'")
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert leftovers(name) == NOTHING
 
 
 @needs_box
