@@ -59,12 +59,14 @@ class FirstSizes:
 
 CHORES_S = 0.01   # how often the live server's loop runs its chores (timers included)
 
-# A worker whose last push's chunks kept rank 0 waiting longer than this (a slow link) has
-# its next push taken once rank 0's chunks of it are all in, instead of at its header: rank 0
-# streams a push's slice chunk by chunk and waits for each chunk, and a worker behind a
-# 100 Mbit/s link held it, and every other worker, for each of its pushes (benchmarks/
-# cluster.py (f): 2.8x the run without that node; 1.1x with its slices whole). The server's
-# receive loop (server/receive.py) and the simulator (simulate/streams.py) both follow it.
+# A worker's pushes are taken once rank 0's chunks of them are all in, instead of at their
+# header, from its first push until one came within this of its header; then streamed, until
+# one keeps rank 0 waiting longer than this (a slow link). Rank 0 streams a push's slice chunk
+# by chunk and waits for each chunk, and a worker behind a 100 Mbit/s link held it, and every
+# other worker, for each of its pushes (benchmarks/cluster.py (f): 2.8x the run without that
+# node; 1.13-1.18x deferring from the second push on; 1.02-1.06x from the first). The
+# server's receive loop (server/receive.py) and the simulator (simulate/streams.py) both
+# follow it.
 DEFER_S = 0.02
 
 

@@ -63,7 +63,9 @@ class Link:
     broken: Optional[str] = None   # a chunk of its push failed to come: it is lost
     late: bool = False   # chunks of its last push still to come (chunks.STALL_S passed)
     waited: float = 0.0   # s rank 0 waited in its last push for its chunks (ChunkWaits)
-    defer: bool = False   # its pushes are taken once their chunks are in (receive.py)
+    # its pushes are taken once their chunks are in (receive.py): from its first push (a
+    # slow link's would hold rank 0 before it is known slow) until one came within DEFER_S
+    defer: bool = True
 
     @property
     def chunked(self) -> bool:
