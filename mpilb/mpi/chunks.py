@@ -14,6 +14,7 @@ Both ends compute the same plan from the configuration alone: the node of every 
 (cfg.rank_nodes, set at start-up), --chunk-kb and the wire format's item size. A worker that
 joined the run (it has no place in the job's node layout) sends whole messages.
 
+    chunk_count(nbytes, kb)                -> how many chunks a message of nbytes goes in
     spans(n, itemsize, kb)                 -> [(lo, hi), ...] or None (one message)
     plan(cfg, worker, store, n, itemsize)  -> the pair's spans, or None
 """
@@ -44,12 +45,18 @@ without a network); it gains nothing over shared memory."""
 Spans = list[tuple[int, int]]
 
 
+def chunk_count(nbytes: float, kb: int) -> int:
+    """How many chunks of about `kb` KB (`kb` > 0) a message of `nbytes` goes in: 1 (one
+    message) to MAX_CHUNKS. The simulator's model of chunks counts them so too."""
+    return max(1, min(MAX_CHUNKS, math.ceil(nbytes / (kb * 1024))))
+
+
 def spans(n: int, itemsize: int, kb: int) -> Optional[Spans]:
     """`n` values of `itemsize` bytes in chunks of about `kb` KB: [(lo, hi), ...] of equal
     length to one value, covering [0, n); None when that is one chunk (or `kb` is 0)."""
     if kb <= 0 or n <= 0:
         return None
-    count = min(MAX_CHUNKS, n, math.ceil(n * itemsize / (kb * 1024)))
+    count = min(n, chunk_count(n * itemsize, kb))
     if count <= 1:
         return None
     cuts = [n * i // count for i in range(count + 1)]

@@ -12,6 +12,7 @@ import math
 import sys
 
 from mpilb.errors import UsageError
+from mpilb.mpi.chunks import DEFAULT_KB
 
 COLUMNS = ("epoch_s", "utilization", "imbalance_s", "moves", "updates_per_s", "server_busy")
 DEFAULT_BALANCERS = "static,load,predictive"
@@ -70,7 +71,7 @@ def add_arguments(p) -> None:
                      "the run's)")
     net.add_argument("--chunk-kb", type=int, metavar="KB", help="slices between nodes move "
                      "in chunks of about KB, each stepped and answered as it comes, as train's "
-                     "--chunk-kb (default 128, as train's; 0: whole slices; --from: the run's)")
+                     f"--chunk-kb (default {DEFAULT_KB}, as train's; 0: whole slices; --from: the run's)")
     net.add_argument("--wire", metavar="fp32|bf16|fp16[,...]",
                      help="bytes per float on the wire: 4, 2, 2 (default fp32)")
     p.add_argument("--cores-per-node", type=int, metavar="N", help="usable cores of each node: "

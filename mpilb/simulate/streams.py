@@ -30,13 +30,12 @@ With ``--chunk-kb 0`` pushes and replies are whole slices (netengine.py's path).
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 from mpilb.core.decisions import DEFER_S
+from mpilb.mpi.chunks import chunk_count
 
 ARRIVE, STORE_SEND, REPLY, HEADER, TAKE = 0, 1, 2, 3, 4
-MAX_CHUNKS = 64   # as mpi/chunks.py: at most this many chunks a slice (larger chunks beyond)
 
 
 def chunk_seconds(plan: dict, topo, kb: int) -> dict:
@@ -51,8 +50,7 @@ def chunk_seconds(plan: dict, topo, kb: int) -> dict:
                 per.append(None)
                 continue
             slice_bytes = far / m
-            count = max(1, min(MAX_CHUNKS, math.ceil(slice_bytes / (kb * 1024))))
-            c = slice_bytes / count
+            c = slice_bytes / chunk_count(slice_bytes, kb)
             per.append((c / topo.rates[topo.up[node]], c / topo.rates[topo.down[node]]))
         out[node] = per
     return out

@@ -11,6 +11,7 @@ from typing import Optional
 import numpy as np
 
 from mpilb.core.worker_state import Membership, Waiting, WorkerState
+from mpilb.mpi.chunks import DEFAULT_KB
 from mpilb.simulate.cluster import Profile
 
 PUSH, REBALANCE, LOST, JOIN, LEAVE = 0, 1, 2, 3, 4   # the engine's events
@@ -39,7 +40,7 @@ class SimConfig:
     wire: str = "fp32"        # bytes per float on the wire (a network model only)
     pipeline: int = 0         # --pipeline 1: compute the next batch while a push travels
                               # (a network model only)
-    chunk_kb: int = 128       # --chunk-kb: slices between nodes in chunks, each answered as
+    chunk_kb: int = DEFAULT_KB   # --chunk-kb: slices between nodes in chunks, each answered as
                               # it comes (0: whole; a network model only)
     jitter: float = 0.0       # sigma of a lognormal factor (mean 1) on each step's compute
     inject: list = field(default_factory=list)   # parsed InjectRule objects
