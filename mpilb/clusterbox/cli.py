@@ -151,8 +151,8 @@ def _status(names: list) -> int:
         alive = sum(1 for k, pid in enumerate(holders)
                     if pid in netns_pids(f"{registry.PREFIX}{name}-n{k}"))
         print(f"{name}: {state.get('nodes', '?')} nodes ({alive} up), links "
-              f"{state.get('rates', '?')}, TCP {state.get('tcp') or '?'}, made {_made(state)}, {len(spaces)} namespaces, "
-              f"ssh stand-in {registry.box_dir(name) / 'ssh'}")
+              f"{state.get('rates', '?')}, TCP {state.get('tcp') or '?'}, made {_made(state)}, "
+              f"{len(spaces)} namespaces, ssh stand-in {registry.box_dir(name) / 'ssh'}")
     return 0
 
 
