@@ -131,10 +131,12 @@ class Receiver:
     def _take(self, w, i: int, reqs: list, on_push: Callable) -> None:
         """Hand w's push (its receive, index i) to ``on_push``, then post its next."""
         came = self.deferred.pop(w.rank, None)
+        # a deferred push waited for its chunks here, from its header until now (not in
+        # its stream, and not counting its step below)
+        waited = time.monotonic() - came[1] if came else None
         on_push(w)
         self.remote.settle(w.rank)   # a gradient not taken is dropped everywhere
-        # (a deferred push waited for its chunks here, not in its stream)
-        w.link.defer = (time.monotonic() - came[1] if came else w.link.waited) > DEFER_S
+        w.link.defer = (w.link.waited if waited is None else waited) > DEFER_S
         late = bool(w.link.rest) and not self.slices.waits.finish(w.link, w.lost)
         if w.link.broken and not w.lost:   # it ended part-way through a push
             self.lose(w, w.link.broken)

@@ -466,6 +466,7 @@ def test_a_push_from_a_link_that_kept_rank_0_waiting_is_taken_once_its_chunks_ar
     is streamed again."""
     from types import SimpleNamespace
 
+    from mpilb.core.decisions import DEFER_S
     from mpilb.mpi import comm as C
     from mpilb.server import receive as R
     from mpilb.server.peers import Link, Peer
@@ -517,3 +518,8 @@ def test_a_push_from_a_link_that_kept_rank_0_waiting_is_taken_once_its_chunks_ar
     w.link.waited = 0.5       # ... and kept rank 0 waiting: deferred again after it
     receiver._take(w, 0, [None], lambda peer: None)
     assert w.link.defer
+    # a deferred push whose chunks came at once and whose step took long: the step is not
+    # a wait for its chunks, and the next push streams
+    receiver.deferred[1] = (0, time.monotonic())
+    receiver._take(w, 0, [None], lambda peer: time.sleep(3 * DEFER_S))
+    assert not w.link.defer
